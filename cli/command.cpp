@@ -1,0 +1,91 @@
+#include "cli/command.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace skyreels::cli {
+
+std::map<std::string, Command>& registry() {
+  static std::map<std::string, Command> commands;
+  return commands;
+}
+
+bool register_command(Command command) {
+  registry()[command.name] = std::move(command);
+  return true;
+}
+
+Args::Args(const std::vector<std::string>& args, const std::vector<std::string>& switches) {
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a.rfind("--", 0) != 0 || a == "--") {
+      positional_.push_back(a);
+      continue;
+    }
+    std::string name = a.substr(2);
+    const size_t eq = name.find('=');
+    if (eq != std::string::npos) {
+      flags_.emplace(name.substr(0, eq), name.substr(eq + 1));
+    } else if (std::find(switches.begin(), switches.end(), name) != switches.end()) {
+      flags_.emplace(name, "true");
+    } else if (i + 1 < args.size()) {
+      flags_.emplace(name, args[++i]);
+    } else {
+      throw UsageError("flag --" + name + " needs a value");
+    }
+  }
+}
+
+bool Args::has(const std::string& name) const { return flags_.count(name) != 0; }
+
+std::string Args::get(const std::string& name, const std::string& fallback) const {
+  auto it = flags_.find(name);
+  return it == flags_.end() ? fallback : it->second;
+}
+
+std::string Args::require(const std::string& name) const {
+  auto it = flags_.find(name);
+  if (it == flags_.end()) throw UsageError("missing required flag --" + name);
+  return it->second;
+}
+
+std::vector<std::string> Args::all(const std::string& name) const {
+  std::vector<std::string> out;
+  auto range = flags_.equal_range(name);
+  for (auto it = range.first; it != range.second; ++it) out.push_back(it->second);
+  return out;
+}
+
+int Args::get_int(const std::string& name, int fallback) const {
+  if (!has(name)) return fallback;
+  const std::string v = get(name);
+  try {
+    size_t used = 0;
+    const int out = std::stoi(v, &used);
+    if (used != v.size()) throw std::invalid_argument(v);
+    return out;
+  } catch (const std::exception&) {
+    throw UsageError("flag --" + name + " expects an integer, got '" + v + "'");
+  }
+}
+
+double Args::get_double(const std::string& name, double fallback) const {
+  if (!has(name)) return fallback;
+  const std::string v = get(name);
+  try {
+    size_t used = 0;
+    const double out = std::stod(v, &used);
+    if (used != v.size()) throw std::invalid_argument(v);
+    return out;
+  } catch (const std::exception&) {
+    throw UsageError("flag --" + name + " expects a number, got '" + v + "'");
+  }
+}
+
+void Args::reject_unknown(const std::vector<std::string>& known) const {
+  for (const auto& [name, value] : flags_) {
+    if (std::find(known.begin(), known.end(), name) == known.end()) throw UsageError("unknown flag --" + name);
+  }
+}
+
+}  // namespace skyreels::cli

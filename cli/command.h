@@ -1,0 +1,51 @@
+// Subcommands of the `skyreels` tool. Each cmd_*.cpp registers one with SKYREELS_COMMAND; main.cpp dispatches.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace skyreels::cli {
+
+struct Command {
+  std::string name;
+  std::string summary;  // one line for `skyreels --help`
+  std::string usage;    // full text for `skyreels NAME --help`
+  std::function<int(const std::vector<std::string>& args)> run;  // args exclude the subcommand name
+};
+
+std::map<std::string, Command>& registry();
+bool register_command(Command command);
+
+// Minimal flag parsing shared by subcommands: --name value, --name=value, repeated flags, bare switches.
+class Args {
+ public:
+  Args(const std::vector<std::string>& args, const std::vector<std::string>& switches = {});
+  bool has(const std::string& name) const;
+  std::string get(const std::string& name, const std::string& fallback = "") const;
+  std::string require(const std::string& name) const;  // throws UsageError naming the flag
+  std::vector<std::string> all(const std::string& name) const;
+  int get_int(const std::string& name, int fallback) const;
+  double get_double(const std::string& name, double fallback) const;
+  const std::vector<std::string>& positional() const { return positional_; }
+  // Throws UsageError for any flag not in `known` (catches typos such as --num-frame).
+  void reject_unknown(const std::vector<std::string>& known) const;
+
+ private:
+  std::multimap<std::string, std::string> flags_;
+  std::vector<std::string> positional_;
+};
+
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+}  // namespace skyreels::cli
+
+#define SKYREELS_CONCAT_INNER(a, b) a##b
+#define SKYREELS_CONCAT(a, b) SKYREELS_CONCAT_INNER(a, b)
+#define SKYREELS_COMMAND(...) \
+  static const bool SKYREELS_CONCAT(skyreels_command_registered_, __LINE__) = \
+      ::skyreels::cli::register_command(::skyreels::cli::Command{__VA_ARGS__})

@@ -1,0 +1,99 @@
+// Generic checkpoint access: a folder or file of safetensors (single or sharded through *.safetensors.index.json),
+// renamed onto a model's internal names by an ordered table of rules, checked strictly against the model's parameter
+// specs, and placed straight onto the target device in the target dtype.
+//
+// Model-specific layouts (the transformer's diffusers / original / norm_out.linear forms, the VAE, UMT5) are tables
+// of RenameRule plus, where a layout needs it, a documented tensor transform; they live next to the loader of each
+// model, never inside the model.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "model/safetensors.h"
+
+namespace skyreels::checkpoint {
+
+using StateDict = std::map<std::string, at::Tensor>;
+
+class CheckpointError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Every tensor of a checkpoint, by key, without reading any data yet.
+class Source {
+ public:
+  // `path` is a .safetensors file, a *.safetensors.index.json, or a folder holding exactly one of
+  // (an index json, a single .safetensors file, several shards named *-0000k-of-0000n.safetensors).
+  // `preferred_stem` picks e.g. "diffusion_pytorch_model" or "model" when a folder holds several candidates.
+  static Source open(const std::string& path, const std::string& preferred_stem = "");
+
+  const std::string& folder() const { return folder_; }       // where config.json would be
+  const std::vector<std::string>& files() const { return files_; }
+  std::vector<std::string> keys() const;                       // sorted
+  bool contains(const std::string& key) const { return where_.count(key) != 0; }
+  const safetensors::TensorInfo& info(const std::string& key) const;
+  const std::string& file_of(const std::string& key) const;
+  at::Tensor tensor(const std::string& key) const;             // CPU view of the mapped bytes
+  uint64_t total_bytes() const;                                // sum of tensor bytes
+
+ private:
+  std::string folder_;
+  std::vector<std::string> files_;
+  std::vector<std::shared_ptr<safetensors::File>> opened_;
+  std::map<std::string, size_t> where_;                        // key -> index into opened_
+};
+
+// Ordered substring replacement, as diffusers' converters do it: every rule whose `from` occurs in the key is applied
+// in order, each to the result of the previous. Rules with an empty `from` are ignored.
+struct RenameRule {
+  std::string from;
+  std::string to;
+};
+std::string apply_rules(const std::string& key, const std::vector<RenameRule>& rules);
+
+// What the model expects for one parameter. keep_fp32: an fp32 island (kept in float32 whatever the compute dtype).
+struct ParamSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+  bool keep_fp32 = false;
+};
+
+struct PlaceOptions {
+  std::string device = "cpu";        // "cpu", "cuda", "cuda:N"
+  at::ScalarType dtype = at::kFloat;  // compute dtype for everything that is not an fp32 island
+};
+
+// The outcome of matching checkpoint tensors against specs; empty() means a perfect match.
+struct MatchProblems {
+  std::vector<std::string> missing;          // spec names with no tensor
+  std::vector<std::string> unexpected;       // tensor names with no spec (source key shown as "name (from key)")
+  std::vector<std::string> shape_mismatch;   // "name: checkpoint [..] vs model [..]"
+  std::vector<std::string> bad_dtype;        // non-floating tensors where floats were expected
+  bool empty() const { return missing.empty() && unexpected.empty() && shape_mismatch.empty() && bad_dtype.empty(); }
+  std::string describe() const;              // one message listing all of them
+};
+
+// Strictly places `tensors` (internal name -> CPU tensor, e.g. mapped views) according to `specs`.
+// Throws CheckpointError("<context>: ...all problems...") unless every spec is matched exactly once by shape.
+// No copy is made when a tensor already has the target dtype and device (it keeps viewing the mapping).
+StateDict place_strict(const std::map<std::string, at::Tensor>& tensors, const std::vector<ParamSpec>& specs,
+                       const PlaceOptions& options, const std::string& context);
+
+// Parses "cpu", "cuda", "cuda:N"; throws CheckpointError on anything else, and on CUDA when this LibTorch has none.
+c10::Device parse_device(const std::string& device);
+
+// dtype names: "float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16".
+at::ScalarType parse_dtype(const std::string& name);
+
+std::string shape_str(const std::vector<int64_t>& shape);
+
+}  // namespace skyreels::checkpoint

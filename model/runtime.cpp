@@ -1,0 +1,93 @@
+#include "model/runtime.h"
+
+#include <ATen/Parallel.h>
+#include <sched.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+#include <vector>
+
+namespace skyreels::runtime {
+
+CpuFeatures cpu_features() {
+  static const CpuFeatures features = [] {
+    CpuFeatures f;
+    std::ifstream in("/proc/cpuinfo");
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.rfind("flags", 0) != 0) continue;
+      std::istringstream words(line.substr(line.find(':') + 1));
+      std::string w;
+      while (words >> w) {
+        if (w == "avx2") f.avx2 = true;
+        if (w == "avx512f") f.avx512f = true;
+        if (w == "avx512_bf16") f.avx512_bf16 = true;
+        if (w == "amx_bf16") f.amx_bf16 = true;
+      }
+      break;
+    }
+    return f;
+  }();
+  return features;
+}
+
+void ensure_openblas_coretype(int argc, char** argv) {
+  (void)argc;
+  if (std::getenv("OPENBLAS_CORETYPE") != nullptr || std::getenv("SKYREELS_NO_REEXEC") != nullptr) return;
+  const CpuFeatures f = cpu_features();
+  const char* core = f.avx512f ? "SkylakeX" : (f.avx2 ? "Haswell" : nullptr);
+  if (core == nullptr) return;
+  ::setenv("OPENBLAS_CORETYPE", core, 1);
+  ::setenv("SKYREELS_NO_REEXEC", "1", 1);  // never loop, whatever happens below
+  ::execv("/proc/self/exe", argv);
+  // execv failed: carry on with OpenBLAS's own detection (slower, still correct).
+}
+
+int available_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    const int n = CPU_COUNT(&set);
+    if (n > 0) return n;
+  }
+  const long n = ::sysconf(_SC_NPROCESSORS_ONLN);
+  return n > 0 ? static_cast<int>(n) : 1;
+}
+
+int configure_threads(int threads) {
+  if (threads <= 0) threads = available_cores();
+  at::set_num_threads(threads);
+  return threads;
+}
+
+std::string resolve_dtype_name(const std::string& requested, const std::string& device) {
+  if (requested == "float32" || requested == "fp32") return "float32";
+  if (requested == "bfloat16" || requested == "bf16") return "bfloat16";
+  if (requested != "auto") {
+    throw std::invalid_argument("unknown dtype '" + requested + "' (expected float32, bfloat16 or auto)");
+  }
+  if (device.rfind("cuda", 0) == 0) return "bfloat16";
+  const CpuFeatures f = cpu_features();
+  return (f.amx_bf16 || f.avx512_bf16) ? "bfloat16" : "float32";
+}
+
+void init_process(int argc, char** argv) {
+  ensure_openblas_coretype(argc, argv);
+  static bool once = [] {
+    // One inter-op thread: we parallelise inside ops; must be set before any inter-op work starts.
+    try {
+      at::set_num_interop_threads(1);
+    } catch (const std::exception&) {
+    }
+    return true;
+  }();
+  (void)once;
+  configure_threads(0);
+  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ [%n] %v");
+}
+
+}  // namespace skyreels::runtime

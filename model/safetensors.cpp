@@ -1,0 +1,290 @@
+#include "model/safetensors.h"
+
+#include <ATen/ATen.h>
+#include <fcntl.h>
+#include <nlohmann/json.hpp>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <limits>
+
+namespace skyreels::safetensors {
+namespace {
+
+constexpr uint64_t kMaxHeaderBytes = 100ull << 20;  // the reference implementation's limit
+
+[[noreturn]] void fail(const std::string& path, const std::string& what) {
+  throw FormatError("safetensors file '" + path + "': " + what);
+}
+
+[[noreturn]] void fail_tensor(const std::string& path, const std::string& name, const std::string& what) {
+  throw FormatError("safetensors file '" + path + "', tensor '" + name + "': " + what);
+}
+
+bool parse_dtype(const std::string& s, DType& out) {
+  static const std::pair<const char*, DType> table[] = {
+      {"F64", DType::F64}, {"F32", DType::F32}, {"F16", DType::F16}, {"BF16", DType::BF16},
+      {"I64", DType::I64}, {"I32", DType::I32}, {"I16", DType::I16}, {"I8", DType::I8},
+      {"U8", DType::U8},   {"BOOL", DType::BOOL}};
+  for (const auto& [name, dtype] : table) {
+    if (s == name) {
+      out = dtype;
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::F64: return "F64";
+    case DType::F32: return "F32";
+    case DType::F16: return "F16";
+    case DType::BF16: return "BF16";
+    case DType::I64: return "I64";
+    case DType::I32: return "I32";
+    case DType::I16: return "I16";
+    case DType::I8: return "I8";
+    case DType::U8: return "U8";
+    case DType::BOOL: return "BOOL";
+  }
+  return "?";
+}
+
+size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::F64: case DType::I64: return 8;
+    case DType::F32: case DType::I32: return 4;
+    case DType::F16: case DType::BF16: case DType::I16: return 2;
+    case DType::I8: case DType::U8: case DType::BOOL: return 1;
+  }
+  return 0;
+}
+
+at::ScalarType to_scalar_type(DType dtype) {
+  switch (dtype) {
+    case DType::F64: return at::kDouble;
+    case DType::F32: return at::kFloat;
+    case DType::F16: return at::kHalf;
+    case DType::BF16: return at::kBFloat16;
+    case DType::I64: return at::kLong;
+    case DType::I32: return at::kInt;
+    case DType::I16: return at::kShort;
+    case DType::I8: return at::kChar;
+    case DType::U8: return at::kByte;
+    case DType::BOOL: return at::kBool;
+  }
+  return at::kFloat;
+}
+
+DType from_scalar_type(at::ScalarType type) {
+  switch (type) {
+    case at::kDouble: return DType::F64;
+    case at::kFloat: return DType::F32;
+    case at::kHalf: return DType::F16;
+    case at::kBFloat16: return DType::BF16;
+    case at::kLong: return DType::I64;
+    case at::kInt: return DType::I32;
+    case at::kShort: return DType::I16;
+    case at::kChar: return DType::I8;
+    case at::kByte: return DType::U8;
+    case at::kBool: return DType::BOOL;
+    default: break;
+  }
+  throw FormatError(std::string("safetensors cannot store dtype ") + c10::toString(type));
+}
+
+int64_t TensorInfo::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+void parse_header(const std::string& path, const std::string& text, uint64_t header_len, uint64_t file_size,
+                  std::vector<TensorInfo>& tensors, std::map<std::string, std::string>& metadata) {
+  const uint64_t data_size = file_size - 8 - header_len;
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(text);
+  } catch (const std::exception& e) {
+    fail(path, std::string("header is not valid JSON (") + e.what() + ")");
+  }
+  if (!header.is_object()) fail(path, "header is not a JSON object");
+
+  tensors.clear();
+  metadata.clear();
+  for (auto it = header.begin(); it != header.end(); ++it) {
+    const std::string& name = it.key();
+    const auto& entry = it.value();
+    if (name == "__metadata__") {
+      if (!entry.is_object()) fail(path, "__metadata__ is not an object");
+      for (auto m = entry.begin(); m != entry.end(); ++m) {
+        if (!m.value().is_string()) fail(path, "__metadata__ value '" + m.key() + "' is not a string");
+        metadata[m.key()] = m.value().get<std::string>();
+      }
+      continue;
+    }
+    if (!entry.is_object()) fail_tensor(path, name, "entry is not an object");
+    TensorInfo info;
+    info.name = name;
+    if (!entry.contains("dtype") || !entry["dtype"].is_string()) fail_tensor(path, name, "missing dtype");
+    const std::string dtype = entry["dtype"].get<std::string>();
+    if (!parse_dtype(dtype, info.dtype)) fail_tensor(path, name, "unknown dtype '" + dtype + "'");
+    if (!entry.contains("shape") || !entry["shape"].is_array()) fail_tensor(path, name, "missing shape");
+    for (const auto& d : entry["shape"]) {
+      if (!d.is_number_integer() || d.get<int64_t>() < 0) fail_tensor(path, name, "shape has a bad dimension");
+      info.shape.push_back(d.get<int64_t>());
+    }
+    const auto& offsets = entry.contains("data_offsets") ? entry["data_offsets"] : nlohmann::json();
+    if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
+        !offsets[1].is_number_unsigned()) {
+      fail_tensor(path, name, "data_offsets must be [begin, end]");
+    }
+    info.begin = offsets[0].get<uint64_t>();
+    info.end = offsets[1].get<uint64_t>();
+    if (info.begin > info.end) fail_tensor(path, name, "data_offsets begin > end");
+    if (info.end > data_size) {
+      fail_tensor(path, name, "data_offsets end " + std::to_string(info.end) + " is past the data area (" +
+                                  std::to_string(data_size) + " bytes; file truncated?)");
+    }
+    const uint64_t expected = static_cast<uint64_t>(info.numel()) * dtype_size(info.dtype);
+    if (info.end - info.begin != expected) {
+      fail_tensor(path, name, "byte length " + std::to_string(info.end - info.begin) + " does not match shape x " +
+                                  dtype + " = " + std::to_string(expected));
+    }
+    tensors.push_back(std::move(info));
+  }
+
+  std::vector<const TensorInfo*> by_offset;
+  for (const auto& t : tensors) by_offset.push_back(&t);
+  std::sort(by_offset.begin(), by_offset.end(), [](const TensorInfo* a, const TensorInfo* b) {
+    return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
+  });
+  for (size_t i = 1; i < by_offset.size(); ++i) {
+    const TensorInfo* prev = by_offset[i - 1];
+    const TensorInfo* cur = by_offset[i];
+    if (cur->begin < prev->end) {
+      fail(path, "tensors '" + prev->name + "' and '" + cur->name + "' have overlapping data_offsets");
+    }
+  }
+}
+
+std::shared_ptr<File> File::open(const std::string& path) {
+  std::shared_ptr<File> file(new File());
+  file->path_ = path;
+  file->self_ = file;
+
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail(path, std::string("cannot open: ") + std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    ::close(fd);
+    fail(path, std::string("cannot stat: ") + std::strerror(errno));
+  }
+  file->size_ = static_cast<uint64_t>(st.st_size);
+  if (file->size_ < 8) {
+    ::close(fd);
+    fail(path, "file is " + std::to_string(file->size_) + " bytes, too short for a header (truncated?)");
+  }
+  // Private, writable, copy-on-write: an accidental in-place op on a view changes memory, never the file.
+  void* map = ::mmap(nullptr, file->size_, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+  ::close(fd);
+  if (map == MAP_FAILED) fail(path, std::string("cannot mmap: ") + std::strerror(errno));
+  file->map_ = map;
+
+  uint64_t header_len = 0;
+  const auto* bytes = static_cast<const uint8_t*>(map);
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | bytes[i];
+  if (header_len > file->size_ - 8) {
+    fail(path, "header length " + std::to_string(header_len) + " is past the end of the file (" +
+                   std::to_string(file->size_) + " bytes)");
+  }
+  if (header_len > kMaxHeaderBytes) fail(path, "header length " + std::to_string(header_len) + " is too large");
+  const std::string text(reinterpret_cast<const char*>(bytes + 8), header_len);
+  parse_header(path, text, header_len, file->size_, file->tensors_, file->metadata_);
+  file->data_start_ = 8 + header_len;
+  for (size_t i = 0; i < file->tensors_.size(); ++i) file->index_[file->tensors_[i].name] = i;
+  return file;
+}
+
+File::~File() {
+  if (map_ != nullptr) ::munmap(map_, size_);
+}
+
+const TensorInfo* File::find(const std::string& name) const {
+  auto it = index_.find(name);
+  return it == index_.end() ? nullptr : &tensors_[it->second];
+}
+
+std::vector<std::string> File::names() const {
+  std::vector<std::string> out;
+  out.reserve(tensors_.size());
+  for (const auto& t : tensors_) out.push_back(t.name);
+  return out;
+}
+
+const uint8_t* File::data(const TensorInfo& info) const {
+  return static_cast<const uint8_t*>(map_) + data_start_ + info.begin;
+}
+
+at::Tensor File::tensor(const std::string& name) const {
+  const TensorInfo* info = find(name);
+  if (info == nullptr) fail_tensor(path_, name, "not in file");
+  const auto options = at::TensorOptions().dtype(to_scalar_type(info->dtype)).device(at::kCPU);
+  if (info->numel() == 0) return at::empty(info->shape, options);
+  auto* ptr = const_cast<uint8_t*>(data(*info));
+  if (reinterpret_cast<uintptr_t>(ptr) % dtype_size(info->dtype) != 0) {
+    // Misaligned element data (a writer that did not pad its header): copy into an aligned tensor.
+    at::Tensor out = at::empty(info->shape, options);
+    std::memcpy(out.data_ptr(), ptr, info->end - info->begin);
+    return out;
+  }
+  std::shared_ptr<const File> keep = self_.lock();
+  return at::from_blob(ptr, info->shape, [keep](void*) {}, options);
+}
+
+void save(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+          const std::map<std::string, std::string>& metadata) {
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::vector<at::Tensor> blobs;
+  uint64_t offset = 0;
+  for (const auto& [name, tensor] : tensors) {
+    if (name == "__metadata__") throw FormatError("cannot write a tensor named __metadata__ to '" + path + "'");
+    at::Tensor cpu = tensor.to(at::kCPU).contiguous();
+    const DType dtype = from_scalar_type(cpu.scalar_type());
+    const uint64_t nbytes = static_cast<uint64_t>(cpu.numel()) * dtype_size(dtype);
+    header[name] = {{"dtype", dtype_name(dtype)}, {"shape", cpu.sizes().vec()}, {"data_offsets", {offset, offset + nbytes}}};
+    offset += nbytes;
+    blobs.push_back(cpu);
+  }
+  std::string text = header.dump();
+  while ((8 + text.size()) % 8 != 0) text.push_back(' ');  // align the data area for zero-copy readers
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) throw FormatError("cannot write safetensors file '" + path + "'");
+  uint64_t len = text.size();
+  char len_bytes[8];
+  for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<char>((len >> (8 * i)) & 0xff);
+  out.write(len_bytes, 8);
+  out.write(text.data(), static_cast<std::streamsize>(text.size()));
+  for (const auto& blob : blobs) {
+    out.write(static_cast<const char*>(blob.data_ptr()), static_cast<std::streamsize>(blob.nbytes()));
+  }
+  if (!out) throw FormatError("short write to safetensors file '" + path + "'");
+}
+
+std::map<std::string, at::Tensor> load_all(const std::string& path) {
+  auto file = File::open(path);
+  std::map<std::string, at::Tensor> out;
+  for (const auto& info : file->tensors()) out[info.name] = file->tensor(info.name).clone();
+  return out;
+}
+
+}  // namespace skyreels::safetensors

@@ -1,0 +1,86 @@
+// safetensors reader and writer of our own: memory-mapped, validated, zero-copy where the caller allows it.
+//
+// Format: 8-byte little-endian header length N, N bytes of JSON ({name: {dtype, shape, data_offsets:[begin,end]},
+// "__metadata__": {str: str}}), then the data area. Offsets are relative to the data area.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace skyreels::safetensors {
+
+// Every problem with a file: the message names the file and, where one is involved, the tensor.
+class FormatError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+enum class DType { F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL };
+
+const char* dtype_name(DType dtype);          // "F32", ...
+size_t dtype_size(DType dtype);               // bytes per element
+at::ScalarType to_scalar_type(DType dtype);
+DType from_scalar_type(at::ScalarType type);  // throws FormatError for types safetensors cannot hold
+
+struct TensorInfo {
+  std::string name;
+  DType dtype = DType::F32;
+  std::vector<int64_t> shape;
+  uint64_t begin = 0;  // offsets into the data area
+  uint64_t end = 0;
+  int64_t numel() const;
+};
+
+// An open, validated, memory-mapped safetensors file. Tensors returned by tensor() share the mapping (read-only
+// pages, kept alive by the tensor's deleter); clone() them before writing.
+class File {
+ public:
+  static std::shared_ptr<File> open(const std::string& path);
+  ~File();
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+
+  const std::string& path() const { return path_; }
+  const std::vector<TensorInfo>& tensors() const { return tensors_; }
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  const TensorInfo* find(const std::string& name) const;  // nullptr when absent
+  bool contains(const std::string& name) const { return find(name) != nullptr; }
+  std::vector<std::string> names() const;
+  uint64_t file_size() const { return size_; }
+
+  // A CPU tensor viewing the mapped bytes (no copy). Throws FormatError naming file and tensor when absent.
+  at::Tensor tensor(const std::string& name) const;
+  // Raw bytes of one tensor inside the mapping.
+  const uint8_t* data(const TensorInfo& info) const;
+
+ private:
+  File() = default;
+  std::string path_;
+  void* map_ = nullptr;
+  uint64_t size_ = 0;
+  uint64_t data_start_ = 0;
+  std::vector<TensorInfo> tensors_;
+  std::map<std::string, size_t> index_;
+  std::map<std::string, std::string> metadata_;
+  std::weak_ptr<File> self_;
+};
+
+// Parses and validates a header against a file of `file_size` bytes (exposed for tests of damaged headers).
+void parse_header(const std::string& path, const std::string& json, uint64_t header_len, uint64_t file_size,
+                  std::vector<TensorInfo>& tensors, std::map<std::string, std::string>& metadata);
+
+// Writes tensors (any device, any layout; stored contiguous, little-endian) in the given order.
+void save(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+          const std::map<std::string, std::string>& metadata = {});
+
+// Convenience: load every tensor as an owning CPU tensor (copied out of the mapping).
+std::map<std::string, at::Tensor> load_all(const std::string& path);
+
+}  // namespace skyreels::safetensors
