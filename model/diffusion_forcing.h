@@ -1,0 +1,109 @@
+// SkyReels-V2 diffusion-forcing generation (diffusers' SkyReelsV2DiffusionForcingPipeline, output_type="latent"):
+// timestep matrix, chunk plan for long videos, and a chunk-level entry point so a server can run chunk k on any
+// device given chunk k-1's latents. Running the chunks one by one equals running the whole video.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace skyreels::model {
+
+class SkyReelsV2Transformer;
+
+// diffusers' __call__ arguments (pixel-space frame counts, like the pipeline), with its defaults.
+struct GenerationParams {
+  int64_t num_frames = 97;
+  int64_t height = 544;
+  int64_t width = 960;
+  int64_t num_inference_steps = 50;
+  double guidance_scale = 6.0;
+  double flow_shift = 8.0;
+  int64_t base_num_frames = 97;
+  std::optional<int64_t> overlap_history;
+  int64_t ar_step = 0;
+  std::optional<int64_t> causal_block_size;  // unset: the model config's num_frame_per_block
+  double addnoise_condition = 0.0;
+  int64_t fps = 24;
+  std::optional<uint64_t> seed;
+};
+
+// One chunk of a (possibly long) video, in latent frames.
+struct ChunkSpec {
+  int64_t index = 0;
+  int64_t num_latent_frames = 0;  // this chunk's length Fk (prefix included)
+  int64_t prefix_frames = 0;      // P: frames copied from the previous chunk's end (0 for chunk 0)
+  int64_t output_begin = 0;       // where this chunk's new frames land in the final latent video
+  int64_t output_end = 0;         // (exclusive); new frames are chunk frames [keep_from, Fk)
+  int64_t keep_from = 0;          // 0 for chunk 0, else O (diffusers cuts at the overlap, not at P)
+  int64_t timestep_rows = 0;      // rows of this chunk's timestep matrix (= model calls per guidance branch)
+};
+
+struct ChunkPlan {
+  int64_t total_latent_frames = 0;  // Ftot
+  int64_t base_latent_frames = 0;   // Fb
+  int64_t overlap_latent_frames = 0;  // O (0 when not a long video)
+  int64_t latent_height = 0;
+  int64_t latent_width = 0;
+  int64_t causal_block_size = 1;
+  std::vector<ChunkSpec> chunks;
+  std::vector<std::string> warnings;  // e.g. overlap not a multiple of the block size: frames dropped
+};
+
+// Validates `params` against the model config (throws std::invalid_argument whose message starts with the
+// offending field name, e.g. "num_frames: ...") and computes the chunk geometry.
+ChunkPlan plan_chunks(const GenerationParams& params, int64_t model_num_frame_per_block);
+
+struct Conditioning {
+  at::Tensor prompt_embeds;                      // [B, T, text_dim]
+  std::optional<at::Tensor> negative_prompt_embeds;  // required when guidance_scale > 1
+};
+
+// Where random tensors come from, in diffusers' draw order.
+class NoiseSource {
+ public:
+  virtual ~NoiseSource() = default;
+  // Initial latent noise for one chunk (fp32, CPU then moved), diffusers' prepare_latents draw.
+  virtual at::Tensor latent_noise(int64_t chunk_index, at::IntArrayRef shape) = 0;
+  // addnoise_condition noise for one timestep row of one chunk (diffusers: randn_like on the global RNG).
+  virtual at::Tensor condition_noise(int64_t chunk_index, int64_t row, at::IntArrayRef shape) = 0;
+};
+
+// Seeded: latent noise as torch.Generator("cpu").manual_seed(seed) draws it, chunk after chunk; condition noise
+// from a second generator seeded with seed + 1 (documented in the README). Chunk k can be drawn without chunk k-1.
+std::unique_ptr<NoiseSource> make_seeded_noise(uint64_t seed);
+// Recorded: tensors noise_000, noise_001, ... consumed in order (the fixtures' noise.safetensors).
+std::unique_ptr<NoiseSource> make_recorded_noise(std::vector<at::Tensor> draws_in_order);
+
+struct StepHooks {
+  std::function<void(int64_t chunk, int64_t row, int64_t rows)> on_step;  // after each timestep row
+  std::function<bool()> cancelled;  // polled before each row; true aborts with GenerationCancelled
+};
+
+struct GenerationCancelled : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Runs chunk `chunk_index` of `plan`. `previous_latents` is the accumulated latent video so far (fp32
+// [B,16,F_so_far,h,w], any device) and is ignored for chunk 0. Returns the chunk's own latents, fp32
+// [B, 16, Fk, h, w] on the model's device.
+at::Tensor run_chunk(const SkyReelsV2Transformer& model, const GenerationParams& params, const ChunkPlan& plan,
+                     int64_t chunk_index, const Conditioning& conditioning, const at::Tensor& previous_latents,
+                     NoiseSource& noise, const StepHooks& hooks = {});
+
+// Appends chunk latents to the accumulated video as diffusers does (drops the first keep_from frames).
+at::Tensor accumulate(const at::Tensor& accumulated, const at::Tensor& chunk_latents, const ChunkSpec& chunk);
+
+// The whole video: every chunk in order. Returns fp32 latents [B, 16, Ftot, h, w]; per-chunk outputs are passed to
+// `on_chunk` when set (chunk index, that chunk's latents).
+at::Tensor generate(const SkyReelsV2Transformer& model, const GenerationParams& params,
+                    const Conditioning& conditioning, NoiseSource& noise, const StepHooks& hooks = {},
+                    const std::function<void(int64_t, const at::Tensor&)>& on_chunk = {});
+
+}  // namespace skyreels::model

@@ -1,0 +1,91 @@
+// SkyReelsV2Transformer3DModel (Wan 2.1 DiT with per-frame timesteps, fps embedding and a block-causal mask), as
+// diffusers implements it. One model, one file (transformer_skyreels_v2.cpp) holding its own layers.
+//
+// Internal parameter names are diffusers' names. Checkpoint layouts (original SkyReels/Wan, PR #11850's
+// norm_out.linear, sharded) are mapped onto them by the loader (transformer_loader.h), never here.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "model/checkpoint.h"
+
+namespace skyreels::model {
+
+struct TransformerConfig {
+  std::array<int64_t, 3> patch_size{1, 2, 2};
+  int64_t num_attention_heads = 16;
+  int64_t attention_head_dim = 128;
+  int64_t in_channels = 16;
+  int64_t out_channels = 16;
+  int64_t text_dim = 4096;
+  int64_t freq_dim = 256;
+  int64_t ffn_dim = 8192;
+  int64_t num_layers = 32;
+  bool cross_attn_norm = true;
+  double eps = 1e-6;
+  int64_t rope_max_seq_len = 1024;
+  bool inject_sample_info = false;
+  // Checkpoint default only. The block-causal mask of a request comes from ForwardArgs::num_frame_per_block;
+  // nothing at run time writes back into the config (diffusers does, and leaks it into later calls).
+  int64_t num_frame_per_block = 1;
+  // I2V fields: recognised so a clear error can name them; image conditioning is not supported.
+  std::optional<int64_t> image_dim;
+  std::optional<int64_t> added_kv_proj_dim;
+
+  int64_t inner_dim() const { return num_attention_heads * attention_head_dim; }
+
+  static TransformerConfig df_1_3b();  // Skywork/SkyReels-V2-DF-1.3B-540P
+  static TransformerConfig df_14b();   // Skywork/SkyReels-V2-DF-14B-540P / 720P
+
+  // diffusers config.json (what `convert` writes); the loader owns parsing of every accepted form.
+  std::string to_diffusers_json() const;
+  // Throws std::invalid_argument naming the field when the config is inconsistent or unsupported.
+  void validate() const;
+};
+
+// Every parameter the model owns, with its shape and whether it is an fp32 island
+// (diffusers' _keep_in_fp32_modules: time_embedder, scale_shift_table, norm1/2/3).
+std::vector<checkpoint::ParamSpec> transformer_parameter_specs(const TransformerConfig& config);
+
+struct TransformerForwardArgs {
+  at::Tensor hidden_states;          // [B, in_channels, F, H, W], any float dtype (cast to the compute dtype)
+  at::Tensor timestep;               // int64 [B] or [B, F] (diffusion forcing)
+  at::Tensor encoder_hidden_states;  // [B, T, text_dim], zero-padded text rows
+  std::optional<at::Tensor> fps;     // int64 [B] with values in {0, 1}; required iff inject_sample_info
+  int64_t num_frame_per_block = 1;   // > 1 turns on the block-causal self-attention mask (F must be a multiple)
+};
+
+class SkyReelsV2Transformer {
+ public:
+  // Takes ownership of exactly the tensors named by transformer_parameter_specs(config), already on `device` in
+  // the right dtypes (checkpoint::place_strict does that). Throws std::invalid_argument on any mismatch.
+  SkyReelsV2Transformer(TransformerConfig config, checkpoint::StateDict weights, c10::Device device,
+                        at::ScalarType compute_dtype);
+  ~SkyReelsV2Transformer();
+  SkyReelsV2Transformer(const SkyReelsV2Transformer&) = delete;
+  SkyReelsV2Transformer& operator=(const SkyReelsV2Transformer&) = delete;
+
+  // Returns `sample` [B, out_channels, F, H, W] in the compute dtype. Thread-compatible: concurrent calls on one
+  // instance are allowed (no mutable state). Throws std::invalid_argument on bad shapes, a missing fps, or frames
+  // not divisible by num_frame_per_block.
+  at::Tensor forward(const TransformerForwardArgs& args) const;
+
+  const TransformerConfig& config() const;
+  c10::Device device() const;
+  at::ScalarType compute_dtype() const;
+  // Every parameter and buffer (RoPE tables included), for device and dtype checks.
+  std::vector<std::pair<std::string, at::Tensor>> named_tensors() const;
+
+ private:
+  struct Impl;
+  Impl* impl_;
+};
+
+}  // namespace skyreels::model
