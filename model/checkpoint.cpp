@@ -198,6 +198,22 @@ std::string apply_rules(const std::string& key, const std::vector<RenameRule>& r
   return out;
 }
 
+std::string KeyOrigins::describe(const std::string& internal) const {
+  std::string key;
+  auto it = source_key.find(internal);
+  if (it != source_key.end()) {
+    key = it->second;
+  } else if (expected_key) {
+    key = expected_key(internal);
+  }
+  if (key.empty() || key == internal) return internal;
+  return internal + " (checkpoint key '" + key + "')";
+}
+
+size_t MatchProblems::count() const {
+  return missing.size() + unexpected.size() + shape_mismatch.size() + bad_dtype.size() + duplicates.size();
+}
+
 std::string MatchProblems::describe() const {
   std::ostringstream os;
   auto section = [&](const char* title, const std::vector<std::string>& items) {
@@ -209,7 +225,40 @@ std::string MatchProblems::describe() const {
   section("unexpected keys", unexpected);
   section("shape mismatches", shape_mismatch);
   section("non-floating tensors", bad_dtype);
+  section("several checkpoint keys for one parameter", duplicates);
   return os.str();
+}
+
+MatchProblems match_specs(const std::map<std::string, at::Tensor>& tensors, const std::vector<ParamSpec>& specs,
+                          const KeyOrigins& origins) {
+  MatchProblems problems;
+  std::set<std::string> expected;
+  for (const auto& spec : specs) {
+    expected.insert(spec.name);
+    auto it = tensors.find(spec.name);
+    if (it == tensors.end()) {
+      problems.missing.push_back(origins.describe(spec.name));
+      continue;
+    }
+    if (it->second.sizes().vec() != spec.shape) {
+      problems.shape_mismatch.push_back(origins.describe(spec.name) + ": checkpoint " +
+                                        shape_str(it->second.sizes().vec()) + " vs model " + shape_str(spec.shape));
+    }
+    if (!at::isFloatingType(it->second.scalar_type())) {
+      problems.bad_dtype.push_back(origins.describe(spec.name) + ": " + c10::toString(it->second.scalar_type()));
+    }
+  }
+  for (const auto& [name, tensor] : tensors) {
+    if (!expected.count(name)) problems.unexpected.push_back(origins.describe(name));
+  }
+  return problems;
+}
+
+at::ScalarType placed_dtype(const ParamSpec& spec, const PlaceOptions& options) {
+  at::ScalarType target = spec.keep_fp32 ? at::kFloat : options.dtype;
+  // fp16 cannot run on CPU with LibTorch 1.13 and is not what we compute in: convert.
+  if (target == at::kHalf && parse_device(options.device).is_cpu()) target = at::kFloat;
+  return target;
 }
 
 c10::Device parse_device(const std::string& device) {
@@ -235,36 +284,26 @@ at::ScalarType parse_dtype(const std::string& name) {
 
 StateDict place_strict(const std::map<std::string, at::Tensor>& tensors, const std::vector<ParamSpec>& specs,
                        const PlaceOptions& options, const std::string& context) {
+  return place_strict(tensors, specs, options, context, KeyOrigins{});
+}
+
+StateDict place_strict(const std::map<std::string, at::Tensor>& tensors, const std::vector<ParamSpec>& specs,
+                       const PlaceOptions& options, const std::string& context, const KeyOrigins& origins) {
   const c10::Device device = parse_device(options.device);
-  MatchProblems problems;
-  std::set<std::string> expected;
-  for (const auto& spec : specs) {
-    expected.insert(spec.name);
-    auto it = tensors.find(spec.name);
-    if (it == tensors.end()) {
-      problems.missing.push_back(spec.name);
-      continue;
-    }
-    if (it->second.sizes().vec() != spec.shape) {
-      problems.shape_mismatch.push_back(spec.name + ": checkpoint " + shape_str(it->second.sizes().vec()) +
-                                        " vs model " + shape_str(spec.shape));
-    }
-    if (!at::isFloatingType(it->second.scalar_type())) {
-      problems.bad_dtype.push_back(spec.name + ": " + c10::toString(it->second.scalar_type()));
-    }
-  }
-  for (const auto& [name, tensor] : tensors) {
-    if (!expected.count(name)) problems.unexpected.push_back(name);
-  }
+  const MatchProblems problems = match_specs(tensors, specs, origins);
   if (!problems.empty()) throw CheckpointError(context + ": checkpoint does not match the model" + problems.describe());
 
   StateDict out;
   for (const auto& spec : specs) {
     const at::Tensor& src = tensors.at(spec.name);
-    // fp16 cannot run on CPU with LibTorch 1.13 and is not what we compute in: convert.
-    at::ScalarType target = spec.keep_fp32 ? at::kFloat : options.dtype;
-    if (target == at::kHalf && device.is_cpu()) target = at::kFloat;
-    out[spec.name] = src.to(device, target);  // no copy when device and dtype already match
+    const at::ScalarType target = placed_dtype(spec, options);
+    if (device.is_cpu()) {
+      out[spec.name] = src.to(target);  // a view of the mapping (no copy) when the dtype already matches
+    } else {
+      // Stored bytes go to the device as they are and are converted there: one tensor at a time, no converted
+      // host copy of the whole model.
+      out[spec.name] = src.to(device).to(target);
+    }
   }
   return out;
 }

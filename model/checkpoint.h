@@ -10,6 +10,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -72,21 +73,45 @@ struct PlaceOptions {
   at::ScalarType dtype = at::kFloat;  // compute dtype for everything that is not an fp32 island
 };
 
+// Where internal names came from, so that errors name both the internal name and the checkpoint key.
+struct KeyOrigins {
+  std::map<std::string, std::string> source_key;                // internal name -> checkpoint key it was read from
+  std::function<std::string(const std::string&)> expected_key;  // internal name -> checkpoint key that would hold it
+  // "name" when the checkpoint key is the same, else "name (checkpoint key 'key')"; for names absent from
+  // source_key, expected_key (when set) supplies the key.
+  std::string describe(const std::string& internal) const;
+};
+
 // The outcome of matching checkpoint tensors against specs; empty() means a perfect match.
 struct MatchProblems {
   std::vector<std::string> missing;          // spec names with no tensor
-  std::vector<std::string> unexpected;       // tensor names with no spec (source key shown as "name (from key)")
-  std::vector<std::string> shape_mismatch;   // "name: checkpoint [..] vs model [..]"
+  std::vector<std::string> unexpected;       // tensor names with no spec (KeyOrigins::describe form)
+  std::vector<std::string> shape_mismatch;   // "name (checkpoint key ..): checkpoint [..] vs model [..]"
   std::vector<std::string> bad_dtype;        // non-floating tensors where floats were expected
-  bool empty() const { return missing.empty() && unexpected.empty() && shape_mismatch.empty() && bad_dtype.empty(); }
+  std::vector<std::string> duplicates;       // several checkpoint keys renamed onto one internal name
+  bool empty() const {
+    return missing.empty() && unexpected.empty() && shape_mismatch.empty() && bad_dtype.empty() && duplicates.empty();
+  }
+  size_t count() const;
   std::string describe() const;              // one message listing all of them
 };
 
+// Checks `tensors` against `specs` without placing anything (what `inspect` reports).
+MatchProblems match_specs(const std::map<std::string, at::Tensor>& tensors, const std::vector<ParamSpec>& specs,
+                          const KeyOrigins& origins = {});
+
 // Strictly places `tensors` (internal name -> CPU tensor, e.g. mapped views) according to `specs`.
 // Throws CheckpointError("<context>: ...all problems...") unless every spec is matched exactly once by shape.
-// No copy is made when a tensor already has the target dtype and device (it keeps viewing the mapping).
+// No copy is made when a tensor already has the target dtype and device (it keeps viewing the mapping); on CUDA
+// the stored bytes go to the device first and are converted there (no full converted copy on the host).
 StateDict place_strict(const std::map<std::string, at::Tensor>& tensors, const std::vector<ParamSpec>& specs,
                        const PlaceOptions& options, const std::string& context);
+StateDict place_strict(const std::map<std::string, at::Tensor>& tensors, const std::vector<ParamSpec>& specs,
+                       const PlaceOptions& options, const std::string& context, const KeyOrigins& origins);
+
+// The dtype a parameter is placed in: fp32 islands stay float32; fp16 becomes float32 on CPU (LibTorch 1.13 has no
+// fp16 matmul there).
+at::ScalarType placed_dtype(const ParamSpec& spec, const PlaceOptions& options);
 
 // Parses "cpu", "cuda", "cuda:N"; throws CheckpointError on anything else, and on CUDA when this LibTorch has none.
 c10::Device parse_device(const std::string& device);

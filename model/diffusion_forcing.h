@@ -11,7 +11,10 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include "model/sampler_flow_unipc.h"
 
 namespace skyreels::model {
 
@@ -32,7 +35,24 @@ struct GenerationParams {
   double addnoise_condition = 0.0;
   int64_t fps = 24;
   std::optional<uint64_t> seed;
+  // The other settings of a diffusers scheduler_config.json (solver order/type, lower_order_final, ...).
+  // Its flow_shift is ignored here: `flow_shift` above is the one used.
+  FlowUniPCConfig scheduler;
 };
+
+// diffusers' generate_timestep_matrix, unchanged (also for frames that are not a multiple of the block size, whose
+// tail gets no columns: #13609 is refused in plan_chunks instead).
+struct TimestepMatrix {
+  at::Tensor step_matrix;   // int64 [R, C]: model timestep per row and frame (999 not started, 0 finished)
+  at::Tensor step_index;    // int64 [R, C]: index into [999, step_template..., 0]
+  at::Tensor update_mask;   // bool  [R, C]: frames the scheduler advances in that row
+  std::vector<std::pair<int64_t, int64_t>> valid_interval;  // [start, end) frames fed to the model per row
+  int64_t rows() const { return static_cast<int64_t>(valid_interval.size()); }
+};
+// Throws std::invalid_argument("ar_step: ...") where diffusers raises (ar_step too small for a sliding window).
+TimestepMatrix generate_timestep_matrix(int64_t num_latent_frames, const std::vector<int64_t>& step_template,
+                                        int64_t base_num_latent_frames, int64_t ar_step, int64_t num_pre_ready,
+                                        int64_t causal_block_size);
 
 // One chunk of a (possibly long) video, in latent frames.
 struct ChunkSpec {
@@ -73,10 +93,14 @@ class NoiseSource {
   virtual at::Tensor latent_noise(int64_t chunk_index, at::IntArrayRef shape) = 0;
   // addnoise_condition noise for one timestep row of one chunk (diffusers: randn_like on the global RNG).
   virtual at::Tensor condition_noise(int64_t chunk_index, int64_t row, at::IntArrayRef shape) = 0;
+  // Called by run_chunk before the first draw of a chunk, so that a source reproducing one random stream can skip
+  // the draws of earlier chunks it never served (chunks run on different replicas). Default: nothing.
+  virtual void begin_chunk(const ChunkPlan& /*plan*/, int64_t /*chunk_index*/) {}
 };
 
 // Seeded: latent noise as torch.Generator("cpu").manual_seed(seed) draws it, chunk after chunk; condition noise
-// from a second generator seeded with seed + 1 (documented in the README). Chunk k can be drawn without chunk k-1.
+// from a second generator seeded with seed + 1 (documented in the README). Chunk k can be drawn without chunk k-1
+// (a fresh source per chunk is fine): run_chunk calls begin_chunk, which gives the source the earlier chunks' shapes.
 std::unique_ptr<NoiseSource> make_seeded_noise(uint64_t seed);
 // Recorded: tensors noise_000, noise_001, ... consumed in order (the fixtures' noise.safetensors).
 std::unique_ptr<NoiseSource> make_recorded_noise(std::vector<at::Tensor> draws_in_order);
@@ -91,14 +115,49 @@ struct GenerationCancelled : std::runtime_error {
 };
 
 // Runs chunk `chunk_index` of `plan`. `previous_latents` is the accumulated latent video so far (fp32
-// [B,16,F_so_far,h,w], any device) and is ignored for chunk 0. Returns the chunk's own latents, fp32
-// [B, 16, Fk, h, w] on the model's device.
+// [B,16,F_so_far,h,w], any device; its last overlap_latent_frames frames are all that is read, so that tail alone
+// also works) and is ignored for chunk 0. Returns the chunk's own latents, fp32 [B, 16, Fk, h, w] on the model's
+// device. The scheduler config comes from params.scheduler with params.flow_shift.
 at::Tensor run_chunk(const SkyReelsV2Transformer& model, const GenerationParams& params, const ChunkPlan& plan,
                      int64_t chunk_index, const Conditioning& conditioning, const at::Tensor& previous_latents,
                      NoiseSource& noise, const StepHooks& hooks = {});
 
 // Appends chunk latents to the accumulated video as diffusers does (drops the first keep_from frames).
 at::Tensor accumulate(const at::Tensor& accumulated, const at::Tensor& chunk_latents, const ChunkSpec& chunk);
+
+// ---- the loop without the transformer (tests, traces, other backends) -------------------------------------------
+
+// One model evaluation of the denoising loop.
+struct DenoiseCall {
+  at::Tensor latent_model_input;     // [B, C, F, h, w] in the compute dtype (prefix already noised by addnoise)
+  at::Tensor timestep;               // int64 [B, F]
+  at::Tensor encoder_hidden_states;  // prompt (or negative prompt) embeddings, compute dtype
+  bool unconditional = false;        // the negative-prompt pass of classifier-free guidance
+  int64_t chunk = 0;
+  int64_t row = 0;
+  int64_t num_frame_per_block = 1;   // this request's causal block size (the block-causal mask when > 1)
+};
+// Returns the velocity prediction [B, C, F, h, w] (compute dtype).
+using Denoiser = std::function<at::Tensor(const DenoiseCall&)>;
+
+struct DenoiserInfo {
+  c10::Device device = c10::kCPU;
+  at::ScalarType dtype = at::kFloat;  // compute dtype (inputs are cast to it, as diffusers casts to transformer.dtype)
+  int64_t latent_channels = 16;
+  int64_t num_frame_per_block = 1;    // the model config's default causal block size
+};
+
+// The transformer as a Denoiser (per-request block size from the call, fps from `params`).
+Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const GenerationParams& params);
+DenoiserInfo denoiser_info(const SkyReelsV2Transformer& model);
+
+at::Tensor run_chunk(const Denoiser& denoiser, const DenoiserInfo& info, const GenerationParams& params,
+                     const ChunkPlan& plan, int64_t chunk_index, const Conditioning& conditioning,
+                     const at::Tensor& previous_latents, NoiseSource& noise, const StepHooks& hooks = {});
+
+at::Tensor generate(const Denoiser& denoiser, const DenoiserInfo& info, const GenerationParams& params,
+                    const Conditioning& conditioning, NoiseSource& noise, const StepHooks& hooks = {},
+                    const std::function<void(int64_t, const at::Tensor&)>& on_chunk = {});
 
 // The whole video: every chunk in order. Returns fp32 latents [B, 16, Ftot, h, w]; per-chunk outputs are passed to
 // `on_chunk` when set (chunk index, that chunk's latents).

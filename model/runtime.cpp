@@ -47,7 +47,23 @@ void ensure_openblas_coretype(int argc, char** argv) {
   // execv failed: carry on with OpenBLAS's own detection (slower, still correct).
 }
 
-int available_cores() {
+namespace {
+
+// CPUs granted by the cgroup v2 quota (Kubernetes CPU limits), 0 when unlimited or unknown.
+int cgroup_cpu_quota() {
+  std::ifstream in("/sys/fs/cgroup/cpu.max");
+  std::string quota;
+  long long period = 0;
+  if (!(in >> quota >> period) || quota == "max" || period <= 0) return 0;
+  try {
+    const long long q = std::stoll(quota);
+    return q > 0 ? static_cast<int>((q + period - 1) / period) : 0;
+  } catch (const std::exception&) {
+    return 0;
+  }
+}
+
+int affinity_cores() {
   cpu_set_t set;
   CPU_ZERO(&set);
   if (sched_getaffinity(0, sizeof(set), &set) == 0) {
@@ -58,7 +74,21 @@ int available_cores() {
   return n > 0 ? static_cast<int>(n) : 1;
 }
 
+}  // namespace
+
+int available_cores() {
+  int cores = affinity_cores();
+  const int quota = cgroup_cpu_quota();
+  if (quota > 0 && quota < cores) cores = quota;
+  return cores;
+}
+
 int configure_threads(int threads) {
+  if (threads <= 0) {
+    // An explicit OMP_NUM_THREADS wins, as it does for OpenMP itself.
+    const char* omp = std::getenv("OMP_NUM_THREADS");
+    threads = omp != nullptr ? std::atoi(omp) : 0;
+  }
   if (threads <= 0) threads = available_cores();
   at::set_num_threads(threads);
   return threads;

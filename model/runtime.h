@@ -20,11 +20,11 @@ CpuFeatures cpu_features();  // read once from /proc/cpuinfo
 // and the CPU has AVX-512 (SkylakeX) or AVX2 (Haswell), it sets it and re-executes the program (once).
 void ensure_openblas_coretype(int argc, char** argv);
 
-// Cores this process may run on (sched_getaffinity), at least 1.
+// Cores this process may run on: sched_getaffinity, capped by the cgroup v2 CPU quota (Kubernetes limits); >= 1.
 int available_cores();
 
 // Sets LibTorch intra-op threads (LibTorch 1.13 picks half the cores on x86) and one inter-op thread.
-// threads <= 0 means available_cores(). Returns the number set.
+// threads <= 0 means OMP_NUM_THREADS when set, else available_cores(). Returns the number set.
 int configure_threads(int threads = 0);
 
 // "auto" resolves to bfloat16 on CUDA devices and on CPUs with AMX-BF16 or AVX512-BF16, else float32.

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -101,6 +102,18 @@ DType from_scalar_type(at::ScalarType type) {
   throw FormatError(std::string("safetensors cannot store dtype ") + c10::toString(type));
 }
 
+// numel x element size, or false when that does not fit in 64 bits (a hostile header must not wrap around).
+static bool checked_nbytes(const std::vector<int64_t>& shape, size_t element_size, uint64_t& out) {
+  uint64_t n = element_size;
+  for (int64_t d : shape) {
+    const auto ud = static_cast<uint64_t>(d);
+    if (ud != 0 && n > std::numeric_limits<uint64_t>::max() / ud) return false;
+    n *= ud;
+  }
+  out = n;
+  return true;
+}
+
 int64_t TensorInfo::numel() const {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
@@ -109,6 +122,10 @@ int64_t TensorInfo::numel() const {
 
 void parse_header(const std::string& path, const std::string& text, uint64_t header_len, uint64_t file_size,
                   std::vector<TensorInfo>& tensors, std::map<std::string, std::string>& metadata) {
+  if (file_size < 8 || header_len > file_size - 8) {
+    fail(path, "header length " + std::to_string(header_len) + " is past the end of the file (" +
+                   std::to_string(file_size) + " bytes)");
+  }
   const uint64_t data_size = file_size - 8 - header_len;
   nlohmann::json header;
   try {
@@ -154,7 +171,8 @@ void parse_header(const std::string& path, const std::string& text, uint64_t hea
       fail_tensor(path, name, "data_offsets end " + std::to_string(info.end) + " is past the data area (" +
                                   std::to_string(data_size) + " bytes; file truncated?)");
     }
-    const uint64_t expected = static_cast<uint64_t>(info.numel()) * dtype_size(info.dtype);
+    uint64_t expected = 0;
+    if (!checked_nbytes(info.shape, dtype_size(info.dtype), expected)) fail_tensor(path, name, "shape is too large");
     if (info.end - info.begin != expected) {
       fail_tensor(path, name, "byte length " + std::to_string(info.end - info.begin) + " does not match shape x " +
                                   dtype + " = " + std::to_string(expected));
@@ -165,7 +183,8 @@ void parse_header(const std::string& path, const std::string& text, uint64_t hea
   std::vector<const TensorInfo*> by_offset;
   for (const auto& t : tensors) by_offset.push_back(&t);
   std::sort(by_offset.begin(), by_offset.end(), [](const TensorInfo* a, const TensorInfo* b) {
-    return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
+    if (a->begin != b->begin) return a->begin < b->begin;
+    return a->end != b->end ? a->end < b->end : a->name < b->name;  // deterministic messages
   });
   for (size_t i = 1; i < by_offset.size(); ++i) {
     const TensorInfo* prev = by_offset[i - 1];
@@ -250,34 +269,63 @@ at::Tensor File::tensor(const std::string& name) const {
   return at::from_blob(ptr, info->shape, [keep](void*) {}, options);
 }
 
-void save(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-          const std::map<std::string, std::string>& metadata) {
+void save_streaming(const std::string& path, const std::vector<SaveItem>& items,
+                    const std::map<std::string, std::string>& metadata) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
-  std::vector<at::Tensor> blobs;
   uint64_t offset = 0;
-  for (const auto& [name, tensor] : tensors) {
-    if (name == "__metadata__") throw FormatError("cannot write a tensor named __metadata__ to '" + path + "'");
-    at::Tensor cpu = tensor.to(at::kCPU).contiguous();
-    const DType dtype = from_scalar_type(cpu.scalar_type());
-    const uint64_t nbytes = static_cast<uint64_t>(cpu.numel()) * dtype_size(dtype);
-    header[name] = {{"dtype", dtype_name(dtype)}, {"shape", cpu.sizes().vec()}, {"data_offsets", {offset, offset + nbytes}}};
+  for (const auto& item : items) {
+    if (item.name == "__metadata__") throw FormatError("cannot write a tensor named __metadata__ to '" + path + "'");
+    if (header.contains(item.name)) throw FormatError("tensor '" + item.name + "' given twice for '" + path + "'");
+    const DType dtype = from_scalar_type(item.dtype);
+    uint64_t nbytes = 0;
+    if (!checked_nbytes(item.shape, dtype_size(dtype), nbytes)) {
+      throw FormatError("tensor '" + item.name + "' for '" + path + "' is too large");
+    }
+    header[item.name] = {{"dtype", dtype_name(dtype)}, {"shape", item.shape}, {"data_offsets", {offset, offset + nbytes}}};
     offset += nbytes;
-    blobs.push_back(cpu);
   }
   std::string text = header.dump();
   while ((8 + text.size()) % 8 != 0) text.push_back(' ');  // align the data area for zero-copy readers
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) throw FormatError("cannot write safetensors file '" + path + "'");
-  uint64_t len = text.size();
-  char len_bytes[8];
-  for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<char>((len >> (8 * i)) & 0xff);
-  out.write(len_bytes, 8);
-  out.write(text.data(), static_cast<std::streamsize>(text.size()));
-  for (const auto& blob : blobs) {
-    out.write(static_cast<const char*>(blob.data_ptr()), static_cast<std::streamsize>(blob.nbytes()));
+
+  const std::string partial = path + ".partial";
+  try {
+    std::ofstream out(partial, std::ios::binary | std::ios::trunc);
+    if (!out) throw FormatError("cannot write safetensors file '" + partial + "'");
+    const uint64_t len = text.size();
+    char len_bytes[8];
+    for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<char>((len >> (8 * i)) & 0xff);
+    out.write(len_bytes, 8);
+    out.write(text.data(), static_cast<std::streamsize>(text.size()));
+    for (const auto& item : items) {
+      at::Tensor t = item.produce().to(at::kCPU).contiguous();
+      if (t.scalar_type() != item.dtype || t.sizes().vec() != item.shape) {
+        throw FormatError("tensor '" + item.name + "' for '" + path + "' was produced as " +
+                          c10::toString(t.scalar_type()) + " " + std::to_string(t.dim()) +
+                          "-d, not as declared in the header");
+      }
+      out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
+    }
+    out.close();
+    if (!out) throw FormatError("short write to safetensors file '" + partial + "' (disk full?)");
+    if (std::rename(partial.c_str(), path.c_str()) != 0) {
+      throw FormatError("cannot rename '" + partial + "' to '" + path + "': " + std::strerror(errno));
+    }
+  } catch (...) {
+    std::remove(partial.c_str());
+    throw;
   }
-  if (!out) throw FormatError("short write to safetensors file '" + path + "'");
+}
+
+void save(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+          const std::map<std::string, std::string>& metadata) {
+  std::vector<SaveItem> items;
+  items.reserve(tensors.size());
+  for (const auto& [name, tensor] : tensors) {
+    const at::Tensor t = tensor;
+    items.push_back({name, t.scalar_type(), t.sizes().vec(), [t] { return t; }});
+  }
+  save_streaming(path, items, metadata);
 }
 
 std::map<std::string, at::Tensor> load_all(const std::string& path) {

@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <stdexcept>
@@ -75,6 +76,20 @@ class File {
 // Parses and validates a header against a file of `file_size` bytes (exposed for tests of damaged headers).
 void parse_header(const std::string& path, const std::string& json, uint64_t header_len, uint64_t file_size,
                   std::vector<TensorInfo>& tensors, std::map<std::string, std::string>& metadata);
+
+// One tensor to write: its header entry is known up front, its bytes are produced only when it is written, so a
+// writer holds one tensor in memory at a time (convert and the benchmark write multi-GB files this way).
+struct SaveItem {
+  std::string name;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> shape;
+  std::function<at::Tensor()> produce;  // must return exactly `dtype` and `shape` (any device, any layout)
+};
+
+// Writes `path` atomically (to path + ".partial", renamed at the end; removed on failure). The data area is aligned
+// to 8 bytes so that readers can view it without copying.
+void save_streaming(const std::string& path, const std::vector<SaveItem>& items,
+                    const std::map<std::string, std::string>& metadata = {});
 
 // Writes tensors (any device, any layout; stored contiguous, little-endian) in the given order.
 void save(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,

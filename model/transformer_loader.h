@@ -4,8 +4,10 @@
 // every tensor straight onto the target device in the target dtype.
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -49,5 +51,71 @@ struct MappedTransformerCheckpoint {
   TransformerLoadReport report;
 };
 MappedTransformerCheckpoint map_transformer_checkpoint(const std::string& path);
+
+// ---- the pieces, exposed for `inspect`, `convert` and tests --------------------------------------------------------
+
+// The layout of a set of checkpoint keys (an optional `model.diffusion_model.` prefix is allowed). Throws
+// CheckpointError when no transformer key is recognised, or when original and diffusers names are mixed.
+TransformerLayout detect_transformer_layout(const std::vector<std::string>& keys);
+
+// The ordered rename table of a layout: checkpoint key -> internal (diffusers) name, applied with
+// checkpoint::apply_rules. The prefix rule comes first in every table.
+const std::vector<checkpoint::RenameRule>& transformer_rename_rules(TransformerLayout layout);
+// The inverse direction: the checkpoint key (without prefix) a layout stores an internal name under. Used to name
+// the key of a missing parameter; for norm_out_linear, `scale_shift_table` is stored as norm_out.linear.bias.
+std::string transformer_checkpoint_key(TransformerLayout layout, const std::string& internal);
+
+// config.json in diffusers form (SkyReelsV2Transformer3DModel) or original form (WanModel: dim, num_heads, ...).
+// Fields a file leaves out take that form's defaults, each listed in `notes`. Throws CheckpointError naming the
+// file and field on a malformed or unsupported config.
+struct ParsedTransformerConfig {
+  TransformerConfig config;
+  std::string form;                // "diffusers" or "original"
+  std::vector<std::string> notes;
+};
+ParsedTransformerConfig parse_transformer_config(const std::string& config_json_path);
+
+// The config implied by (internal-named) tensor shapes. The head split is not recorded in the weights (the q/k
+// RMSNorm spans all heads): it assumes attention_head_dim 128, as every published SkyReels-V2/Wan model has, and
+// throws CheckpointError when the inner dim is not a multiple of 128. eps, rope_max_seq_len and
+// num_frame_per_block take their defaults. Every assumption is appended to `notes`.
+TransformerConfig infer_transformer_config(const std::map<std::string, at::Tensor>& tensors,
+                                           std::vector<std::string>* notes = nullptr);
+
+// Fields on which `config` contradicts the tensor shapes, each naming the field and the tensor that disagrees.
+std::vector<std::string> transformer_config_contradictions(const TransformerConfig& config,
+                                                           const std::map<std::string, at::Tensor>& tensors,
+                                                           const std::string& form = "diffusers");
+
+// Everything the loader finds, with problems collected instead of thrown (what `inspect` prints). Only unreadable
+// inputs throw (missing path, damaged safetensors, missing shard, unrecognised or mixed key names).
+struct TransformerCheckpointAnalysis {
+  std::string path;                          // what was read (a pipeline's transformer/ folder, for instance)
+  std::optional<TransformerConfig> config;   // absent when it could not be read or inferred
+  std::map<std::string, at::Tensor> tensors; // internal name -> CPU tensor as stored (mapped views)
+  checkpoint::KeyOrigins origins;            // internal name -> checkpoint key
+  TransformerLoadReport report;
+  std::vector<std::string> problems;         // config and layout problems, each naming its field/key/file
+  checkpoint::MatchProblems match;           // strict comparison with the model's parameters
+  bool ok() const { return problems.empty() && match.empty(); }
+  std::string error_message() const;         // every problem in one message
+};
+TransformerCheckpointAnalysis analyze_transformer_checkpoint(const std::string& path);
+
+// Writes the checkpoint at `src` (any accepted layout) in the diffusers layout: config.json plus
+// diffusion_pytorch_model.safetensors, or shards diffusion_pytorch_model-0000k-of-0000n.safetensors with
+// diffusion_pytorch_model.safetensors.index.json when it is larger than max_shard_size. `dst` must not exist or be
+// empty. The source is checked strictly first; nothing is written for a checkpoint that would not load.
+struct ConvertOptions {
+  std::string dtype;                             // "" keeps stored dtypes; float32 or bfloat16 (fp32 islands stay fp32)
+  uint64_t max_shard_size = 5'000'000'000ull;    // bytes per shard, 5 GB like diffusers' save_pretrained
+};
+struct ConvertResult {
+  std::vector<std::string> files;                // written, config.json and index included
+  uint64_t bytes = 0;                            // tensor bytes written
+  TransformerLoadReport source;                  // what was read
+};
+ConvertResult convert_transformer_checkpoint(const std::string& src, const std::string& dst,
+                                             const ConvertOptions& options = {});
 
 }  // namespace skyreels::model

@@ -2,7 +2,12 @@
 
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
+#include <torch/version.h>
 
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <set>
 #include <stdexcept>
 
 namespace skyreels::model {
@@ -109,31 +114,559 @@ std::vector<checkpoint::ParamSpec> transformer_parameter_specs(const Transformer
 }
 
 // ---- the model ------------------------------------------------------------------------------------------------
-// (forward pass: filled in by the transformer port)
+// Dtype rules (spec 3.4-3.9): linears, attention, the text/fps paths and the cross-attention residual run in the
+// compute dtype; the time embedder, every modulation sum, the LayerNorms and the gated residual adds run in fp32.
+
+namespace transformer_detail {
+
+RopeSplit rope_split(int64_t head_dim) {
+  RopeSplit s;
+  s.h = s.w = 2 * (head_dim / 6);
+  s.t = head_dim - s.h - s.w;
+  return s;
+}
+
+at::Tensor timestep_sinusoid(const at::Tensor& timestep, int64_t dim) {
+  // float64 as diffusers' get_1d_sincos_pos_embed_from_grid: at t ~ 999 fp32 angles are off by ~1e-4 rad.
+  const int64_t half = dim / 2;
+  const auto f64 = at::TensorOptions().dtype(at::kDouble).device(timestep.device());
+  at::Tensor omega = at::pow(10000.0, at::arange(half, f64).div_(static_cast<double>(half))).reciprocal_();
+  at::Tensor angle = at::outer(timestep.reshape({-1}).to(at::kDouble), omega);
+  std::vector<int64_t> shape = timestep.sizes().vec();
+  shape.push_back(2 * half);
+  return at::cat({at::cos(angle), at::sin(angle)}, 1).view(shape);
+}
+
+namespace {
+
+// Writes softmax(q k^T / sqrt(Dh)) v into dst ([B, Nh, Lq, Dh], any strides).
+void attend_into(const at::Tensor& dst, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                 [[maybe_unused]] int64_t max_score_bytes) {
+#if TORCH_VERSION_MAJOR >= 2
+  dst.copy_(at::scaled_dot_product_attention(q, k, v));
+#else
+  // LibTorch 1.x has no public SDPA: the reference math per head, over chunks of query rows whose [rows, Lk] score
+  // matrix stays under max_score_bytes (L x L at 540P would be tens of GB). The two score buffers are reused by
+  // every chunk: on CPU, fresh large allocations cost a page fault per 4 KiB. Per-head 2-D GEMMs also keep
+  // LibTorch 1.13 off its slow batched path for a transposed operand.
+  const int64_t lq = q.size(2), lk = k.size(2);
+  const int64_t rows = std::clamp<int64_t>(max_score_bytes / (lk * static_cast<int64_t>(q.element_size())), 1, lq);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+  const at::Tensor scores = at::empty({rows, lk}, q.options());
+  const at::Tensor probs = at::empty({rows, lk}, q.options());
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    for (int64_t h = 0; h < q.size(1); ++h) {
+      const at::Tensor qh = q[b][h], kh_t = k[b][h].t(), vh = v[b][h], out = dst[b][h];
+      for (int64_t r = 0; r < lq; r += rows) {
+        const int64_t n = std::min(rows, lq - r);
+        at::Tensor s = scores.narrow(0, 0, n), p = probs.narrow(0, 0, n), o = out.narrow(0, r, n);
+        at::addmm_out(s, s, qh.narrow(0, r, n), kh_t, /*beta=*/0, /*alpha=*/scale);
+        at::_softmax_out(p, s, -1, false);
+        at::mm_out(o, p, vh);
+      }
+    }
+  }
+#endif
+}
+
+}  // namespace
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t causal_block_tokens,
+                     int64_t max_score_bytes) {
+  if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4 || k.sizes() != v.sizes() || q.size(0) != k.size(0) ||
+      q.size(1) != k.size(1) || q.size(3) != k.size(3)) {
+    throw std::invalid_argument("attention: expected q [B, Nh, Lq, Dh] and k, v [B, Nh, Lk, Dh]");
+  }
+  const int64_t lq = q.size(2);
+  if (causal_block_tokens > 0 && lq != k.size(2)) {
+    throw std::invalid_argument("attention: the block-causal mask needs as many queries as keys");
+  }
+  at::Tensor out = at::empty({q.size(0), lq, q.size(1), q.size(3)}, q.options());
+  const at::Tensor dst = out.transpose(1, 2);
+  if (causal_block_tokens <= 0 || causal_block_tokens >= lq) {
+    attend_into(dst, q, k, v, max_score_bytes);
+    return out;
+  }
+  // Keys of later blocks are masked out anyway: attending each query block to its key prefix is the same softmax,
+  // without an L x L mask and with about half the work.
+  for (int64_t start = 0; start < lq; start += causal_block_tokens) {
+    const int64_t n = std::min(causal_block_tokens, lq - start);
+    attend_into(dst.narrow(2, start, n), q.narrow(2, start, n), k.narrow(2, 0, start + n), v.narrow(2, 0, start + n),
+                max_score_bytes);
+  }
+  return out;
+}
+
+}  // namespace transformer_detail
+
+namespace {
+
+using at::Tensor;
+namespace detail = transformer_detail;
+
+// y = x W^T + b over the last dim, through a 2-D view so LibTorch takes its addmm (oneDNN for bf16) path.
+struct Linear {
+  Tensor weight;
+  Tensor bias;
+  Tensor operator()(const Tensor& x) const {
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape.back() = weight.size(0);
+    return at::linear(x.reshape({-1, x.size(-1)}), weight, bias).view(shape);
+  }
+};
+
+struct AttentionWeights {
+  Linear to_q, to_k, to_v, to_out;
+  Tensor norm_q, norm_k;
+};
+
+struct BlockWeights {
+  Tensor scale_shift_table;  // [1, 6, D] fp32
+  AttentionWeights attn1, attn2;
+  Tensor norm2_weight, norm2_bias;  // fp32; undefined without cross_attn_norm
+  Linear ffn_in, ffn_out;
+};
+
+// Token geometry of one call. Modulation tensors are per frame ([B, Fm, 1, D], Fm = F in diffusion forcing, else 1)
+// and broadcast over the S = pph * ppw tokens of each frame through the [B, F, S, D] view of the tokens.
+struct Geometry {
+  int64_t batch = 0, frames = 0, height = 0, width = 0;  // input latent shape
+  int64_t ppf = 0, pph = 0, ppw = 0;                     // post-patch grid
+  int64_t tokens_per_frame = 0, tokens = 0, dim = 0;
+  std::vector<int64_t> per_frame() const { return {batch, ppf, tokens_per_frame, dim}; }
+  std::vector<int64_t> flat() const { return {batch, tokens, dim}; }
+};
+
+// LayerNorm over the last dim computed in fp32 (diffusers' FP32LayerNorm); returns fp32.
+Tensor layer_norm_fp32(const Tensor& x, double eps, const Tensor& weight = {}, const Tensor& bias = {}) {
+  return at::layer_norm(x.to(at::kFloat), {x.size(-1)}, weight, bias, eps);
+}
+
+// Mixed-dtype elementwise ops (bf16 with fp32) take a scalar casting path in LibTorch 1.13, 10-20x slower than
+// converting first; the helpers below convert explicitly (same numbers: the mixed op upcasts the same way).
+
+// torch.nn.RMSNorm over the whole projection (all heads at once): fp32 statistics and weight multiply, one rounding.
+Tensor rms_norm_across_heads(const Tensor& x, const Tensor& weight, double eps) {
+  const Tensor xf = x.to(at::kFloat);
+  Tensor y = xf.mul(at::rsqrt(xf.pow(2).mean(-1, true).add_(eps)));
+  y.mul_(weight.to(at::kFloat));
+  return y.to(x.scalar_type());
+}
+
+// (LN(x) * (1 + scale) + shift) in fp32, rounded to `dtype`. x [B, L, D]; scale/shift [B, Fm, 1, D] fp32.
+Tensor modulated_norm(const Tensor& x, const Tensor& scale, const Tensor& shift, const Geometry& g, double eps,
+                      at::ScalarType dtype) {
+  Tensor n = layer_norm_fp32(x, eps);
+  n.view(g.per_frame()).mul_(1 + scale).add_(shift);
+  return n.to(dtype);
+}
+
+// (x.float() + y * gate) rounded to x's dtype: the fp32 residual of self-attention and the FFN.
+Tensor gated_residual(const Tensor& x, const Tensor& y, const Tensor& gate, const Geometry& g) {
+  Tensor sum = y.to(at::kFloat).view(g.per_frame()) * gate;
+  sum.add_(x.to(at::kFloat).view(g.per_frame()));
+  return sum.to(x.scalar_type()).view(g.flat());
+}
+
+// The per-call RoPE tables in the form apply_rope uses, [1, L, 1, Dh] fp32: cos repeated over each pair (diffusers'
+// table as is) and sin with the pair's first entry negated.
+struct RopeTables {
+  Tensor cos, signed_sin;
+};
+
+// Rotates interleaved pairs (x[2k], x[2k+1]) of every head of x [B, L, D] by the per-token angles:
+// out[2k] = x[2k] cos - x[2k+1] sin, out[2k+1] = x[2k] sin + x[2k+1] cos, computed as x * cos + swap(x) * signed_sin
+// (the same products and sums, so the same fp32 numbers as diffusers), rounded once to x's dtype.
+Tensor apply_rope(const Tensor& x, const RopeTables& rope, int64_t heads) {
+  const int64_t b = x.size(0), l = x.size(1), dh = x.size(2) / heads;
+  const Tensor xf = x.to(at::kFloat).view({b, l, heads, dh});
+  const Tensor pairs = xf.view({b, l, heads, dh / 2, 2});
+  Tensor swapped = at::stack({pairs.select(-1, 1), pairs.select(-1, 0)}, -1).view({b, l, heads, dh});
+  Tensor out = xf * rope.cos;
+  out.add_(swapped.mul_(rope.signed_sin));
+  return out.to(x.scalar_type()).view({b, l, heads * dh});
+}
+
+// [B, L, D] -> [B, Nh, L, Dh] (a view).
+Tensor split_heads(const Tensor& x, int64_t heads) {
+  return x.view({x.size(0), x.size(1), heads, x.size(2) / heads}).transpose(1, 2);
+}
+
+}  // namespace
 
 struct SkyReelsV2Transformer::Impl {
   TransformerConfig config;
   checkpoint::StateDict weights;
   c10::Device device{c10::kCPU};
   at::ScalarType dtype = at::kFloat;
+
+  int64_t chunk_bytes = 0;  // size of the token-chunked FFN hidden state and of attention score buffers
+  detail::RopeSplit split;
+  Tensor rope_cos, rope_sin;  // [rope_max_seq_len, Dh] fp32, diffusers' freqs_cos / freqs_sin
+  Linear patch_embedding;     // the conv3d with kernel == stride, as a linear over flattened patches
+  Linear time_1, time_2, time_proj, text_1, text_2, proj_out, fps_1, fps_2;
+  Tensor fps_embedding, head_table;
+  std::vector<BlockWeights> blocks;
+
+  const Tensor& w(const std::string& name) const { return weights.at(name); }
+  Linear linear(const std::string& prefix) const { return {w(prefix + ".weight"), w(prefix + ".bias")}; }
+
+  void check_weights() const;
+  void bind_weights();
+  void build_rope();
+
+  Geometry check_inputs(const TransformerForwardArgs& args) const;
+  Tensor self_attention(const AttentionWeights& a, const Tensor& n, const RopeTables& rope, const Geometry& g,
+                        int64_t causal_block_tokens) const;
+  Tensor cross_attention(const AttentionWeights& a, const Tensor& n, const Tensor& context) const;
+  Tensor feed_forward(const BlockWeights& b, const Tensor& n) const;
+  Tensor block_forward(const BlockWeights& b, Tensor x, const Tensor& context, const Tensor& modulation,
+                       const RopeTables& rope, const Geometry& g, int64_t causal_block_tokens) const;
+  Tensor head(const Tensor& x, const Tensor& temb, const Geometry& g) const;
 };
+
+namespace {
+
+bool on_device(const Tensor& t, const c10::Device& device) {
+  return t.device().type() == device.type() && (!device.has_index() || device.is_cpu() || t.device() == device);
+}
+
+std::string join_problems(const std::vector<std::string>& problems) {
+  std::string out;
+  const size_t shown = std::min<size_t>(problems.size(), 12);
+  for (size_t i = 0; i < shown; ++i) out += "\n  " + problems[i];
+  if (problems.size() > shown) out += "\n  ... and " + std::to_string(problems.size() - shown) + " more";
+  return out;
+}
+
+}  // namespace
+
+void SkyReelsV2Transformer::Impl::check_weights() const {
+  std::vector<std::string> problems;
+  std::set<std::string> expected;
+  for (const auto& spec : transformer_parameter_specs(config)) {
+    expected.insert(spec.name);
+    auto it = weights.find(spec.name);
+    if (it == weights.end() || !it->second.defined()) {
+      problems.push_back(spec.name + ": missing");
+      continue;
+    }
+    const Tensor& t = it->second;
+    if (t.sizes().vec() != spec.shape) {
+      problems.push_back(spec.name + ": shape " + checkpoint::shape_str(t.sizes().vec()) + ", expected " +
+                         checkpoint::shape_str(spec.shape));
+    }
+    const at::ScalarType want = spec.keep_fp32 ? at::kFloat : dtype;
+    if (t.scalar_type() != want) {
+      problems.push_back(spec.name + ": dtype " + c10::toString(t.scalar_type()) + ", expected " +
+                         c10::toString(want) + (spec.keep_fp32 ? " (fp32 island)" : ""));
+    }
+    if (!on_device(t, device)) problems.push_back(spec.name + ": on " + t.device().str() + ", expected " + device.str());
+  }
+  for (const auto& [name, t] : weights) {
+    if (!expected.count(name)) problems.push_back(name + ": unexpected (no such parameter in this config)");
+  }
+  if (!problems.empty()) {
+    throw std::invalid_argument("SkyReelsV2Transformer: " + std::to_string(problems.size()) +
+                                " weight problem(s):" + join_problems(problems));
+  }
+}
+
+void SkyReelsV2Transformer::Impl::bind_weights() {
+  const Tensor& patch = w("patch_embedding.weight");
+  patch_embedding = {patch.reshape({patch.size(0), -1}), w("patch_embedding.bias")};
+  time_1 = linear("condition_embedder.time_embedder.linear_1");
+  time_2 = linear("condition_embedder.time_embedder.linear_2");
+  time_proj = linear("condition_embedder.time_proj");
+  text_1 = linear("condition_embedder.text_embedder.linear_1");
+  text_2 = linear("condition_embedder.text_embedder.linear_2");
+  proj_out = linear("proj_out");
+  head_table = w("scale_shift_table");
+  if (config.inject_sample_info) {
+    fps_embedding = w("fps_embedding.weight");
+    fps_1 = linear("fps_projection.net.0.proj");
+    fps_2 = linear("fps_projection.net.2");
+  }
+  auto attention_weights = [&](const std::string& p) {
+    return AttentionWeights{linear(p + ".to_q"), linear(p + ".to_k"), linear(p + ".to_v"), linear(p + ".to_out.0"),
+                            w(p + ".norm_q.weight"), w(p + ".norm_k.weight")};
+  };
+  blocks.clear();
+  for (int64_t i = 0; i < config.num_layers; ++i) {
+    const std::string p = "blocks." + std::to_string(i) + ".";
+    BlockWeights b;
+    b.scale_shift_table = w(p + "scale_shift_table");
+    b.attn1 = attention_weights(p + "attn1");
+    b.attn2 = attention_weights(p + "attn2");
+    if (config.cross_attn_norm) {
+      b.norm2_weight = w(p + "norm2.weight");
+      b.norm2_bias = w(p + "norm2.bias");
+    }
+    b.ffn_in = linear(p + "ffn.net.0.proj");
+    b.ffn_out = linear(p + "ffn.net.2");
+    blocks.push_back(std::move(b));
+  }
+}
+
+void SkyReelsV2Transformer::Impl::build_rope() {
+  // Per axis d: w_j = 1 / 10000^(2j/d) and angles p * w_j in float64, cos/sin repeated pairwise, then fp32.
+  split = detail::rope_split(config.attention_head_dim);
+  const auto f64 = at::TensorOptions().dtype(at::kDouble).device(device);
+  const Tensor positions = at::arange(config.rope_max_seq_len, f64);
+  std::vector<Tensor> cos_parts, sin_parts;
+  for (int64_t d : {split.t, split.h, split.w}) {
+    const Tensor exponent = at::arange(0, d, 2, f64).slice(0, 0, d / 2).div_(static_cast<double>(d));
+    const Tensor angle = at::outer(positions, at::pow(10000.0, exponent).reciprocal_());
+    cos_parts.push_back(at::cos(angle).repeat_interleave(2, 1).to(at::kFloat));
+    sin_parts.push_back(at::sin(angle).repeat_interleave(2, 1).to(at::kFloat));
+  }
+  rope_cos = at::cat(cos_parts, 1);
+  rope_sin = at::cat(sin_parts, 1);
+}
 
 SkyReelsV2Transformer::SkyReelsV2Transformer(TransformerConfig config, checkpoint::StateDict weights,
                                              c10::Device device, at::ScalarType compute_dtype)
-    : impl_(new Impl{std::move(config), std::move(weights), device, compute_dtype}) {}
+    : impl_(nullptr) {
+  config.validate();
+  if (compute_dtype != at::kFloat && compute_dtype != at::kBFloat16 && compute_dtype != at::kHalf) {
+    throw std::invalid_argument(std::string("compute_dtype: expected float32, bfloat16 or float16, got ") +
+                                c10::toString(compute_dtype));
+  }
+  if (compute_dtype == at::kHalf && device.is_cpu()) {
+    throw std::invalid_argument("compute_dtype: float16 is not supported on CPU (LibTorch has no fp16 CPU matmul)");
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->config = std::move(config);
+  impl->weights = std::move(weights);
+  impl->device = device;
+  impl->dtype = compute_dtype;
+  impl->check_weights();
+  impl->device = impl->weights.at("patch_embedding.weight").device();  // "cuda" -> the concrete "cuda:N"
+  // CPU: temporaries under glibc's 32 MiB mmap threshold are recycled instead of page-faulted in again.
+  impl->chunk_bytes = impl->device.is_cpu() ? int64_t{16} << 20 : int64_t{512} << 20;
+  impl->bind_weights();
+  impl->build_rope();
+  impl_ = impl.release();
+}
 
 SkyReelsV2Transformer::~SkyReelsV2Transformer() { delete impl_; }
-
-at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs&) const {
-  throw std::logic_error("SkyReelsV2Transformer::forward is not implemented yet");
-}
 
 const TransformerConfig& SkyReelsV2Transformer::config() const { return impl_->config; }
 c10::Device SkyReelsV2Transformer::device() const { return impl_->device; }
 at::ScalarType SkyReelsV2Transformer::compute_dtype() const { return impl_->dtype; }
 
 std::vector<std::pair<std::string, at::Tensor>> SkyReelsV2Transformer::named_tensors() const {
-  return {impl_->weights.begin(), impl_->weights.end()};
+  std::vector<std::pair<std::string, at::Tensor>> out(impl_->weights.begin(), impl_->weights.end());
+  out.emplace_back("rope.freqs_cos", impl_->rope_cos);
+  out.emplace_back("rope.freqs_sin", impl_->rope_sin);
+  return out;
+}
+
+std::pair<at::Tensor, at::Tensor> SkyReelsV2Transformer::rope_tables(int64_t ppf, int64_t pph, int64_t ppw) const {
+  const int64_t max_len = impl_->config.rope_max_seq_len;
+  if (ppf < 1 || pph < 1 || ppw < 1 || ppf > max_len || pph > max_len || ppw > max_len) {
+    throw std::invalid_argument("rope_tables: the post-patch grid " + std::to_string(ppf) + "x" +
+                                std::to_string(pph) + "x" + std::to_string(ppw) +
+                                " must be positive and at most rope_max_seq_len=" + std::to_string(max_len));
+  }
+  const auto& s = impl_->split;
+  auto grid = [&](const Tensor& table) {
+    const Tensor t = table.slice(1, 0, s.t).slice(0, 0, ppf).view({ppf, 1, 1, s.t}).expand({ppf, pph, ppw, s.t});
+    const Tensor h =
+        table.slice(1, s.t, s.t + s.h).slice(0, 0, pph).view({1, pph, 1, s.h}).expand({ppf, pph, ppw, s.h});
+    const Tensor w = table.slice(1, s.t + s.h).slice(0, 0, ppw).view({1, 1, ppw, s.w}).expand({ppf, pph, ppw, s.w});
+    return at::cat({t, h, w}, -1).reshape({1, ppf * pph * ppw, 1, table.size(1)});
+  };
+  return {grid(impl_->rope_cos), grid(impl_->rope_sin)};
+}
+
+// ---- forward --------------------------------------------------------------------------------------------------
+
+Geometry SkyReelsV2Transformer::Impl::check_inputs(const TransformerForwardArgs& a) const {
+  auto require = [](bool ok, const std::string& message) {
+    if (!ok) throw std::invalid_argument(message);
+  };
+  const auto& c = config;
+  const Tensor& x = a.hidden_states;
+  require(x.defined() && x.dim() == 5, "hidden_states: expected [B, in_channels, F, H, W]" +
+                                           (x.defined() ? ", got " + checkpoint::shape_str(x.sizes().vec()) : ""));
+  require(at::isFloatingType(x.scalar_type()), "hidden_states: expected a floating-point tensor");
+  require(x.size(1) == c.in_channels, "hidden_states: expected in_channels=" + std::to_string(c.in_channels) +
+                                          " channels, got " + std::to_string(x.size(1)));
+  Geometry g;
+  g.batch = x.size(0);
+  g.frames = x.size(2);
+  g.height = x.size(3);
+  g.width = x.size(4);
+  const char* axis[] = {"frames", "height", "width"};
+  const int64_t extent[] = {g.frames, g.height, g.width};
+  for (int i = 0; i < 3; ++i) {
+    require(extent[i] > 0 && extent[i] % c.patch_size[i] == 0,
+            std::string("hidden_states: ") + axis[i] + " " + std::to_string(extent[i]) +
+                " must be a positive multiple of patch_size[" + std::to_string(i) +
+                "]=" + std::to_string(c.patch_size[i]));
+    require(extent[i] / c.patch_size[i] <= c.rope_max_seq_len,
+            std::string("hidden_states: ") + axis[i] + " " + std::to_string(extent[i]) +
+                " exceeds the RoPE table (rope_max_seq_len=" + std::to_string(c.rope_max_seq_len) + " patches)");
+  }
+  require(g.batch > 0, "hidden_states: batch must be >= 1");
+  g.ppf = g.frames / c.patch_size[0];
+  g.pph = g.height / c.patch_size[1];
+  g.ppw = g.width / c.patch_size[2];
+  g.tokens_per_frame = g.pph * g.ppw;
+  g.tokens = g.ppf * g.tokens_per_frame;
+  g.dim = c.inner_dim();
+
+  const Tensor& t = a.timestep;
+  require(t.defined() && (t.dim() == 1 || t.dim() == 2) && t.size(0) == g.batch &&
+              (t.dim() == 1 || t.size(1) == g.ppf),
+          "timestep: expected [B] or [B, F] with B=" + std::to_string(g.batch) + ", F=" + std::to_string(g.ppf) +
+              (t.defined() ? ", got " + checkpoint::shape_str(t.sizes().vec()) : ""));
+  require(t.scalar_type() != at::kBool, "timestep: expected integer or floating-point values");
+
+  const Tensor& e = a.encoder_hidden_states;
+  require(e.defined() && e.dim() == 3 && e.size(0) == g.batch && e.size(1) >= 1 && e.size(2) == c.text_dim,
+          "encoder_hidden_states: expected [B, T, text_dim] with B=" + std::to_string(g.batch) +
+              ", text_dim=" + std::to_string(c.text_dim) +
+              (e.defined() ? ", got " + checkpoint::shape_str(e.sizes().vec()) : ""));
+  require(at::isFloatingType(e.scalar_type()), "encoder_hidden_states: expected a floating-point tensor");
+
+  if (c.inject_sample_info) {
+    require(a.fps.has_value() && a.fps->defined(),
+            "fps: this model has an fps embedding (inject_sample_info); pass fps [B] with 0 for 16 fps, else 1");
+    const Tensor& f = *a.fps;
+    require(f.dim() == 1 && f.size(0) == g.batch && at::isIntegralType(f.scalar_type(), false),
+            "fps: expected an integer tensor [B] with B=" + std::to_string(g.batch));
+    require(f.min().item<int64_t>() >= 0 && f.max().item<int64_t>() <= 1,
+            "fps: values must be 0 (16 fps) or 1 (any other rate)");
+  }
+  // (fps given to a model without the embedding is ignored, as diffusers does: pipelines always pass it.)
+
+  require(a.num_frame_per_block >= 1, "num_frame_per_block: must be >= 1");
+  require(g.ppf % a.num_frame_per_block == 0,
+          "num_frame_per_block: " + std::to_string(g.ppf) + " latent frames are not a multiple of " +
+              std::to_string(a.num_frame_per_block) + " (the block-causal mask needs whole blocks)");
+  return g;
+}
+
+Tensor SkyReelsV2Transformer::Impl::self_attention(const AttentionWeights& a, const Tensor& n, const RopeTables& rope,
+                                                   const Geometry& g, int64_t causal_block_tokens) const {
+  // q, k, v stay [B, L, D]; attention reads them through [B, Nh, L, Dh] views (no transposed copies).
+  const int64_t heads = config.num_attention_heads;
+  const Tensor q = apply_rope(rms_norm_across_heads(a.to_q(n), a.norm_q, config.eps), rope, heads);
+  const Tensor k = apply_rope(rms_norm_across_heads(a.to_k(n), a.norm_k, config.eps), rope, heads);
+  const Tensor v = a.to_v(n);
+  const Tensor o = detail::attention(split_heads(q, heads).contiguous(), split_heads(k, heads).contiguous(),
+                                     split_heads(v, heads).contiguous(), causal_block_tokens, chunk_bytes);
+  return a.to_out(o.view(g.flat()));
+}
+
+Tensor SkyReelsV2Transformer::Impl::cross_attention(const AttentionWeights& a, const Tensor& n,
+                                                    const Tensor& context) const {
+  // No RoPE and no mask: zero-padded text rows are attended, as in diffusers.
+  const int64_t heads = config.num_attention_heads;
+  const Tensor q = split_heads(rms_norm_across_heads(a.to_q(n), a.norm_q, config.eps), heads);
+  const Tensor k = split_heads(rms_norm_across_heads(a.to_k(context), a.norm_k, config.eps), heads);
+  const Tensor v = split_heads(a.to_v(context), heads);
+  const Tensor o = detail::attention(q, k, v, 0, chunk_bytes);
+  return a.to_out(o.view({n.size(0), n.size(1), n.size(2)}));
+}
+
+Tensor SkyReelsV2Transformer::Impl::feed_forward(const BlockWeights& b, const Tensor& n) const {
+  // Linear -> GELU(tanh) -> Linear, token-wise: run over chunks of tokens so the [tokens, ffn_dim] hidden state
+  // (0.9 GB in bf16 at 540P for 1.3B) is never whole.
+  const int64_t tokens = n.size(0) * n.size(1), dim = n.size(2);
+  const int64_t chunk = std::clamp<int64_t>(
+      chunk_bytes / (config.ffn_dim * static_cast<int64_t>(n.element_size())), 1, tokens);
+  const Tensor flat = n.view({tokens, dim});
+  Tensor out = at::empty({tokens, dim}, n.options());
+  const Tensor w_out_t = b.ffn_out.weight.t();
+  for (int64_t r = 0; r < tokens; r += chunk) {
+    const int64_t m = std::min(chunk, tokens - r);
+    Tensor hidden = at::linear(flat.narrow(0, r, m), b.ffn_in.weight, b.ffn_in.bias);
+    hidden = at::gelu(hidden, "tanh");
+    Tensor o = out.narrow(0, r, m);
+    at::addmm_out(o, b.ffn_out.bias, hidden, w_out_t);
+  }
+  return out.view(n.sizes());
+}
+
+Tensor SkyReelsV2Transformer::Impl::block_forward(const BlockWeights& b, Tensor x, const Tensor& context,
+                                                  const Tensor& modulation, const RopeTables& rope, const Geometry& g,
+                                                  int64_t causal_block_tokens) const {
+  // e = table + temb in fp32, rows [shift, scale, gate, c_shift, c_scale, c_gate], each [B, Fm, 1, D].
+  const Tensor e = b.scale_shift_table.view({1, 1, 6, g.dim}) + modulation;
+  auto row = [&](int64_t i) { return e.select(2, i).unsqueeze(2); };
+  {
+    const Tensor n = modulated_norm(x, row(1), row(0), g, config.eps, dtype);
+    x = gated_residual(x, self_attention(b.attn1, n, rope, g, causal_block_tokens), row(2), g);
+  }
+  {
+    const Tensor n =
+        config.cross_attn_norm ? layer_norm_fp32(x, config.eps, b.norm2_weight, b.norm2_bias).to(dtype) : x;
+    x.add_(cross_attention(b.attn2, n, context));  // plain add in the compute dtype (no fp32 island)
+  }
+  {
+    const Tensor n = modulated_norm(x, row(4), row(3), g, config.eps, dtype);
+    x = gated_residual(x, feed_forward(b, n), row(5), g);
+  }
+  return x;
+}
+
+Tensor SkyReelsV2Transformer::Impl::head(const Tensor& x, const Tensor& temb, const Geometry& g) const {
+  // shift/scale = table [1, 2, D] (fp32) + temb (compute dtype) -> fp32 [B, Fm, 1, D].
+  const Tensor e = head_table.view({1, 1, 2, g.dim}) + temb.unsqueeze(2);
+  const Tensor n = modulated_norm(x, e.select(2, 1).unsqueeze(2), e.select(2, 0).unsqueeze(2), g, config.eps, dtype);
+  const Tensor out = proj_out(n);  // [B, L, pt*ph*pw*C], features ordered (pt, ph, pw, c)
+  const auto& p = config.patch_size;
+  return out.view({g.batch, g.ppf, g.pph, g.ppw, p[0], p[1], p[2], config.out_channels})
+      .permute({0, 7, 1, 4, 2, 5, 3, 6})
+      .reshape({g.batch, config.out_channels, g.frames, g.height, g.width});
+}
+
+at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) const {
+  const Impl& m = *impl_;
+  const TransformerConfig& c = m.config;
+  const Geometry g = m.check_inputs(args);
+  at::NoGradGuard no_grad;
+
+  // Patch embedding: conv3d with kernel == stride is a linear over flattened (c, pt, ph, pw) patches; token order
+  // f * pph * ppw + h * ppw + w.
+  const auto& p = c.patch_size;
+  Tensor x = args.hidden_states.to(m.device, m.dtype)
+                 .reshape({g.batch, c.in_channels, g.ppf, p[0], g.pph, p[1], g.ppw, p[2]})  // inputs may be views
+                 .permute({0, 2, 4, 6, 1, 3, 5, 7})
+                 .reshape({g.batch, g.tokens, c.in_channels * p[0] * p[1] * p[2]});
+  x = m.patch_embedding(x);
+
+  // Conditioning. Fm = F for per-frame timesteps [B, F] (diffusion forcing), else 1.
+  const Tensor timestep = args.timestep.to(m.device);
+  const Tensor ts = timestep.dim() == 1 ? timestep.unsqueeze(1) : timestep;  // [B, Fm]
+  const int64_t fm = ts.size(1);
+  const Tensor sinusoid = detail::timestep_sinusoid(ts, c.freq_dim).to(at::kFloat);
+  const Tensor temb = m.time_2(at::silu(m.time_1(sinusoid))).to(m.dtype);  // fp32 MLP, then the compute dtype
+  Tensor modulation = m.time_proj(at::silu(temb)).view({g.batch, fm, 6, g.dim});
+  if (c.inject_sample_info) {
+    // Each batch item adds its own fps vector to all of its frames (diffusers only manages B = 1 in DF mode).
+    const Tensor fps_emb = at::index_select(m.fps_embedding, 0, args.fps->to(m.device, at::kLong));
+    const Tensor fps_proj = m.fps_2(at::silu(m.fps_1(fps_emb)));
+    modulation = modulation + fps_proj.view({g.batch, 1, 6, g.dim});
+  }
+  modulation = modulation.to(at::kFloat);
+  const Tensor context =
+      m.text_2(at::gelu(m.text_1(args.encoder_hidden_states.to(m.device, m.dtype)), "tanh"));
+
+  // RoPE: diffusers uses cos[..., 0::2] and sin[..., 1::2] of its tables, each angle repeated over its pair.
+  const auto [cos_full, sin_full] = rope_tables(g.ppf, g.pph, g.ppw);
+  const Tensor sin_half = sin_full.slice(-1, 1, c.attention_head_dim, 2);
+  const RopeTables rope{cos_full, at::stack({sin_half.neg(), sin_half}, -1).view(cos_full.sizes())};
+
+  const int64_t causal_block_tokens =
+      args.num_frame_per_block > 1 ? args.num_frame_per_block * g.tokens_per_frame : 0;
+  for (const BlockWeights& b : m.blocks) {
+    x = m.block_forward(b, std::move(x), context, modulation, rope, g, causal_block_tokens);
+  }
+  return m.head(x, temb, g);
 }
 
 }  // namespace skyreels::model

@@ -58,7 +58,8 @@ struct TransformerForwardArgs {
   at::Tensor hidden_states;          // [B, in_channels, F, H, W], any float dtype (cast to the compute dtype)
   at::Tensor timestep;               // int64 [B] or [B, F] (diffusion forcing)
   at::Tensor encoder_hidden_states;  // [B, T, text_dim], zero-padded text rows
-  std::optional<at::Tensor> fps;     // int64 [B] with values in {0, 1}; required iff inject_sample_info
+  std::optional<at::Tensor> fps;     // int64 [B] with values in {0, 1}; required iff inject_sample_info (a model
+                                     // without the fps embedding ignores it, as diffusers does)
   int64_t num_frame_per_block = 1;   // > 1 turns on the block-causal self-attention mask (F must be a multiple)
 };
 
@@ -83,9 +84,36 @@ class SkyReelsV2Transformer {
   // Every parameter and buffer (RoPE tables included), for device and dtype checks.
   std::vector<std::pair<std::string, at::Tensor>> named_tensors() const;
 
+  // The RoPE tables of one call on a post-patch grid of ppf x pph x ppw tokens: (cos, sin), each [1, L, 1, head_dim]
+  // float32, exactly diffusers' `rope(hidden_states)` (positions start at 0). Throws std::invalid_argument past
+  // rope_max_seq_len.
+  std::pair<at::Tensor, at::Tensor> rope_tables(int64_t ppf, int64_t pph, int64_t ppw) const;
+
  private:
   struct Impl;
   Impl* impl_;
 };
+
+// Building blocks of the forward pass, exposed for unit tests and benchmarks.
+namespace transformer_detail {
+
+// Head-dim split of the 3-D RoPE: h = w = 2 * (head_dim / 6), t = head_dim - h - w (44/42/42 for 128).
+struct RopeSplit {
+  int64_t t = 0, h = 0, w = 0;
+};
+RopeSplit rope_split(int64_t head_dim);
+
+// diffusers' SkyReelsV2Timesteps: float64 [cos(t*w_i) | sin(t*w_i)], w_i = 10000^(-i/(dim/2)); shape [..., dim].
+at::Tensor timestep_sinusoid(const at::Tensor& timestep, int64_t dim);
+
+// softmax(q k^T / sqrt(Dh)) v for q [B, Nh, Lq, Dh], k/v [B, Nh, Lk, Dh] in the compute dtype. Returns
+// [B, Lq, Nh, Dh] (contiguous, ready to flatten heads). causal_block_tokens > 0 applies the block-causal mask of
+// spec section 3.7 (Lq == Lk; query block b sees keys of blocks 0..b) by attending each query block to its key
+// prefix, never building an L x L mask. Without SDPA (LibTorch 1.x) it runs per head, over chunks of query rows
+// whose [rows, Lk] score matrix stays under max_score_bytes.
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t causal_block_tokens = 0,
+                     int64_t max_score_bytes = int64_t{16} << 20);
+
+}  // namespace transformer_detail
 
 }  // namespace skyreels::model

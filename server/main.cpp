@@ -1,18 +1,434 @@
-// skyreels-server: serves SkyReels-V2 diffusion-forcing video generation over gRPC.
-#include <cstring>
+// skyreels-server: serves SkyReels-V2 diffusion-forcing video generation over gRPC, one model replica per device.
+//
+// Shutdown (SIGTERM or SIGINT): readiness turns NOT_SERVING at once and new jobs are refused (UNAVAILABLE); jobs
+// already accepted, queued ones included, keep running until they are all done or --drain-timeout-seconds passes;
+// then whatever is left is stopped at its next denoising step and ends FAILED/UNAVAILABLE ("drain timeout"). After
+// the last job ends, reads (GetJob, WatchJob, DownloadResult) are still answered for a short grace period so clients
+// can collect results, then the gRPC server shuts down and the process exits 0. A second signal skips the wait.
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/impl/service_type.h>
+#include <spdlog/spdlog.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <csignal>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <thread>
 
 #include "model/runtime.h"
+#include "model/transformer_loader.h"
+#include "server/auth.h"
+#include "server/demo_model.h"
+#include "server/encoders.h"
+#include "server/metrics.h"
+#include "server/replica.h"
+#include "server/scheduler.h"
+#include "server/service.h"
+
+#ifndef SKYREELS_VERSION
+#define SKYREELS_VERSION "dev"
+#endif
+
+namespace {
+
+using namespace skyreels::server;
+
+const char* kUsage = R"(usage: skyreels-server --model DIR [flags]
+       skyreels-server --demo [flags]
+
+Serves SkyReels-V2 diffusion-forcing video generation over gRPC (skyreels.v1.VideoService), one model replica per
+device, with grpc.health.v1 (service "" = readiness, "liveness"), server reflection and Prometheus metrics.
+
+model:
+  --model DIR                 transformer checkpoint (diffusers or original layout, single or sharded)
+  --demo                      a tiny random-weight model written to a temp dir and loaded as usual (tests, demos)
+  --vae DIR                   Wan VAE (diffusers layout): results also as MP4, decoded chunk by chunk on the first
+                              replica's device; "demo": a tiny random VAE. Without it, results are latents only
+  --text-encoder DIR          UMT5 encoder for text prompts; without it, text prompts answer FAILED_PRECONDITION
+  --tokenizer DIR             its spiece.model (default: found next to the text encoder)
+  --devices LIST              auto (default: every CUDA device, else one CPU replica), cpu, cuda:0,cuda:1;
+                              repeats such as cpu,cpu make several replicas; CPU replicas split the cores evenly
+  --dtype auto|float32|bfloat16   (default auto: bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16)
+network:
+  --listen HOST:PORT          gRPC (default 0.0.0.0:50051)
+  --metrics-listen HOST:PORT  Prometheus /metrics (default 0.0.0.0:9090)
+  --tls-cert FILE --tls-key FILE   serve TLS (both or neither)
+  --api-keys FILE             require a key per call: lines 'KEY [CLIENT_NAME]'; each client sees only its own jobs
+limits:
+  --max-queue N               jobs admitted and not finished (default 64); more: RESOURCE_EXHAUSTED + retry-after-ms
+  --max-frames N              (default 1457)     --max-steps N (default 100)
+  --max-height N              (default 1280)     --max-width N (default 1280)
+  --chunk-retries N           attempts after a failed chunk, on another replica when possible (default 2)
+  --replica-failure-limit N   consecutive failed chunks before a replica is taken out (default 3)
+  --handoff-cost-seconds S    what moving a job to another replica is assumed to cost (default 0.25)
+  --drain-timeout-seconds N   on SIGTERM, how long accepted jobs may still run (default 600)
+  --result-ttl-seconds N      how long finished jobs and their results are kept (default 3600)
+test hooks:
+  --fault-inject SPEC         REPLICA@N[+],...: the N-th chunk run on REPLICA (e.g. cpu:1@2) throws after its first
+                              step ('+': and every later run); also $SKYREELS_FAULT_INJECT
+  --step-delay-ms N           sleep N ms after every denoising step (slows the tiny model down for tests)
+other:
+  --log-level LEVEL           trace, debug, info (default), warn, error
+  --help, --version
+)";
+
+struct Options {
+  std::string model, vae, text_encoder, tokenizer;
+  bool demo = false;
+  std::string devices = "auto";
+  std::string dtype = "auto";
+  std::string listen = "0.0.0.0:50051";
+  std::string metrics_listen = "0.0.0.0:9090";
+  std::string tls_cert, tls_key, api_keys;
+  int64_t max_queue = 64, max_frames = 1457, max_height = 1280, max_width = 1280, max_steps = 100;
+  int chunk_retries = 2, replica_failure_limit = 3;
+  double handoff_cost_seconds = 0.25;
+  int64_t drain_timeout_seconds = 600, result_ttl_seconds = 3600;
+  std::string fault_inject;
+  int64_t step_delay_ms = 0;
+  std::string log_level = "info";
+};
+
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+int64_t to_int(const std::string& flag, const std::string& value, int64_t lo, int64_t hi) {
+  try {
+    size_t used = 0;
+    const int64_t v = std::stoll(value, &used);
+    if (used == value.size() && v >= lo && v <= hi) return v;
+  } catch (const std::exception&) {
+  }
+  throw UsageError(flag + ": '" + value + "' is not an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  std::map<std::string, std::string*> strings = {
+      {"--model", &o.model},       {"--vae", &o.vae},           {"--text-encoder", &o.text_encoder},
+      {"--tokenizer", &o.tokenizer}, {"--devices", &o.devices}, {"--dtype", &o.dtype},
+      {"--listen", &o.listen},     {"--metrics-listen", &o.metrics_listen}, {"--tls-cert", &o.tls_cert},
+      {"--tls-key", &o.tls_key},   {"--api-keys", &o.api_keys}, {"--fault-inject", &o.fault_inject},
+      {"--log-level", &o.log_level}};
+  struct IntFlag {
+    int64_t* target;
+    int64_t lo, hi;
+  };
+  int64_t chunk_retries = o.chunk_retries, failure_limit = o.replica_failure_limit;
+  std::map<std::string, IntFlag> ints = {
+      {"--max-queue", {&o.max_queue, 1, 1000000}},
+      {"--max-frames", {&o.max_frames, 1, 100000}},
+      {"--max-height", {&o.max_height, 16, 16384}},
+      {"--max-width", {&o.max_width, 16, 16384}},
+      {"--max-steps", {&o.max_steps, 1, 10000}},
+      {"--chunk-retries", {&chunk_retries, 0, 100}},
+      {"--replica-failure-limit", {&failure_limit, 1, 1000000}},
+      {"--drain-timeout-seconds", {&o.drain_timeout_seconds, 0, 86400 * 7}},
+      {"--result-ttl-seconds", {&o.result_ttl_seconds, 1, 86400 * 30}},
+      {"--step-delay-ms", {&o.step_delay_ms, 0, 600000}}};
+  for (int i = 1; i < argc; ++i) {
+    std::string flag = argv[i];
+    std::string value;
+    bool inline_value = false;
+    if (const auto eq = flag.find('='); flag.rfind("--", 0) == 0 && eq != std::string::npos) {
+      value = flag.substr(eq + 1);
+      flag = flag.substr(0, eq);
+      inline_value = true;
+    }
+    if (flag == "--demo") {
+      o.demo = true;
+      continue;
+    }
+    auto take = [&]() {
+      if (inline_value) return value;
+      if (i + 1 >= argc) throw UsageError(flag + ": needs a value");
+      return std::string(argv[++i]);
+    };
+    if (auto s = strings.find(flag); s != strings.end()) {
+      *s->second = take();
+    } else if (auto n = ints.find(flag); n != ints.end()) {
+      *n->second.target = to_int(flag, take(), n->second.lo, n->second.hi);
+    } else if (flag == "--handoff-cost-seconds") {
+      try {
+        o.handoff_cost_seconds = std::stod(take());
+      } catch (const std::exception&) {
+        throw UsageError("--handoff-cost-seconds: not a number");
+      }
+    } else {
+      throw UsageError("unknown flag '" + flag + "'");
+    }
+  }
+  o.chunk_retries = static_cast<int>(chunk_retries);
+  o.replica_failure_limit = static_cast<int>(failure_limit);
+  if (o.model.empty() == !o.demo) throw UsageError(o.demo ? "--demo and --model exclude each other" : "--model DIR is required (or --demo)");
+  if (o.tls_cert.empty() != o.tls_key.empty()) throw UsageError("--tls-cert and --tls-key go together");
+  if (o.fault_inject.empty()) {
+    if (const char* env = std::getenv("SKYREELS_FAULT_INJECT")) o.fault_inject = env;
+  }
+  return o;
+}
+
+std::string read_file(const std::string& path, const std::string& flag) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error(flag + ": cannot read '" + path + "'");
+  std::ostringstream os;
+  os << in.rdbuf();
+  return os.str();
+}
+
+// SIGTERM / SIGINT arrive on a dedicated thread (sigwait) and are counted here.
+struct Signals {
+  std::mutex mu;
+  std::condition_variable cv;
+  int count = 0;
+  int last = 0;
+};
+
+void wait_for(Signals& signals, int count, std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(signals.mu);
+  signals.cv.wait_for(lock, timeout, [&] { return signals.count >= count; });
+}
+
+int signal_count(Signals& signals) {
+  std::lock_guard<std::mutex> lock(signals.mu);
+  return signals.count;
+}
+
+struct TempDir {
+  std::string path;
+  ~TempDir() {
+    std::error_code ec;
+    if (!path.empty()) std::filesystem::remove_all(path, ec);
+  }
+};
+
+int serve(const Options& o, Signals& signals) {
+  // ---- model ----
+  TempDir demo_dir;
+  std::string model_path = o.model;
+  if (o.demo) {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "skyreels-demo-XXXXXX").string();
+    if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("--demo: cannot create a temp directory");
+    demo_dir.path = tmpl;
+    write_tiny_model(demo_dir.path);
+    model_path = demo_dir.path;
+    spdlog::info("event=demo_model path={} (random weights, fixed seed)", model_path);
+  }
+  if (!o.tokenizer.empty() && o.text_encoder.empty()) throw UsageError("--tokenizer needs --text-encoder");
+  const auto mapped = skyreels::model::map_transformer_checkpoint(model_path);  // validates before any replica loads
+  const auto& config = mapped.config;
+
+  // ---- replicas ----
+  auto plans = plan_replicas(o.devices, skyreels::runtime::available_cores(), cuda_device_count());
+  const auto faults = parse_fault_rules(o.fault_inject);
+  std::vector<std::unique_ptr<ChunkExecutor>> executors;
+  std::vector<std::string> names;
+  std::vector<ReplicaDescription> descriptions;
+  for (auto& plan : plans) {
+    plan.dtype = o.dtype;
+    plan.model_path = model_path;
+    plan.faults = faults;
+    plan.step_delay = std::chrono::milliseconds(o.step_delay_ms);
+    names.push_back(plan.name);
+    descriptions.push_back({plan.name, plan.device, plan.threads});
+    executors.push_back(std::make_unique<ModelReplica>(plan));
+  }
+  for (const auto& f : faults) {
+    if (std::find(names.begin(), names.end(), f.replica) == names.end()) {
+      throw UsageError("--fault-inject: no replica named '" + f.replica + "'");
+    }
+  }
+
+  // ---- optional model parts, metrics, scheduler ----
+  TextEncoderFn text_encoder;
+  if (!o.text_encoder.empty()) {
+    text_encoder = load_text_encoder(o.text_encoder, o.tokenizer, plans.front().device, o.dtype, config.text_dim);
+  }
+  std::unique_ptr<VideoEncoder> video;
+  if (!o.vae.empty()) video = std::make_unique<VideoEncoder>(o.vae, plans.front().device);
+  Metrics metrics(names, SKYREELS_VERSION);
+  metrics.serve(o.metrics_listen);
+  ObserverList observers;
+  observers.add(&metrics);
+  if (video) observers.add(video.get());
+  SchedulerOptions scheduling;
+  scheduling.max_jobs = o.max_queue;
+  scheduling.chunk_retries = o.chunk_retries;
+  scheduling.replica_failure_limit = o.replica_failure_limit;
+  scheduling.handoff_cost_seconds = o.handoff_cost_seconds;
+  scheduling.retention = std::chrono::seconds(o.result_ttl_seconds);
+  Scheduler scheduler(std::move(executors), scheduling, &observers);
+  scheduler.start();
+
+  // ---- gRPC ----
+  ApiKeys keys;
+  if (!o.api_keys.empty()) {
+    keys = ApiKeys::load(o.api_keys);
+    spdlog::info("event=api_keys_loaded count={}", keys.size());
+  }
+  ServiceConfig service_config;
+  service_config.version = SKYREELS_VERSION;
+  service_config.limits.max_frames = o.max_frames;
+  service_config.limits.max_height = o.max_height;
+  service_config.limits.max_width = o.max_width;
+  service_config.limits.max_steps = o.max_steps;
+  service_config.model.text_dim = config.text_dim;
+  service_config.model.num_frame_per_block = config.num_frame_per_block;
+  service_config.model.latent_channels = config.out_channels;
+  ModelSummary& summary = service_config.summary;
+  summary.source = o.demo ? "demo" : o.model;
+  summary.dtype = skyreels::runtime::resolve_dtype_name(o.dtype, plans.front().device);
+  summary.parameter_count = mapped.report.parameter_count;
+  summary.num_layers = config.num_layers;
+  summary.num_attention_heads = config.num_attention_heads;
+  summary.attention_head_dim = config.attention_head_dim;
+  summary.text_dim = config.text_dim;
+  summary.ffn_dim = config.ffn_dim;
+  summary.in_channels = config.in_channels;
+  summary.out_channels = config.out_channels;
+  summary.patch_size = {config.patch_size[0], config.patch_size[1], config.patch_size[2]};
+  summary.inject_sample_info = config.inject_sample_info;
+  summary.num_frame_per_block = config.num_frame_per_block;
+  service_config.replicas = descriptions;
+  service_config.api_keys = &keys;
+  service_config.text_encoder = text_encoder;
+  service_config.vae_available = video != nullptr;
+  service_config.metrics = &metrics;
+  auto service = make_video_service(scheduler, service_config);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
+  if (!o.tls_cert.empty()) {
+    grpc::SslServerCredentialsOptions ssl;
+    ssl.pem_key_cert_pairs.push_back({read_file(o.tls_key, "--tls-key"), read_file(o.tls_cert, "--tls-cert")});
+    credentials = grpc::SslServerCredentials(ssl);
+  }
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(o.listen, credentials, &port);
+  builder.RegisterService(service.get());
+  builder.SetMaxReceiveMessageSize(static_cast<int>(service_config.max_request_bytes));
+  builder.SetMaxSendMessageSize(16 << 20);
+  grpc::ResourceQuota quota("skyreels-server");
+  quota.SetMaxThreads(512);  // every open Watch/Download/Generate stream holds one
+  builder.SetResourceQuota(quota);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 30000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server || port == 0) throw std::runtime_error("--listen: cannot listen on " + o.listen);
+  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+  health->SetServingStatus("", false);
+  health->SetServingStatus("liveness", true);
+  spdlog::info("event=listening address={} port={} tls={} api_keys={} replicas={} version={}", o.listen, port,
+               !o.tls_cert.empty(), keys.enabled(), names.size(), SKYREELS_VERSION);
+
+  // ---- serve until a signal; readiness follows the scheduler ----
+  bool ready = false;
+  while (signal_count(signals) == 0) {
+    const bool now_ready = scheduler.ready();
+    if (now_ready != ready) {
+      health->SetServingStatus("", now_ready);
+      spdlog::info("event=readiness serving={}", now_ready);
+      ready = now_ready;
+    }
+    wait_for(signals, 1, std::chrono::milliseconds(100));
+  }
+
+  // ---- drain ----
+  spdlog::info("event=draining signal={} queued={} running={} timeout_seconds={}", signals.last,
+               scheduler.queued_jobs(), scheduler.running_jobs(), o.drain_timeout_seconds);
+  health->SetServingStatus("", false);
+  scheduler.begin_drain();
+  const auto drain_deadline = Clock::now() + std::chrono::seconds(o.drain_timeout_seconds);
+  bool idle = false;
+  while (!(idle = scheduler.wait_idle(std::min(drain_deadline, Clock::now() + std::chrono::milliseconds(100))))) {
+    if (Clock::now() >= drain_deadline || signal_count(signals) >= 2) break;
+  }
+  if (!idle) {
+    const std::string reason = signal_count(signals) >= 2 ? "server stopped (second signal)" : "drain timeout";
+    spdlog::warn("event=drain_abort reason=\"{}\" queued={} running={}", reason, scheduler.queued_jobs(),
+                 scheduler.running_jobs());
+    scheduler.abort_all(reason);
+    scheduler.wait_idle(Clock::now() + std::chrono::seconds(60));
+  } else if (signal_count(signals) < 2) {
+    // Let clients that follow a job fetch its result before the port closes.
+    wait_for(signals, 2, std::chrono::milliseconds(1500));
+  }
+  spdlog::info("event=shutdown");
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  server->Wait();
+  metrics.stop();
+  return 0;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   skyreels::runtime::init_process(argc, argv);
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--help") || !std::strcmp(argv[i], "-h")) {
-      std::cout << "usage: skyreels-server --model DIR [--vae DIR] --devices LIST --listen HOST:PORT "
-                   "--metrics-listen HOST:PORT\n";
-      return 0;
+  Options options;
+  try {
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      if (a == "--help" || a == "-h") {
+        std::cout << kUsage;
+        return 0;
+      }
+      if (a == "--version") {
+        std::cout << "skyreels-server " << SKYREELS_VERSION << "\n";
+        return 0;
+      }
     }
+    options = parse(argc, argv);
+  } catch (const UsageError& e) {
+    std::cerr << "skyreels-server: " << e.what() << "\n\n" << kUsage;
+    return 2;
   }
-  std::cerr << "skyreels-server: not implemented yet\n";
-  return 1;
+  const auto level = spdlog::level::from_str(options.log_level);
+  spdlog::set_level(level == spdlog::level::off && options.log_level != "off" ? spdlog::level::info : level);
+
+  // Signals go to one thread only: block them here, before any other thread starts.
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  std::signal(SIGPIPE, SIG_IGN);
+  Signals signals;
+  std::thread([&signals, set] {
+    while (true) {
+      int sig = 0;
+      if (sigwait(&set, &sig) != 0) continue;
+      {
+        std::lock_guard<std::mutex> lock(signals.mu);
+        ++signals.count;
+        signals.last = sig;
+      }
+      signals.cv.notify_all();
+      spdlog::info("event=signal signal={}", sig);
+    }
+  }).detach();
+
+  try {
+    return serve(options, signals);
+  } catch (const UsageError& e) {
+    std::cerr << "skyreels-server: " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    spdlog::critical("event=fatal error=\"{}\"", e.what());
+    std::cerr << "skyreels-server: error: " << e.what() << "\n";
+    return 1;
+  }
 }

@@ -123,3 +123,57 @@ TEST(SafetensorsDamage, ByteLengthDisagreesWithShape) {
 TEST(SafetensorsDamage, MissingFileIsAnError) {
   EXPECT_NE(error_of("/nonexistent/x.safetensors").find("cannot open"), std::string::npos);
 }
+
+TEST(SafetensorsDamage, ShapeWhoseByteSizeOverflowsIsAnErrorNotAWrapAround) {
+  const std::string dir = temp_dir("st");
+  // 2^62 x 2^2 x 4 bytes wraps to 0 in 64 bits; it must not pass as an empty tensor.
+  const std::string header =
+      R"({"w":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,0]}})";
+  const std::string msg = error_of(write_raw(dir, "big.safetensors", header, ""));
+  EXPECT_NE(msg.find("tensor 'w': shape is too large"), std::string::npos) << msg;
+}
+
+TEST(SafetensorsDamage, ParseHeaderRejectsALengthPastTheFile) {
+  std::vector<st::TensorInfo> tensors;
+  std::map<std::string, std::string> metadata;
+  try {
+    st::parse_header("x.safetensors", "{}", 100, 50, tensors, metadata);
+    FAIL() << "no error";
+  } catch (const st::FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("header length 100 is past the end of the file (50 bytes)"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(SafetensorsWrite, StreamingSaveProducesOneTensorAtATimeAndReadsBack) {
+  const std::string dir = temp_dir("st");
+  int produced = 0;
+  std::vector<st::SaveItem> items;
+  for (int i = 0; i < 3; ++i) {
+    items.push_back({"t" + std::to_string(i), at::kBFloat16, {2, 3}, [i, &produced] {
+                       ++produced;
+                       return at::full({2, 3}, i, at::kFloat).to(at::kBFloat16);
+                     }});
+  }
+  st::save_streaming(dir + "/s.safetensors", items, {{"format", "pt"}});
+  EXPECT_EQ(produced, 3);
+  EXPECT_FALSE(std::ifstream(dir + "/s.safetensors.partial").good());
+  auto file = st::File::open(dir + "/s.safetensors");
+  EXPECT_EQ(file->tensor("t2").scalar_type(), at::kBFloat16);
+  EXPECT_EQ(file->tensor("t2")[1][2].item<float>(), 2.f);
+}
+
+TEST(SafetensorsWrite, AFailedWriteLeavesNoFileBehind) {
+  const std::string dir = temp_dir("st");
+  std::vector<st::SaveItem> items = {{"ok", at::kFloat, {2}, [] { return at::ones({2}); }},
+                                     {"bad", at::kFloat, {2}, [] { return at::ones({3}); }}};
+  try {
+    st::save_streaming(dir + "/f.safetensors", items);
+    FAIL() << "no error";
+  } catch (const st::FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor 'bad'"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(std::ifstream(dir + "/f.safetensors").good());
+  EXPECT_FALSE(std::ifstream(dir + "/f.safetensors.partial").good());
+}

@@ -1,0 +1,181 @@
+// `skyreels submit`: sends a video job to a skyreels-server and prints its id (optionally follows it and downloads
+// the result).
+#include <unistd.h>
+
+#include <filesystem>
+#include <iostream>
+#include <optional>
+#include <stdexcept>
+
+#include "cli/command.h"
+#include "server/blob.h"
+#include "server/client.h"
+
+namespace {
+
+using skyreels::cli::Args;
+using skyreels::cli::UsageError;
+namespace pb = skyreels::v1;
+namespace server = skyreels::server;
+
+const std::string kUsage = std::string(
+    "usage: skyreels submit (--inputs IN.safetensors | --random-embeddings | --prompt TEXT) [flags]\n\n"
+    "Submits a diffusion-forcing video job and prints its id on stdout.\n"
+    "conditioning (exactly one):\n"
+    "  --inputs FILE             safetensors with prompt_embeds [1, T, text_dim] and negative_prompt_embeds\n"
+    "                            (as `skyreels generate --inputs`)\n"
+    "  --random-embeddings       random prompt embeddings sized for the server's model (demos, load tests);\n"
+    "                            --tokens N (default 16), --embeddings-seed N (default 0)\n"
+    "  --prompt TEXT             text (needs a server with a text encoder); --negative-prompt TEXT\n"
+    "generation (diffusers' names; unset: the pipeline defaults):\n"
+    "  --num-frames --height --width --num-inference-steps --guidance-scale --flow-shift --base-num-frames\n"
+    "  --overlap-history --ar-step --causal-block-size --addnoise-condition --fps --seed\n"
+    "job:\n"
+    "  --priority P              -10 .. 10, higher first (default 0)\n"
+    "  --timeout-seconds S       deadline relative to acceptance\n"
+    "  --idempotency-key KEY     resubmitting the same request with the same key returns the same job\n"
+    "  --wait-ready SECONDS      first wait until the server reports ready (grpc.health.v1)\n"
+    "  --watch                   follow the job (progress on stderr); exit status 0 only if it succeeds\n"
+    "  --out DIR                 with --watch: download the latents into DIR/<job>.safetensors\n") +
+                           skyreels::server::kConnectionFlagsHelp;
+
+int64_t int_flag(const Args& args, const std::string& name) {
+  const std::string text = args.get(name);
+  try {
+    size_t used = 0;
+    const long long v = std::stoll(text, &used);
+    if (used != text.size()) throw std::invalid_argument(text);
+    return v;
+  } catch (const std::exception&) {
+    throw UsageError("flag --" + name + " expects an integer, got '" + text + "'");
+  }
+}
+
+void fill_params(const Args& args, pb::GenerationParams* p) {
+  if (args.has("num-frames")) p->set_num_frames(int_flag(args, "num-frames"));
+  if (args.has("height")) p->set_height(int_flag(args, "height"));
+  if (args.has("width")) p->set_width(int_flag(args, "width"));
+  if (args.has("num-inference-steps")) p->set_num_inference_steps(int_flag(args, "num-inference-steps"));
+  if (args.has("guidance-scale")) p->set_guidance_scale(args.get_double("guidance-scale", 0));
+  if (args.has("flow-shift")) p->set_flow_shift(args.get_double("flow-shift", 0));
+  if (args.has("base-num-frames")) p->set_base_num_frames(int_flag(args, "base-num-frames"));
+  if (args.has("overlap-history")) p->set_overlap_history(int_flag(args, "overlap-history"));
+  if (args.has("ar-step")) p->set_ar_step(int_flag(args, "ar-step"));
+  if (args.has("causal-block-size")) p->set_causal_block_size(int_flag(args, "causal-block-size"));
+  if (args.has("addnoise-condition")) p->set_addnoise_condition(args.get_double("addnoise-condition", 0));
+  if (args.has("fps")) p->set_fps(int_flag(args, "fps"));
+  if (args.has("seed")) {
+    const std::string text = args.get("seed");
+    try {
+      size_t used = 0;
+      const unsigned long long v = std::stoull(text, &used);
+      if (used != text.size() || text.front() == '-') throw std::invalid_argument(text);
+      p->set_seed(v);
+    } catch (const std::exception&) {
+      throw UsageError("flag --seed expects a non-negative integer, got '" + text + "'");
+    }
+  }
+}
+
+int64_t server_text_dim(server::Client& client) {
+  auto ctx = client.context(30);
+  pb::ServerInfo info;
+  const grpc::Status status = client.stub().GetServerInfo(ctx.get(), pb::GetServerInfoRequest(), &info);
+  if (!status.ok()) throw std::runtime_error("GetServerInfo: " + server::describe(status));
+  return info.model().text_dim();
+}
+
+int run_submit(const std::vector<std::string>& raw) {
+  const Args args(raw, {"random-embeddings", "watch", "tls"});
+  std::vector<std::string> known = {"inputs", "random-embeddings", "tokens", "embeddings-seed", "prompt",
+                                    "negative-prompt", "num-frames", "height", "width", "num-inference-steps",
+                                    "guidance-scale", "flow-shift", "base-num-frames", "overlap-history", "ar-step",
+                                    "causal-block-size", "addnoise-condition", "fps", "seed", "priority",
+                                    "timeout-seconds", "idempotency-key", "wait-ready", "watch", "out"};
+  known.insert(known.end(), server::kConnectionFlags.begin(), server::kConnectionFlags.end());
+  args.reject_unknown(known);
+  if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional().front() + "'");
+  const int sources = args.has("inputs") + args.has("random-embeddings") + args.has("prompt");
+  if (sources != 1) throw UsageError("give exactly one of --inputs, --random-embeddings or --prompt");
+  if (args.has("out") && !args.has("watch")) throw UsageError("--out needs --watch");
+
+  server::Client client(server::connection_from(args));
+  if (args.has("wait-ready")) {
+    std::string why;
+    if (!client.wait_ready(args.get_double("wait-ready", 30), &why)) {
+      throw std::runtime_error("server " + args.get("server", "") + " not ready: " + why);
+    }
+  }
+
+  pb::SubmitJobRequest request;
+  pb::JobSpec* spec = request.mutable_spec();
+  if (args.has("inputs")) {
+    spec->set_embeddings_safetensors(server::read_binary_file(args.get("inputs")));
+  } else if (args.has("random-embeddings")) {
+    const int64_t text_dim = server_text_dim(client);
+    const int64_t tokens = args.get_int("tokens", 16);
+    const auto seed = static_cast<uint64_t>(args.get_int("embeddings-seed", 0));
+    *spec->mutable_embeddings()->mutable_prompt_embeds() = server::random_embeddings(tokens, text_dim, seed);
+    *spec->mutable_embeddings()->mutable_negative_prompt_embeds() =
+        server::random_embeddings(tokens, text_dim, seed + 1);
+  } else {
+    spec->mutable_text()->set_prompt(args.get("prompt"));
+    spec->mutable_text()->set_negative_prompt(args.get("negative-prompt", ""));
+  }
+  fill_params(args, spec->mutable_params());
+  request.set_priority(args.get_int("priority", 0));
+  request.set_idempotency_key(args.get("idempotency-key", ""));
+  if (args.has("timeout-seconds")) {
+    const double t = args.get_double("timeout-seconds", 0);
+    request.mutable_timeout()->set_seconds(static_cast<int64_t>(t));
+    request.mutable_timeout()->set_nanos(static_cast<int32_t>((t - static_cast<int64_t>(t)) * 1e9));
+  }
+
+  pb::SubmitJobResponse response;
+  auto ctx = client.context(120);
+  const grpc::Status status = client.stub().SubmitJob(ctx.get(), request, &response);
+  if (!status.ok()) {
+    std::cerr << "skyreels submit: " << server::describe(status) << "\n";
+    for (const auto& [key, value] : ctx->GetServerTrailingMetadata()) {
+      if (key == "retry-after-ms") std::cerr << "retry after " << std::string(value.data(), value.size()) << " ms\n";
+    }
+    return 1;
+  }
+  const pb::Job& job = response.job();
+  std::cout << job.job_id() << std::endl;
+  std::cerr << "job " << job.job_id() << (response.deduplicated() ? " (existing, same idempotency key)" : "") << ": "
+            << server::state_name(job.state()) << ", " << job.chunks_total() << " chunk(s), " << job.num_frames()
+            << " frames " << job.params().width() << "x" << job.params().height() << ", seed " << job.params().seed()
+            << "\n";
+  if (!args.has("watch")) return 0;
+
+  const auto outcome = server::watch_job(client, job.job_id(), ::isatty(2) != 0, std::cerr);
+  if (!outcome.status.ok()) {
+    std::cerr << "skyreels submit: watch: " << server::describe(outcome.status) << "\n";
+    return 1;
+  }
+  if (outcome.job.state() != pb::JOB_STATE_SUCCEEDED) return 1;
+  if (args.has("out")) {
+    const std::string dir = args.get("out");
+    std::filesystem::create_directories(dir);
+    std::vector<std::string> chunks;
+    pb::DownloadResultRequest download;
+    download.set_job_id(job.job_id());
+    const grpc::Status s = server::download_chunks(client, download, [&](int32_t, int32_t, std::string bytes) {
+      chunks.push_back(std::move(bytes));
+    });
+    if (!s.ok()) {
+      std::cerr << "skyreels submit: download: " << server::describe(s) << "\n";
+      return 1;
+    }
+    const std::string path = dir + "/" + job.job_id() + ".safetensors";
+    server::write_binary_file(path, server::concat_latent_chunks(chunks, {{"job_id", job.job_id()},
+                                                                         {"seed", std::to_string(job.params().seed())}}));
+    std::cerr << "wrote " << path << "\n";
+  }
+  return 0;
+}
+
+}  // namespace
+
+SKYREELS_COMMAND("submit", "submit a video job to a skyreels-server", kUsage, run_submit);

@@ -1,0 +1,669 @@
+#include "model/diffusion_forcing.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <sstream>
+
+#include "model/transformer_skyreels_v2.h"
+
+namespace skyreels::model {
+
+namespace {
+
+constexpr int64_t kTemporalFactor = 4;  // Wan VAE: 4 pixel frames per latent frame (plus the first)
+constexpr int64_t kSpatialFactor = 8;
+
+int64_t latent_frames_of(int64_t pixel_frames) { return (pixel_frames - 1) / kTemporalFactor + 1; }
+
+std::string shape_text(at::IntArrayRef shape) {
+  std::ostringstream os;
+  os << shape;
+  return os.str();
+}
+
+std::string join(const std::vector<int64_t>& values) {
+  std::ostringstream os;
+  for (size_t i = 0; i < values.size(); ++i) os << (i ? ", " : "") << values[i];
+  return os.str();
+}
+
+}  // namespace
+
+// ---- timestep matrix -------------------------------------------------------------------------------------------
+
+TimestepMatrix generate_timestep_matrix(int64_t num_latent_frames, const std::vector<int64_t>& step_template,
+                                        int64_t base_num_latent_frames, int64_t ar_step, int64_t num_pre_ready,
+                                        int64_t causal_block_size) {
+  if (causal_block_size < 1) {
+    throw std::invalid_argument("causal_block_size: must be >= 1, got " + std::to_string(causal_block_size));
+  }
+  if (step_template.empty()) throw std::invalid_argument("step_template: must not be empty");
+  if (ar_step < 0) throw std::invalid_argument("ar_step: must be >= 0, got " + std::to_string(ar_step));
+  const int64_t steps = static_cast<int64_t>(step_template.size());
+  const int64_t iterations = steps + 1;  // counter 0 = not started, steps + 1 = clean
+  const int64_t blocks = num_latent_frames / causal_block_size;
+  const int64_t base_blocks = base_num_latent_frames / causal_block_size;
+  if (blocks < 1 || base_blocks < 1) {
+    throw std::invalid_argument("num_latent_frames: " + std::to_string(num_latent_frames) + " (base " +
+                                std::to_string(base_num_latent_frames) + ") holds no whole causal block of " +
+                                std::to_string(causal_block_size));
+  }
+  if (base_blocks < blocks) {  // sliding window: the window must move fast enough
+    const double min_ar_step = static_cast<double>(steps) / static_cast<double>(base_blocks);
+    if (static_cast<double>(ar_step) < min_ar_step) {
+      throw std::invalid_argument("ar_step: should be at least " +
+                                  std::to_string(static_cast<int64_t>(std::ceil(min_ar_step))) +
+                                  " in your setting (" + std::to_string(steps) + " steps over " +
+                                  std::to_string(base_blocks) + " base blocks)");
+    }
+  }
+  std::vector<int64_t> padded_template;  // [999, template..., 0]
+  padded_template.push_back(999);
+  padded_template.insert(padded_template.end(), step_template.begin(), step_template.end());
+  padded_template.push_back(0);
+
+  std::vector<int64_t> previous(static_cast<size_t>(blocks), 0);
+  for (int64_t b = 0; b < std::min(blocks, num_pre_ready / causal_block_size); ++b) {
+    previous[static_cast<size_t>(b)] = iterations;
+  }
+  std::vector<std::vector<int64_t>> index_rows;
+  std::vector<std::vector<bool>> mask_rows;
+  auto all_done = [&](const std::vector<int64_t>& row) {
+    return std::all_of(row.begin(), row.end(), [&](int64_t v) { return v >= iterations - 1; });
+  };
+  while (!all_done(previous)) {
+    std::vector<int64_t> next(static_cast<size_t>(blocks));
+    for (size_t i = 0; i < next.size(); ++i) {
+      if (i == 0 || previous[i - 1] >= iterations - 1) {
+        next[i] = previous[i] + 1;
+      } else {
+        next[i] = next[i - 1] - ar_step;
+      }
+    }
+    std::vector<bool> mask(next.size());
+    for (size_t i = 0; i < next.size(); ++i) {
+      next[i] = std::clamp<int64_t>(next[i], 0, iterations);
+      mask[i] = next[i] != previous[i] && next[i] != iterations;
+    }
+    index_rows.push_back(next);
+    mask_rows.push_back(mask);
+    previous = next;
+  }
+
+  TimestepMatrix out;
+  int64_t terminal = base_blocks;
+  for (const auto& mask : mask_rows) {
+    if (terminal < blocks && mask[static_cast<size_t>(terminal)]) ++terminal;
+    out.valid_interval.emplace_back(std::max<int64_t>(terminal - base_blocks, 0) * causal_block_size,
+                                    terminal * causal_block_size);
+  }
+  // Expand each block column to causal_block_size identical frame columns.
+  const auto rows = static_cast<int64_t>(index_rows.size());
+  const int64_t columns = blocks * causal_block_size;
+  out.step_matrix = at::empty({rows, columns}, at::kLong);
+  out.step_index = at::empty({rows, columns}, at::kLong);
+  out.update_mask = at::empty({rows, columns}, at::kBool);
+  auto sm = out.step_matrix.accessor<int64_t, 2>();
+  auto si = out.step_index.accessor<int64_t, 2>();
+  auto um = out.update_mask.accessor<bool, 2>();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < columns; ++c) {
+      const auto block = static_cast<size_t>(c / causal_block_size);
+      const int64_t index = index_rows[static_cast<size_t>(r)][block];
+      si[r][c] = index;
+      sm[r][c] = padded_template[static_cast<size_t>(index)];
+      um[r][c] = mask_rows[static_cast<size_t>(r)][block];
+    }
+  }
+  return out;
+}
+
+// ---- chunk plan ------------------------------------------------------------------------------------------------
+
+namespace {
+
+struct Geometry {
+  bool long_video = false;
+  int64_t total = 0;    // Ftot
+  int64_t base = 0;     // Fb (= Ftot for a short video)
+  int64_t overlap = 0;  // O
+  std::vector<int64_t> lengths;  // latent frames per chunk
+};
+
+// diffusers' chunking, for an already rounded pixel frame count.
+Geometry geometry_of(int64_t num_frames, int64_t base_num_frames, const std::optional<int64_t>& overlap_history) {
+  Geometry g;
+  g.total = latent_frames_of(num_frames);
+  g.long_video = overlap_history.has_value() && num_frames > base_num_frames;
+  if (!g.long_video) {
+    g.base = g.total;
+    g.lengths = {g.total};
+    return g;
+  }
+  g.base = latent_frames_of(base_num_frames);
+  g.overlap = latent_frames_of(*overlap_history);
+  const int64_t stride = g.base - g.overlap;
+  g.lengths.push_back(g.base);
+  if (stride <= 0) return g;  // refused by plan_chunks (overlap_history must be shorter than a chunk)
+  const int64_t iterations = 1 + (g.total - g.base - 1) / stride + 1;
+  for (int64_t k = 1; k < iterations; ++k) {
+    const int64_t finished = k * stride + g.overlap;
+    g.lengths.push_back(std::min(g.total - finished + g.overlap, g.base));
+  }
+  return g;
+}
+
+bool aligned(const Geometry& g, int64_t block) {
+  return std::all_of(g.lengths.begin(), g.lengths.end(), [&](int64_t f) { return f % block == 0; });
+}
+
+bool valid_candidate(int64_t n, const GenerationParams& p, int64_t block) {
+  if ((n - 1) % kTemporalFactor != 0) return false;
+  if (n > p.base_num_frames && !p.overlap_history) return false;  // would need overlap_history
+  const Geometry g = geometry_of(n, p.base_num_frames, p.overlap_history);
+  if (g.long_video && g.overlap >= g.base) return false;
+  return aligned(g, block);
+}
+
+// Pixel frame counts 4k+1 near `num_frames` (two below, two above) whose every chunk is a multiple of `block`.
+std::vector<int64_t> valid_num_frames_near(int64_t num_frames, const GenerationParams& p, int64_t block) {
+  std::vector<int64_t> below, above;
+  const int64_t reach = kTemporalFactor * block * (latent_frames_of(std::max(p.base_num_frames, int64_t{1})) + 2);
+  for (int64_t n = num_frames - 1; n >= 1 && n >= num_frames - reach && below.size() < 2; --n) {
+    if (valid_candidate(n, p, block)) {
+      below.push_back(n);
+    }
+  }
+  for (int64_t n = num_frames + 1; n <= num_frames + reach && above.size() < 2; ++n) {
+    if (valid_candidate(n, p, block)) {
+      above.push_back(n);
+    }
+  }
+  std::vector<int64_t> out(below.rbegin(), below.rend());
+  out.insert(out.end(), above.begin(), above.end());
+  return out;
+}
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument(message);
+}
+
+void validate_basic(const GenerationParams& p, int64_t block) {
+  require(p.num_frames >= 1, "num_frames: must be >= 1, got " + std::to_string(p.num_frames));
+  require(p.height > 0 && p.height % 16 == 0,
+          "height: must be a positive multiple of 16, got " + std::to_string(p.height));
+  require(p.width > 0 && p.width % 16 == 0, "width: must be a positive multiple of 16, got " + std::to_string(p.width));
+  require(p.num_inference_steps >= 1,
+          "num_inference_steps: must be >= 1, got " + std::to_string(p.num_inference_steps));
+  require(std::isfinite(p.guidance_scale), "guidance_scale: must be a finite number");
+  require(std::isfinite(p.flow_shift) && p.flow_shift > 0.0,
+          "flow_shift: must be a positive number, got " + std::to_string(p.flow_shift));
+  require(p.base_num_frames >= 1, "base_num_frames: must be >= 1, got " + std::to_string(p.base_num_frames));
+  require(!p.overlap_history || *p.overlap_history >= 1,
+          "overlap_history: must be >= 1 when set, got " + std::to_string(p.overlap_history.value_or(0)));
+  require(p.ar_step >= 0, "ar_step: must be >= 0, got " + std::to_string(p.ar_step));
+  require(block >= 1, "causal_block_size: must be >= 1, got " + std::to_string(block));
+  require(std::isfinite(p.addnoise_condition) && p.addnoise_condition >= 0.0,
+          "addnoise_condition: must be >= 0, got " + std::to_string(p.addnoise_condition));
+  require(p.fps >= 1, "fps: must be >= 1, got " + std::to_string(p.fps));
+  // diffusers' check_inputs compares the unrounded frame count.
+  require(p.num_frames <= p.base_num_frames || p.overlap_history.has_value(),
+          "overlap_history: required when num_frames (" + std::to_string(p.num_frames) + ") exceeds base_num_frames (" +
+              std::to_string(p.base_num_frames) + "); recommended values are 17 or 37");
+  p.scheduler.validate();
+}
+
+// #13609: diffusers leaves the frames past the last whole block as pure noise; refuse such requests instead.
+void refuse_unaligned(const GenerationParams& p, int64_t num_frames, const Geometry& g, int64_t block) {
+  if (g.long_video && g.base % block != 0) {
+    std::vector<int64_t> valid;
+    for (int64_t m = 1; valid.size() < 4 && m <= 1024; ++m) {
+      const int64_t frames = (m * block - 1) * kTemporalFactor + 1;
+      if (m * block > g.overlap) valid.push_back(frames);  // a chunk must be longer than its overlap
+    }
+    throw std::invalid_argument("base_num_frames: " + std::to_string(p.base_num_frames) + " gives " +
+                                std::to_string(g.base) + " latent frames per chunk, not a multiple of causal_block_size " +
+                                std::to_string(block) +
+                                "; the tail frames would never be denoised (diffusers #13609). Valid base_num_frames: " +
+                                join(valid) + ", ...");
+  }
+  if (aligned(g, block)) return;
+  std::ostringstream os;
+  os << "num_frames: " << num_frames << " gives ";
+  if (g.long_video) {
+    os << "chunks of [" << join(g.lengths) << "] latent frames (base_num_frames " << p.base_num_frames
+       << ", overlap_history " << *p.overlap_history << ")";
+  } else {
+    os << g.total << " latent frames";
+  }
+  os << ", not all multiples of causal_block_size " << block
+     << "; the tail frames would never be denoised (diffusers #13609). Valid num_frames near " << num_frames << ": "
+     << join(valid_num_frames_near(num_frames, p, block));
+  throw std::invalid_argument(os.str());
+}
+
+}  // namespace
+
+ChunkPlan plan_chunks(const GenerationParams& params, int64_t model_num_frame_per_block) {
+  const int64_t block = params.causal_block_size.value_or(model_num_frame_per_block);
+  validate_basic(params, block);
+
+  ChunkPlan plan;
+  int64_t num_frames = params.num_frames;
+  if ((num_frames - 1) % kTemporalFactor != 0) {
+    num_frames = (num_frames - 1) / kTemporalFactor * kTemporalFactor + 1;
+    plan.warnings.push_back("num_frames: " + std::to_string(params.num_frames) + " is not 4k+1; rounded down to " +
+                            std::to_string(num_frames) + " as diffusers does");
+  }
+  const Geometry g = geometry_of(num_frames, params.base_num_frames, params.overlap_history);
+  if (g.long_video) {
+    require(g.overlap < g.base, "overlap_history: " + std::to_string(*params.overlap_history) + " frames (" +
+                                    std::to_string(g.overlap) + " latent) must be fewer than base_num_frames " +
+                                    std::to_string(params.base_num_frames) + " (" + std::to_string(g.base) +
+                                    " latent)");
+  }
+  refuse_unaligned(params, num_frames, g, block);
+
+  plan.total_latent_frames = g.total;
+  plan.base_latent_frames = g.base;
+  plan.overlap_latent_frames = g.overlap;
+  plan.latent_height = params.height / kSpatialFactor;
+  plan.latent_width = params.width / kSpatialFactor;
+  plan.causal_block_size = block;
+
+  // Prefixes are cut at their end to a multiple of the block; the accumulation still cuts at O (diffusers).
+  const int64_t prefix = g.overlap - g.overlap % block;
+  const std::vector<int64_t> dummy_template(static_cast<size_t>(params.num_inference_steps), 0);
+  int64_t produced = 0;
+  for (size_t k = 0; k < g.lengths.size(); ++k) {
+    ChunkSpec c;
+    c.index = static_cast<int64_t>(k);
+    c.num_latent_frames = g.lengths[k];
+    c.prefix_frames = k == 0 ? 0 : prefix;
+    c.keep_from = k == 0 ? 0 : g.overlap;
+    c.output_begin = produced;
+    c.output_end = produced + c.num_latent_frames - c.keep_from;
+    produced = c.output_end;
+    c.timestep_rows = generate_timestep_matrix(c.num_latent_frames, dummy_template, c.num_latent_frames,
+                                               params.ar_step, c.prefix_frames, block)
+                          .rows();
+    plan.chunks.push_back(c);
+  }
+  if (produced != g.total) {
+    throw std::logic_error("plan_chunks: chunks cover " + std::to_string(produced) + " latent frames, expected " +
+                           std::to_string(g.total));
+  }
+
+  if (g.long_video && g.overlap % block != 0) {
+    const int64_t dropped = g.overlap - prefix;
+    const int64_t total_dropped = dropped * static_cast<int64_t>(plan.chunks.size() - 1);
+    plan.warnings.push_back(
+        "overlap_history: " + std::to_string(*params.overlap_history) + " frames = " + std::to_string(g.overlap) +
+        " latent frames is not a multiple of causal_block_size " + std::to_string(block) + "; as in diffusers, each " +
+        "later chunk keeps a " + std::to_string(prefix) + "-frame prefix, and " + std::to_string(dropped) +
+        " generated latent frame(s) per chunk are dropped (" + std::to_string(total_dropped) + " in total over " +
+        std::to_string(plan.chunks.size() - 1) + " chunks)");
+  }
+  for (const auto& w : plan.warnings) spdlog::warn("{}", w);
+  return plan;
+}
+
+// ---- noise -----------------------------------------------------------------------------------------------------
+
+namespace {
+
+at::Tensor draw(at::Generator& generator, at::IntArrayRef shape) {
+  return at::randn(shape, generator, at::TensorOptions().dtype(at::kFloat).device(at::kCPU));
+}
+
+std::vector<int64_t> with_frames(at::IntArrayRef shape, int64_t frames) {
+  std::vector<int64_t> out(shape.begin(), shape.end());
+  out.at(2) = frames;
+  return out;
+}
+
+// Latent noise: torch.Generator("cpu").manual_seed(seed) drawing every chunk's latents in order, as diffusers'
+// prepare_latents does. Condition noise (addnoise_condition): diffusers draws it with torch.randn_like from the
+// global (device) RNG, which no seed of ours can reproduce; here it comes from a second CPU generator seeded with
+// seed + 1, consumed in the same order (every row of every chunk that has a prefix). Either stream is positioned on
+// chunk k by re-drawing (and discarding) the draws of the chunks before it, so any chunk can run first, anywhere.
+class SeededNoise final : public NoiseSource {
+ public:
+  explicit SeededNoise(uint64_t seed) : seed_(seed) { reset_latent(); reset_condition(); }
+
+  void begin_chunk(const ChunkPlan& plan, int64_t /*chunk_index*/) override { plan_ = plan; }
+
+  at::Tensor latent_noise(int64_t chunk_index, at::IntArrayRef shape) override {
+    if (chunk_index < latent_next_) reset_latent();
+    while (latent_next_ < chunk_index) {
+      draw(latent_, with_frames(shape, chunk(latent_next_).num_latent_frames));
+      ++latent_next_;
+    }
+    ++latent_next_;
+    return draw(latent_, shape);
+  }
+
+  at::Tensor condition_noise(int64_t chunk_index, int64_t row, at::IntArrayRef shape) override {
+    if (std::make_pair(chunk_index, row) < std::make_pair(cond_chunk_, cond_row_)) reset_condition();
+    while (cond_chunk_ < chunk_index) {  // skip the rest of an earlier chunk
+      const ChunkSpec& c = chunk(cond_chunk_);
+      if (c.prefix_frames > 0) {
+        for (; cond_row_ < c.timestep_rows; ++cond_row_) draw(condition_, with_frames(shape, c.prefix_frames));
+      }
+      ++cond_chunk_;
+      cond_row_ = 0;
+    }
+    for (; cond_row_ < row; ++cond_row_) draw(condition_, shape);
+    ++cond_row_;
+    return draw(condition_, shape);
+  }
+
+ private:
+  void reset_latent() {
+    latent_ = at::make_generator<at::CPUGeneratorImpl>(seed_);
+    latent_next_ = 0;
+  }
+  void reset_condition() {
+    condition_ = at::make_generator<at::CPUGeneratorImpl>(seed_ + 1);
+    cond_chunk_ = 0;
+    cond_row_ = 0;
+  }
+  const ChunkSpec& chunk(int64_t index) const {
+    if (!plan_ || index >= static_cast<int64_t>(plan_->chunks.size())) {
+      throw std::logic_error("seeded noise: chunk " + std::to_string(index) +
+                             " requested without its plan (call begin_chunk first)");
+    }
+    return plan_->chunks[static_cast<size_t>(index)];
+  }
+
+  uint64_t seed_;
+  std::optional<ChunkPlan> plan_;
+  at::Generator latent_;
+  int64_t latent_next_ = 0;
+  at::Generator condition_;
+  int64_t cond_chunk_ = 0;
+  int64_t cond_row_ = 0;
+};
+
+class RecordedNoise final : public NoiseSource {
+ public:
+  explicit RecordedNoise(std::vector<at::Tensor> draws) : draws_(std::move(draws)) {}
+
+  at::Tensor latent_noise(int64_t chunk_index, at::IntArrayRef shape) override {
+    return next(shape, "latent noise of chunk " + std::to_string(chunk_index));
+  }
+  at::Tensor condition_noise(int64_t chunk_index, int64_t row, at::IntArrayRef shape) override {
+    return next(shape, "condition noise of chunk " + std::to_string(chunk_index) + " row " + std::to_string(row));
+  }
+
+ private:
+  at::Tensor next(at::IntArrayRef shape, const std::string& what) {
+    char name[32];
+    std::snprintf(name, sizeof(name), "noise_%03zu", next_);
+    if (next_ >= draws_.size()) {
+      throw std::invalid_argument(std::string("recorded noise: ") + name + " is missing (needed as " + what + ", " +
+                                  std::to_string(draws_.size()) + " draws given)");
+    }
+    const at::Tensor& t = draws_[next_++];
+    if (t.sizes() != shape) {
+      throw std::invalid_argument(std::string("recorded noise: ") + name + " has shape " + shape_text(t.sizes()) +
+                                  " but " + what + " needs " + shape_text(shape));
+    }
+    return t.to(at::kFloat);
+  }
+
+  std::vector<at::Tensor> draws_;
+  size_t next_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<NoiseSource> make_seeded_noise(uint64_t seed) { return std::make_unique<SeededNoise>(seed); }
+
+std::unique_ptr<NoiseSource> make_recorded_noise(std::vector<at::Tensor> draws_in_order) {
+  return std::make_unique<RecordedNoise>(std::move(draws_in_order));
+}
+
+// ---- the denoising loop of one chunk ---------------------------------------------------------------------------
+
+namespace {
+
+struct ChunkInputs {
+  at::Tensor prompt;    // compute dtype, device
+  at::Tensor negative;  // undefined without CFG
+  bool guidance = false;
+};
+
+ChunkInputs prepare_conditioning(const Conditioning& c, const GenerationParams& p, const DenoiserInfo& info) {
+  if (!c.prompt_embeds.defined() || c.prompt_embeds.dim() != 3) {
+    throw std::invalid_argument("prompt_embeds: expected [B, T, text_dim], got " +
+                                (c.prompt_embeds.defined() ? shape_text(c.prompt_embeds.sizes()) : "nothing"));
+  }
+  ChunkInputs in;
+  in.guidance = p.guidance_scale > 1.0;  // diffusers' do_classifier_free_guidance
+  in.prompt = c.prompt_embeds.to(info.device, info.dtype);
+  if (in.guidance) {
+    if (!c.negative_prompt_embeds || !c.negative_prompt_embeds->defined()) {
+      throw std::invalid_argument("negative_prompt_embeds: required when guidance_scale > 1 (got " +
+                                  std::to_string(p.guidance_scale) + ")");
+    }
+    const at::Tensor& n = *c.negative_prompt_embeds;
+    if (n.dim() != 3 || n.size(0) != c.prompt_embeds.size(0) || n.size(2) != c.prompt_embeds.size(2)) {
+      throw std::invalid_argument("negative_prompt_embeds: shape " + shape_text(n.sizes()) +
+                                  " does not match prompt_embeds " + shape_text(c.prompt_embeds.sizes()));
+    }
+    in.negative = n.to(info.device, info.dtype);
+  }
+  return in;
+}
+
+// The chunk's starting latents: fresh fp32 noise with the previous chunk's tail copied in as the prefix.
+at::Tensor initial_latents(const ChunkPlan& plan, const ChunkSpec& chunk, const DenoiserInfo& info, int64_t batch,
+                           const at::Tensor& previous, NoiseSource& noise) {
+  const std::vector<int64_t> shape = {batch, info.latent_channels, chunk.num_latent_frames, plan.latent_height,
+                                      plan.latent_width};
+  at::Tensor latents = noise.latent_noise(chunk.index, shape);
+  if (latents.sizes() != at::IntArrayRef(shape)) {
+    throw std::logic_error("noise source returned " + shape_text(latents.sizes()) + " for latent shape " +
+                           shape_text(shape));
+  }
+  latents = latents.to(info.device, at::kFloat).contiguous();
+  if (chunk.prefix_frames == 0) return latents;
+
+  const int64_t overlap = plan.overlap_latent_frames;
+  if (!previous.defined() || previous.dim() != 5 || previous.size(2) < overlap || previous.size(0) != batch ||
+      previous.size(1) != info.latent_channels || previous.size(3) != plan.latent_height ||
+      previous.size(4) != plan.latent_width) {
+    throw std::invalid_argument(
+        "previous_latents: chunk " + std::to_string(chunk.index) + " needs the accumulated latents with at least " +
+        std::to_string(overlap) + " frames of [" + std::to_string(batch) + ", " +
+        std::to_string(info.latent_channels) + ", F, " + std::to_string(plan.latent_height) + ", " +
+        std::to_string(plan.latent_width) + "], got " + (previous.defined() ? shape_text(previous.sizes()) : "nothing"));
+  }
+  // diffusers: prefix = video[:, :, -O:] cut to P frames, copied in through the transformer dtype (bf16 rounding).
+  const at::Tensor prefix = previous.narrow(2, previous.size(2) - overlap, chunk.prefix_frames);
+  latents.narrow(2, 0, chunk.prefix_frames).copy_(prefix.to(info.device).to(info.dtype));
+  return latents;
+}
+
+// addnoise_condition: lightly noise the clean prefix in the model input only, and tell the model its timestep.
+void noise_condition(at::Tensor& model_input, at::Tensor& timestep, const GenerationParams& p, const ChunkSpec& chunk,
+                     int64_t start, int64_t row, NoiseSource& noise) {
+  if (!(p.addnoise_condition > 0.0) || start >= chunk.prefix_frames) return;
+  const double factor = 0.001 * p.addnoise_condition;
+  at::Tensor part = model_input.narrow(2, start, chunk.prefix_frames - start);
+  const at::Tensor n = noise.condition_noise(chunk.index, row, part.sizes()).to(part.device()).to(part.scalar_type());
+  part.copy_(part * (1.0 - factor) + n * factor);
+  timestep.narrow(1, start, chunk.prefix_frames - start).fill_(p.addnoise_condition);  // int64: truncated
+}
+
+// Scheduler updates of one row: frames sharing a step counter are advanced together.
+void update_frames(FlowUniPCFrames& schedulers, at::Tensor& latents, const at::Tensor& prediction,
+                   const at::Tensor& row_mask, const at::Tensor& row_index, int64_t start, int64_t end) {
+  const auto mask = row_mask.accessor<bool, 1>();
+  const auto index = row_index.accessor<int64_t, 1>();
+  std::map<int64_t, std::vector<int64_t>> groups;  // step counter -> frames
+  for (int64_t f = start; f < end; ++f) {
+    if (!mask[f]) continue;
+    const int64_t k = schedulers.steps_taken(f);
+    if (index[f] != k + 1) {
+      throw std::logic_error("diffusion forcing: frame " + std::to_string(f) + " is at step " + std::to_string(k) +
+                             " but the timestep matrix expects step " + std::to_string(index[f] - 1));
+    }
+    groups[k].push_back(f);
+  }
+  for (const auto& [k, frames] : groups) {
+    const bool contiguous = frames.back() - frames.front() + 1 == static_cast<int64_t>(frames.size());
+    const auto count = static_cast<int64_t>(frames.size());
+    if (contiguous) {
+      const at::Tensor out = schedulers.step(frames, prediction.narrow(2, frames.front() - start, count),
+                                             latents.narrow(2, frames.front(), count));
+      latents.narrow(2, frames.front(), count).copy_(out);
+    } else {
+      const at::Tensor idx = at::tensor(frames, at::kLong).to(latents.device());
+      const at::Tensor out =
+          schedulers.step(frames, prediction.index_select(2, idx - start), latents.index_select(2, idx));
+      latents.index_copy_(2, idx, out);
+    }
+  }
+}
+
+void check_plan(const ChunkPlan& plan, int64_t chunk_index, const GenerationParams& p) {
+  if (chunk_index < 0 || chunk_index >= static_cast<int64_t>(plan.chunks.size())) {
+    throw std::invalid_argument("chunk_index: " + std::to_string(chunk_index) + " outside the plan's " +
+                                std::to_string(plan.chunks.size()) + " chunks");
+  }
+  if (plan.latent_height != p.height / kSpatialFactor || plan.latent_width != p.width / kSpatialFactor) {
+    throw std::invalid_argument("plan: latent size " + std::to_string(plan.latent_height) + "x" +
+                                std::to_string(plan.latent_width) + " does not match height/width of the params");
+  }
+}
+
+}  // namespace
+
+at::Tensor run_chunk(const Denoiser& denoiser, const DenoiserInfo& info, const GenerationParams& params,
+                     const ChunkPlan& plan, int64_t chunk_index, const Conditioning& conditioning,
+                     const at::Tensor& previous_latents, NoiseSource& noise, const StepHooks& hooks) {
+  check_plan(plan, chunk_index, params);
+  const ChunkSpec& chunk = plan.chunks[static_cast<size_t>(chunk_index)];
+  const ChunkInputs inputs = prepare_conditioning(conditioning, params, info);
+  const int64_t batch = conditioning.prompt_embeds.size(0);
+
+  FlowUniPCConfig scheduler_config = params.scheduler;
+  scheduler_config.flow_shift = params.flow_shift;
+  auto sampler = std::make_shared<const FlowUniPCSampler>(scheduler_config, params.num_inference_steps);
+  const TimestepMatrix matrix =
+      generate_timestep_matrix(chunk.num_latent_frames, sampler->schedule().timesteps, chunk.num_latent_frames,
+                               params.ar_step, chunk.prefix_frames, plan.causal_block_size);
+  if (matrix.step_matrix.size(1) != chunk.num_latent_frames) {
+    throw std::invalid_argument("causal_block_size: chunk " + std::to_string(chunk_index) + " has " +
+                                std::to_string(chunk.num_latent_frames) + " latent frames, not a multiple of " +
+                                std::to_string(plan.causal_block_size) + " (use plan_chunks)");
+  }
+
+  noise.begin_chunk(plan, chunk_index);
+  at::Tensor latents = initial_latents(plan, chunk, info, batch, previous_latents, noise);
+  FlowUniPCFrames schedulers(sampler, chunk.num_latent_frames);
+  spdlog::debug("chunk {}/{}: {} latent frames, prefix {}, {} rows", chunk_index + 1, plan.chunks.size(),
+                chunk.num_latent_frames, chunk.prefix_frames, matrix.rows());
+
+  const at::Tensor timestep_rows = matrix.step_matrix.to(info.device);
+  for (int64_t i = 0; i < matrix.rows(); ++i) {
+    if (hooks.cancelled && hooks.cancelled()) {
+      throw GenerationCancelled("generation cancelled at chunk " + std::to_string(chunk_index) + ", row " +
+                                std::to_string(i));
+    }
+    const auto [start, end] = matrix.valid_interval[static_cast<size_t>(i)];
+    DenoiseCall call;
+    call.latent_model_input = latents.narrow(2, start, end - start).to(info.dtype).clone();
+    call.timestep = timestep_rows.select(0, i).expand({batch, -1}).narrow(1, start, end - start).clone();
+    noise_condition(call.latent_model_input, call.timestep, params, chunk, start, i, noise);
+    call.chunk = chunk_index;
+    call.row = i;
+    call.num_frame_per_block = plan.causal_block_size;
+    call.encoder_hidden_states = inputs.prompt;
+    at::Tensor prediction = denoiser(call);
+    if (inputs.guidance) {
+      call.encoder_hidden_states = inputs.negative;
+      call.unconditional = true;
+      const at::Tensor uncond = denoiser(call);
+      prediction = uncond + params.guidance_scale * (prediction - uncond);  // in the model's dtype, as diffusers
+    }
+    if (prediction.sizes() != call.latent_model_input.sizes()) {
+      throw std::logic_error("denoiser returned " + shape_text(prediction.sizes()) + " for input " +
+                             shape_text(call.latent_model_input.sizes()));
+    }
+    update_frames(schedulers, latents, prediction, matrix.update_mask.select(0, i), matrix.step_index.select(0, i),
+                  start, end);
+    if (hooks.on_step) hooks.on_step(chunk_index, i, matrix.rows());
+  }
+  return latents;
+}
+
+at::Tensor accumulate(const at::Tensor& accumulated, const at::Tensor& chunk_latents, const ChunkSpec& chunk) {
+  if (chunk.index == 0 || !accumulated.defined()) return chunk_latents;
+  const at::Tensor fresh = chunk_latents.narrow(2, chunk.keep_from, chunk_latents.size(2) - chunk.keep_from);
+  return at::cat({accumulated, fresh.to(accumulated.device())}, 2);
+}
+
+at::Tensor generate(const Denoiser& denoiser, const DenoiserInfo& info, const GenerationParams& params,
+                    const Conditioning& conditioning, NoiseSource& noise, const StepHooks& hooks,
+                    const std::function<void(int64_t, const at::Tensor&)>& on_chunk) {
+  const ChunkPlan plan = plan_chunks(params, info.num_frame_per_block);
+  at::Tensor video;
+  for (const ChunkSpec& chunk : plan.chunks) {
+    const at::Tensor latents = run_chunk(denoiser, info, params, plan, chunk.index, conditioning, video, noise, hooks);
+    if (on_chunk) on_chunk(chunk.index, latents);
+    video = accumulate(video, latents, chunk);
+  }
+  return video;
+}
+
+// ---- with the transformer --------------------------------------------------------------------------------------
+
+Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const GenerationParams& params) {
+  const int64_t fps_index = params.fps == 16 ? 0 : 1;  // diffusers: [0 if fps == 16 else 1] per batch item
+  return [&model, fps_index](const DenoiseCall& call) {
+    TransformerForwardArgs args;
+    args.hidden_states = call.latent_model_input;
+    args.timestep = call.timestep;
+    args.encoder_hidden_states = call.encoder_hidden_states;
+    if (model.config().inject_sample_info) {
+      args.fps = at::full({call.latent_model_input.size(0)}, fps_index,
+                          at::TensorOptions().dtype(at::kLong).device(call.latent_model_input.device()));
+    }
+    args.num_frame_per_block = call.num_frame_per_block;  // per request; the model config is never written
+    return model.forward(args);
+  };
+}
+
+DenoiserInfo denoiser_info(const SkyReelsV2Transformer& model) {
+  DenoiserInfo info;
+  info.device = model.device();
+  info.dtype = model.compute_dtype();
+  info.latent_channels = model.config().in_channels;
+  info.num_frame_per_block = model.config().num_frame_per_block;
+  return info;
+}
+
+at::Tensor run_chunk(const SkyReelsV2Transformer& model, const GenerationParams& params, const ChunkPlan& plan,
+                     int64_t chunk_index, const Conditioning& conditioning, const at::Tensor& previous_latents,
+                     NoiseSource& noise, const StepHooks& hooks) {
+  return run_chunk(transformer_denoiser(model, params), denoiser_info(model), params, plan, chunk_index, conditioning,
+                   previous_latents, noise, hooks);
+}
+
+at::Tensor generate(const SkyReelsV2Transformer& model, const GenerationParams& params,
+                    const Conditioning& conditioning, NoiseSource& noise, const StepHooks& hooks,
+                    const std::function<void(int64_t, const at::Tensor&)>& on_chunk) {
+  return generate(transformer_denoiser(model, params), denoiser_info(model), params, conditioning, noise, hooks,
+                  on_chunk);
+}
+
+}  // namespace skyreels::model

@@ -1,0 +1,134 @@
+// The Wan 2.1 causal 3-D VAE (diffusers' AutoencoderKLWan), one file holding its own layers (vae_wan.cpp).
+//
+// Decoding runs one latent frame at a time through a per-convolution feature cache (the last CACHE_T = 2 frames each
+// causal convolution saw), exactly as diffusers does; a DecodeSession keeps that cache between calls, so a long
+// video can be decoded chunk by chunk (and written out as it goes) with memory that does not grow with its length.
+// Encoding runs over 1 frame, then chunks of 4, through the encoder's own cache.
+//
+// Internal parameter names are diffusers' names (encoder.*, decoder.*, quant_conv.*, post_quant_conv.*), so the
+// diffusers layout (config.json + diffusion_pytorch_model.safetensors) loads as it is.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "model/checkpoint.h"
+
+namespace skyreels::model {
+
+struct WanVaeConfig {
+  int64_t base_dim = 96;
+  std::optional<int64_t> decoder_base_dim;  // null: base_dim
+  int64_t z_dim = 16;
+  std::vector<int64_t> dim_mult{1, 2, 4, 4};
+  int64_t num_res_blocks = 2;
+  std::vector<bool> temperal_downsample{false, true, true};  // diffusers' spelling
+  std::vector<double> latents_mean;                          // z_dim entries
+  std::vector<double> latents_std;                           // z_dim entries
+  int64_t in_channels = 3;
+  int64_t out_channels = 3;
+
+  static WanVaeConfig wan_2_1();  // Wan2.1_VAE.pth as converted by diffusers (the defaults above + latents stats)
+
+  // diffusers config.json text. Fields this port cannot run (is_residual = true, a patch_size > 1, non-empty
+  // attn_scales, another _class_name) are rejected with an error naming the field; `where` names the file.
+  static WanVaeConfig from_json(const std::string& json_text, const std::string& where = "config.json");
+  std::string to_json() const;
+  // Throws std::invalid_argument naming the field when the config is inconsistent.
+  void validate() const;
+
+  int64_t decoder_dim() const { return decoder_base_dim.value_or(base_dim); }
+  int64_t temporal_factor() const;  // 2^(number of true entries in temperal_downsample): 4
+  int64_t spatial_factor() const;   // 2^len(temperal_downsample): 8
+  // Pixel frames produced by `latent_frames` latent frames: 1 + temporal_factor * (latent_frames - 1).
+  int64_t pixel_frames(int64_t latent_frames) const;
+};
+
+// Every parameter of the model (encoder, decoder, quant convs), with its shape, in diffusers' names.
+std::vector<checkpoint::ParamSpec> wan_vae_parameter_specs(const WanVaeConfig& config);
+
+class WanVaeError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Immutable once built: decode(), encode() and sessions on one instance may run concurrently.
+class WanVae {
+ public:
+  // Takes exactly the tensors named by wan_vae_parameter_specs(config), already on `device` in `dtype`
+  // (checkpoint::place_strict does that). Throws WanVaeError naming any missing, extra or misshapen tensor.
+  WanVae(WanVaeConfig config, checkpoint::StateDict weights, c10::Device device, at::ScalarType dtype);
+  ~WanVae();
+  WanVae(WanVae&&) noexcept;
+  WanVae& operator=(WanVae&&) noexcept;
+  WanVae(const WanVae&) = delete;
+  WanVae& operator=(const WanVae&) = delete;
+
+  // A diffusers VAE folder (config.json + diffusion_pytorch_model*.safetensors), or a pipeline folder holding
+  // vae/. Strict: every tensor of the file must be a parameter of the model and the other way round.
+  static WanVae load(const std::string& path, const checkpoint::PlaceOptions& options = {});
+
+  const WanVaeConfig& config() const;
+  c10::Device device() const;
+  at::ScalarType dtype() const;
+
+  // The generator works on normalised latents: z = latents * std + mean, per channel (dim 1), in float32 (the
+  // pipeline's latents are float32), returned on the VAE's device in its dtype.
+  at::Tensor denormalize(const at::Tensor& latents) const;
+  // The inverse, as the I2V/V2V pipelines do it: (z - mean) * (1 / std); float32 out.
+  at::Tensor normalize(const at::Tensor& z) const;
+
+  // post_quant_conv(z) (exposed for tests; decode() applies it).
+  at::Tensor post_quant_conv(const at::Tensor& z) const;
+
+  // z: [B, z_dim, F, h, w] in the VAE's own latent space. Returns [B, out_channels, 1 + 4(F-1), 8h, 8w] clamped to
+  // [-1, 1], in the VAE's dtype. Memory for the activations is that of one latent frame; the output is the whole
+  // video (use a DecodeSession to hand frames on as they come).
+  at::Tensor decode(const at::Tensor& z) const;
+
+  // The posterior of `video` ([B, in_channels, T, H, W] in [-1, 1]): frames are taken as 1, then chunks of 4;
+  // trailing frames beyond 1 + 4k are dropped as diffusers does (with a warning).
+  struct Posterior {
+    at::Tensor mean;    // [B, z_dim, 1 + (T-1)/4, H/8, W/8]; also the mode()
+    at::Tensor logvar;  // clamped to [-30, 20]
+    const at::Tensor& mode() const { return mean; }
+  };
+  Posterior encode(const at::Tensor& video) const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+  friend class WanVaeDecodeSession;
+};
+
+// Decoding of one video, latent frame by latent frame, keeping the causal cache between calls: decoding a latent
+// sequence in any split gives what decode() gives for the whole (to float rounding). Not thread-safe; one per video. The
+// WanVae must outlive it.
+class WanVaeDecodeSession {
+ public:
+  explicit WanVaeDecodeSession(const WanVae& vae);
+  ~WanVaeDecodeSession();
+  WanVaeDecodeSession(const WanVaeDecodeSession&) = delete;
+  WanVaeDecodeSession& operator=(const WanVaeDecodeSession&) = delete;
+
+  // z: [B, z_dim, n, h, w] (n >= 1), the next latent frames in the VAE's latent space; B, h, w fixed per session.
+  // Returns their pixel frames: 1 + 4(n-1) for the very first call, 4n afterwards. clamp=false returns the raw
+  // decoder output (diffusers clamps the concatenation, which is the same thing).
+  at::Tensor decode(const at::Tensor& z, bool clamp = true);
+  int64_t latent_frames_done() const { return frames_done_; }
+
+ private:
+  const WanVae& vae_;
+  struct Cache;
+  std::unique_ptr<Cache> cache_;
+  int64_t frames_done_ = 0;
+  std::vector<int64_t> shape_;  // B, h, w of the first call
+};
+
+}  // namespace skyreels::model

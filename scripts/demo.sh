@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The main job, end to end on this machine: builds if needed, starts skyreels-server with a tiny random-weight model
+# on two CPU replicas (loopback only), waits until it is ready, submits a long video (several chunks) through the
+# `skyreels` client with random prompt embeddings, follows it, downloads the latents into ./out/, stops the server
+# with SIGTERM (graceful drain) and exits 0.
+#   scripts/demo.sh                 # build into ./build first (scripts/setup.sh), then run
+#   SKYREELS_SKIP_BUILD=1 BUILD_DIR=build-x scripts/demo.sh   # use binaries that are already built
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+BUILD_DIR=${BUILD_DIR:-build}
+OUT=${OUT:-out}
+if [ "${SKYREELS_SKIP_BUILD:-0}" != 1 ]; then
+  BUILD_DIR="$BUILD_DIR" scripts/setup.sh
+fi
+BIN="$BUILD_DIR/bin"
+for b in skyreels-server skyreels; do
+  [ -x "$BIN/$b" ] || { echo "demo: $BIN/$b is missing (run scripts/setup.sh)" >&2; exit 1; }
+done
+
+# A free loopback port: nothing answers a connection to it.
+free_port() {
+  local port
+  for _ in $(seq 100); do
+    port=$((20000 + RANDOM % 40000))
+    if ! (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then echo "$port"; return; fi
+  done
+  echo "demo: no free port found" >&2
+  exit 1
+}
+PORT=${PORT:-$(free_port)}
+METRICS_PORT=${METRICS_PORT:-$(free_port)}
+SERVER="127.0.0.1:$PORT"
+mkdir -p "$OUT"
+LOG="$OUT/server.log"
+
+echo "demo: starting skyreels-server --demo on $SERVER (2 CPU replicas), metrics on 127.0.0.1:$METRICS_PORT"
+"$BIN/skyreels-server" --demo --devices cpu,cpu --listen "$SERVER" --metrics-listen "127.0.0.1:$METRICS_PORT" \
+  >"$LOG" 2>&1 &
+SERVER_PID=$!
+stop_server() {
+  if kill -0 "$SERVER_PID" 2>/dev/null; then
+    kill -TERM "$SERVER_PID"
+    wait "$SERVER_PID" || true
+  fi
+}
+trap stop_server EXIT
+
+# 57 frames in chunks of 17 with a 9-frame overlap: 6 chunks of diffusion forcing at 64x64, 4 steps each.
+echo "demo: waiting for readiness, then submitting a 57-frame long video"
+if ! JOB=$("$BIN/skyreels" submit --server "$SERVER" --wait-ready 120 --random-embeddings \
+    --num-frames 57 --base-num-frames 17 --overlap-history 9 --height 64 --width 64 \
+    --num-inference-steps 4 --seed 42); then
+  echo "demo: submit failed; server log:" >&2
+  tail -n 30 "$LOG" >&2
+  exit 1
+fi
+echo "demo: job $JOB"
+"$BIN/skyreels" watch --server "$SERVER" "$JOB"
+"$BIN/skyreels" download --server "$SERVER" "$JOB" --out "$OUT/"
+
+# Keep the metrics the run produced next to the result.
+{
+  exec 3<>"/dev/tcp/127.0.0.1/$METRICS_PORT"
+  printf 'GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n' >&3
+  sed '1,/^\r$/d' <&3 >"$OUT/metrics.txt"
+} || true
+
+echo "demo: stopping the server (SIGTERM drains, then exits)"
+trap - EXIT
+kill -TERM "$SERVER_PID"
+STATUS=0
+wait "$SERVER_PID" || STATUS=$?
+if [ "$STATUS" -ne 0 ]; then
+  echo "demo: server exited with $STATUS; log in $LOG" >&2
+  exit 1
+fi
+echo "demo: done: $OUT/$JOB.safetensors (latents), $OUT/metrics.txt, $OUT/server.log"

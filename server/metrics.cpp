@@ -1,0 +1,239 @@
+#include "server/metrics.h"
+
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
+#include <spdlog/spdlog.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+
+namespace skyreels::server {
+
+namespace {
+
+// Buckets (seconds) cover the tiny CPU demo model (milliseconds) up to 14B chunks on one GPU (many minutes).
+const prometheus::Histogram::BucketBoundaries kQueueWait = {0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600,
+                                                            1200, 1800, 3600};
+const prometheus::Histogram::BucketBoundaries kChunk = {0.05, 0.25, 1, 5, 10, 20, 30, 45, 60, 90, 120, 180, 300,
+                                                        600, 1200};
+const prometheus::Histogram::BucketBoundaries kStep = {0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30};
+
+const char* outcome_label(JobState state) {
+  switch (state) {
+    case JobState::Succeeded: return "succeeded";
+    case JobState::Cancelled: return "cancelled";
+    case JobState::DeadlineExceeded: return "deadline_exceeded";
+    default: return "failed";
+  }
+}
+
+}  // namespace
+
+std::pair<std::string, int> split_host_port(const std::string& text, const std::string& flag) {
+  const auto colon = text.rfind(':');
+  if (colon == std::string::npos) throw std::invalid_argument(flag + ": '" + text + "' is not HOST:PORT");
+  std::string host = text.substr(0, colon);
+  const std::string port = text.substr(colon + 1);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  if (port.empty() || port.find_first_not_of("0123456789") != std::string::npos || port.size() > 5 ||
+      std::stoi(port) > 65535) {
+    throw std::invalid_argument(flag + ": '" + text + "' has no valid port");
+  }
+  return {host.empty() ? "0.0.0.0" : host, std::stoi(port)};
+}
+
+Metrics::Metrics(const std::vector<std::string>& replica_names, const std::string& version)
+    : registry_(std::make_shared<prometheus::Registry>()) {
+  using prometheus::BuildCounter;
+  using prometheus::BuildGauge;
+  using prometheus::BuildHistogram;
+  auto& r = *registry_;
+  submitted_ = &BuildCounter().Name("skyreels_jobs_submitted_total").Help("Jobs accepted").Register(r).Add({});
+  auto& finished = BuildCounter().Name("skyreels_jobs_finished_total").Help("Jobs ended, by outcome").Register(r);
+  for (const char* o : {"succeeded", "failed", "cancelled", "deadline_exceeded"}) finished_[o] = &finished.Add({{"outcome", o}});
+  auto& rejected = BuildCounter().Name("skyreels_jobs_rejected_total").Help("Submissions refused, by reason").Register(r);
+  for (const char* reason : {kRejectInvalidArgument, kRejectQueueFull, kRejectUnauthenticated, kRejectDraining}) {
+    rejected_[reason] = &rejected.Add({{"reason", reason}});
+  }
+  running_ = &BuildGauge().Name("skyreels_jobs_running").Help("Jobs with a chunk started and not ended").Register(r).Add({});
+  queue_depth_ = &BuildGauge().Name("skyreels_queue_depth").Help("Jobs accepted and not started").Register(r).Add({});
+  queue_wait_ = &BuildHistogram()
+                     .Name("skyreels_queue_wait_seconds")
+                     .Help("Time from acceptance to the first chunk starting")
+                     .Register(r)
+                     .Add({}, kQueueWait);
+  auto& chunk = BuildHistogram().Name("skyreels_chunk_duration_seconds").Help("Chunk run time, by replica").Register(r);
+  auto& step = BuildHistogram().Name("skyreels_step_duration_seconds").Help("Denoising row time, by replica").Register(r);
+  auto& busy = BuildGauge().Name("skyreels_replica_busy").Help("1 while the replica runs a chunk").Register(r);
+  auto& healthy = BuildGauge().Name("skyreels_replica_healthy").Help("1 while the replica is loaded and not taken out").Register(r);
+  for (const auto& name : replica_names) {
+    chunk_seconds_[name] = &chunk.Add({{"replica", name}}, kChunk);
+    step_seconds_[name] = &step.Add({{"replica", name}}, kStep);
+    busy_[name] = &busy.Add({{"replica", name}});
+    healthy_[name] = &healthy.Add({{"replica", name}});
+    ready_[name] = false;
+  }
+  frames_ = &BuildCounter().Name("skyreels_frames_generated_total").Help("Video frames produced").Register(r).Add({});
+  handoffs_ = &BuildCounter()
+                   .Name("skyreels_chunk_handoffs_total")
+                   .Help("Chunks run on another replica than the job's previous chunk")
+                   .Register(r)
+                   .Add({});
+  retries_ = &BuildCounter().Name("skyreels_chunk_retries_total").Help("Chunk attempts repeated after a fault").Register(r).Add({});
+  replicas_ready_ = &BuildGauge().Name("skyreels_replicas_ready").Help("Replicas loaded, warmed and healthy").Register(r).Add({});
+  BuildGauge().Name("skyreels_build_info").Help("Build information").Register(r).Add({{"version", version}}).Set(1);
+}
+
+Metrics::~Metrics() { stop(); }
+
+std::string Metrics::render() const {
+  prometheus::TextSerializer serializer;
+  return serializer.Serialize(registry_->Collect());
+}
+
+void Metrics::rejected(const std::string& reason) {
+  auto it = rejected_.find(reason);
+  if (it != rejected_.end()) it->second->Increment();
+}
+
+void Metrics::job_submitted(const JobSnapshot&) { submitted_->Increment(); }
+
+void Metrics::job_started(const JobSnapshot&, double queue_wait_seconds) { queue_wait_->Observe(queue_wait_seconds); }
+
+void Metrics::job_finished(const JobSnapshot& job) { finished_.at(outcome_label(job.state))->Increment(); }
+
+void Metrics::chunk_finished(const JobSnapshot&, const std::string& replica, int64_t, double seconds, int64_t frames) {
+  auto it = chunk_seconds_.find(replica);
+  if (it != chunk_seconds_.end()) it->second->Observe(seconds);
+  frames_->Increment(static_cast<double>(frames));
+}
+
+void Metrics::chunk_failed(const JobSnapshot&, const std::string&, int64_t, const std::string&, bool will_retry) {
+  if (will_retry) retries_->Increment();
+}
+
+void Metrics::step(const std::string& replica, double seconds) {
+  auto it = step_seconds_.find(replica);
+  if (it != step_seconds_.end()) it->second->Observe(seconds);
+}
+
+void Metrics::handoff(const JobSnapshot&, const std::string&, const std::string&) { handoffs_->Increment(); }
+
+void Metrics::replica_changed(const ReplicaStatus& replica) {
+  auto busy = busy_.find(replica.name);
+  if (busy != busy_.end()) busy->second->Set(replica.busy ? 1 : 0);
+  auto healthy = healthy_.find(replica.name);
+  if (healthy != healthy_.end()) healthy->second->Set(replica.healthy ? 1 : 0);
+  std::lock_guard<std::mutex> lock(ready_mu_);
+  ready_[replica.name] = replica.loaded && replica.healthy;
+  int ready = 0;
+  for (const auto& [name, ok] : ready_) ready += ok ? 1 : 0;
+  replicas_ready_->Set(ready);
+}
+
+void Metrics::queue_changed(int64_t queued, int64_t running) {
+  queue_depth_->Set(static_cast<double>(queued));
+  running_->Set(static_cast<double>(running));
+}
+
+// ---- the /metrics listener ------------------------------------------------------------------------------------
+
+void Metrics::serve(const std::string& host_port) {
+  const auto [host, port] = split_host_port(host_port, "--metrics-listen");
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const std::string service = std::to_string(port);
+  if (const int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &found); rc != 0) {
+    throw std::runtime_error("--metrics-listen: cannot resolve '" + host + "': " + gai_strerror(rc));
+  }
+  std::string error = "no address";
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    const int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, 64) == 0) {
+      listen_fd_ = fd;
+      break;
+    }
+    error = std::strerror(errno);
+    ::close(fd);
+  }
+  ::freeaddrinfo(found);
+  if (listen_fd_ < 0) throw std::runtime_error("--metrics-listen: cannot listen on " + host_port + ": " + error);
+  sockaddr_storage bound{};
+  socklen_t len = sizeof bound;
+  ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&bound), &len);
+  port_ = ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                                            : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  thread_ = std::thread([this] { accept_loop(); });
+  spdlog::info("event=metrics_listening address={}:{} path=/metrics", host, port_);
+}
+
+void Metrics::stop() {
+  stopping_ = true;
+  if (thread_.joinable()) thread_.join();
+  if (listen_fd_ >= 0) ::close(listen_fd_);
+  listen_fd_ = -1;
+}
+
+void Metrics::accept_loop() {
+  while (!stopping_) {
+    pollfd p{listen_fd_, POLLIN, 0};
+    if (::poll(&p, 1, 100) <= 0) continue;
+    const int connection = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (connection < 0) continue;
+    handle(connection);  // one scrape at a time: scrapes are rare and cheap
+    ::close(connection);
+  }
+}
+
+void Metrics::handle(int connection) const {
+  timeval timeout{2, 0};
+  ::setsockopt(connection, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+  ::setsockopt(connection, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
+  std::string request;
+  char buffer[2048];
+  while (request.find("\r\n\r\n") == std::string::npos && request.size() < 16384) {
+    const ssize_t n = ::recv(connection, buffer, sizeof buffer, 0);
+    if (n <= 0) break;
+    request.append(buffer, static_cast<size_t>(n));
+  }
+  const std::string line = request.substr(0, request.find("\r\n"));
+  std::string status = "404 Not Found";
+  std::string body = "not found: only GET /metrics is served here\n";
+  std::string type = "text/plain; charset=utf-8";
+  if (line.rfind("GET /metrics ", 0) == 0 || line.rfind("GET /metrics?", 0) == 0) {
+    status = "200 OK";
+    body = render();
+    type = "text/plain; version=0.0.4; charset=utf-8";
+  } else if (line.rfind("GET ", 0) != 0) {
+    status = "405 Method Not Allowed";
+    body = "only GET\n";
+  }
+  const std::string response = "HTTP/1.1 " + status + "\r\nContent-Type: " + type +
+                               "\r\nContent-Length: " + std::to_string(body.size()) +
+                               "\r\nConnection: close\r\n\r\n" + body;
+  size_t sent = 0;
+  while (sent < response.size()) {
+    const ssize_t n = ::send(connection, response.data() + sent, response.size() - sent, MSG_NOSIGNAL);
+    if (n <= 0) break;
+    sent += static_cast<size_t>(n);
+  }
+}
+
+}  // namespace skyreels::server

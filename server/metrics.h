@@ -1,0 +1,90 @@
+// Prometheus metrics of the operations contract (docs/ARCHITECTURE.md), served on their own port at /metrics.
+//
+// The exposition is our own minimal HTTP/1.1 listener around prometheus-cpp's TextSerializer rather than the
+// civetweb Exposer: the Exposer cannot start its threads next to OpenBLAS's static TLS on this platform
+// (build-notes P3) and takes 2 s to stop (P8); a 100-line listener has neither problem.
+#pragma once
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "server/scheduler.h"
+
+namespace prometheus {
+class Registry;
+class Counter;
+class Gauge;
+class Histogram;
+}  // namespace prometheus
+
+namespace skyreels::server {
+
+// Rejection reasons (label values of skyreels_jobs_rejected_total).
+inline constexpr const char* kRejectInvalidArgument = "invalid_argument";
+inline constexpr const char* kRejectQueueFull = "queue_full";
+inline constexpr const char* kRejectUnauthenticated = "unauthenticated";
+inline constexpr const char* kRejectDraining = "draining";
+
+class Metrics : public SchedulerObserver {
+ public:
+  Metrics(const std::vector<std::string>& replica_names, const std::string& version);
+  ~Metrics() override;
+
+  // Binds HOST:PORT (port 0 picks a free one) and serves GET /metrics on a thread. Throws std::runtime_error.
+  void serve(const std::string& host_port);
+  int port() const { return port_; }
+  void stop();
+  std::string render() const;
+
+  void rejected(const std::string& reason);
+
+  // SchedulerObserver
+  void job_submitted(const JobSnapshot&) override;
+  void job_started(const JobSnapshot&, double queue_wait_seconds) override;
+  void job_finished(const JobSnapshot& job) override;
+  void chunk_finished(const JobSnapshot&, const std::string& replica, int64_t chunk, double seconds,
+                      int64_t frames) override;
+  void chunk_failed(const JobSnapshot&, const std::string& replica, int64_t chunk, const std::string& error,
+                    bool will_retry) override;
+  void step(const std::string& replica, double seconds) override;
+  void handoff(const JobSnapshot&, const std::string& from, const std::string& to) override;
+  void replica_changed(const ReplicaStatus& replica) override;
+  void queue_changed(int64_t queued, int64_t running) override;
+
+ private:
+  void accept_loop();
+  void handle(int connection) const;
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Counter* submitted_;
+  std::map<std::string, prometheus::Counter*> finished_;
+  std::map<std::string, prometheus::Counter*> rejected_;
+  prometheus::Gauge* running_;
+  prometheus::Gauge* queue_depth_;
+  prometheus::Histogram* queue_wait_;
+  std::map<std::string, prometheus::Histogram*> chunk_seconds_;
+  std::map<std::string, prometheus::Histogram*> step_seconds_;
+  prometheus::Counter* frames_;
+  std::map<std::string, prometheus::Gauge*> busy_;
+  std::map<std::string, prometheus::Gauge*> healthy_;
+  prometheus::Counter* handoffs_;
+  prometheus::Counter* retries_;
+  prometheus::Gauge* replicas_ready_;
+  std::mutex ready_mu_;
+  std::map<std::string, bool> ready_;
+
+  int listen_fd_ = -1;
+  int port_ = 0;
+  std::atomic<bool> stopping_{false};
+  std::thread thread_;
+};
+
+// Splits "HOST:PORT" / "[V6]:PORT"; throws std::invalid_argument naming `flag`.
+std::pair<std::string, int> split_host_port(const std::string& text, const std::string& flag);
+
+}  // namespace skyreels::server

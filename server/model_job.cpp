@@ -1,0 +1,433 @@
+#include "server/model_job.h"
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <sstream>
+
+#include "model/diffusion_forcing.h"
+#include "model/safetensors.h"
+#include "server/blob.h"
+
+namespace skyreels::server {
+
+namespace {
+
+constexpr int64_t kTemporal = 4;      // VAE: 4 pixel frames per latent frame (after the first)
+constexpr int64_t kSpatial = 8;       // VAE: 8 pixels per latent position
+constexpr int64_t kMaxTensorElements = int64_t{1} << 28;
+
+[[noreturn]] void invalid(const std::string& message) { throw ValidationError(message); }
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
+  os << "]";
+  return os.str();
+}
+
+// ---- parameters -------------------------------------------------------------------------------------------------
+
+void check_range(const std::string& field, int64_t value, int64_t lo, int64_t hi, const std::string& why = "") {
+  if (value < lo || value > hi) {
+    invalid(field + ": " + std::to_string(value) + " is outside [" + std::to_string(lo) + ", " + std::to_string(hi) +
+            "]" + (why.empty() ? "" : " (" + why + ")"));
+  }
+}
+
+void check_range(const std::string& field, double value, double lo, double hi) {
+  if (!std::isfinite(value) || value < lo || value > hi) {
+    std::ostringstream os;
+    os << field << ": " << value << " is outside [" << lo << ", " << hi << "]";
+    invalid(os.str());
+  }
+}
+
+void check_frames(const std::string& field, int64_t frames, int64_t max_frames) {
+  check_range(field, frames, 1, max_frames, "--max-frames");
+  if ((frames - 1) % kTemporal != 0) {
+    const int64_t below = (frames - 1) / kTemporal * kTemporal + 1;
+    invalid(field + ": " + std::to_string(frames) + " is not of the form 4k+1 (the VAE packs 4 frames per latent " +
+            "frame after the first); use " + std::to_string(below) + " or " + std::to_string(below + kTemporal));
+  }
+}
+
+void check_size(const std::string& field, int64_t pixels, int64_t max_pixels, const std::string& flag) {
+  check_range(field, pixels, 16, max_pixels, flag);
+  if (pixels % 16 != 0) invalid(field + ": " + std::to_string(pixels) + " is not a multiple of 16");
+}
+
+model::GenerationParams resolve_params(const JobRequest& r, const ServerLimits& limits, uint64_t random_seed) {
+  model::GenerationParams p;
+  p.num_frames = r.num_frames.value_or(p.num_frames);
+  p.height = r.height.value_or(p.height);
+  p.width = r.width.value_or(p.width);
+  p.num_inference_steps = r.num_inference_steps.value_or(p.num_inference_steps);
+  p.guidance_scale = r.guidance_scale.value_or(p.guidance_scale);
+  p.flow_shift = r.flow_shift.value_or(p.flow_shift);
+  p.base_num_frames = r.base_num_frames.value_or(p.base_num_frames);
+  p.overlap_history = r.overlap_history;
+  p.ar_step = r.ar_step.value_or(p.ar_step);
+  p.causal_block_size = r.causal_block_size;
+  p.addnoise_condition = r.addnoise_condition.value_or(p.addnoise_condition);
+  p.fps = r.fps.value_or(p.fps);
+  p.seed = r.seed.value_or(random_seed);
+
+  check_frames("num_frames", p.num_frames, limits.max_frames);
+  check_size("height", p.height, limits.max_height, "--max-height");
+  check_size("width", p.width, limits.max_width, "--max-width");
+  check_range("num_inference_steps", p.num_inference_steps, 1, limits.max_steps, "--max-steps");
+  check_range("guidance_scale", p.guidance_scale, 0.0, 100.0);
+  check_range("flow_shift", p.flow_shift, 1e-3, 1000.0);
+  check_frames("base_num_frames", p.base_num_frames, limits.max_frames);
+  if (p.overlap_history) check_range("overlap_history", *p.overlap_history, 1, p.base_num_frames);
+  check_range("ar_step", p.ar_step, 0, 1000);
+  if (p.causal_block_size) check_range("causal_block_size", *p.causal_block_size, 1, 1000);
+  check_range("addnoise_condition", p.addnoise_condition, 0.0, 999.0);
+  check_range("fps", p.fps, 1, 240);
+  return p;
+}
+
+// ---- tensors ------------------------------------------------------------------------------------------------------
+
+at::Tensor to_tensor(const RawTensor& raw, const std::string& field) {
+  at::ScalarType type;
+  if (raw.dtype == "F32") {
+    type = at::kFloat;
+  } else if (raw.dtype == "BF16") {
+    type = at::kBFloat16;
+  } else if (raw.dtype == "F16") {
+    type = at::kHalf;
+  } else {
+    invalid(field + ": dtype " + (raw.dtype.empty() ? std::string("(unset)") : raw.dtype) +
+            " is not supported (F32, BF16 or F16)");
+  }
+  int64_t numel = 1;
+  for (int64_t d : raw.shape) {
+    if (d <= 0) invalid(field + ": shape " + shape_text(raw.shape) + " has a dimension < 1");
+    if (numel > kMaxTensorElements / d) invalid(field + ": shape " + shape_text(raw.shape) + " is too large");
+    numel *= d;
+  }
+  const auto bytes = static_cast<size_t>(numel) * at::elementSize(type);
+  if (raw.data.size() != bytes) {
+    invalid(field + ": " + std::to_string(raw.data.size()) + " bytes of data, but shape " + shape_text(raw.shape) +
+            " x " + raw.dtype + " needs " + std::to_string(bytes));
+  }
+  at::Tensor t = at::empty(raw.shape, at::TensorOptions().dtype(type));
+  std::memcpy(t.data_ptr(), raw.data.data(), bytes);
+  return t.to(at::kFloat);
+}
+
+at::Tensor embeddings(const RawTensor& raw, const std::string& field, const ModelDescription& model,
+                      const ServerLimits& limits) {
+  if (raw.shape.size() != 3) {
+    invalid(field + ": expected [1, T, text_dim] = [1, T, " + std::to_string(model.text_dim) + "], got shape " +
+            shape_text(raw.shape));
+  }
+  if (raw.shape[0] != 1) invalid(field + ": batch must be 1, got shape " + shape_text(raw.shape));
+  check_range(field + " tokens (shape[1])", raw.shape[1], 1, limits.max_text_tokens);
+  if (raw.shape[2] != model.text_dim) {
+    invalid(field + ": last dimension " + std::to_string(raw.shape[2]) + " does not match the model's text_dim " +
+            std::to_string(model.text_dim));
+  }
+  at::Tensor t = to_tensor(raw, field);
+  if (!at::isfinite(t).all().item<bool>()) invalid(field + ": contains NaN or infinite values");
+  return t;
+}
+
+// The two tensors of a safetensors file sent as bytes.
+void parse_embeddings_file(const std::string& bytes, std::optional<RawTensor>& prompt,
+                           std::optional<RawTensor>& negative) {
+  const std::string field = "embeddings_safetensors";
+  if (bytes.size() < 8) invalid(field + ": " + std::to_string(bytes.size()) + " bytes is not a safetensors file");
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | static_cast<uint8_t>(bytes[static_cast<size_t>(i)]);
+  if (header_len > bytes.size() - 8) {
+    invalid(field + ": header length " + std::to_string(header_len) + " is past the end (" +
+            std::to_string(bytes.size()) + " bytes)");
+  }
+  std::vector<safetensors::TensorInfo> infos;
+  std::map<std::string, std::string> metadata;
+  try {
+    safetensors::parse_header(field, bytes.substr(8, header_len), header_len, bytes.size(), infos, metadata);
+  } catch (const safetensors::FormatError& e) {
+    invalid(e.what());
+  }
+  for (const auto& info : infos) {
+    RawTensor raw;
+    raw.dtype = safetensors::dtype_name(info.dtype);
+    raw.shape = info.shape;
+    raw.data = bytes.substr(8 + header_len + info.begin, info.end - info.begin);
+    if (info.name == "prompt_embeds") {
+      prompt = std::move(raw);
+    } else if (info.name == "negative_prompt_embeds") {
+      negative = std::move(raw);
+    } else {
+      invalid(field + ": unexpected tensor '" + info.name + "' (expected prompt_embeds and optionally " +
+              "negative_prompt_embeds)");
+    }
+  }
+  if (!prompt) invalid(field + ": no tensor named prompt_embeds");
+}
+
+// ---- fingerprint ----------------------------------------------------------------------------------------------
+
+struct Fnv {
+  uint64_t h = 1469598103934665603ULL;
+  void bytes(const void* data, size_t n) {
+    const auto* p = static_cast<const uint8_t*>(data);
+    for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ULL;
+  }
+  void str(const std::string& s) {
+    add(static_cast<uint64_t>(s.size()));
+    bytes(s.data(), s.size());
+  }
+  template <typename T>
+  void add(const T& v) { bytes(&v, sizeof v); }
+  template <typename T>
+  void opt(const std::optional<T>& v) {
+    add(static_cast<uint8_t>(v.has_value()));
+    if (v) add(*v);
+  }
+  void tensor(const std::optional<RawTensor>& t) {
+    add(static_cast<uint8_t>(t.has_value()));
+    if (!t) return;
+    str(t->dtype);
+    for (int64_t d : t->shape) add(d);
+    str(t->data);
+  }
+};
+
+uint64_t fingerprint_of(const JobRequest& r) {
+  Fnv f;
+  f.tensor(r.prompt_embeds);
+  f.tensor(r.negative_prompt_embeds);
+  f.add(static_cast<uint8_t>(r.embeddings_safetensors.has_value()));
+  if (r.embeddings_safetensors) f.str(*r.embeddings_safetensors);
+  f.add(static_cast<uint8_t>(r.prompt.has_value()));
+  if (r.prompt) f.str(*r.prompt);
+  f.add(static_cast<uint8_t>(r.negative_prompt.has_value()));
+  if (r.negative_prompt) f.str(*r.negative_prompt);
+  for (const auto* v : {&r.num_frames, &r.height, &r.width, &r.num_inference_steps, &r.base_num_frames,
+                        &r.overlap_history, &r.ar_step, &r.causal_block_size, &r.fps}) {
+    f.opt(*v);
+  }
+  for (const auto* v : {&r.guidance_scale, &r.flow_shift, &r.addnoise_condition}) f.opt(*v);
+  f.opt(r.seed);
+  return f.h;
+}
+
+}  // namespace
+
+// ---- the job --------------------------------------------------------------------------------------------------
+
+struct ModelJob::Impl {
+  model::GenerationParams generation;
+  ResolvedParams resolved;
+  model::ChunkPlan plan;
+  model::Conditioning conditioning;
+  int64_t latent_channels = 16;
+  uint64_t fingerprint = 0;
+  at::Tensor tail;  // last overlap frames of the latent video so far, on the replica that made them
+  mutable std::mutex results_mu;
+  std::vector<std::optional<ChunkBlob>> results;
+  mutable std::condition_variable video_cv;
+  std::vector<std::optional<std::string>> videos;
+  std::string video_error;
+  std::shared_ptr<void> video_state;
+};
+
+ModelJob::ModelJob() : impl_(std::make_unique<Impl>()) {}
+ModelJob::~ModelJob() = default;
+
+std::shared_ptr<ModelJob> ModelJob::create(const JobRequest& request, const ModelDescription& model,
+                                           const ServerLimits& limits, uint64_t random_seed,
+                                           const TextEncoderFn& text_encoder) {
+  std::shared_ptr<ModelJob> job(new ModelJob());
+  Impl& d = *job->impl_;
+  d.generation = resolve_params(request, limits, random_seed);
+  const model::GenerationParams& p = d.generation;
+
+  const int sources = static_cast<int>(request.prompt_embeds.has_value()) +
+                      static_cast<int>(request.embeddings_safetensors.has_value()) +
+                      static_cast<int>(request.prompt.has_value());
+  if (sources != 1) {
+    invalid("conditioning: exactly one of embeddings, embeddings_safetensors or text is required (got " +
+            std::to_string(sources) + ")");
+  }
+  std::optional<RawTensor> prompt = request.prompt_embeds;
+  std::optional<RawTensor> negative = request.negative_prompt_embeds;
+  if (request.embeddings_safetensors) parse_embeddings_file(*request.embeddings_safetensors, prompt, negative);
+  if (request.prompt) {
+    if (!text_encoder) {
+      throw PreconditionError("text: this server has no text encoder (start it with --text-encoder and "
+                              "--tokenizer), send prompt embeddings instead");
+    }
+    if (request.prompt->empty()) invalid("text.prompt: must not be empty");
+    prompt = text_encoder(*request.prompt);
+    if (p.guidance_scale > 1.0) negative = text_encoder(request.negative_prompt.value_or(""));
+  }
+  d.conditioning.prompt_embeds = embeddings(*prompt, "prompt_embeds", model, limits);
+  if (p.guidance_scale > 1.0) {
+    if (!negative) {
+      invalid("negative_prompt_embeds: required when guidance_scale > 1 (classifier-free guidance), got " +
+              std::to_string(p.guidance_scale));
+    }
+    d.conditioning.negative_prompt_embeds = embeddings(*negative, "negative_prompt_embeds", model, limits);
+  }
+
+  try {
+    d.plan = model::plan_chunks(p, model.num_frame_per_block);
+  } catch (const std::invalid_argument& e) {
+    invalid(e.what());  // plan_chunks names the field first
+  }
+  d.latent_channels = model.latent_channels;
+  d.results.resize(d.plan.chunks.size());
+  d.videos.resize(d.plan.chunks.size());
+  d.fingerprint = fingerprint_of(request);
+
+  ResolvedParams& r = d.resolved;
+  r.num_frames = p.num_frames;
+  r.height = p.height;
+  r.width = p.width;
+  r.num_inference_steps = p.num_inference_steps;
+  r.base_num_frames = p.base_num_frames;
+  r.overlap_history = p.overlap_history;
+  r.ar_step = p.ar_step;
+  r.causal_block_size = d.plan.causal_block_size;
+  r.fps = p.fps;
+  r.guidance_scale = p.guidance_scale;
+  r.flow_shift = p.flow_shift;
+  r.addnoise_condition = p.addnoise_condition;
+  r.seed = *p.seed;
+  return job;
+}
+
+const ResolvedParams& ModelJob::params() const { return impl_->resolved; }
+const std::vector<std::string>& ModelJob::warnings() const { return impl_->plan.warnings; }
+int64_t ModelJob::chunk_count() const { return static_cast<int64_t>(impl_->plan.chunks.size()); }
+uint64_t ModelJob::fingerprint() const { return impl_->fingerprint; }
+
+std::vector<double> ModelJob::chunk_work() const {
+  const auto& plan = impl_->plan;
+  const double passes = impl_->generation.guidance_scale > 1.0 ? 2.0 : 1.0;
+  std::vector<double> work;
+  for (const auto& c : plan.chunks) {
+    work.push_back(static_cast<double>(c.num_latent_frames * plan.latent_height * plan.latent_width) *
+                   static_cast<double>(c.timestep_rows) * passes);
+  }
+  return work;
+}
+
+std::vector<int64_t> ModelJob::chunk_rows() const {
+  std::vector<int64_t> rows;
+  for (const auto& c : impl_->plan.chunks) rows.push_back(c.timestep_rows);
+  return rows;
+}
+
+std::vector<int64_t> ModelJob::latent_shape() const {
+  const auto& plan = impl_->plan;
+  return {1, impl_->latent_channels, plan.total_latent_frames, plan.latent_height, plan.latent_width};
+}
+
+std::pair<int64_t, int64_t> ModelJob::chunk_latent_range(int64_t chunk) const {
+  const auto& c = impl_->plan.chunks.at(static_cast<size_t>(chunk));
+  return {c.output_begin, c.output_end};
+}
+
+int64_t ModelJob::chunk_pixel_frames(int64_t chunk) const {
+  const auto [begin, end] = chunk_latent_range(chunk);
+  const int64_t latent = end - begin;
+  return begin == 0 ? (latent - 1) * kTemporal + 1 : latent * kTemporal;
+}
+
+void ModelJob::run_chunk(const model::SkyReelsV2Transformer& transformer, int64_t chunk,
+                         const model::StepHooks& hooks) {
+  Impl& d = *impl_;
+  const model::ChunkSpec& spec = d.plan.chunks.at(static_cast<size_t>(chunk));
+  // Chunk k's noise depends on (seed, k) only, never on where chunk k-1 ran (NoiseSource::begin_chunk skips ahead).
+  auto noise = model::make_seeded_noise(d.resolved.seed);
+  const at::Tensor latents =
+      model::run_chunk(transformer, d.generation, d.plan, chunk, d.conditioning, d.tail, *noise, hooks);
+
+  // The video's tail for the next chunk, on this replica's device, as diffusers' accumulated video would end.
+  const int64_t overlap = d.plan.overlap_latent_frames;
+  at::Tensor tail;
+  if (overlap > 0 && chunk + 1 < chunk_count()) {
+    const at::Tensor video = model::accumulate(chunk == 0 ? at::Tensor() : d.tail.to(latents.device()), latents, spec);
+    tail = video.narrow(2, video.size(2) - overlap, overlap).clone();
+  }
+  const at::Tensor fresh =
+      latents.narrow(2, spec.keep_from, latents.size(2) - spec.keep_from).to(at::kCPU, at::kFloat).contiguous();
+  if (fresh.size(2) != spec.output_end - spec.output_begin) {
+    throw std::logic_error("chunk " + std::to_string(chunk) + " produced " + std::to_string(fresh.size(2)) +
+                           " new latent frames, the plan expects " +
+                           std::to_string(spec.output_end - spec.output_begin));
+  }
+  ChunkBlob blob;
+  blob.latent_begin = spec.output_begin;
+  blob.latent_end = spec.output_end;
+  blob.bytes = safetensors_bytes(
+      "latents", fresh.sizes().vec(), fresh.data_ptr<float>(),
+      {{"chunk_index", std::to_string(chunk)},
+       {"chunk_count", std::to_string(chunk_count())},
+       {"latent_frame_begin", std::to_string(spec.output_begin)},
+       {"latent_frame_end", std::to_string(spec.output_end)},
+       {"seed", std::to_string(d.resolved.seed)}});
+  d.tail = tail;
+  std::lock_guard<std::mutex> lock(d.results_mu);
+  d.results[static_cast<size_t>(chunk)] = std::move(blob);
+}
+
+std::optional<ChunkBlob> ModelJob::chunk_result(int64_t chunk) const {
+  std::lock_guard<std::mutex> lock(impl_->results_mu);
+  if (chunk < 0 || chunk >= static_cast<int64_t>(impl_->results.size())) return std::nullopt;
+  return impl_->results[static_cast<size_t>(chunk)];
+}
+
+int64_t ModelJob::chunks_available() const {
+  std::lock_guard<std::mutex> lock(impl_->results_mu);
+  int64_t n = 0;
+  while (n < static_cast<int64_t>(impl_->results.size()) && impl_->results[static_cast<size_t>(n)]) ++n;
+  return n;
+}
+
+void ModelJob::set_chunk_video(int64_t chunk, std::string bytes) {
+  {
+    std::lock_guard<std::mutex> lock(impl_->results_mu);
+    impl_->videos.at(static_cast<size_t>(chunk)) = std::move(bytes);
+  }
+  impl_->video_cv.notify_all();
+}
+
+void ModelJob::set_video_error(const std::string& error) {
+  {
+    std::lock_guard<std::mutex> lock(impl_->results_mu);
+    impl_->video_error = error;
+  }
+  impl_->video_cv.notify_all();
+}
+
+ModelJob::VideoResult ModelJob::wait_chunk_video(int64_t chunk, Clock::time_point until) const {
+  std::unique_lock<std::mutex> lock(impl_->results_mu);
+  VideoResult result;
+  if (chunk < 0 || chunk >= static_cast<int64_t>(impl_->videos.size())) {
+    result.error = "chunk " + std::to_string(chunk) + " does not exist";
+    return result;
+  }
+  impl_->video_cv.wait_until(lock, until, [&] {
+    return impl_->videos[static_cast<size_t>(chunk)].has_value() || !impl_->video_error.empty();
+  });
+  result.bytes = impl_->videos[static_cast<size_t>(chunk)];
+  result.error = impl_->video_error;
+  return result;
+}
+
+std::shared_ptr<void>& ModelJob::video_state() { return impl_->video_state; }
+
+}  // namespace skyreels::server

@@ -1,0 +1,138 @@
+// A video job as the model sees it: the validated request (generation params with every default resolved, the seed,
+// the prompt embeddings, the chunk plan), the state carried between chunks (the tail of the latent video, on the
+// replica that produced it: what a handoff moves), and the per-chunk results. Torch-free header.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "server/scheduler.h"
+
+namespace skyreels::model {
+class SkyReelsV2Transformer;
+struct StepHooks;
+}  // namespace skyreels::model
+
+namespace skyreels::server {
+
+// A bad request field: INVALID_ARGUMENT. The message starts with the field name.
+class ValidationError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+// A valid request this server cannot serve as configured (a text prompt without a text encoder):
+// FAILED_PRECONDITION.
+class PreconditionError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A tensor as it arrives over the wire: safetensors dtype name ("F32", "BF16", "F16"), shape, raw little-endian bytes.
+struct RawTensor {
+  std::string dtype;
+  std::vector<int64_t> shape;
+  std::string data;
+};
+
+// The request, transport-neutral. Unset optionals take diffusers' defaults.
+struct JobRequest {
+  std::optional<RawTensor> prompt_embeds;
+  std::optional<RawTensor> negative_prompt_embeds;
+  std::optional<std::string> embeddings_safetensors;  // a safetensors file's bytes
+  std::optional<std::string> prompt;                  // text (needs a text encoder)
+  std::optional<std::string> negative_prompt;
+
+  std::optional<int64_t> num_frames, height, width, num_inference_steps, base_num_frames, overlap_history, ar_step,
+      causal_block_size, fps;
+  std::optional<double> guidance_scale, flow_shift, addnoise_condition;
+  std::optional<uint64_t> seed;
+};
+
+// Every generation parameter with its value in effect (what the job reports back).
+struct ResolvedParams {
+  int64_t num_frames = 0, height = 0, width = 0, num_inference_steps = 0, base_num_frames = 0;
+  std::optional<int64_t> overlap_history;
+  int64_t ar_step = 0, causal_block_size = 0, fps = 0;
+  double guidance_scale = 0, flow_shift = 0, addnoise_condition = 0;
+  uint64_t seed = 0;
+};
+
+struct ServerLimits {
+  int64_t max_frames = 1457;
+  int64_t max_height = 1280;
+  int64_t max_width = 1280;
+  int64_t max_steps = 100;
+  int64_t max_text_tokens = 512;  // diffusers' max_sequence_length
+};
+
+// What validation needs to know about the loaded model.
+struct ModelDescription {
+  int64_t text_dim = 4096;
+  int64_t num_frame_per_block = 1;
+  int64_t latent_channels = 16;
+};
+
+// Turns a text prompt into [1, T, text_dim] float32 embeddings (data as raw F32 bytes); unset: no text encoder.
+using TextEncoderFn = std::function<RawTensor(const std::string& text)>;
+
+struct ChunkBlob {
+  std::string bytes;          // safetensors: `latents` fp32 [1, C, frames, h, w]
+  int64_t latent_begin = 0;   // new latent frames [begin, end) of the whole video
+  int64_t latent_end = 0;
+};
+
+class ModelJob : public JobPayload {
+ public:
+  // Validates every field (ValidationError / PreconditionError) and plans the chunks. `random_seed` is used when
+  // the request has no seed.
+  static std::shared_ptr<ModelJob> create(const JobRequest& request, const ModelDescription& model,
+                                          const ServerLimits& limits, uint64_t random_seed,
+                                          const TextEncoderFn& text_encoder = {});
+  ~ModelJob() override;
+
+  const ResolvedParams& params() const;
+  const std::vector<std::string>& warnings() const;  // e.g. overlap frames dropped by the block size
+  int64_t chunk_count() const;
+  std::vector<double> chunk_work() const;    // latent positions x rows x model passes, per chunk
+  std::vector<int64_t> chunk_rows() const;   // denoising rows per chunk
+  std::vector<int64_t> latent_shape() const; // [1, C, F, h, w] of the whole video
+  std::pair<int64_t, int64_t> chunk_latent_range(int64_t chunk) const;
+  int64_t chunk_pixel_frames(int64_t chunk) const;  // frames chunk `chunk` adds to the decoded video
+  uint64_t fingerprint() const;              // of everything that determines the output (idempotency)
+
+  // Runs one chunk on `model` (on the calling replica's device). Reads the tail left by the previous chunk, wherever
+  // it is; leaves the new tail on this device and stores the chunk's new frames on the CPU.
+  // Throws model::GenerationCancelled when hooks.cancelled() turns true.
+  void run_chunk(const model::SkyReelsV2Transformer& model, int64_t chunk, const model::StepHooks& hooks);
+
+  // The chunk's result, nullopt until it exists.
+  std::optional<ChunkBlob> chunk_result(int64_t chunk) const;
+  int64_t chunks_available() const;
+
+  // MP4 results (VideoEncoder): blob k is chunk k's fragment (chunk 0 with the init segment).
+  void set_chunk_video(int64_t chunk, std::string bytes);
+  void set_video_error(const std::string& error);
+  struct VideoResult {
+    std::optional<std::string> bytes;
+    std::string error;  // the encoder failed: no more video for this job
+  };
+  // Blocks until chunk `chunk`'s MP4 exists, the encoder failed, or `until`.
+  VideoResult wait_chunk_video(int64_t chunk, Clock::time_point until) const;
+  // The video encoder's per-job state (decode session, MP4 writer); owned here so that it ends with the job.
+  std::shared_ptr<void>& video_state();
+
+ private:
+  ModelJob();
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace skyreels::server

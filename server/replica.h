@@ -1,0 +1,67 @@
+// One replica: the transformer loaded onto one device, running chunks of ModelJobs for the scheduler.
+// Test hooks (documented in --help): a fault plan that makes chosen chunk runs throw, and a per-step delay.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "server/scheduler.h"
+
+namespace skyreels::model {
+class SkyReelsV2Transformer;
+}
+
+namespace skyreels::server {
+
+// "--fault-inject REPLICA@N[+][,REPLICA@N[+]...]": the N-th chunk run (1-based) on replica REPLICA throws after its
+// first step; with '+', that run and every later one on that replica. Also read from $SKYREELS_FAULT_INJECT.
+struct FaultRule {
+  std::string replica;
+  int64_t nth = 1;
+  bool and_later = false;
+};
+std::vector<FaultRule> parse_fault_rules(const std::string& text);  // throws std::invalid_argument
+
+struct ReplicaOptions {
+  std::string name;          // metric label, e.g. "cpu:0", "cuda:1"
+  std::string device;        // torch device, e.g. "cpu", "cuda:1"
+  std::string dtype = "auto";
+  std::string model_path;
+  int threads = 0;           // intra-op threads for this replica's worker thread; 0 = leave as is
+  std::vector<FaultRule> faults;
+  std::chrono::milliseconds step_delay{0};  // test hook: sleep after every denoising step
+};
+
+struct ReplicaInfo {
+  std::string device;
+  std::string dtype;
+  int threads = 0;
+};
+
+class ModelReplica : public ChunkExecutor {
+ public:
+  explicit ModelReplica(ReplicaOptions options);
+  ~ModelReplica() override;
+  std::string name() const override { return options_.name; }
+  void start() override;  // loads the weights on this replica's device and runs one warm-up forward
+  ChunkResult run(const ChunkWork& work, const ChunkCallbacks& callbacks) override;
+  const ReplicaOptions& options() const { return options_; }
+
+ private:
+  bool fault_due(int64_t run) const;
+  ReplicaOptions options_;
+  std::unique_ptr<model::SkyReelsV2Transformer> model_;
+  int64_t runs_ = 0;
+};
+
+// Splits --devices into replicas: "auto" (every CUDA device, else one CPU replica), "cpu", "cuda:0,cuda:1",
+// repeats such as "cpu,cpu". CPU replicas share the cores: each gets max(1, cores / cpu replicas) threads.
+std::vector<ReplicaOptions> plan_replicas(const std::string& devices, int cores, int cuda_devices);
+
+// CUDA devices this LibTorch sees (0 on CPU-only builds).
+int cuda_device_count();
+
+}  // namespace skyreels::server

@@ -1,0 +1,821 @@
+#include "server/scheduler.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <limits>
+#include <random>
+
+namespace skyreels::server {
+
+const char* job_state_name(JobState state) {
+  switch (state) {
+    case JobState::Queued: return "queued";
+    case JobState::Running: return "running";
+    case JobState::Succeeded: return "succeeded";
+    case JobState::Failed: return "failed";
+    case JobState::Cancelled: return "cancelled";
+    case JobState::DeadlineExceeded: return "deadline_exceeded";
+  }
+  return "unknown";
+}
+
+bool is_terminal(JobState state) { return state != JobState::Queued && state != JobState::Running; }
+
+std::string new_job_id() {
+  static std::mutex mu;
+  static std::mt19937_64 rng{std::random_device{}()};
+  std::lock_guard<std::mutex> lock(mu);
+  char buffer[32];
+  std::snprintf(buffer, sizeof buffer, "j-%016llx", static_cast<unsigned long long>(rng()));
+  return buffer;
+}
+
+struct Scheduler::Job {
+  std::string id;
+  JobSpec spec;
+  JobState state = JobState::Queued;
+  uint64_t order = 0;        // submission order (ties)
+  int64_t vbase = 0;         // fair-share start: the least attained service among active jobs at submission
+  WallClock::time_point created;
+  Clock::time_point created_mono;
+  std::optional<WallClock::time_point> started, finished;
+  std::optional<Clock::time_point> finished_mono;
+  int64_t chunks_done = 0;
+  bool chunk_running = false;
+  int attempts = 0;          // failed attempts of the current chunk
+  int holder = -1;           // replica that ran the previous chunk
+  int avoid = -1;            // replica that just failed the current chunk
+  std::vector<std::string> chunk_replicas;
+  int handoffs = 0;
+  int retries = 0;
+  bool cancel_requested = false;
+  bool aborted = false;
+  std::string abort_reason;
+  ErrorKind error_kind = ErrorKind::None;
+  std::string error;
+  std::vector<JobEvent> events;
+  int64_t position = 0;
+  double eta = -1;
+  int64_t rows_total = 0;
+  int64_t rows_before_chunk = 0;  // rows of the chunks already done
+  int64_t rows_in_chunk = 0;      // rows done in the running chunk
+
+  int64_t fair_key() const { return vbase + chunks_done; }
+  bool active() const { return !is_terminal(state); }
+};
+
+struct Scheduler::Assignment {
+  ChunkWork work;
+  std::shared_ptr<JobPayload> payload;  // keeps the payload alive while the chunk runs
+};
+
+struct Scheduler::Replica {
+  std::unique_ptr<ChunkExecutor> exec;
+  std::string name;
+  bool load_done = false;
+  bool loaded = false;
+  bool healthy = false;
+  bool busy = false;
+  std::string job_id;
+  int64_t chunk = -1;
+  double work = 0;
+  Clock::time_point chunk_started;
+  Clock::time_point last_step;
+  double expected_seconds = 0;
+  int consecutive_failures = 0;
+  int64_t chunks_run = 0;
+  int64_t failures = 0;
+  std::string error;
+  std::optional<Assignment> pending;
+  std::condition_variable cv;
+  std::thread thread;
+};
+
+Scheduler::Scheduler(std::vector<std::unique_ptr<ChunkExecutor>> replicas, SchedulerOptions options,
+                     SchedulerObserver* observer)
+    : options_(options), observer_(observer) {
+  if (replicas.empty()) throw std::invalid_argument("scheduler: at least one replica is required");
+  for (auto& exec : replicas) {
+    auto replica = std::make_unique<Replica>();
+    replica->name = exec->name();
+    replica->exec = std::move(exec);
+    replicas_.push_back(std::move(replica));
+  }
+}
+
+Scheduler::~Scheduler() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+    for (auto& [id, job] : jobs_) {
+      if (job->active() && !job->chunk_running) {
+        finish_locked(*job, JobState::Failed, ErrorKind::Unavailable, "server stopped");
+      }
+    }
+    for (auto& replica : replicas_) replica->cv.notify_all();
+    timer_cv_.notify_all();
+    changed_.notify_all();
+  }
+  for (auto& replica : replicas_) {
+    if (replica->thread.joinable()) replica->thread.join();
+  }
+  if (timer_.joinable()) timer_.join();
+}
+
+void Scheduler::start() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (started_) return;
+  started_ = true;
+  for (size_t i = 0; i < replicas_.size(); ++i) {
+    replicas_[i]->thread = std::thread([this, i] { worker(i); });
+  }
+  timer_ = std::thread([this] { timer_loop(); });
+}
+
+bool Scheduler::all_loaded() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::all_of(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->load_done; });
+}
+
+bool Scheduler::ready() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const bool loaded = std::all_of(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->load_done; });
+  const bool any_healthy = std::any_of(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->healthy; });
+  return loaded && any_healthy && !draining_ && !stopping_;
+}
+
+// ---- worker threads -------------------------------------------------------------------------------------------
+
+void Scheduler::worker(size_t index) {
+  Replica& replica = *replicas_[index];
+  std::string load_error;
+  try {
+    replica.exec->start();
+  } catch (const std::exception& e) {
+    load_error = e.what();
+  } catch (...) {
+    load_error = "unknown exception";
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    replica.load_done = true;
+    replica.loaded = load_error.empty();
+    replica.healthy = replica.loaded;
+    replica.error = load_error;
+    if (!load_error.empty()) spdlog::error("replica={} event=load_failed error=\"{}\"", replica.name, load_error);
+    if (observer_) observer_->replica_changed(replica_status_locked(replica));
+    changed_.notify_all();
+    dispatch_locked();
+  }
+  if (!load_error.empty()) return;
+
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    replica.cv.wait(lock, [&] { return replica.pending.has_value() || stopping_; });
+    if (!replica.pending) break;
+    Assignment assignment = std::move(*replica.pending);
+    replica.pending.reset();
+    Job* job = jobs_.at(assignment.work.job_id).get();  // never collected while its chunk runs
+
+    ChunkCallbacks callbacks;
+    callbacks.on_step = [this, job, &replica](int64_t row, int64_t rows) {
+      std::lock_guard<std::mutex> step_lock(mu_);
+      const auto now = Clock::now();
+      if (observer_) observer_->step(replica.name, std::chrono::duration<double>(now - replica.last_step).count());
+      replica.last_step = now;
+      job->rows_in_chunk = row;
+      JobEvent event;
+      event.type = EventType::Step;
+      event.chunk = replica.chunk;
+      event.chunk_count = static_cast<int64_t>(job->spec.chunk_work.size());
+      event.replica = replica.name;
+      event.step = row;
+      event.steps = rows;
+      event.progress = job->rows_total > 0
+                           ? static_cast<double>(job->rows_before_chunk + row) / static_cast<double>(job->rows_total)
+                           : 0.0;
+      push_event_locked(*job, std::move(event));
+    };
+    callbacks.should_stop = [this, job] {
+      std::lock_guard<std::mutex> stop_lock(mu_);
+      return stop_requested_locked(*job, Clock::now());
+    };
+
+    lock.unlock();
+    const auto t0 = Clock::now();
+    ChunkResult result;
+    try {
+      result = replica.exec->run(assignment.work, callbacks);
+    } catch (const std::exception& e) {
+      result.outcome = ChunkOutcome::Failed;
+      result.error = e.what();
+    } catch (...) {
+      result.outcome = ChunkOutcome::Failed;
+      result.error = "unknown exception";
+    }
+    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    lock.lock();
+    complete_locked(index, result, seconds);
+    dispatch_locked();
+  }
+}
+
+void Scheduler::timer_loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopping_) {
+    timer_cv_.wait_for(lock, std::chrono::milliseconds(100));
+    if (stopping_) break;
+    dispatch_locked();  // expires deadlines, refreshes queue positions and estimates
+    gc_locked();
+  }
+}
+
+// ---- policy ---------------------------------------------------------------------------------------------------
+
+bool Scheduler::stop_requested_locked(const Job& job, Clock::time_point now) const {
+  return job.cancel_requested || job.aborted || stopping_ || (job.spec.deadline && now >= *job.spec.deadline);
+}
+
+double Scheduler::estimate_seconds_locked(double work) const { return seconds_per_work_ * work; }
+
+void Scheduler::expire_locked(Clock::time_point now) {
+  for (auto& [id, job] : jobs_) {
+    if (job->active() && !job->chunk_running && job->spec.deadline && now >= *job->spec.deadline) {
+      finish_locked(*job, JobState::DeadlineExceeded, ErrorKind::DeadlineExceeded,
+                    job->state == JobState::Queued ? "deadline passed while queued"
+                                                   : "deadline passed between chunks");
+    }
+  }
+}
+
+void Scheduler::dispatch_locked() {
+  if (!started_ || stopping_) return;
+  const auto now = Clock::now();
+  expire_locked(now);
+
+  const bool all_done = std::all_of(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->load_done; });
+  const bool any_healthy = std::any_of(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->healthy; });
+  if (all_done && !any_healthy) {
+    for (auto& [id, job] : jobs_) {
+      if (job->active() && !job->chunk_running) {
+        finish_locked(*job, JobState::Failed, ErrorKind::Unavailable, "no healthy replica");
+      }
+    }
+  }
+
+  std::vector<size_t> idle;
+  for (size_t i = 0; i < replicas_.size(); ++i) {
+    const Replica& r = *replicas_[i];
+    if (r.loaded && r.healthy && !r.busy) idle.push_back(i);
+  }
+  if (!idle.empty()) {
+    std::vector<Job*> ready;
+    for (auto& [id, job] : jobs_) {
+      if (job->active() && !job->chunk_running && !job->cancel_requested && !job->aborted) ready.push_back(job.get());
+    }
+    std::sort(ready.begin(), ready.end(), [](const Job* a, const Job* b) {
+      if (a->spec.priority != b->spec.priority) return a->spec.priority > b->spec.priority;
+      if (a->fair_key() != b->fair_key()) return a->fair_key() < b->fair_key();
+      return a->order < b->order;
+    });
+    for (Job* job : ready) {
+      if (idle.empty()) break;
+      const int chosen = choose_replica_locked(*job, idle, now);
+      if (chosen < 0) continue;
+      assign_locked(*job, static_cast<size_t>(chosen), now);
+      idle.erase(std::find(idle.begin(), idle.end(), static_cast<size_t>(chosen)));
+    }
+  }
+  update_positions_locked(now);
+  notify_queue_locked();
+}
+
+int Scheduler::choose_replica_locked(Job& job, const std::vector<size_t>& idle, Clock::time_point now) const {
+  auto is_idle = [&](int r) { return r >= 0 && std::find(idle.begin(), idle.end(), static_cast<size_t>(r)) != idle.end(); };
+  // Affinity: the replica that ran the previous chunk, unless it just failed this one.
+  if (job.holder >= 0 && job.holder != job.avoid && is_idle(job.holder)) return job.holder;
+
+  std::vector<size_t> candidates;
+  for (size_t r : idle) {
+    if (static_cast<int>(r) != job.avoid) candidates.push_back(r);
+  }
+  if (candidates.empty()) {
+    // Retry on the replica that failed only when no other healthy replica exists at all.
+    if (!is_idle(job.avoid)) return -1;
+    for (size_t r = 0; r < replicas_.size(); ++r) {
+      if (static_cast<int>(r) != job.avoid && replicas_[r]->healthy) return -1;
+    }
+    return job.avoid;
+  }
+
+  // The holder is busy: wait for it when it will be free sooner than a handoff costs.
+  if (job.holder >= 0 && job.holder != job.avoid) {
+    const Replica& holder = *replicas_[static_cast<size_t>(job.holder)];
+    if (holder.healthy && holder.busy && seconds_per_work_ > 0) {
+      const double elapsed = std::chrono::duration<double>(now - holder.chunk_started).count();
+      const double remaining = std::max(0.0, holder.expected_seconds - elapsed);
+      if (remaining <= options_.handoff_cost_seconds) return -1;
+    }
+  }
+
+  // Prefer an idle replica that no other waiting job has affinity to.
+  auto holds_other = [&](size_t r) {
+    for (const auto& [id, other] : jobs_) {
+      if (other.get() != &job && other->active() && !other->chunk_running && other->holder == static_cast<int>(r)) {
+        return true;
+      }
+    }
+    return false;
+  };
+  for (size_t r : candidates) {
+    if (!holds_other(r)) return static_cast<int>(r);
+  }
+  return static_cast<int>(candidates.front());
+}
+
+void Scheduler::assign_locked(Job& job, size_t index, Clock::time_point now) {
+  Replica& replica = *replicas_[index];
+  const int64_t chunk = job.chunks_done;
+  const double work = job.spec.chunk_work[static_cast<size_t>(chunk)];
+  replica.busy = true;
+  replica.job_id = job.id;
+  replica.chunk = chunk;
+  replica.work = work;
+  replica.chunk_started = now;
+  replica.last_step = now;
+  replica.expected_seconds = estimate_seconds_locked(work);
+
+  const bool handoff = job.holder >= 0 && job.holder != static_cast<int>(index);
+  const JobSnapshot before = snapshot_locked(job);
+  if (handoff) {
+    ++job.handoffs;
+    spdlog::info("job={} event=handoff chunk={} from={} to={}", job.id, chunk,
+                 replicas_[static_cast<size_t>(job.holder)]->name, replica.name);
+    if (observer_) observer_->handoff(before, replicas_[static_cast<size_t>(job.holder)]->name, replica.name);
+  }
+  if (job.state == JobState::Queued) {
+    job.state = JobState::Running;
+    job.started = WallClock::now();
+    const double waited = std::chrono::duration<double>(now - job.created_mono).count();
+    if (observer_) observer_->job_started(snapshot_locked(job), waited);
+  }
+  job.chunk_running = true;
+  job.rows_in_chunk = 0;
+  job.position = 0;
+  job.eta = -1;
+
+  Assignment assignment;
+  assignment.work.job_id = job.id;
+  assignment.work.chunk_index = chunk;
+  assignment.work.chunk_count = static_cast<int64_t>(job.spec.chunk_work.size());
+  assignment.work.attempt = job.attempts;
+  assignment.work.handoff = handoff;
+  assignment.work.payload = job.spec.payload.get();
+  assignment.payload = job.spec.payload;
+  replica.pending = std::move(assignment);
+
+  JobEvent event;
+  event.type = EventType::ChunkStarted;
+  event.chunk = chunk;
+  event.chunk_count = static_cast<int64_t>(job.spec.chunk_work.size());
+  event.replica = replica.name;
+  event.handoff = handoff;
+  event.attempt = job.attempts;
+  push_event_locked(job, std::move(event));
+  spdlog::info("job={} event=chunk_started chunk={}/{} replica={} attempt={} handoff={}", job.id, chunk,
+               job.spec.chunk_work.size(), replica.name, job.attempts, handoff);
+  if (observer_) {
+    observer_->chunk_started(snapshot_locked(job), replica.name, chunk);
+    observer_->replica_changed(replica_status_locked(replica));
+  }
+  replica.cv.notify_one();
+}
+
+void Scheduler::complete_locked(size_t index, const ChunkResult& result, double seconds) {
+  Replica& replica = *replicas_[index];
+  Job& job = *jobs_.at(replica.job_id);
+  const int64_t chunk = replica.chunk;
+  replica.busy = false;
+  replica.job_id.clear();
+  job.chunk_running = false;
+  const auto now = Clock::now();
+
+  ChunkOutcome outcome = result.outcome;
+  std::string error = result.error;
+  const bool stop = stop_requested_locked(job, now);
+  if (outcome == ChunkOutcome::Stopped && !stop) {
+    outcome = ChunkOutcome::Failed;  // an executor that stops on its own has failed
+    if (error.empty()) error = "chunk stopped without a request";
+  }
+
+  if (outcome == ChunkOutcome::Succeeded) {
+    replica.consecutive_failures = 0;
+    ++replica.chunks_run;
+    if (replica.work > 0) {
+      const double sample = seconds / replica.work;
+      seconds_per_work_ = seconds_per_work_ == 0 ? sample : 0.7 * seconds_per_work_ + 0.3 * sample;
+    }
+    ++job.chunks_done;
+    job.holder = static_cast<int>(index);
+    job.avoid = -1;
+    job.attempts = 0;
+    job.chunk_replicas.push_back(replica.name);
+    job.rows_before_chunk += job.spec.chunk_rows.empty() ? 0 : job.spec.chunk_rows[static_cast<size_t>(chunk)];
+    job.rows_in_chunk = 0;
+    JobEvent event;
+    event.type = EventType::ChunkFinished;
+    event.chunk = chunk;
+    event.chunk_count = static_cast<int64_t>(job.spec.chunk_work.size());
+    event.replica = replica.name;
+    event.seconds = seconds;
+    push_event_locked(job, std::move(event));
+    spdlog::info("job={} event=chunk_finished chunk={} replica={} seconds={:.3f}", job.id, chunk, replica.name,
+                 seconds);
+    if (observer_) observer_->chunk_finished(snapshot_locked(job), replica.name, chunk, seconds, result.frames_generated);
+    if (job.chunks_done == static_cast<int64_t>(job.spec.chunk_work.size())) {
+      finish_locked(job, JobState::Succeeded, ErrorKind::None, "");
+    }
+  } else if (outcome == ChunkOutcome::Failed) {
+    ++replica.failures;
+    ++replica.consecutive_failures;
+    replica.error = error;
+    ++job.attempts;
+    if (replica.healthy && replica.consecutive_failures >= options_.replica_failure_limit) {
+      replica.healthy = false;
+      spdlog::error("replica={} event=taken_out consecutive_failures={} error=\"{}\"", replica.name,
+                    replica.consecutive_failures, error);
+    }
+    const bool any_healthy = std::any_of(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->healthy; });
+    const bool retry = !stop && job.attempts <= options_.chunk_retries && any_healthy;
+    spdlog::warn("job={} event=chunk_failed chunk={} replica={} attempt={} retry={} error=\"{}\"", job.id, chunk,
+                 replica.name, job.attempts - 1, retry, error);
+    if (observer_) observer_->chunk_failed(snapshot_locked(job), replica.name, chunk, error, retry);
+    if (retry) {
+      ++job.retries;
+      job.avoid = static_cast<int>(index);
+      job.rows_in_chunk = 0;
+      JobEvent event;
+      event.type = EventType::ChunkRetry;
+      event.chunk = chunk;
+      event.replica = replica.name;
+      event.attempt = job.attempts - 1;
+      event.message = error;
+      push_event_locked(job, std::move(event));
+    } else if (!stop) {
+      finish_locked(job, JobState::Failed, ErrorKind::Internal,
+                    "chunk " + std::to_string(chunk) + " failed " + std::to_string(job.attempts) +
+                        " time(s); last error on replica " + replica.name + ": " + error);
+    }
+  }
+  // Stop requests end the job whatever the chunk's outcome (a chunk that completed anyway is kept).
+  if (job.active() && stop) {
+    if (job.aborted) {
+      finish_locked(job, JobState::Failed, ErrorKind::Unavailable, job.abort_reason);
+    } else if (stopping_) {
+      finish_locked(job, JobState::Failed, ErrorKind::Unavailable, "server stopped");
+    } else if (job.cancel_requested) {
+      finish_locked(job, JobState::Cancelled, ErrorKind::Cancelled, "cancelled by the client");
+    } else {
+      finish_locked(job, JobState::DeadlineExceeded, ErrorKind::DeadlineExceeded, "deadline passed while running");
+    }
+  }
+  if (observer_) observer_->replica_changed(replica_status_locked(replica));
+  changed_.notify_all();
+}
+
+void Scheduler::finish_locked(Job& job, JobState state, ErrorKind kind, const std::string& error) {
+  job.state = state;
+  job.error_kind = kind;
+  job.error = error;
+  job.finished = WallClock::now();
+  job.finished_mono = Clock::now();
+  job.position = 0;
+  job.eta = -1;
+  JobEvent event;
+  event.type = EventType::Finished;
+  event.message = error;
+  push_event_locked(job, std::move(event));
+  if (state == JobState::Succeeded) {
+    spdlog::info("job={} event=finished state={} chunks={} handoffs={} retries={}", job.id, job_state_name(state),
+                 job.chunks_done, job.handoffs, job.retries);
+  } else {
+    spdlog::warn("job={} event=finished state={} chunks_done={} error=\"{}\"", job.id, job_state_name(state),
+                 job.chunks_done, error);
+  }
+  if (observer_) observer_->job_finished(snapshot_locked(job));
+  changed_.notify_all();
+}
+
+void Scheduler::push_event_locked(Job& job, JobEvent event) {
+  event.sequence = job.events.size() + 1;
+  event.time = WallClock::now();
+  job.events.push_back(std::move(event));
+  changed_.notify_all();
+}
+
+void Scheduler::update_positions_locked(Clock::time_point now) {
+  std::vector<Job*> waiting;  // every job waiting for a replica, in dispatch order
+  for (auto& [id, job] : jobs_) {
+    if (job->active() && !job->chunk_running) waiting.push_back(job.get());
+  }
+  std::sort(waiting.begin(), waiting.end(), [](const Job* a, const Job* b) {
+    if (a->spec.priority != b->spec.priority) return a->spec.priority > b->spec.priority;
+    if (a->fair_key() != b->fair_key()) return a->fair_key() < b->fair_key();
+    return a->order < b->order;
+  });
+  int64_t healthy = 0;
+  double soonest_free = std::numeric_limits<double>::infinity();
+  for (const auto& r : replicas_) {
+    if (!r->healthy) continue;
+    ++healthy;
+    const double remaining =
+        r->busy ? std::max(0.0, r->expected_seconds - std::chrono::duration<double>(now - r->chunk_started).count())
+                : 0.0;
+    soonest_free = std::min(soonest_free, remaining);
+  }
+  int64_t position = 0;
+  double work_ahead = 0;
+  for (Job* job : waiting) {
+    if (job->state == JobState::Queued) {
+      ++position;
+      double eta = -1;
+      if (seconds_per_work_ > 0 && healthy > 0) {
+        eta = soonest_free + estimate_seconds_locked(work_ahead) / static_cast<double>(healthy);
+      }
+      const bool moved = position != job->position;
+      job->position = position;
+      job->eta = eta;
+      if (moved) {
+        JobEvent event;
+        event.type = EventType::Queued;
+        event.position = position;
+        event.eta_seconds = eta;
+        push_event_locked(*job, std::move(event));
+      }
+    }
+    work_ahead += job->spec.chunk_work[static_cast<size_t>(job->chunks_done)];
+  }
+}
+
+int64_t Scheduler::count_locked(JobState state) const {
+  return std::count_if(jobs_.begin(), jobs_.end(), [state](const auto& entry) { return entry.second->state == state; });
+}
+
+void Scheduler::notify_queue_locked() {
+  if (observer_) observer_->queue_changed(count_locked(JobState::Queued), count_locked(JobState::Running));
+}
+
+void Scheduler::gc_locked() {
+  const auto now = Clock::now();
+  std::vector<Job*> finished;
+  for (auto& [id, job] : jobs_) {
+    if (!job->active() && !job->chunk_running) finished.push_back(job.get());
+  }
+  std::sort(finished.begin(), finished.end(),
+            [](const Job* a, const Job* b) { return *a->finished_mono < *b->finished_mono; });
+  const int64_t excess = static_cast<int64_t>(finished.size()) - options_.max_retained_jobs;
+  for (size_t i = 0; i < finished.size(); ++i) {
+    Job* job = finished[i];
+    const bool expired = now - *job->finished_mono > options_.retention;
+    if (static_cast<int64_t>(i) >= excess && !expired) continue;
+    if (!job->spec.idempotency_key.empty()) idempotency_.erase({job->spec.owner, job->spec.idempotency_key});
+    jobs_.erase(job->id);
+  }
+}
+
+// ---- snapshots and queries ------------------------------------------------------------------------------------
+
+JobSnapshot Scheduler::snapshot_locked(const Job& job) const {
+  JobSnapshot s;
+  s.id = job.id;
+  s.owner = job.spec.owner;
+  s.state = job.state;
+  s.priority = job.spec.priority;
+  s.idempotency_key = job.spec.idempotency_key;
+  s.created = job.created;
+  s.started = job.started;
+  s.finished = job.finished;
+  if (job.spec.deadline) {
+    s.deadline = job.created + std::chrono::duration_cast<WallClock::duration>(*job.spec.deadline - job.created_mono);
+  }
+  s.chunk_count = static_cast<int64_t>(job.spec.chunk_work.size());
+  s.chunks_done = job.chunks_done;
+  s.queue_position = job.state == JobState::Queued ? job.position : 0;
+  s.eta_seconds = job.state == JobState::Queued ? job.eta : -1;
+  if (job.state == JobState::Succeeded) {
+    s.progress = 1.0;
+  } else if (job.rows_total > 0) {
+    s.progress = static_cast<double>(job.rows_before_chunk + job.rows_in_chunk) / static_cast<double>(job.rows_total);
+  }
+  s.chunk_replicas = job.chunk_replicas;
+  s.handoffs = job.handoffs;
+  s.retries = job.retries;
+  s.error_kind = job.error_kind;
+  s.error = job.error;
+  s.last_sequence = job.events.size();
+  s.payload = job.spec.payload;
+  return s;
+}
+
+ReplicaStatus Scheduler::replica_status_locked(const Replica& replica) const {
+  ReplicaStatus s;
+  s.name = replica.name;
+  s.loaded = replica.loaded;
+  s.healthy = replica.healthy;
+  s.busy = replica.busy;
+  s.chunks_run = replica.chunks_run;
+  s.failures = replica.failures;
+  s.error = replica.error;
+  return s;
+}
+
+Scheduler::Job* Scheduler::find_locked(const std::string& id, const std::string& owner) const {
+  auto it = jobs_.find(id);
+  if (it == jobs_.end() || it->second->spec.owner != owner) return nullptr;
+  return it->second.get();
+}
+
+SubmitResult Scheduler::submit(JobSpec spec) {
+  if (spec.chunk_work.empty()) throw std::invalid_argument("scheduler: a job needs at least one chunk");
+  if (!spec.chunk_rows.empty() && spec.chunk_rows.size() != spec.chunk_work.size()) {
+    throw std::invalid_argument("scheduler: chunk_rows and chunk_work differ in size");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (draining_ || stopping_) {
+    throw AdmissionError(AdmissionError::Reason::Draining, "server is draining: no new jobs are accepted");
+  }
+  const bool all_done = std::all_of(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->load_done; });
+  const bool any_healthy = std::any_of(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->healthy; });
+  if (all_done && !any_healthy) {
+    throw AdmissionError(AdmissionError::Reason::Unavailable, "no healthy replica");
+  }
+  if (!spec.idempotency_key.empty()) {
+    auto it = idempotency_.find({spec.owner, spec.idempotency_key});
+    if (it != idempotency_.end()) {
+      Job* existing = find_locked(it->second, spec.owner);
+      if (existing != nullptr) {
+        if (existing->spec.fingerprint != spec.fingerprint) {
+          throw AdmissionError(AdmissionError::Reason::IdempotencyConflict,
+                               "idempotency_key: already used by job " + existing->id + " with a different request");
+        }
+        return {snapshot_locked(*existing), true};
+      }
+    }
+  }
+  const int64_t active = count_locked(JobState::Queued) + count_locked(JobState::Running);
+  if (active >= options_.max_jobs) {
+    // Hint: about when the next job should end (each healthy replica ends roughly one chunk per estimate).
+    double retry_after = 1.0;
+    if (seconds_per_work_ > 0) {
+      double work = 0;
+      for (const auto& [id, job] : jobs_) {
+        if (job->active()) work += job->spec.chunk_work[static_cast<size_t>(job->chunks_done)];
+      }
+      const auto healthy = std::count_if(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->healthy; });
+      retry_after = std::max(1.0, estimate_seconds_locked(work) / static_cast<double>(std::max<int64_t>(1, healthy)));
+    }
+    throw AdmissionError(AdmissionError::Reason::QueueFull,
+                         "queue full: " + std::to_string(active) + " jobs admitted (--max-queue " +
+                             std::to_string(options_.max_jobs) + ")",
+                         retry_after);
+  }
+
+  auto job = std::make_unique<Job>();
+  job->id = new_job_id();
+  while (jobs_.count(job->id)) job->id = new_job_id();
+  job->order = next_seq_++;
+  job->created = WallClock::now();
+  job->created_mono = Clock::now();
+  int64_t least = std::numeric_limits<int64_t>::max();
+  for (const auto& [id, other] : jobs_) {
+    if (other->active()) least = std::min(least, other->fair_key());
+  }
+  job->vbase = least == std::numeric_limits<int64_t>::max() ? 0 : least;
+  for (int64_t rows : spec.chunk_rows) job->rows_total += rows;
+  job->spec = std::move(spec);
+  Job& ref = *job;
+  jobs_[ref.id] = std::move(job);
+  if (!ref.spec.idempotency_key.empty()) idempotency_[{ref.spec.owner, ref.spec.idempotency_key}] = ref.id;
+  spdlog::info("job={} event=submitted chunks={} priority={} owner={}", ref.id, ref.spec.chunk_work.size(),
+               ref.spec.priority, ref.spec.owner.empty() ? "-" : ref.spec.owner);
+  if (observer_) observer_->job_submitted(snapshot_locked(ref));
+  update_positions_locked(Clock::now());  // the first Queued event, before any ChunkStarted
+  dispatch_locked();
+  return {snapshot_locked(ref), false};
+}
+
+std::optional<JobSnapshot> Scheduler::get(const std::string& id, const std::string& owner) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Job* job = find_locked(id, owner);
+  if (job == nullptr) return std::nullopt;
+  return snapshot_locked(*job);
+}
+
+std::vector<JobSnapshot> Scheduler::list(const std::string& owner) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<const Job*> owned;
+  for (const auto& [id, job] : jobs_) {
+    if (job->spec.owner == owner) owned.push_back(job.get());
+  }
+  std::sort(owned.begin(), owned.end(), [](const Job* a, const Job* b) { return a->order < b->order; });
+  std::vector<JobSnapshot> out;
+  out.reserve(owned.size());
+  for (const Job* job : owned) out.push_back(snapshot_locked(*job));
+  return out;
+}
+
+std::optional<JobSnapshot> Scheduler::cancel(const std::string& id, const std::string& owner) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Job* job = find_locked(id, owner);
+  if (job == nullptr) return std::nullopt;
+  if (job->active() && !job->cancel_requested) {
+    job->cancel_requested = true;
+    spdlog::info("job={} event=cancel_requested running={}", job->id, job->chunk_running);
+    if (!job->chunk_running) {
+      finish_locked(*job, JobState::Cancelled, ErrorKind::Cancelled, "cancelled by the client");
+      dispatch_locked();
+    }
+  }
+  return snapshot_locked(*job);
+}
+
+EventBatch Scheduler::wait_events(const std::string& id, const std::string& owner, uint64_t after_sequence,
+                                  Clock::time_point until) const {
+  std::unique_lock<std::mutex> lock(mu_);
+  EventBatch batch;
+  while (true) {
+    const Job* job = find_locked(id, owner);
+    if (job == nullptr) {
+      batch.found = false;
+      return batch;
+    }
+    for (size_t i = after_sequence; i < job->events.size(); ++i) batch.events.push_back(job->events[i]);
+    batch.finished = !job->active();
+    if (!batch.events.empty() || batch.finished) return batch;
+    if (changed_.wait_until(lock, until) == std::cv_status::timeout) return batch;
+  }
+}
+
+std::optional<JobSnapshot> Scheduler::wait_chunks(const std::string& id, const std::string& owner,
+                                                  int64_t chunks_seen, Clock::time_point until) const {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    const Job* job = find_locked(id, owner);
+    if (job == nullptr) return std::nullopt;
+    if (job->chunks_done > chunks_seen || !job->active()) return snapshot_locked(*job);
+    if (changed_.wait_until(lock, until) == std::cv_status::timeout) return snapshot_locked(*job);
+  }
+}
+
+void Scheduler::begin_drain() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!draining_) spdlog::info("event=drain_started queued={} running={}", count_locked(JobState::Queued),
+                               count_locked(JobState::Running));
+  draining_ = true;
+  changed_.notify_all();
+}
+
+bool Scheduler::draining() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return draining_;
+}
+
+bool Scheduler::wait_idle(Clock::time_point until) const {
+  std::unique_lock<std::mutex> lock(mu_);
+  return changed_.wait_until(lock, until, [&] {
+    return std::none_of(jobs_.begin(), jobs_.end(),
+                        [](const auto& entry) { return entry.second->active() || entry.second->chunk_running; });
+  });
+}
+
+void Scheduler::abort_all(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [id, job] : jobs_) {
+    if (!job->active()) continue;
+    job->aborted = true;
+    job->abort_reason = reason;
+    if (!job->chunk_running) finish_locked(*job, JobState::Failed, ErrorKind::Unavailable, reason);
+  }
+  notify_queue_locked();
+}
+
+std::vector<ReplicaStatus> Scheduler::replicas() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<ReplicaStatus> out;
+  for (const auto& r : replicas_) out.push_back(replica_status_locked(*r));
+  return out;
+}
+
+int64_t Scheduler::queued_jobs() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return count_locked(JobState::Queued);
+}
+
+int64_t Scheduler::running_jobs() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return count_locked(JobState::Running);
+}
+
+}  // namespace skyreels::server

@@ -1,0 +1,281 @@
+// The chunk scheduler: policy only (no gRPC, no LibTorch). A job is a chain of chunks; each replica runs one chunk
+// at a time on its own worker thread through a ChunkExecutor.
+//
+// Policy, applied whenever a replica is idle and a chunk is ready:
+//  1. Order ready jobs by priority (higher first), then by attained service (fewest chunks run first: a long video
+//     cannot starve short ones, jobs interleave at chunk boundaries), then by submission order.
+//  2. For each job in that order pick a replica: the one that ran its previous chunk (affinity: prefix latents and
+//     text embeddings are already there) when it is idle; otherwise an idle replica, unless the holder is busy and
+//     will finish sooner than a handoff costs (then the job waits for it). Moving a job counts as a handoff.
+//  3. A chunk that fails on a replica is retried (bounded) on another replica when there is one; a replica whose
+//     chunks fail `replica_failure_limit` times in a row is taken out (unhealthy).
+//  4. Deadlines are checked before a chunk is dispatched and at every step; cancellation at every step.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace skyreels::server {
+
+using Clock = std::chrono::steady_clock;
+using WallClock = std::chrono::system_clock;
+
+// Per-job data only the executor understands (model inputs, latents so far, results). Shared by every replica that
+// runs one of the job's chunks; chunks of one job never run concurrently.
+class JobPayload {
+ public:
+  virtual ~JobPayload() = default;
+};
+
+struct ChunkWork {
+  std::string job_id;
+  int64_t chunk_index = 0;
+  int64_t chunk_count = 0;
+  int attempt = 0;       // 0 on the first try
+  bool handoff = false;  // the previous chunk ran on another replica
+  JobPayload* payload = nullptr;
+};
+
+enum class ChunkOutcome { Succeeded, Stopped, Failed };
+
+struct ChunkResult {
+  ChunkOutcome outcome = ChunkOutcome::Succeeded;
+  std::string error;           // when Failed
+  int64_t frames_generated = 0;  // pixel frames this chunk added to the video
+};
+
+struct ChunkCallbacks {
+  std::function<void(int64_t row, int64_t rows)> on_step;  // after each denoising row (1-based row)
+  std::function<bool()> should_stop;                        // cancelled, deadline passed or hard stop: stop now
+};
+
+// One replica: a model on one device. run() is only ever called from the replica's own worker thread.
+class ChunkExecutor {
+ public:
+  virtual ~ChunkExecutor() = default;
+  virtual std::string name() const = 0;  // metric label, e.g. "cpu:0"
+  // Loads and warms the model, on the worker thread, before any chunk. Throws on failure (replica unhealthy).
+  virtual void start() {}
+  // Runs one chunk. Should return Stopped when callbacks.should_stop() turned true. Exceptions count as Failed.
+  virtual ChunkResult run(const ChunkWork& work, const ChunkCallbacks& callbacks) = 0;
+};
+
+enum class JobState { Queued, Running, Succeeded, Failed, Cancelled, DeadlineExceeded };
+const char* job_state_name(JobState state);
+bool is_terminal(JobState state);
+
+// Why a job ended unsuccessfully, as a gRPC-style category (the transport maps it to a status code).
+enum class ErrorKind { None, Internal, Unavailable, Cancelled, DeadlineExceeded };
+
+struct JobSpec {
+  std::string owner;  // client identity; jobs are only visible to their owner
+  int priority = 0;
+  std::optional<Clock::time_point> deadline;
+  std::vector<double> chunk_work;  // relative cost of each chunk (e.g. tokens x rows); size = number of chunks
+  std::vector<int64_t> chunk_rows; // denoising rows of each chunk (progress)
+  std::string idempotency_key;
+  uint64_t fingerprint = 0;        // of the request, to detect a reused idempotency key
+  std::shared_ptr<JobPayload> payload;
+};
+
+enum class EventType { Queued, ChunkStarted, Step, ChunkFinished, ChunkRetry, Finished };
+
+struct JobEvent {
+  uint64_t sequence = 0;
+  EventType type = EventType::Queued;
+  WallClock::time_point time;
+  int64_t chunk = -1;
+  int64_t chunk_count = 0;
+  std::string replica;
+  int64_t step = 0, steps = 0;
+  int attempt = 0;
+  bool handoff = false;
+  double seconds = 0;        // ChunkFinished: chunk duration
+  int64_t position = 0;      // Queued
+  double eta_seconds = -1;   // Queued
+  double progress = 0;       // Step
+  std::string message;       // ChunkRetry: the error
+};
+
+struct JobSnapshot {
+  std::string id;
+  std::string owner;
+  JobState state = JobState::Queued;
+  int priority = 0;
+  std::string idempotency_key;
+  WallClock::time_point created;
+  std::optional<WallClock::time_point> started, finished;
+  std::optional<WallClock::time_point> deadline;
+  int64_t chunk_count = 0;
+  int64_t chunks_done = 0;
+  int64_t queue_position = 0;  // 1-based among jobs not started; 0 otherwise
+  double eta_seconds = -1;
+  double progress = 0;
+  std::vector<std::string> chunk_replicas;
+  int handoffs = 0;
+  int retries = 0;
+  ErrorKind error_kind = ErrorKind::None;
+  std::string error;
+  uint64_t last_sequence = 0;
+  std::shared_ptr<JobPayload> payload;
+};
+
+struct ReplicaStatus {
+  std::string name;
+  bool loaded = false;
+  bool healthy = false;
+  bool busy = false;
+  int64_t chunks_run = 0;
+  int64_t failures = 0;
+  std::string error;
+};
+
+// Metrics and logs hook; every call is made with the scheduler's lock held, so keep them cheap.
+class SchedulerObserver {
+ public:
+  virtual ~SchedulerObserver() = default;
+  virtual void job_submitted(const JobSnapshot&) {}
+  virtual void job_started(const JobSnapshot&, double /*queue_wait_seconds*/) {}
+  virtual void job_finished(const JobSnapshot&) {}
+  virtual void chunk_started(const JobSnapshot&, const std::string& /*replica*/, int64_t /*chunk*/) {}
+  virtual void chunk_finished(const JobSnapshot&, const std::string& /*replica*/, int64_t /*chunk*/,
+                              double /*seconds*/, int64_t /*frames*/) {}
+  virtual void chunk_failed(const JobSnapshot&, const std::string& /*replica*/, int64_t /*chunk*/,
+                            const std::string& /*error*/, bool /*will_retry*/) {}
+  virtual void step(const std::string& /*replica*/, double /*seconds*/) {}
+  virtual void handoff(const JobSnapshot&, const std::string& /*from*/, const std::string& /*to*/) {}
+  virtual void replica_changed(const ReplicaStatus&) {}
+  virtual void queue_changed(int64_t /*queued*/, int64_t /*running*/) {}
+};
+
+struct SchedulerOptions {
+  int64_t max_jobs = 64;              // admitted, unfinished jobs (queued or running)
+  int chunk_retries = 2;              // extra attempts per chunk after a failure
+  int replica_failure_limit = 3;      // consecutive failed chunks before a replica is taken out
+  double handoff_cost_seconds = 0.25; // expected cost of moving a job's state to another replica
+  int64_t max_retained_jobs = 1000;   // finished jobs kept for Get/List/Download (oldest dropped first)
+  std::chrono::seconds retention{3600};
+};
+
+// Submission refused: queue full (retry later) or draining.
+class AdmissionError : public std::runtime_error {
+ public:
+  enum class Reason { QueueFull, Draining, Unavailable, IdempotencyConflict };
+  AdmissionError(Reason reason, const std::string& message, double retry_after_seconds = 0)
+      : std::runtime_error(message), reason_(reason), retry_after_seconds_(retry_after_seconds) {}
+  Reason reason() const { return reason_; }
+  double retry_after_seconds() const { return retry_after_seconds_; }
+
+ private:
+  Reason reason_;
+  double retry_after_seconds_;
+};
+
+struct SubmitResult {
+  JobSnapshot job;
+  bool deduplicated = false;
+};
+
+struct EventBatch {
+  std::vector<JobEvent> events;  // sequence > after
+  bool finished = false;         // the job is terminal and every event was returned
+  bool found = true;
+};
+
+class Scheduler {
+ public:
+  Scheduler(std::vector<std::unique_ptr<ChunkExecutor>> replicas, SchedulerOptions options,
+            SchedulerObserver* observer = nullptr);
+  ~Scheduler();  // hard stop: running chunks are asked to stop, threads joined
+  Scheduler(const Scheduler&) = delete;
+  Scheduler& operator=(const Scheduler&) = delete;
+
+  // Starts one worker thread per replica; each loads its model (ChunkExecutor::start) in parallel.
+  void start();
+  // True once every replica finished loading (successfully or not).
+  bool all_loaded() const;
+  // Readiness: loaded, not draining, and at least one replica healthy.
+  bool ready() const;
+
+  // Throws AdmissionError. `spec.chunk_work` must not be empty.
+  SubmitResult submit(JobSpec spec);
+  // nullopt when unknown or owned by another client (`owner` must match; empty matches only unowned jobs).
+  std::optional<JobSnapshot> get(const std::string& id, const std::string& owner) const;
+  std::vector<JobSnapshot> list(const std::string& owner) const;
+  // Cancels at the next step boundary (queued or between chunks: at once). Returns the snapshot, nullopt if unknown.
+  std::optional<JobSnapshot> cancel(const std::string& id, const std::string& owner);
+
+  // Events with sequence > after_sequence; blocks until there is one, the job ended, or `until`.
+  EventBatch wait_events(const std::string& id, const std::string& owner, uint64_t after_sequence,
+                         Clock::time_point until) const;
+  // Blocks until the job has more than `chunks_seen` chunks done, ended, or `until`; returns the snapshot.
+  std::optional<JobSnapshot> wait_chunks(const std::string& id, const std::string& owner, int64_t chunks_seen,
+                                         Clock::time_point until) const;
+
+  // Draining: new submissions are refused (AdmissionError::Draining); queued and running jobs continue.
+  void begin_drain();
+  bool draining() const;
+  // Blocks until no job is unfinished or `until`; returns true when idle.
+  bool wait_idle(Clock::time_point until) const;
+  // Ends every unfinished job now (running chunks stop at the next step) with ErrorKind::Unavailable.
+  void abort_all(const std::string& reason);
+
+  std::vector<ReplicaStatus> replicas() const;
+  int64_t queued_jobs() const;
+  int64_t running_jobs() const;
+  const SchedulerOptions& options() const { return options_; }
+
+ private:
+  struct Job;
+  struct Replica;
+  struct Assignment;
+
+  void worker(size_t index);
+  void dispatch_locked();
+  void expire_locked(Clock::time_point now);
+  int choose_replica_locked(Job& job, const std::vector<size_t>& idle, Clock::time_point now) const;
+  void assign_locked(Job& job, size_t replica, Clock::time_point now);
+  void complete_locked(size_t replica, const ChunkResult& result, double seconds);
+  void finish_locked(Job& job, JobState state, ErrorKind kind, const std::string& error);
+  void push_event_locked(Job& job, JobEvent event);
+  void update_positions_locked(Clock::time_point now);
+  void gc_locked();
+  void notify_queue_locked();
+  int64_t count_locked(JobState state) const;
+  JobSnapshot snapshot_locked(const Job& job) const;
+  ReplicaStatus replica_status_locked(const Replica& replica) const;
+  double estimate_seconds_locked(double work) const;
+  Job* find_locked(const std::string& id, const std::string& owner) const;
+  bool stop_requested_locked(const Job& job, Clock::time_point now) const;
+
+  SchedulerOptions options_;
+  SchedulerObserver* observer_;
+  mutable std::mutex mu_;
+  mutable std::condition_variable changed_;  // any job event, chunk done, job end
+  std::vector<std::unique_ptr<Replica>> replicas_;
+  std::map<std::string, std::unique_ptr<Job>> jobs_;
+  std::map<std::pair<std::string, std::string>, std::string> idempotency_;  // (owner, key) -> id
+  uint64_t next_seq_ = 0;
+  bool draining_ = false;
+  bool stopping_ = false;
+  bool started_ = false;
+  double seconds_per_work_ = 0;  // exponential moving average over all replicas; 0 = no measurement yet
+  std::thread timer_;
+  std::condition_variable timer_cv_;
+  void timer_loop();
+};
+
+// Fresh random job id ("j-" + 16 hex digits).
+std::string new_job_id();
+
+}  // namespace skyreels::server

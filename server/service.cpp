@@ -1,0 +1,641 @@
+#include "server/service.h"
+
+#include <grpcpp/grpcpp.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <chrono>
+#include <random>
+#include <set>
+
+#include "skyreels/v1/video_service.grpc.pb.h"
+
+namespace skyreels::server {
+
+namespace {
+
+namespace pb = ::skyreels::v1;
+using grpc::ServerContext;
+using grpc::Status;
+using grpc::StatusCode;
+
+constexpr size_t kPartBytes = 1 << 20;  // result messages stay small whatever the chunk size
+constexpr auto kPoll = std::chrono::milliseconds(500);  // how often long streams look for a gone client
+
+// ---- conversions --------------------------------------------------------------------------------------------------
+
+google::protobuf::Timestamp to_timestamp(WallClock::time_point t) {
+  google::protobuf::Timestamp ts;
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+  ts.set_seconds(ns / 1000000000);
+  ts.set_nanos(static_cast<int32_t>(ns % 1000000000));
+  return ts;
+}
+
+pb::JobState to_proto(JobState s) {
+  switch (s) {
+    case JobState::Queued: return pb::JOB_STATE_QUEUED;
+    case JobState::Running: return pb::JOB_STATE_RUNNING;
+    case JobState::Succeeded: return pb::JOB_STATE_SUCCEEDED;
+    case JobState::Failed: return pb::JOB_STATE_FAILED;
+    case JobState::Cancelled: return pb::JOB_STATE_CANCELLED;
+    case JobState::DeadlineExceeded: return pb::JOB_STATE_DEADLINE_EXCEEDED;
+  }
+  return pb::JOB_STATE_UNSPECIFIED;
+}
+
+StatusCode to_code(ErrorKind kind) {
+  switch (kind) {
+    case ErrorKind::None: return StatusCode::OK;
+    case ErrorKind::Internal: return StatusCode::INTERNAL;
+    case ErrorKind::Unavailable: return StatusCode::UNAVAILABLE;
+    case ErrorKind::Cancelled: return StatusCode::CANCELLED;
+    case ErrorKind::DeadlineExceeded: return StatusCode::DEADLINE_EXCEEDED;
+  }
+  return StatusCode::UNKNOWN;
+}
+
+std::optional<RawTensor> raw_tensor(const pb::Tensor& t, bool present) {
+  if (!present) return std::nullopt;
+  RawTensor raw;
+  switch (t.dtype()) {
+    case pb::DTYPE_FLOAT32: raw.dtype = "F32"; break;
+    case pb::DTYPE_BFLOAT16: raw.dtype = "BF16"; break;
+    case pb::DTYPE_FLOAT16: raw.dtype = "F16"; break;
+    default: raw.dtype = ""; break;
+  }
+  raw.shape.assign(t.shape().begin(), t.shape().end());
+  raw.data = t.data();
+  return raw;
+}
+
+JobRequest request_from_proto(const pb::JobSpec& spec) {
+  JobRequest r;
+  switch (spec.conditioning_case()) {
+    case pb::JobSpec::kEmbeddings:
+      r.prompt_embeds = raw_tensor(spec.embeddings().prompt_embeds(), spec.embeddings().has_prompt_embeds());
+      r.negative_prompt_embeds =
+          raw_tensor(spec.embeddings().negative_prompt_embeds(), spec.embeddings().has_negative_prompt_embeds());
+      if (!r.prompt_embeds) throw ValidationError("embeddings.prompt_embeds: required");
+      break;
+    case pb::JobSpec::kEmbeddingsSafetensors:
+      r.embeddings_safetensors = spec.embeddings_safetensors();
+      break;
+    case pb::JobSpec::kText:
+      r.prompt = spec.text().prompt();
+      r.negative_prompt = spec.text().negative_prompt();
+      break;
+    case pb::JobSpec::CONDITIONING_NOT_SET:
+      break;
+  }
+  const pb::GenerationParams& p = spec.params();
+  if (p.has_num_frames()) r.num_frames = p.num_frames();
+  if (p.has_height()) r.height = p.height();
+  if (p.has_width()) r.width = p.width();
+  if (p.has_num_inference_steps()) r.num_inference_steps = p.num_inference_steps();
+  if (p.has_guidance_scale()) r.guidance_scale = p.guidance_scale();
+  if (p.has_flow_shift()) r.flow_shift = p.flow_shift();
+  if (p.has_base_num_frames()) r.base_num_frames = p.base_num_frames();
+  if (p.has_overlap_history()) r.overlap_history = p.overlap_history();
+  if (p.has_ar_step()) r.ar_step = p.ar_step();
+  if (p.has_causal_block_size()) r.causal_block_size = p.causal_block_size();
+  if (p.has_addnoise_condition()) r.addnoise_condition = p.addnoise_condition();
+  if (p.has_fps()) r.fps = p.fps();
+  if (p.has_seed()) r.seed = p.seed();
+  return r;
+}
+
+void params_to_proto(const ResolvedParams& r, pb::GenerationParams* p) {
+  p->set_num_frames(r.num_frames);
+  p->set_height(r.height);
+  p->set_width(r.width);
+  p->set_num_inference_steps(r.num_inference_steps);
+  p->set_guidance_scale(r.guidance_scale);
+  p->set_flow_shift(r.flow_shift);
+  p->set_base_num_frames(r.base_num_frames);
+  if (r.overlap_history) p->set_overlap_history(*r.overlap_history);
+  p->set_ar_step(r.ar_step);
+  p->set_causal_block_size(r.causal_block_size);
+  p->set_addnoise_condition(r.addnoise_condition);
+  p->set_fps(r.fps);
+  p->set_seed(r.seed);
+}
+
+ModelJob* model_job(const JobSnapshot& s) { return dynamic_cast<ModelJob*>(s.payload.get()); }
+
+Status not_found(const std::string& id) { return Status(StatusCode::NOT_FOUND, "job '" + id + "' not found"); }
+
+uint64_t random_seed() {
+  static std::mutex mu;
+  static std::mt19937_64 rng{std::random_device{}()};
+  std::lock_guard<std::mutex> lock(mu);
+  return rng() >> 1;  // 63 bits: also fits signed 64-bit consumers
+}
+
+class VideoServiceImpl final : public pb::VideoService::Service {
+ public:
+  VideoServiceImpl(Scheduler& scheduler, ServiceConfig config) : scheduler_(scheduler), config_(std::move(config)) {}
+
+  Status SubmitJob(ServerContext* ctx, const pb::SubmitJobRequest* request, pb::SubmitJobResponse* response) override {
+    std::string owner;
+    if (Status s = authenticate(ctx, &owner, true); !s.ok()) return s;
+    SubmitResult result;
+    if (Status s = submit(ctx, *request, owner, &result); !s.ok()) return s;
+    job_to_proto(result.job, response->mutable_job());
+    response->set_deduplicated(result.deduplicated);
+    return Status::OK;
+  }
+
+  Status GetJob(ServerContext* ctx, const pb::GetJobRequest* request, pb::Job* response) override {
+    std::string owner;
+    if (Status s = authenticate(ctx, &owner, false); !s.ok()) return s;
+    auto job = scheduler_.get(request->job_id(), owner);
+    if (!job) return not_found(request->job_id());
+    job_to_proto(*job, response);
+    return Status::OK;
+  }
+
+  Status WatchJob(ServerContext* ctx, const pb::WatchJobRequest* request,
+                  grpc::ServerWriter<pb::JobEvent>* writer) override {
+    std::string owner;
+    if (Status s = authenticate(ctx, &owner, false); !s.ok()) return s;
+    if (!scheduler_.get(request->job_id(), owner)) return not_found(request->job_id());
+    uint64_t after = request->after_sequence();
+    while (!ctx->IsCancelled()) {
+      const EventBatch batch = scheduler_.wait_events(request->job_id(), owner, after, Clock::now() + kPoll);
+      if (!batch.found) return not_found(request->job_id());
+      for (const auto& event : batch.events) {
+        after = event.sequence;
+        if (request->skip_steps() && event.type == EventType::Step) continue;
+        pb::JobEvent message;
+        event_to_proto(request->job_id(), owner, event, &message);
+        if (!writer->Write(message)) return Status(StatusCode::CANCELLED, "client went away");
+      }
+      if (batch.finished) return Status::OK;
+    }
+    return Status(StatusCode::CANCELLED, "client cancelled the watch");
+  }
+
+  Status CancelJob(ServerContext* ctx, const pb::CancelJobRequest* request, pb::Job* response) override {
+    std::string owner;
+    if (Status s = authenticate(ctx, &owner, false); !s.ok()) return s;
+    auto job = scheduler_.cancel(request->job_id(), owner);
+    if (!job) return not_found(request->job_id());
+    job_to_proto(*job, response);
+    return Status::OK;
+  }
+
+  Status ListJobs(ServerContext* ctx, const pb::ListJobsRequest* request, pb::ListJobsResponse* response) override {
+    std::string owner;
+    if (Status s = authenticate(ctx, &owner, false); !s.ok()) return s;
+    if (request->page_size() < 0 || request->page_size() > 1000) {
+      return Status(StatusCode::INVALID_ARGUMENT, "page_size: must be in [0, 1000]");
+    }
+    const size_t page_size = request->page_size() == 0 ? 100 : static_cast<size_t>(request->page_size());
+    size_t offset = 0;
+    if (!request->page_token().empty()) {
+      try {
+        size_t used = 0;
+        offset = std::stoull(request->page_token(), &used);
+        if (used != request->page_token().size()) throw std::invalid_argument("trailing characters");
+      } catch (const std::exception&) {
+        return Status(StatusCode::INVALID_ARGUMENT, "page_token: not a token returned by ListJobs");
+      }
+    }
+    std::set<int> states(request->states().begin(), request->states().end());
+    std::vector<JobSnapshot> matching;
+    for (auto& job : scheduler_.list(owner)) {
+      if (states.empty() || states.count(to_proto(job.state))) matching.push_back(std::move(job));
+    }
+    for (size_t i = offset; i < matching.size() && i < offset + page_size; ++i) {
+      job_to_proto(matching[i], response->add_jobs());
+    }
+    if (offset + page_size < matching.size()) response->set_next_page_token(std::to_string(offset + page_size));
+    return Status::OK;
+  }
+
+  Status DownloadResult(ServerContext* ctx, const pb::DownloadResultRequest* request,
+                        grpc::ServerWriter<pb::ResultPart>* writer) override {
+    std::string owner;
+    if (Status s = authenticate(ctx, &owner, false); !s.ok()) return s;
+    auto job = scheduler_.get(request->job_id(), owner);
+    if (!job) return not_found(request->job_id());
+    if (Status s = check_format(request->format()); !s.ok()) return s;
+    if (request->from_chunk() < 0 || request->from_chunk() >= job->chunk_count) {
+      return Status(StatusCode::INVALID_ARGUMENT, "from_chunk: " + std::to_string(request->from_chunk()) +
+                                                      " is outside [0, " + std::to_string(job->chunk_count) + ")");
+    }
+    for (int64_t chunk = request->from_chunk(); chunk < job->chunk_count; ++chunk) {
+      while (true) {
+        if (ctx->IsCancelled()) return Status(StatusCode::CANCELLED, "client cancelled the download");
+        job = scheduler_.wait_chunks(request->job_id(), owner, chunk, Clock::now() + kPoll);
+        if (!job) return not_found(request->job_id());
+        if (job->chunks_done > chunk) break;
+        if (is_terminal(job->state)) {
+          return Status(StatusCode::FAILED_PRECONDITION,
+                        "job " + job->id + " ended " + job_state_name(job->state) + " before chunk " +
+                            std::to_string(chunk) + " was produced" + (job->error.empty() ? "" : ": " + job->error));
+        }
+        if (request->no_wait()) return Status::OK;
+      }
+      if (request->format() == pb::RESULT_FORMAT_MP4) {
+        std::string bytes;
+        if (Status s = wait_video(ctx, *job, chunk, &bytes); !s.ok()) return s;
+        if (!write_blob(*job, chunk, pb::RESULT_FORMAT_MP4, bytes, writer, identity_slot)) {
+          return Status(StatusCode::CANCELLED, "client went away");
+        }
+      } else if (!write_latents(*job, chunk, writer, identity_slot)) {
+        return Status(StatusCode::CANCELLED, "client went away");
+      }
+    }
+    return Status::OK;
+  }
+
+  Status Generate(ServerContext* ctx, const pb::GenerateRequest* request,
+                  grpc::ServerWriter<pb::GenerateResponse>* writer) override {
+    std::string owner;
+    if (Status s = authenticate(ctx, &owner, true); !s.ok()) return s;
+    if (Status s = check_format(request->format()); !s.ok()) return s;
+    SubmitResult submitted;
+    if (Status s = submit(ctx, request->job(), owner, &submitted); !s.ok()) return s;
+    const std::string id = submitted.job.id;
+    uint64_t after = 0;
+    int64_t sent_chunks = 0;
+    while (true) {
+      if (ctx->IsCancelled()) {
+        scheduler_.cancel(id, owner);  // nobody is listening any more
+        return Status(StatusCode::CANCELLED, "client cancelled: job " + id + " cancelled");
+      }
+      const EventBatch batch = scheduler_.wait_events(id, owner, after, Clock::now() + kPoll);
+      if (!batch.found) return not_found(id);
+      for (const auto& event : batch.events) {
+        after = event.sequence;
+        if (request->skip_steps() && event.type == EventType::Step) continue;
+        if (event.type == EventType::Finished) {
+          // Every chunk's result goes out before the final event.
+          if (!flush_results(ctx, id, owner, request->format(), &sent_chunks, writer)) return gone(id, owner);
+        }
+        pb::GenerateResponse message;
+        event_to_proto(id, owner, event, message.mutable_event());
+        if (!writer->Write(message)) return gone(id, owner);
+        if (event.type == EventType::ChunkFinished &&
+            !flush_results(ctx, id, owner, request->format(), &sent_chunks, writer)) {
+          return gone(id, owner);
+        }
+      }
+      if (batch.finished) {
+        const auto job = scheduler_.get(id, owner);
+        if (!job || job->state == JobState::Succeeded) return Status::OK;
+        return Status(to_code(job->error_kind), "job " + id + " " + job_state_name(job->state) + ": " + job->error);
+      }
+    }
+  }
+
+  Status GetServerInfo(ServerContext* ctx, const pb::GetServerInfoRequest*, pb::ServerInfo* response) override {
+    std::string owner;
+    if (Status s = authenticate(ctx, &owner, false); !s.ok()) return s;
+    response->set_version(config_.version);
+    const ModelSummary& m = config_.summary;
+    auto* model = response->mutable_model();
+    model->set_source(m.source);
+    model->set_dtype(m.dtype);
+    model->set_parameter_count(m.parameter_count);
+    model->set_num_layers(m.num_layers);
+    model->set_num_attention_heads(m.num_attention_heads);
+    model->set_attention_head_dim(m.attention_head_dim);
+    model->set_text_dim(m.text_dim);
+    model->set_ffn_dim(m.ffn_dim);
+    model->set_in_channels(m.in_channels);
+    model->set_out_channels(m.out_channels);
+    for (int64_t p : m.patch_size) model->add_patch_size(p);
+    model->set_inject_sample_info(m.inject_sample_info);
+    model->set_num_frame_per_block(m.num_frame_per_block);
+    const auto statuses = scheduler_.replicas();
+    for (size_t i = 0; i < statuses.size(); ++i) {
+      auto* r = response->add_replicas();
+      r->set_name(statuses[i].name);
+      r->set_loaded(statuses[i].loaded);
+      r->set_healthy(statuses[i].healthy);
+      r->set_busy(statuses[i].busy);
+      r->set_chunks_run(statuses[i].chunks_run);
+      r->set_failures(statuses[i].failures);
+      r->set_error(statuses[i].error);
+      if (i < config_.replicas.size()) {
+        r->set_device(config_.replicas[i].device);
+        r->set_threads(config_.replicas[i].threads);
+      }
+    }
+    auto* limits = response->mutable_limits();
+    limits->set_max_queue(static_cast<int32_t>(scheduler_.options().max_jobs));
+    limits->set_max_frames(config_.limits.max_frames);
+    limits->set_max_height(config_.limits.max_height);
+    limits->set_max_width(config_.limits.max_width);
+    limits->set_max_steps(config_.limits.max_steps);
+    limits->set_max_text_tokens(config_.limits.max_text_tokens);
+    limits->set_chunk_retries(scheduler_.options().chunk_retries);
+    limits->set_max_request_bytes(config_.max_request_bytes);
+    response->set_vae_available(config_.vae_available);
+    response->set_text_encoder_available(static_cast<bool>(config_.text_encoder));
+    response->set_ready(scheduler_.ready());
+    response->set_draining(scheduler_.draining());
+    response->set_queued_jobs(static_cast<int32_t>(scheduler_.queued_jobs()));
+    response->set_running_jobs(static_cast<int32_t>(scheduler_.running_jobs()));
+    response->set_api_keys_required(config_.api_keys != nullptr && config_.api_keys->enabled());
+    return Status::OK;
+  }
+
+ private:
+  // With API keys configured every call needs one; the job owner is the key's client name.
+  Status authenticate(ServerContext* ctx, std::string* owner, bool submission) {
+    owner->clear();
+    if (config_.api_keys == nullptr || !config_.api_keys->enabled()) return Status::OK;
+    const auto& metadata = ctx->client_metadata();
+    auto value = [&](const char* name) -> std::optional<std::string> {
+      auto it = metadata.find(name);
+      if (it == metadata.end()) return std::nullopt;
+      return std::string(it->second.data(), it->second.size());
+    };
+    const std::string key = presented_key(value("authorization"), value("x-api-key"));
+    std::optional<std::string> client;
+    if (!key.empty()) client = config_.api_keys->identify(key);
+    if (!client) {
+      if (submission && config_.metrics) config_.metrics->rejected(kRejectUnauthenticated);
+      spdlog::warn("event=unauthenticated peer={} key_present={}", ctx->peer(), !key.empty());
+      return Status(StatusCode::UNAUTHENTICATED,
+                    key.empty() ? "missing API key: send metadata 'authorization: Bearer KEY' or 'x-api-key: KEY'"
+                                : "invalid API key");
+    }
+    *owner = *client;
+    return Status::OK;
+  }
+
+  Status reject(const char* reason, StatusCode code, const std::string& message) {
+    if (config_.metrics && reason != nullptr) config_.metrics->rejected(reason);
+    spdlog::info("event=rejected reason={} code={} message=\"{}\"", reason ? reason : "-", static_cast<int>(code),
+                 message);
+    return Status(code, message);
+  }
+
+  Status submit(ServerContext* ctx, const pb::SubmitJobRequest& request, const std::string& owner,
+                SubmitResult* result) {
+    if (scheduler_.draining()) {
+      return reject(kRejectDraining, StatusCode::UNAVAILABLE,
+                    "server is draining (shutting down): submit to another replica");
+    }
+    if (request.priority() < -10 || request.priority() > 10) {
+      return reject(kRejectInvalidArgument, StatusCode::INVALID_ARGUMENT,
+                    "priority: " + std::to_string(request.priority()) + " is outside [-10, 10]");
+    }
+    if (request.idempotency_key().size() > 128) {
+      return reject(kRejectInvalidArgument, StatusCode::INVALID_ARGUMENT,
+                    "idempotency_key: longer than 128 characters");
+    }
+    std::optional<Clock::time_point> deadline;
+    if (request.has_deadline()) {
+      const auto wall = std::chrono::system_clock::time_point(
+          std::chrono::seconds(request.deadline().seconds()) + std::chrono::nanoseconds(request.deadline().nanos()));
+      const auto left = wall - WallClock::now();
+      if (left <= WallClock::duration::zero()) {
+        return reject(kRejectInvalidArgument, StatusCode::INVALID_ARGUMENT, "deadline: already passed");
+      }
+      deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(left);
+    } else if (request.has_timeout()) {
+      const auto timeout =
+          std::chrono::seconds(request.timeout().seconds()) + std::chrono::nanoseconds(request.timeout().nanos());
+      if (timeout <= std::chrono::nanoseconds::zero()) {
+        return reject(kRejectInvalidArgument, StatusCode::INVALID_ARGUMENT, "timeout: must be positive");
+      }
+      deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(timeout);
+    }
+
+    std::shared_ptr<ModelJob> job;
+    try {
+      job = ModelJob::create(request_from_proto(request.spec()), config_.model, config_.limits, random_seed(),
+                             config_.text_encoder);
+    } catch (const ValidationError& e) {
+      return reject(kRejectInvalidArgument, StatusCode::INVALID_ARGUMENT, e.what());
+    } catch (const PreconditionError& e) {
+      return reject(nullptr, StatusCode::FAILED_PRECONDITION, e.what());
+    } catch (const std::exception& e) {
+      spdlog::error("event=submit_failed error=\"{}\"", e.what());
+      return Status(StatusCode::INTERNAL, std::string("could not prepare the job: ") + e.what());
+    }
+
+    JobSpec spec;
+    spec.owner = owner;
+    spec.priority = request.priority();
+    spec.deadline = deadline;
+    spec.chunk_work = job->chunk_work();
+    spec.chunk_rows = job->chunk_rows();
+    spec.idempotency_key = request.idempotency_key();
+    spec.fingerprint = job->fingerprint() ^ (static_cast<uint64_t>(request.priority() + 11) * 0x9E3779B97F4A7C15ULL);
+    spec.payload = job;
+    try {
+      *result = scheduler_.submit(std::move(spec));
+    } catch (const AdmissionError& e) {
+      switch (e.reason()) {
+        case AdmissionError::Reason::QueueFull: {
+          const auto ms = static_cast<int64_t>(e.retry_after_seconds() * 1000.0);
+          ctx->AddTrailingMetadata("retry-after-ms", std::to_string(ms));
+          return reject(kRejectQueueFull, StatusCode::RESOURCE_EXHAUSTED,
+                        std::string(e.what()) + "; retry after " + std::to_string(ms) + " ms");
+        }
+        case AdmissionError::Reason::Draining:
+          return reject(kRejectDraining, StatusCode::UNAVAILABLE, e.what());
+        case AdmissionError::Reason::Unavailable:
+          return reject(nullptr, StatusCode::UNAVAILABLE, e.what());
+        case AdmissionError::Reason::IdempotencyConflict:
+          return reject(nullptr, StatusCode::ALREADY_EXISTS, e.what());
+      }
+    }
+    if (!result->deduplicated) {
+      const ResolvedParams& p = job->params();
+      spdlog::info("job={} event=accepted frames={} size={}x{} steps={} guidance={} chunks={} seed={} priority={}",
+                   result->job.id, p.num_frames, p.width, p.height, p.num_inference_steps, p.guidance_scale,
+                   job->chunk_count(), p.seed, request.priority());
+      for (const auto& warning : job->warnings()) spdlog::warn("job={} event=plan_warning {}", result->job.id, warning);
+    }
+    return Status::OK;
+  }
+
+  Status check_format(pb::ResultFormat format) const {
+    if (format == pb::RESULT_FORMAT_MP4 && !config_.vae_available) {
+      return Status(StatusCode::FAILED_PRECONDITION, "format: MP4 needs a server started with --vae; ask for latents");
+    }
+    return Status::OK;
+  }
+
+  void job_to_proto(const JobSnapshot& s, pb::Job* out) const {
+    out->set_job_id(s.id);
+    out->set_state(to_proto(s.state));
+    out->set_priority(s.priority);
+    *out->mutable_created_at() = to_timestamp(s.created);
+    if (s.started) *out->mutable_started_at() = to_timestamp(*s.started);
+    if (s.finished) *out->mutable_finished_at() = to_timestamp(*s.finished);
+    if (s.deadline) *out->mutable_deadline() = to_timestamp(*s.deadline);
+    out->set_chunks_total(static_cast<int32_t>(s.chunk_count));
+    out->set_chunks_done(static_cast<int32_t>(s.chunks_done));
+    out->set_queue_position(static_cast<int32_t>(s.queue_position));
+    out->set_estimated_start_seconds(s.eta_seconds);
+    out->set_progress(s.progress);
+    for (const auto& r : s.chunk_replicas) out->add_chunk_replicas(r);
+    out->set_handoffs(s.handoffs);
+    out->set_retries(s.retries);
+    if (s.error_kind != ErrorKind::None) {
+      out->mutable_error()->set_code(static_cast<int32_t>(to_code(s.error_kind)));
+      out->mutable_error()->set_message(s.error);
+    }
+    out->set_idempotency_key(s.idempotency_key);
+    if (const ModelJob* job = model_job(s)) {
+      params_to_proto(job->params(), out->mutable_params());
+      for (int64_t d : job->latent_shape()) out->add_latent_shape(d);
+      out->set_num_frames(static_cast<int32_t>(job->params().num_frames));
+      out->set_video_available(config_.vae_available);
+    }
+  }
+
+  void event_to_proto(const std::string& id, const std::string& owner, const JobEvent& e, pb::JobEvent* out) const {
+    out->set_job_id(id);
+    out->set_sequence(e.sequence);
+    *out->mutable_time() = to_timestamp(e.time);
+    switch (e.type) {
+      case EventType::Queued: {
+        auto* q = out->mutable_queued();
+        q->set_position(static_cast<int32_t>(e.position));
+        q->set_estimated_start_seconds(e.eta_seconds);
+        break;
+      }
+      case EventType::ChunkStarted: {
+        auto* c = out->mutable_chunk_started();
+        c->set_chunk_index(static_cast<int32_t>(e.chunk));
+        c->set_chunk_count(static_cast<int32_t>(e.chunk_count));
+        c->set_replica(e.replica);
+        c->set_handoff(e.handoff);
+        c->set_attempt(e.attempt);
+        break;
+      }
+      case EventType::Step: {
+        auto* s = out->mutable_step();
+        s->set_chunk_index(static_cast<int32_t>(e.chunk));
+        s->set_step(static_cast<int32_t>(e.step));
+        s->set_steps(static_cast<int32_t>(e.steps));
+        s->set_progress(e.progress);
+        break;
+      }
+      case EventType::ChunkFinished: {
+        auto* c = out->mutable_chunk_finished();
+        c->set_chunk_index(static_cast<int32_t>(e.chunk));
+        c->set_replica(e.replica);
+        c->set_seconds(e.seconds);
+        if (auto job = scheduler_.get(id, owner)) {
+          if (const ModelJob* m = model_job(*job)) {
+            const auto [begin, end] = m->chunk_latent_range(e.chunk);
+            c->set_latent_frame_begin(static_cast<int32_t>(begin));
+            c->set_latent_frame_end(static_cast<int32_t>(end));
+          }
+        }
+        break;
+      }
+      case EventType::ChunkRetry: {
+        auto* r = out->mutable_chunk_retry();
+        r->set_chunk_index(static_cast<int32_t>(e.chunk));
+        r->set_replica(e.replica);
+        r->set_error(e.message);
+        r->set_attempt(e.attempt);
+        break;
+      }
+      case EventType::Finished: {
+        if (auto job = scheduler_.get(id, owner)) job_to_proto(*job, out->mutable_finished()->mutable_job());
+        break;
+      }
+    }
+  }
+
+  static pb::ResultPart* identity_slot(pb::ResultPart& m) { return &m; }
+  static pb::ResultPart* generate_slot(pb::GenerateResponse& m) { return m.mutable_result(); }
+
+  // One chunk's blob as parts of at most kPartBytes.
+  template <typename Message>
+  bool write_blob(const JobSnapshot& job, int64_t chunk, pb::ResultFormat format, const std::string& bytes,
+                  grpc::ServerWriter<Message>* writer, pb::ResultPart* (*slot)(Message&)) {
+    const ModelJob* m = model_job(job);
+    const auto [begin, end] = m ? m->chunk_latent_range(chunk) : std::pair<int64_t, int64_t>{0, 0};
+    const size_t total = bytes.size();
+    size_t offset = 0;
+    do {
+      const size_t n = std::min(kPartBytes, total - offset);
+      Message message;
+      pb::ResultPart* part = slot(message);
+      part->set_job_id(job.id);
+      part->set_chunk_index(static_cast<int32_t>(chunk));
+      part->set_chunk_count(static_cast<int32_t>(job.chunk_count));
+      part->set_format(format);
+      part->set_offset(offset);
+      part->set_chunk_bytes(total);
+      part->set_data(bytes.data() + offset, n);
+      part->set_last_part(offset + n == total);
+      part->set_latent_frame_begin(static_cast<int32_t>(begin));
+      part->set_latent_frame_end(static_cast<int32_t>(end));
+      if (!writer->Write(message)) return false;
+      offset += n;
+    } while (offset < total);
+    return true;
+  }
+
+  template <typename Message>
+  bool write_latents(const JobSnapshot& job, int64_t chunk, grpc::ServerWriter<Message>* writer,
+                     pb::ResultPart* (*slot)(Message&)) {
+    const ModelJob* m = model_job(job);
+    const auto blob = m ? m->chunk_result(chunk) : std::nullopt;
+    if (!blob) return true;
+    return write_blob(job, chunk, pb::RESULT_FORMAT_LATENTS, blob->bytes, writer, slot);
+  }
+
+  // Waits for the VAE worker to finish chunk `chunk`'s MP4 (it follows the latents by one decode).
+  Status wait_video(ServerContext* ctx, const JobSnapshot& job, int64_t chunk, std::string* bytes) {
+    const ModelJob* m = model_job(job);
+    if (m == nullptr) return Status(StatusCode::INTERNAL, "job has no model payload");
+    while (!ctx->IsCancelled()) {
+      auto video = m->wait_chunk_video(chunk, Clock::now() + kPoll);
+      if (video.bytes) {
+        *bytes = std::move(*video.bytes);
+        return Status::OK;
+      }
+      if (!video.error.empty()) return Status(StatusCode::INTERNAL, video.error);
+    }
+    return Status(StatusCode::CANCELLED, "client cancelled the download");
+  }
+
+  bool flush_results(ServerContext* ctx, const std::string& id, const std::string& owner, pb::ResultFormat format,
+                     int64_t* sent, grpc::ServerWriter<pb::GenerateResponse>* writer) {
+    const auto job = scheduler_.get(id, owner);
+    if (!job) return true;
+    while (*sent < job->chunks_done) {
+      if (format == pb::RESULT_FORMAT_MP4) {
+        std::string bytes;
+        if (!wait_video(ctx, *job, *sent, &bytes).ok()) return false;
+        if (!write_blob(*job, *sent, pb::RESULT_FORMAT_MP4, bytes, writer, generate_slot)) return false;
+      } else if (!write_latents(*job, *sent, writer, generate_slot)) {
+        return false;
+      }
+      ++*sent;
+    }
+    return true;
+  }
+
+  Status gone(const std::string& id, const std::string& owner) {
+    scheduler_.cancel(id, owner);
+    return Status(StatusCode::CANCELLED, "client went away: job " + id + " cancelled");
+  }
+
+  Scheduler& scheduler_;
+  ServiceConfig config_;
+};
+
+}  // namespace
+
+std::unique_ptr<grpc::Service> make_video_service(Scheduler& scheduler, ServiceConfig config) {
+  return std::make_unique<VideoServiceImpl>(scheduler, std::move(config));
+}
+
+}  // namespace skyreels::server

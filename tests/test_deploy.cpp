@@ -1,0 +1,750 @@
+// deploy/ against the operations contract (docs/ARCHITECTURE.md) and the real skyreels-server: every manifest parses,
+// the Kubernetes objects agree with each other and with the server's flags, the dashboard and alerts use metrics the
+// server really exports, and the images are built by the README's own setup script.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <chrono>
+#include <fstream>
+#include <memory>
+#include <regex>
+#include <sstream>
+#include <thread>
+
+#include "tests/deploy_support.h"
+#include "tests/test_util.h"
+
+namespace skyreels::test::deploy {
+namespace {
+
+const fs::path& root() {
+  static const fs::path r = repo_root();
+  return r;
+}
+fs::path deploy_dir() { return root() / "deploy"; }
+
+const Contract& contract() {
+  static const Contract c = load_contract(root() / "docs" / "ARCHITECTURE.md");
+  return c;
+}
+
+const std::vector<std::string>& overlay_names() {
+  static const std::vector<std::string> names = {"cpu", "gpu"};
+  return names;
+}
+
+std::vector<Json> overlay(const std::string& name) {
+  return render_kustomization(deploy_dir() / "k8s" / "overlays" / name);
+}
+
+const Json& pod_spec(const std::vector<Json>& objects) {
+  return only_object(objects, "Deployment", "skyreels").at("spec").at("template").at("spec");
+}
+
+const Json& server_container(const std::vector<Json>& objects) {
+  for (const Json& c : pod_spec(objects).at("containers")) {
+    if (c.value("name", "") == "server") return c;
+  }
+  throw std::runtime_error("the Deployment has no container named server");
+}
+
+std::vector<std::string> strings_of(const Json& list, const std::string& what) {
+  std::vector<std::string> out;
+  for (const Json& e : list) {
+    if (!e.is_string()) throw std::runtime_error(what + ": '" + e.dump() + "' is not a string (quote it)");
+    out.push_back(e.get<std::string>());
+  }
+  return out;
+}
+
+std::map<std::string, std::string> server_flags(const std::vector<Json>& objects) {
+  return parse_flag_values(strings_of(server_container(objects).at("args"), "container args"));
+}
+
+// The value a flag has in an argument list, else the contract's default.
+std::string flag_or_default(const std::map<std::string, std::string>& flags, const std::string& flag) {
+  const auto it = flags.find(flag);
+  if (it != flags.end()) return it->second;
+  const auto d = contract().defaults.find(flag);
+  if (d == contract().defaults.end()) throw std::runtime_error(flag + " is neither set nor defaulted by the contract");
+  return d->second;
+}
+
+const std::string& server_help() {
+  static const std::string help = [] {
+    std::string output;
+    const int rc = run_command(bin_path("skyreels-server") + " --help", &output);
+    if (rc != 0) throw std::runtime_error("skyreels-server --help exited with " + std::to_string(rc) + ":\n" + output);
+    return output;
+  }();
+  return help;
+}
+
+// A named container port's number ("grpc" -> 50051); numbers pass through.
+int container_port(const Json& container, const Json& port) {
+  if (port.is_number()) return port.get<int>();
+  for (const Json& p : container.at("ports")) {
+    if (p.value("name", "") == port.get<std::string>()) return p.at("containerPort").get<int>();
+  }
+  throw std::runtime_error("no container port named " + port.dump());
+}
+
+bool labels_match(const Json& selector, const Json& labels) {
+  for (auto it = selector.begin(); it != selector.end(); ++it) {
+    if (!labels.contains(it.key()) || labels[it.key()] != it.value()) return false;
+  }
+  return !selector.empty();
+}
+
+void collect_strings(const Json& j, const std::set<std::string>& keys, std::vector<std::string>& out) {
+  if (j.is_object()) {
+    for (auto it = j.begin(); it != j.end(); ++it) {
+      if (keys.count(it.key()) > 0 && it.value().is_string()) out.push_back(it.value().get<std::string>());
+      collect_strings(it.value(), keys, out);
+    }
+  } else if (j.is_array()) {
+    for (const Json& e : j) collect_strings(e, keys, out);
+  }
+}
+
+// Loaded once; references stay valid for the whole test program.
+const Json& dashboard() {
+  static const Json d = load_json(deploy_dir() / "grafana" / "skyreels-dashboard.json");
+  return d;
+}
+const Json& alert_rule_object() {
+  static const Json rules = load_yaml(deploy_dir() / "prometheus" / "alerts.yaml").at(0);
+  return rules;
+}
+const Json& adapter_values() {
+  static const Json values = load_yaml(deploy_dir() / "prometheus" / "prometheus-adapter-values.yaml").at(0);
+  return values;
+}
+
+std::vector<std::string> dashboard_queries() {
+  std::vector<std::string> queries;
+  collect_strings(dashboard(), {"expr", "query", "definition"}, queries);
+  return queries;
+}
+
+std::vector<std::string> alert_expressions() {
+  std::vector<std::string> exprs;
+  for (const Json& group : alert_rule_object().at("spec").at("groups")) {
+    for (const Json& rule : group.at("rules")) exprs.push_back(rule.at("expr").get<std::string>());
+  }
+  return exprs;
+}
+
+// Every contract metric the dashboard, the alerts and the adapter rule query.
+std::set<std::string> metrics_used() {
+  std::vector<std::string> queries = dashboard_queries();
+  const auto alerts = alert_expressions();
+  queries.insert(queries.end(), alerts.begin(), alerts.end());
+  for (const Json& rule : adapter_values().at("rules").at("custom")) queries.push_back(rule.at("seriesQuery"));
+  std::set<std::string> metrics;
+  for (const auto& q : queries) {
+    for (const auto& series : skyreels_series(q)) metrics.insert(metric_of_series(series, contract()));
+  }
+  return metrics;
+}
+
+std::string join(const std::vector<std::string>& items, const std::string& separator = "\n  ") {
+  std::string out;
+  for (const auto& i : items) out += separator + i;
+  return out;
+}
+
+// --- every file parses ---------------------------------------------------------------------------------------------
+
+TEST(DeployFiles, EveryYamlAndJsonFileUnderDeployParses) {
+  const auto yaml_files = files_under(deploy_dir(), {".yaml", ".yml"});
+  const auto json_files = files_under(deploy_dir(), {".json"});
+  EXPECT_GE(yaml_files.size(), 12u);
+  EXPECT_GE(json_files.size(), 1u);
+  for (const auto& file : yaml_files) {
+    try {
+      const auto documents = load_yaml(file);
+      EXPECT_FALSE(documents.empty()) << file << " holds no document";
+      for (const Json& d : documents) EXPECT_TRUE(d.is_object()) << file << ": a document is not a mapping";
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << e.what();
+    }
+  }
+  for (const auto& file : json_files) {
+    try {
+      EXPECT_TRUE(load_json(file).is_object()) << file;
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << e.what();
+    }
+  }
+}
+
+TEST(DeployFiles, YamlCheckerRejectsWhatParsersReadDifferently) {
+  const std::vector<std::string> rejected = {
+      "a: &x 1\nb: 2\n",      // anchor
+      "a: [1]\nb: *x\n",      // alias (also undefined)
+      "a: !!str 1\n",         // explicit tag
+      "a: 1\na: 2\n",         // duplicate key
+      "enabled: yes\n",       // YAML 1.1 boolean
+      "mode: 0644\n",         // octal in 1.1, decimal in 1.2
+      "t: 1:30\n",            // sexagesimal 90 in 1.1
+      "x: 1e-9\n",            // float in 1.2, string in 1.1
+      "a: [1, 2\n",           // syntax
+      "e: >-\n  x\n    y\n",  // folded scalar keeping a line break (kustomize reads it differently)
+  };
+  for (const auto& text : rejected) {
+    EXPECT_THROW(parse_yaml(text, "snippet"), std::runtime_error) << text;
+  }
+  const auto documents = parse_yaml("a: \"yes\"\nb: 1.5\nc: ~\nd: [64, two, \"64\"]\n---\ne: true\n", "snippet");
+  ASSERT_EQ(documents.size(), 2u);
+  EXPECT_EQ(documents[0], Json::parse(R"({"a":"yes","b":1.5,"c":null,"d":[64,"two","64"]})"));
+  EXPECT_EQ(documents[1], Json::parse(R"({"e":true})"));
+}
+
+// --- Kubernetes ------------------------------------------------------------------------------------------------------
+
+TEST(Kustomize, EachOverlayRendersTheWholeDeploymentFromFilesItReferences) {
+  for (const auto& name : overlay_names()) {
+    SCOPED_TRACE("overlay " + name);
+    const auto objects = overlay(name);
+    for (const char* kind : {"Deployment", "PodDisruptionBudget", "HorizontalPodAutoscaler", "PersistentVolumeClaim",
+                             "ServiceMonitor", "PrometheusRule"}) {
+      EXPECT_NO_THROW(only_object(objects, kind)) << kind;
+    }
+    EXPECT_NO_THROW(only_object(objects, "Service", "skyreels"));
+    EXPECT_NO_THROW(only_object(objects, "Service", "skyreels-headless"));
+    const std::string image = server_container(objects).at("image");
+    EXPECT_EQ(image.rfind(name == "gpu" ? "skyreels-server-cuda:" : "skyreels-server-cpu:", 0), 0u) << image;
+  }
+}
+
+TEST(Kustomize, OurRenderingEqualsKubectlKustomize) {
+  const std::string kubectl = kubectl_path();
+  if (kubectl.empty()) GTEST_SKIP() << "kubectl is not installed; the other Kustomize tests use our own rendering";
+  for (const auto& name : overlay_names()) {
+    SCOPED_TRACE("overlay " + name);
+    std::string output;
+    const fs::path dir = deploy_dir() / "k8s" / "overlays" / name;
+    ASSERT_EQ(run_command("{ " + kubectl + " kustomize " + dir.string() + " 2>/dev/null; }", &output), 0) << output;
+    const auto theirs = parse_yaml(output, "kubectl kustomize " + name);
+    const auto ours = overlay(name);
+    ASSERT_EQ(theirs.size(), ours.size());
+    for (const Json& object : ours) {
+      const Json& same = only_object(theirs, object.at("kind"), object.at("metadata").at("name"));
+      EXPECT_EQ(same, object) << object.at("kind") << "/" << object.at("metadata").at("name");
+    }
+  }
+}
+
+TEST(Kustomize, GpuOverlayRequestsOneGpuAndUsesEveryVisibleDevice) {
+  const auto gpu = overlay("gpu");
+  const Json& resources = server_container(gpu).at("resources");
+  EXPECT_EQ(resources.at("limits").value("nvidia.com/gpu", Json()).dump(), "\"1\"");
+  EXPECT_EQ(resources.at("requests").value("nvidia.com/gpu", Json()).dump(), "\"1\"");
+  EXPECT_EQ(server_flags(gpu).at("--devices"), "auto");
+  bool tolerates_gpu_taint = false;
+  for (const Json& t : pod_spec(gpu).value("tolerations", Json::array())) {
+    tolerates_gpu_taint |= t.value("key", "") == "nvidia.com/gpu";
+  }
+  EXPECT_TRUE(tolerates_gpu_taint);
+
+  const auto cpu = overlay("cpu");
+  EXPECT_FALSE(server_container(cpu).at("resources").at("limits").contains("nvidia.com/gpu"));
+  EXPECT_EQ(server_flags(cpu).at("--devices"), "cpu");
+}
+
+TEST(Kustomize, ContainerArgumentsAreFlagsOfTheServerAndTheContract) {
+  const auto help_flags = flags_in_help(server_help());
+  for (const auto& name : overlay_names()) {
+    SCOPED_TRACE("overlay " + name);
+    const auto flags = server_flags(overlay(name));
+    EXPECT_EQ(flags.count(""), 0u) << "positional argument " << flags.at("");
+    for (const auto& [flag, value] : flags) {
+      if (flag.empty()) continue;
+      EXPECT_TRUE(help_flags.count(flag)) << flag << " is not in skyreels-server --help:\n" << server_help();
+      EXPECT_TRUE(contract().flags.count(flag)) << flag << " is not in the operations contract";
+    }
+  }
+}
+
+TEST(Kustomize, ProbesAskTheContractHealthServicesOnTheListenPort) {
+  EXPECT_NE(contract().text.find("service `\"\"`"), std::string::npos) << "contract: readiness service";
+  EXPECT_NE(contract().text.find("service `\"liveness\"`"), std::string::npos) << "contract: liveness service";
+  for (const auto& name : overlay_names()) {
+    SCOPED_TRACE("overlay " + name);
+    const auto objects = overlay(name);
+    const Json& c = server_container(objects);
+    const auto flags = server_flags(objects);
+    const int grpc_port = port_of(flag_or_default(flags, "--listen"));
+    const int metrics_port = port_of(flag_or_default(flags, "--metrics-listen"));
+    EXPECT_EQ(container_port(c, "grpc"), grpc_port);
+    EXPECT_EQ(container_port(c, "metrics"), metrics_port);
+    for (const char* probe : {"startupProbe", "readinessProbe", "livenessProbe"}) {
+      ASSERT_TRUE(c.contains(probe) && c[probe].contains("grpc")) << probe << " must be a native gRPC probe";
+      EXPECT_EQ(c[probe].at("grpc").at("port"), grpc_port) << probe;
+    }
+    EXPECT_EQ(c.at("readinessProbe").at("grpc").value("service", ""), "");
+    EXPECT_EQ(c.at("startupProbe").at("grpc").value("service", ""), "");
+    EXPECT_EQ(c.at("livenessProbe").at("grpc").value("service", ""), "liveness");
+    const Json& startup = c.at("startupProbe");
+    EXPECT_GE(startup.at("failureThreshold").get<int>() * startup.at("periodSeconds").get<int>(), 15 * 60)
+        << "the startup probe must wait for weight loading";
+    const Json& liveness = c.at("livenessProbe");
+    EXPECT_GE(liveness.at("failureThreshold").get<int>() * liveness.at("periodSeconds").get<int>(), 60);
+  }
+}
+
+TEST(Kustomize, ServicesAndMonitorReachTheServerPorts) {
+  for (const auto& name : overlay_names()) {
+    SCOPED_TRACE("overlay " + name);
+    const auto objects = overlay(name);
+    const Json& c = server_container(objects);
+    const Json& pod_labels =
+        only_object(objects, "Deployment", "skyreels").at("spec").at("template").at("metadata").at("labels");
+    const int metrics_port = port_of(flag_or_default(server_flags(objects), "--metrics-listen"));
+
+    const Json& service = only_object(objects, "Service", "skyreels");
+    EXPECT_TRUE(labels_match(service.at("spec").at("selector"), pod_labels));
+    const Json& headless = only_object(objects, "Service", "skyreels-headless");
+    EXPECT_EQ(headless.at("spec").value("clusterIP", ""), "None");
+    EXPECT_TRUE(labels_match(headless.at("spec").at("selector"), pod_labels));
+    for (const Json& p : headless.at("spec").at("ports")) {  // clients dial pod IPs: no port translation
+      EXPECT_EQ(p.at("port").get<int>(), container_port(c, p.at("targetPort"))) << p.dump();
+    }
+    for (const Json& p : service.at("spec").at("ports"))
+      EXPECT_NO_THROW(container_port(c, p.at("targetPort"))) << p.dump();
+
+    const Json& monitor = only_object(objects, "ServiceMonitor");
+    const Json& endpoint = monitor.at("spec").at("endpoints").at(0);
+    EXPECT_EQ(endpoint.value("path", "/metrics"), "/metrics");
+    int scraped = 0;
+    for (const Json& o : objects) {
+      if (o.at("kind") != "Service" ||
+          !labels_match(monitor.at("spec").at("selector").at("matchLabels"), o.at("metadata").at("labels"))) {
+        continue;
+      }
+      for (const Json& p : o.at("spec").at("ports")) {
+        if (p.value("name", "") != endpoint.at("port")) continue;
+        ++scraped;
+        EXPECT_EQ(container_port(c, p.at("targetPort")), metrics_port);
+      }
+    }
+    EXPECT_EQ(scraped, 1) << "each pod must be scraped through exactly one Service port";
+    const Json& pdb = only_object(objects, "PodDisruptionBudget");
+    EXPECT_TRUE(labels_match(pdb.at("spec").at("selector").at("matchLabels"), pod_labels));
+  }
+}
+
+TEST(Kustomize, GracePeriodCoversPreStopAndTheDrainTimeout) {
+  for (const auto& name : overlay_names()) {
+    SCOPED_TRACE("overlay " + name);
+    const auto objects = overlay(name);
+    const int drain = std::stoi(flag_or_default(server_flags(objects), "--drain-timeout-seconds"));
+    int pre_stop = 0;
+    const Json& c = server_container(objects);
+    if (c.contains("lifecycle")) {
+      const auto command = strings_of(c.at("lifecycle").at("preStop").at("exec").at("command"), "preStop");
+      ASSERT_EQ(command.size(), 2u);
+      EXPECT_EQ(command[0], "sleep");
+      pre_stop = std::stoi(command[1]);
+    }
+    const int grace = pod_spec(objects).at("terminationGracePeriodSeconds").get<int>();
+    EXPECT_GE(grace, pre_stop + drain + 30) << "preStop " << pre_stop << " s + drain " << drain << " s + 30 s margin";
+  }
+}
+
+TEST(Kustomize, WeightsAreMountedReadOnlyFromAReadOnlyManyClaim) {
+  for (const auto& name : overlay_names()) {
+    SCOPED_TRACE("overlay " + name);
+    const auto objects = overlay(name);
+    const Json& c = server_container(objects);
+    std::string volume;
+    for (const Json& m : c.at("volumeMounts")) {
+      if (m.at("mountPath") != "/models") continue;
+      volume = m.at("name");
+      EXPECT_TRUE(m.value("readOnly", false));
+    }
+    ASSERT_FALSE(volume.empty()) << "nothing is mounted at /models";
+    std::string claim;
+    for (const Json& v : pod_spec(objects).at("volumes")) {
+      if (v.at("name") != volume) continue;
+      ASSERT_TRUE(v.contains("persistentVolumeClaim"));
+      EXPECT_TRUE(v.at("persistentVolumeClaim").value("readOnly", false));
+      claim = v.at("persistentVolumeClaim").at("claimName");
+    }
+    const Json& pvc = only_object(objects, "PersistentVolumeClaim", claim);
+    EXPECT_EQ(pvc.at("spec").at("accessModes"), Json::array({"ReadOnlyMany"}));
+    const auto flags = server_flags(objects);
+    for (const char* flag : {"--model", "--vae", "--text-encoder", "--tokenizer"}) {
+      EXPECT_EQ(flags.at(flag).rfind("/models/", 0), 0u) << flag << " " << flags.at(flag);
+    }
+  }
+}
+
+TEST(Kustomize, ServerRunsAsNonRootWithRequestsAndLimits) {
+  for (const auto& name : overlay_names()) {
+    SCOPED_TRACE("overlay " + name);
+    const auto objects = overlay(name);
+    EXPECT_TRUE(pod_spec(objects).at("securityContext").value("runAsNonRoot", false));
+    const Json& c = server_container(objects);
+    EXPECT_FALSE(c.at("securityContext").value("allowPrivilegeEscalation", true));
+    EXPECT_TRUE(c.at("securityContext").value("readOnlyRootFilesystem", false));
+    for (const char* kind : {"requests", "limits"}) {
+      for (const char* resource : {"cpu", "memory"}) {
+        EXPECT_TRUE(c.at("resources").at(kind).contains(resource)) << kind << "." << resource;
+      }
+    }
+  }
+}
+
+TEST(Kustomize, AutoscalerScalesOnQueueDepthServedByTheAdapterRule) {
+  const auto objects = overlay("gpu");
+  const Json& hpa = only_object(objects, "HorizontalPodAutoscaler");
+  EXPECT_EQ(hpa.at("spec").at("scaleTargetRef").at("kind"), "Deployment");
+  EXPECT_EQ(hpa.at("spec").at("scaleTargetRef").at("name"),
+            only_object(objects, "Deployment").at("metadata").at("name"));
+  ASSERT_EQ(hpa.at("spec").at("metrics").size(), 1u);
+  const Json& metric = hpa.at("spec").at("metrics")[0];
+  EXPECT_EQ(metric.at("type"), "Pods");
+  const std::string served = metric.at("pods").at("metric").at("name");
+  EXPECT_EQ(served, "skyreels_queue_depth");
+  EXPECT_GE(hpa.at("spec").at("behavior").at("scaleDown").at("stabilizationWindowSeconds").get<int>(), 600);
+
+  bool served_by_a_rule = false;
+  for (const Json& rule : adapter_values().at("rules").at("custom")) {
+    if (rule.at("name").value("as", "") != served) continue;
+    served_by_a_rule = true;
+    const auto series = skyreels_series(rule.at("seriesQuery"));
+    ASSERT_EQ(series.size(), 1u);
+    EXPECT_EQ(*series.begin(), served);
+    EXPECT_EQ(contract().metrics.at(served).type, "gauge");
+    EXPECT_EQ(rule.at("resources").at("overrides").at("pod").at("resource"), "pod");
+    EXPECT_EQ(rule.at("resources").at("overrides").at("namespace").at("resource"), "namespace");
+    const std::string query = rule.at("metricsQuery");
+    for (const char* placeholder : {"<<.Series>>", "<<.LabelMatchers>>", "<<.GroupBy>>"}) {
+      EXPECT_NE(query.find(placeholder), std::string::npos) << placeholder;
+    }
+  }
+  EXPECT_TRUE(served_by_a_rule) << "no prometheus-adapter rule publishes " << served;
+}
+
+// --- dashboards and alerts -----------------------------------------------------------------------------------------
+
+TEST(Monitoring, DashboardAndAlertsUseContractMetricsWithTheirTypesAndLabels) {
+  std::vector<std::string> problems;
+  std::vector<std::string> queries = dashboard_queries();
+  const auto alerts = alert_expressions();
+  queries.insert(queries.end(), alerts.begin(), alerts.end());
+  for (const Json& rule : adapter_values().at("rules").at("custom")) queries.push_back(rule.at("seriesQuery"));
+  for (const auto& q : queries) {
+    for (const auto& p : promql_problems(q, contract())) problems.push_back(p);
+  }
+  EXPECT_TRUE(problems.empty()) << join(problems);
+
+  // The dashboard shows throughput, queue, latency histograms, replica state, retries, handoffs and failures.
+  std::set<std::string> on_dashboard;
+  for (const auto& q : dashboard_queries()) {
+    for (const auto& s : skyreels_series(q)) on_dashboard.insert(metric_of_series(s, contract()));
+  }
+  for (const char* needed : {"skyreels_frames_generated_total", "skyreels_queue_depth", "skyreels_queue_wait_seconds",
+                             "skyreels_chunk_duration_seconds", "skyreels_step_duration_seconds",
+                             "skyreels_replica_busy", "skyreels_replica_healthy", "skyreels_chunk_retries_total",
+                             "skyreels_chunk_handoffs_total", "skyreels_jobs_finished_total"}) {
+    EXPECT_TRUE(on_dashboard.count(needed)) << needed << " is missing from the dashboard";
+  }
+}
+
+TEST(Monitoring, PromqlCheckerCatchesMisusedMetrics) {
+  const std::vector<std::string> wrong = {
+      "rate(skyreels_jobs_total[5m])",                                             // unknown metric
+      "sum by (device) (skyreels_replica_busy)",                                   // label of no metric
+      "skyreels_jobs_finished_total{outcome=\"failure\"}",                         // value not in the contract
+      "skyreels_replica_busy{gpu=\"0\"}",                                          // label not in the contract
+      "rate(skyreels_queue_depth[5m])",                                            // rate over a gauge
+      "histogram_quantile(0.9, rate(skyreels_step_duration_seconds_bucket[5m]))",  // no `by (le)`
+      "skyreels_chunk_duration_seconds",                                           // histogram without a suffix
+  };
+  for (const auto& q : wrong) EXPECT_FALSE(promql_problems(q, contract()).empty()) << q;
+  const std::string right =
+      "histogram_quantile(0.95, sum by (le, pod, replica) (rate(skyreels_chunk_duration_seconds_bucket"
+      "{namespace=\"$namespace\"}[5m]))) / on (pod) group_left () sum by (pod) (skyreels_replicas_ready)";
+  EXPECT_TRUE(promql_problems(right, contract()).empty()) << join(promql_problems(right, contract()));
+}
+
+// Prometheus' own parser, when installed (Debian package `prometheus`; not a build dependency): the alert groups as
+// they are, and every dashboard query as a recording rule with the Grafana variables filled in.
+TEST(Monitoring, QueriesPassPromtoolWhenInstalled) {
+  if (run_command("command -v promtool") != 0) GTEST_SKIP() << "promtool is not installed";
+  const fs::path dir = temp_dir("promtool");
+  std::ofstream(dir / "alerts.yml") << alert_rule_object().at("spec").dump();  // JSON is YAML
+  Json recording = Json::array();
+  int index = 0;
+  for (auto q : dashboard_queries()) {
+    if (skyreels_series(q).empty() || q.find("label_values") != std::string::npos) continue;
+    q = std::regex_replace(q, std::regex("\\$(namespace|pod)"), "x");
+    recording.push_back({{"record", "dashboard:query" + std::to_string(index++)}, {"expr", q}});
+  }
+  const Json groups = {{"groups", Json::array({{{"name", "dashboard"}, {"rules", recording}}})}};
+  std::ofstream(dir / "dashboard.yml") << groups.dump();
+  std::string output;
+  EXPECT_EQ(
+      run_command("promtool check rules " + (dir / "alerts.yml").string() + " " + (dir / "dashboard.yml").string(),
+                  &output),
+      0)
+      << output;
+}
+
+TEST(Monitoring, AlertRulesHaveUniqueNamesSeverityAndSummary) {
+  std::set<std::string> names;
+  static const std::regex duration_re("[0-9]+[smhd]");
+  for (const Json& group : alert_rule_object().at("spec").at("groups")) {
+    for (const Json& rule : group.at("rules")) {
+      const std::string alert = rule.value("alert", "");
+      SCOPED_TRACE(alert);
+      EXPECT_FALSE(alert.empty());
+      EXPECT_TRUE(names.insert(alert).second) << "duplicate alert";
+      EXPECT_FALSE(rule.value("expr", "").empty());
+      const std::string severity = rule.at("labels").value("severity", "");
+      EXPECT_TRUE(severity == "warning" || severity == "critical") << severity;
+      EXPECT_FALSE(rule.at("annotations").value("summary", "").empty());
+      if (rule.contains("for")) {
+        EXPECT_TRUE(std::regex_match(rule.at("for").get<std::string>(), duration_re));
+      }
+    }
+  }
+  EXPECT_GE(names.size(), 8u);
+}
+
+TEST(Monitoring, DashboardPanelsHaveQueriesPositionsAndUniqueIds) {
+  const Json d = dashboard();
+  EXPECT_FALSE(d.value("uid", "").empty());
+  std::set<int> ids;
+  for (const Json& panel : d.at("panels")) {
+    const std::string title = panel.value("title", "");
+    SCOPED_TRACE(title);
+    EXPECT_TRUE(ids.insert(panel.at("id").get<int>()).second) << "duplicate panel id";
+    EXPECT_TRUE(panel.contains("gridPos"));
+    if (panel.at("type") == "row") continue;
+    EXPECT_EQ(panel.at("datasource").at("uid"), "${datasource}");
+    ASSERT_FALSE(panel.value("targets", Json::array()).empty());
+    for (const Json& t : panel.at("targets")) EXPECT_FALSE(t.value("expr", "").empty());
+  }
+}
+
+// --- container images ----------------------------------------------------------------------------------------------
+
+bool contains(const std::string& text, const std::string& what) { return text.find(what) != std::string::npos; }
+
+std::vector<std::string> split_lines(const std::string& text) {
+  std::vector<std::string> lines;
+  std::stringstream stream(text);
+  for (std::string line; std::getline(stream, line);) {
+    if (!line.empty()) lines.push_back(line);
+  }
+  return lines;
+}
+
+TEST(DockerImages, CpuImageBuildsWithTheReadmeSetupScriptAndNoRecipeOfItsOwn) {
+  EXPECT_TRUE(contains(read_text(root() / "README.md"), "scripts/setup.sh"));
+  EXPECT_TRUE(contains(read_text(root() / "scripts" / "test.sh"), "scripts/setup.sh"));
+  const auto stages = parse_dockerfile(deploy_dir() / "docker" / "Dockerfile.cpu");
+  ASSERT_GE(stages.size(), 2u);
+  const DockerStage& build = stages.front();
+  EXPECT_TRUE(std::regex_match(build.base, std::regex("debian:(bookworm|12)(-slim)?"))) << build.base;
+  bool runs_setup = false;
+  for (const auto& run : build.all("RUN")) {
+    runs_setup |= std::regex_search(run, std::regex("(^|[ ;&])(\\./)?scripts/setup\\.sh\\b"));
+    EXPECT_FALSE(contains(run, "apt-get install")) << "packages come from scripts/setup.sh: " << run;
+    EXPECT_FALSE(contains(run, "cmake ")) << "the build comes from scripts/setup.sh: " << run;
+  }
+  EXPECT_TRUE(runs_setup) << "the build stage must run scripts/setup.sh";
+  bool installs_the_closure = false;
+  for (const auto& run : stages.back().all("RUN")) {
+    if (contains(run, "apt-get install")) installs_the_closure |= contains(run, "runtime-packages.txt");
+  }
+  EXPECT_TRUE(installs_the_closure) << "the runtime stage installs the computed runtime-packages.txt";
+}
+
+TEST(DockerImages, CudaImageTakesPackagesAndBuildFromTheSetupScript) {
+  const auto stages = parse_dockerfile(deploy_dir() / "docker" / "Dockerfile.cuda");
+  ASSERT_GE(stages.size(), 2u);
+  EXPECT_TRUE(std::regex_match(stages.front().base, std::regex("debian:(bookworm|12)(-slim)?")));
+  bool package_list_from_setup = false, build_with_setup = false;
+  for (const auto& stage : stages) {
+    for (const auto& run : stage.all("RUN")) {
+      package_list_from_setup |=
+          contains(run, "PACKAGES") && contains(run, "scripts/setup.sh") && contains(run, "libtorch-dev");
+      build_with_setup |= contains(run, "SKYREELS_SKIP_DEPS=1 scripts/setup.sh");
+      EXPECT_FALSE(contains(run, "cmake ")) << run;
+    }
+  }
+  EXPECT_TRUE(package_list_from_setup) << "Debian packages: setup.sh's PACKAGES minus libtorch-dev";
+  EXPECT_TRUE(build_with_setup);
+  const std::string text = read_text(deploy_dir() / "docker" / "Dockerfile.cuda");
+  EXPECT_TRUE(std::regex_search(text, std::regex("libtorch-cxx11-abi-shared-with-deps-2\\.[0-9.]+%2Bcu12[0-9]\\.zip")));
+}
+
+TEST(DockerImages, ImagesAreMultiStageNonRootWithWeightsMountedAndServerFlags) {
+  const auto help_flags = flags_in_help(server_help());
+  for (const char* file : {"Dockerfile.cpu", "Dockerfile.cuda"}) {
+    SCOPED_TRACE(file);
+    const auto stages = parse_dockerfile(deploy_dir() / "docker" / file);
+    ASSERT_GE(stages.size(), 2u);
+    const DockerStage& runtime = stages.back();
+    const auto users = runtime.all("USER");
+    ASSERT_FALSE(users.empty());
+    EXPECT_FALSE(std::regex_match(users.back(), std::regex("(root|0)(:.*)?"))) << users.back();
+    for (const char* copy : {"COPY", "ADD"}) {
+      for (const auto& c : runtime.all(copy)) EXPECT_FALSE(contains(c, " /models")) << "weights are never baked in";
+    }
+    const Json entrypoint = Json::parse(runtime.all("ENTRYPOINT").at(0));
+    EXPECT_EQ(entrypoint.back(), "skyreels-server");
+    const auto args = strings_of(Json::parse(runtime.all("CMD").at(0)), "CMD");
+    const auto flags = parse_flag_values(args);
+    for (const auto& [flag, value] : flags) {
+      EXPECT_TRUE(help_flags.count(flag)) << flag << " is not in skyreels-server --help";
+      EXPECT_TRUE(contract().flags.count(flag)) << flag << " is not in the contract";
+    }
+    EXPECT_EQ(flags.at("--model").rfind("/models/", 0), 0u);
+    std::string exposed;
+    for (const auto& e : runtime.all("EXPOSE")) exposed += " " + e + " ";
+    for (const char* listen : {"--listen", "--metrics-listen"}) {
+      const int port = port_of(flag_or_default(flags, listen));
+      EXPECT_TRUE(contains(exposed, " " + std::to_string(port) + " ")) << listen << " port not exposed";
+    }
+  }
+}
+
+TEST(DockerImages, RuntimeClosureListsOnlyRuntimePackagesOfTheBuiltBinaries) {
+  if (run_command("command -v dpkg-query") != 0) GTEST_SKIP() << "not a Debian system";
+  const std::string out = temp_dir("closure");
+  const fs::path build_dir = fs::path(bin_path("x")).parent_path().parent_path();
+  std::string output;
+  ASSERT_EQ(
+      run_command((deploy_dir() / "docker" / "runtime-closure.sh").string() + " " + build_dir.string() + " " + out,
+                  &output),
+      0)
+      << output;
+  EXPECT_TRUE(fs::exists(fs::path(out) / "bin" / "skyreels-server"));
+  const auto packages = split_lines(read_text(fs::path(out) / "runtime-packages.txt"));
+  EXPECT_GE(packages.size(), 10u);
+  for (const auto& p : packages) EXPECT_FALSE(p.size() > 4 && p.compare(p.size() - 4, 4, "-dev") == 0) << p;
+  EXPECT_NE(std::find(packages.begin(), packages.end(), "libc6"), packages.end());
+}
+
+// --- a real server
+// ----------------------------------------------------------------------------------------------------
+
+// The CPU overlay's own arguments, with --demo instead of weight folders and loopback ports.
+std::vector<std::string> demo_args(int grpc_port, int metrics_port, const std::string& drain_seconds = "") {
+  const auto manifest = strings_of(server_container(overlay("cpu")).at("args"), "args");
+  static const std::set<std::string> weight_flags = {"--model", "--vae", "--text-encoder", "--tokenizer"};
+  std::vector<std::string> args;
+  for (size_t i = 0; i < manifest.size(); ++i) {
+    const std::string& flag = manifest[i];
+    const bool has_value = i + 1 < manifest.size() && manifest[i + 1].rfind("--", 0) != 0;
+    std::string value = has_value ? manifest[i + 1] : "";
+    if (has_value) ++i;
+    if (weight_flags.count(flag)) continue;
+    if (flag == "--listen") value = "127.0.0.1:" + std::to_string(grpc_port);
+    if (flag == "--metrics-listen") value = "127.0.0.1:" + std::to_string(metrics_port);
+    if (flag == "--drain-timeout-seconds" && !drain_seconds.empty()) value = drain_seconds;
+    args.push_back(flag);
+    if (has_value) args.push_back(value);
+  }
+  args.push_back("--demo");
+  return args;
+}
+
+struct DemoServer {
+  int grpc_port = free_tcp_port();
+  int metrics_port = free_tcp_port();
+  std::unique_ptr<ServerProcess> process;
+
+  explicit DemoServer(const std::string& drain_seconds = "") {
+    const fs::path log = fs::path(temp_dir("server")) / "server.log";
+    process = std::make_unique<ServerProcess>(bin_path("skyreels-server"),
+                                              demo_args(grpc_port, metrics_port, drain_seconds), log);
+  }
+  std::string target() const { return "127.0.0.1:" + std::to_string(grpc_port); }
+
+  // Polls the health service until SERVING; fails with the server's log when it exits or times out.
+  ::testing::AssertionResult wait_serving(const std::string& service, double seconds = 120) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+    std::string last = "no answer yet";
+    while (std::chrono::steady_clock::now() < deadline) {
+      if (!process->running()) return ::testing::AssertionFailure() << "server exited:\n" << process->log_tail();
+      std::string error;
+      const int status = grpc_health_check(target(), service, &error);
+      if (status == 1) return ::testing::AssertionSuccess();
+      last = status < 0 ? error : "status " + std::to_string(status);
+      std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    }
+    return ::testing::AssertionFailure() << "service \"" << service << "\" not SERVING after " << seconds
+                                         << " s (last: " << last << "):\n"
+                                         << process->log_tail();
+  }
+};
+
+TEST(RunningServer, ExportsEveryMetricTheDashboardAlertsAndAutoscalerUse) {
+  DemoServer server;
+  ASSERT_TRUE(server.wait_serving(""));
+  const std::string path =
+      only_object(overlay("cpu"), "ServiceMonitor").at("spec").at("endpoints")[0].value("path", "");
+  const Exposition scraped = parse_exposition(http_get(server.metrics_port, path));
+  std::vector<std::string> problems;
+  for (const auto& metric : metrics_used()) {
+    if (contract().metrics.count(metric) == 0) {
+      problems.push_back(metric + ": not in the contract");
+      continue;
+    }
+    const MetricSpec& spec = contract().metrics.at(metric);
+    const auto type = scraped.types.find(metric);
+    if (type == scraped.types.end()) {
+      problems.push_back(metric + ": not exported by a freshly started server (create every label value at start)");
+      continue;
+    }
+    if (type->second != spec.type)
+      problems.push_back(metric + ": exported as " + type->second + ", contract says " + spec.type);
+    const auto samples = scraped.samples.find(spec.type == "histogram" ? metric + "_bucket" : metric);
+    if (samples == scraped.samples.end()) {
+      problems.push_back(metric + ": declared but has no sample");
+      continue;
+    }
+    const bool labelled =
+        spec.label.empty() || std::any_of(samples->second.begin(), samples->second.end(),
+                                          [&](const auto& labels) { return labels.count(spec.label) > 0; });
+    if (!labelled) problems.push_back(metric + ": no sample carries the label '" + spec.label + "'");
+  }
+  EXPECT_TRUE(problems.empty()) << join(problems) << "\n" << server.process->log_tail(1500);
+}
+
+TEST(RunningServer, AnswersTheManifestProbeServicesOnTheListenPort) {
+  const auto objects = overlay("cpu");
+  const Json& c = server_container(objects);
+  DemoServer server;
+  ASSERT_TRUE(server.wait_serving(c.at("readinessProbe").at("grpc").value("service", "")));
+  EXPECT_TRUE(server.wait_serving(c.at("livenessProbe").at("grpc").value("service", ""), 10));
+  EXPECT_TRUE(server.wait_serving(c.at("startupProbe").at("grpc").value("service", ""), 10));
+  std::string error;
+  EXPECT_NE(grpc_health_check(server.target(), "no-such-service", &error), 1) << "an unknown service is not SERVING";
+}
+
+TEST(RunningServer, DrainsAndExitsCleanlyOnSigtermWithinTheDrainTimeout) {
+  DemoServer server("5");
+  ASSERT_TRUE(server.wait_serving(""));
+  server.process->signal(SIGTERM);
+  int status = 0;
+  ASSERT_TRUE(server.process->wait_exit(5 + 25, &status)) << "still running 30 s after SIGTERM:\n"
+                                                          << server.process->log_tail();
+  EXPECT_TRUE(WIFEXITED(status)) << "killed by signal " << (WIFSIGNALED(status) ? WTERMSIG(status) : 0)
+                                 << " instead of draining:\n"
+                                 << server.process->log_tail();
+  if (WIFEXITED(status)) {
+    EXPECT_EQ(WEXITSTATUS(status), 0) << server.process->log_tail();
+  }
+}
+
+}  // namespace
+}  // namespace skyreels::test::deploy

@@ -1,0 +1,500 @@
+// The chunk scheduler with fake executors: affinity, handoffs, fairness, priorities, retries, deadlines,
+// cancellation, admission and drain. No model, no gRPC: every test runs in milliseconds.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "server/scheduler.h"
+
+namespace skyreels::server {
+namespace {
+
+using namespace std::chrono_literals;
+
+// A job's "latents": each chunk's output depends on the previous output, the chunk index and the seed only, never
+// on the replica, like the real diffusion-forcing chunks.
+struct FakePayload : JobPayload {
+  explicit FakePayload(uint64_t s) : seed(s) {}
+  uint64_t seed;
+  std::mutex mu;
+  std::vector<uint64_t> outputs;
+};
+
+struct RunLog {
+  std::mutex mu;
+  std::vector<std::string> entries;  // "job:chunk@replica"
+  void add(const std::string& e) {
+    std::lock_guard<std::mutex> lock(mu);
+    entries.push_back(e);
+  }
+  std::vector<std::string> snapshot() {
+    std::lock_guard<std::mutex> lock(mu);
+    return entries;
+  }
+};
+
+struct FakeBehaviour {
+  std::chrono::milliseconds step = 2ms;
+  int64_t rows = 3;
+  std::set<int> fail_calls;  // 1-based runs of this replica that throw (after their first step)
+  bool always_fail = false;
+  bool fail_to_load = false;
+};
+
+FakeBehaviour steps(std::chrono::milliseconds step, int64_t rows = 3) {
+  FakeBehaviour b;
+  b.step = step;
+  b.rows = rows;
+  return b;
+}
+FakeBehaviour failing_calls(std::set<int> calls) {
+  FakeBehaviour b;
+  b.fail_calls = std::move(calls);
+  return b;
+}
+FakeBehaviour always_failing() {
+  FakeBehaviour b;
+  b.always_fail = true;
+  return b;
+}
+FakeBehaviour not_loading() {
+  FakeBehaviour b;
+  b.fail_to_load = true;
+  return b;
+}
+
+class FakeExecutor : public ChunkExecutor {
+ public:
+  FakeExecutor(std::string name, FakeBehaviour behaviour, std::shared_ptr<RunLog> log)
+      : name_(std::move(name)), behaviour_(std::move(behaviour)), log_(std::move(log)) {}
+  std::string name() const override { return name_; }
+  void start() override {
+    if (behaviour_.fail_to_load) throw std::runtime_error("weights missing");
+  }
+  ChunkResult run(const ChunkWork& work, const ChunkCallbacks& callbacks) override {
+    const int call = ++calls_;
+    log_->add(work.job_id + ":" + std::to_string(work.chunk_index) + "@" + name_);
+    for (int64_t row = 1; row <= behaviour_.rows; ++row) {
+      if (callbacks.should_stop()) return {ChunkOutcome::Stopped, "", 0};
+      std::this_thread::sleep_for(behaviour_.step);
+      if (row == 1 && (behaviour_.always_fail || behaviour_.fail_calls.count(call))) {
+        throw std::runtime_error("injected fault on " + name_);
+      }
+      callbacks.on_step(row, behaviour_.rows);
+    }
+    auto& payload = static_cast<FakePayload&>(*work.payload);
+    std::lock_guard<std::mutex> lock(payload.mu);
+    const uint64_t previous = payload.outputs.empty() ? payload.seed : payload.outputs.back();
+    payload.outputs.push_back(previous * 6364136223846793005ULL + 1442695040888963407ULL +
+                              static_cast<uint64_t>(work.chunk_index));
+    return {ChunkOutcome::Succeeded, "", 4};
+  }
+
+ private:
+  std::string name_;
+  FakeBehaviour behaviour_;
+  std::shared_ptr<RunLog> log_;
+  std::atomic<int> calls_{0};
+};
+
+struct Harness {
+  std::shared_ptr<RunLog> log = std::make_shared<RunLog>();
+  std::unique_ptr<Scheduler> scheduler;
+
+  Harness(std::vector<FakeBehaviour> behaviours, SchedulerOptions options = {}) {
+    std::vector<std::unique_ptr<ChunkExecutor>> executors;
+    for (size_t i = 0; i < behaviours.size(); ++i) {
+      executors.push_back(std::make_unique<FakeExecutor>("fake:" + std::to_string(i), behaviours[i], log));
+    }
+    scheduler = std::make_unique<Scheduler>(std::move(executors), options);
+    scheduler->start();
+    const auto until = Clock::now() + 5s;
+    while (!scheduler->all_loaded() && Clock::now() < until) std::this_thread::sleep_for(1ms);
+  }
+
+  std::string submit(int64_t chunks, int priority = 0, uint64_t seed = 1, const std::string& owner = "",
+                     std::optional<Clock::time_point> deadline = std::nullopt, const std::string& key = "",
+                     uint64_t fingerprint = 0) {
+    JobSpec spec;
+    spec.owner = owner;
+    spec.priority = priority;
+    spec.deadline = deadline;
+    spec.chunk_work.assign(static_cast<size_t>(chunks), 1.0);
+    spec.chunk_rows.assign(static_cast<size_t>(chunks), 3);
+    spec.idempotency_key = key;
+    spec.fingerprint = fingerprint;
+    spec.payload = std::make_shared<FakePayload>(seed);
+    return scheduler->submit(std::move(spec)).job.id;
+  }
+
+  JobSnapshot wait(const std::string& id, const std::string& owner = "", std::chrono::milliseconds limit = 10s) {
+    const auto until = Clock::now() + limit;
+    uint64_t seen = 0;
+    while (Clock::now() < until) {
+      EventBatch batch = scheduler->wait_events(id, owner, seen, until);
+      if (!batch.events.empty()) seen = batch.events.back().sequence;
+      if (batch.finished) break;
+    }
+    auto snapshot = scheduler->get(id, owner);
+    EXPECT_TRUE(snapshot.has_value());
+    return snapshot.value_or(JobSnapshot{});
+  }
+
+  static std::vector<uint64_t> outputs(const JobSnapshot& job) {
+    auto& payload = static_cast<FakePayload&>(*job.payload);
+    std::lock_guard<std::mutex> lock(payload.mu);
+    return payload.outputs;
+  }
+};
+
+int count_changes(const std::vector<std::string>& replicas) {
+  int changes = 0;
+  for (size_t i = 1; i < replicas.size(); ++i) changes += replicas[i] != replicas[i - 1];
+  return changes;
+}
+
+TEST(Scheduler, ChunksOfOneJobStayOnTheReplicaThatRanThePreviousChunk) {
+  Harness h({FakeBehaviour{}, FakeBehaviour{}});
+  const auto job = h.wait(h.submit(4));
+  EXPECT_EQ(job.state, JobState::Succeeded);
+  ASSERT_EQ(job.chunk_replicas.size(), 4u);
+  EXPECT_EQ(count_changes(job.chunk_replicas), 0);
+  EXPECT_EQ(job.handoffs, 0);
+}
+
+TEST(Scheduler, TwoJobsOnTwoReplicasEachKeepTheirReplica) {
+  Harness h({FakeBehaviour{}, FakeBehaviour{}});
+  const auto a = h.submit(3);
+  const auto b = h.submit(3);
+  const auto ja = h.wait(a);
+  const auto jb = h.wait(b);
+  EXPECT_EQ(ja.handoffs + jb.handoffs, 0);
+  EXPECT_NE(ja.chunk_replicas.front(), jb.chunk_replicas.front());
+}
+
+TEST(Scheduler, MoreJobsThanReplicasHandOffAndCountEveryHandoff) {
+  SchedulerOptions options;
+  options.handoff_cost_seconds = 0;  // waiting for the holder is never worth it
+  Harness h({steps(3ms), steps(3ms)}, options);
+  std::vector<std::string> ids;
+  for (int i = 0; i < 3; ++i) ids.push_back(h.submit(4, 0, static_cast<uint64_t>(i)));
+  int handoffs = 0;
+  for (const auto& id : ids) {
+    const auto job = h.wait(id);
+    EXPECT_EQ(job.state, JobState::Succeeded);
+    EXPECT_EQ(job.handoffs, count_changes(job.chunk_replicas)) << "every replica change is a counted handoff";
+    handoffs += job.handoffs;
+  }
+  EXPECT_GT(handoffs, 0) << "3 interleaved jobs on 2 replicas must move at least once";
+}
+
+TEST(Scheduler, JobWaitsForItsBusyHolderWhenAHandoffCostsMoreThanWaiting) {
+  SchedulerOptions options;
+  options.handoff_cost_seconds = 1000;  // a handoff costs more than any wait here
+  Harness h({steps(3ms), steps(3ms)}, options);
+  h.wait(h.submit(1));  // one measured chunk, so the scheduler can estimate how long its holder stays busy
+  std::vector<std::string> ids;
+  for (int i = 0; i < 3; ++i) ids.push_back(h.submit(4, 0, static_cast<uint64_t>(i)));
+  for (const auto& id : ids) {
+    const auto job = h.wait(id);
+    EXPECT_EQ(job.state, JobState::Succeeded);
+    EXPECT_EQ(job.handoffs, 0) << "job " << id << " moved although waiting for its holder was cheaper";
+  }
+}
+
+TEST(Scheduler, OutputDoesNotDependOnWhichReplicaRanEachChunk) {
+  Harness one({FakeBehaviour{}});
+  const auto reference = Harness::outputs(one.wait(one.submit(5, 0, 42)));
+  SchedulerOptions options;
+  options.handoff_cost_seconds = 0;
+  Harness two({steps(2ms), steps(3ms)}, options);
+  std::vector<std::string> ids;
+  for (uint64_t seed : {42, 7, 9}) ids.push_back(two.submit(5, 0, seed));
+  const auto job = two.wait(ids[0]);
+  EXPECT_EQ(Harness::outputs(job), reference);
+}
+
+TEST(Scheduler, LongVideoDoesNotStarveAShortOneSubmittedLater) {
+  Harness h({steps(5ms)});
+  const auto long_job = h.submit(4);
+  const auto short_job = h.submit(1);
+  EXPECT_EQ(h.wait(short_job).state, JobState::Succeeded);
+  const auto log = h.log->snapshot();
+  ASSERT_GE(log.size(), 2u);
+  EXPECT_EQ(log[0], long_job + ":0@fake:0");
+  EXPECT_EQ(log[1], short_job + ":0@fake:0") << "the short job runs at the first chunk boundary";
+  EXPECT_EQ(h.wait(long_job).state, JobState::Succeeded);
+}
+
+TEST(Scheduler, JobsInterleaveAtChunkBoundaries) {
+  Harness h({steps(2ms)});
+  const auto a = h.submit(3);
+  const auto b = h.submit(3);
+  h.wait(a);
+  h.wait(b);
+  const auto log = h.log->snapshot();
+  const std::vector<std::string> expected = {a + ":0@fake:0", b + ":0@fake:0", a + ":1@fake:0",
+                                             b + ":1@fake:0", a + ":2@fake:0", b + ":2@fake:0"};
+  EXPECT_EQ(log, expected);
+}
+
+TEST(Scheduler, HigherPriorityJobsRunFirst) {
+  Harness h({steps(10ms)});
+  const auto busy = h.submit(1);
+  std::this_thread::sleep_for(5ms);  // `busy` is on the only replica
+  const auto low_a = h.submit(1, 0);
+  const auto low_b = h.submit(1, 0);
+  const auto high = h.submit(1, 5);
+  for (const auto& id : {busy, low_a, low_b, high}) h.wait(id);
+  const auto log = h.log->snapshot();
+  ASSERT_EQ(log.size(), 4u);
+  EXPECT_EQ(log[1], high + ":0@fake:0");
+  EXPECT_EQ(log[2], low_a + ":0@fake:0");
+  EXPECT_EQ(log[3], low_b + ":0@fake:0");
+}
+
+TEST(Scheduler, FailedChunkIsRetriedOnAnotherReplicaAndTheOutputIsUnchanged) {
+  Harness reference_harness({FakeBehaviour{}, FakeBehaviour{}});
+  const auto reference = Harness::outputs(reference_harness.wait(reference_harness.submit(3, 0, 5)));
+
+  Harness h({failing_calls({1}), FakeBehaviour{}});
+  const auto job = h.wait(h.submit(3, 0, 5));
+  EXPECT_EQ(job.state, JobState::Succeeded);
+  EXPECT_EQ(job.retries, 1);
+  EXPECT_EQ(Harness::outputs(job), reference);
+  const auto log = h.log->snapshot();
+  ASSERT_GE(log.size(), 2u);
+  EXPECT_EQ(log[0], job.id + ":0@fake:0");
+  EXPECT_EQ(log[1], job.id + ":0@fake:1") << "the retry goes to the other replica";
+}
+
+TEST(Scheduler, ReplicaThatKeepsFailingIsTakenOutAndTheOthersKeepServing) {
+  SchedulerOptions options;
+  options.replica_failure_limit = 2;
+  Harness h({FakeBehaviour{}, always_failing()}, options);
+  std::vector<std::string> ids;
+  for (int i = 0; i < 4; ++i) ids.push_back(h.submit(2, 0, static_cast<uint64_t>(i)));
+  for (const auto& id : ids) EXPECT_EQ(h.wait(id).state, JobState::Succeeded);
+  const auto replicas = h.scheduler->replicas();
+  EXPECT_TRUE(replicas[0].healthy);
+  EXPECT_FALSE(replicas[1].healthy);
+  EXPECT_EQ(replicas[1].failures, 2);
+  EXPECT_NE(replicas[1].error.find("injected fault"), std::string::npos);
+  EXPECT_TRUE(h.scheduler->ready()) << "one healthy replica still serves";
+}
+
+TEST(Scheduler, ChunkFailingEverywhereFailsTheJobAfterBoundedRetries) {
+  SchedulerOptions options;
+  options.chunk_retries = 2;
+  options.replica_failure_limit = 100;
+  Harness h({always_failing(), always_failing()}, options);
+  const auto job = h.wait(h.submit(2));
+  EXPECT_EQ(job.state, JobState::Failed);
+  EXPECT_EQ(job.error_kind, ErrorKind::Internal);
+  EXPECT_EQ(job.retries, 2);
+  EXPECT_EQ(h.log->snapshot().size(), 3u) << "first try + 2 retries";
+  EXPECT_NE(job.error.find("injected fault"), std::string::npos) << job.error;
+}
+
+TEST(Scheduler, NoHealthyReplicaLeftFailsWaitingJobsAndRefusesNewOnes) {
+  SchedulerOptions options;
+  options.replica_failure_limit = 1;
+  options.chunk_retries = 5;
+  Harness h({always_failing()}, options);
+  const auto job = h.wait(h.submit(1));
+  EXPECT_EQ(job.state, JobState::Failed);
+  EXPECT_FALSE(h.scheduler->ready());
+  try {
+    h.submit(1);
+    FAIL() << "expected AdmissionError";
+  } catch (const AdmissionError& e) {
+    EXPECT_EQ(e.reason(), AdmissionError::Reason::Unavailable);
+  }
+}
+
+TEST(Scheduler, ReplicaThatFailsToLoadIsUnhealthyAndTheOthersServe) {
+  Harness h({not_loading(), FakeBehaviour{}});
+  const auto job = h.wait(h.submit(2));
+  EXPECT_EQ(job.state, JobState::Succeeded);
+  const auto replicas = h.scheduler->replicas();
+  EXPECT_FALSE(replicas[0].healthy);
+  EXPECT_EQ(replicas[0].error, "weights missing");
+  EXPECT_TRUE(h.scheduler->ready());
+}
+
+TEST(Scheduler, CancellingAQueuedJobEndsItAtOnce) {
+  Harness h({steps(20ms)});
+  const auto busy = h.submit(1);
+  const auto queued = h.submit(1);
+  const auto snapshot = h.scheduler->cancel(queued, "");
+  ASSERT_TRUE(snapshot.has_value());
+  EXPECT_EQ(snapshot->state, JobState::Cancelled);
+  h.wait(busy);
+  for (const auto& entry : h.log->snapshot()) EXPECT_EQ(entry.find(queued), std::string::npos);
+}
+
+TEST(Scheduler, CancellingARunningJobStopsItAtTheNextStep) {
+  Harness h({steps(10ms, 200)});
+  const auto id = h.submit(3);
+  // Wait for the first step, then cancel: the chunk would take 2 s more if it ignored the request.
+  h.scheduler->wait_events(id, "", 2, Clock::now() + 2s);
+  const auto t0 = Clock::now();
+  h.scheduler->cancel(id, "");
+  const auto job = h.wait(id);
+  EXPECT_EQ(job.state, JobState::Cancelled);
+  EXPECT_EQ(job.error_kind, ErrorKind::Cancelled);
+  EXPECT_EQ(job.chunks_done, 0);
+  EXPECT_LT(Clock::now() - t0, 500ms);
+}
+
+TEST(Scheduler, DeadlinePassingWhileQueuedMeansTheJobNeverRuns) {
+  Harness h({steps(20ms, 10)});
+  const auto busy = h.submit(1);
+  const auto late = h.submit(1, 0, 1, "", Clock::now() + 30ms);
+  const auto job = h.wait(late);
+  EXPECT_EQ(job.state, JobState::DeadlineExceeded);
+  EXPECT_EQ(job.error_kind, ErrorKind::DeadlineExceeded);
+  h.wait(busy);
+  for (const auto& entry : h.log->snapshot()) EXPECT_EQ(entry.find(late), std::string::npos);
+}
+
+TEST(Scheduler, DeadlinePassingDuringAChunkStopsIt) {
+  Harness h({steps(10ms, 100)});
+  const auto t0 = Clock::now();
+  const auto job = h.wait(h.submit(2, 0, 1, "", Clock::now() + 50ms));
+  EXPECT_EQ(job.state, JobState::DeadlineExceeded);
+  EXPECT_LT(Clock::now() - t0, 500ms);
+}
+
+TEST(Scheduler, FullQueueRefusesWithARetryHint) {
+  SchedulerOptions options;
+  options.max_jobs = 2;
+  Harness h({steps(20ms)}, options);
+  const auto a = h.submit(1);
+  const auto b = h.submit(1);
+  try {
+    h.submit(1);
+    FAIL() << "expected AdmissionError";
+  } catch (const AdmissionError& e) {
+    EXPECT_EQ(e.reason(), AdmissionError::Reason::QueueFull);
+    EXPECT_GE(e.retry_after_seconds(), 1.0);
+  }
+  h.wait(a);
+  h.wait(b);
+  EXPECT_NO_THROW(h.submit(1)) << "room again once jobs finished";
+}
+
+TEST(Scheduler, DrainRefusesNewJobsAndFinishesAdmittedOnes) {
+  Harness h({steps(5ms)});
+  const auto a = h.submit(2);
+  const auto b = h.submit(2);
+  h.scheduler->begin_drain();
+  EXPECT_FALSE(h.scheduler->ready());
+  try {
+    h.submit(1);
+    FAIL() << "expected AdmissionError";
+  } catch (const AdmissionError& e) {
+    EXPECT_EQ(e.reason(), AdmissionError::Reason::Draining);
+  }
+  EXPECT_TRUE(h.scheduler->wait_idle(Clock::now() + 5s));
+  EXPECT_EQ(h.scheduler->get(a, "")->state, JobState::Succeeded);
+  EXPECT_EQ(h.scheduler->get(b, "")->state, JobState::Succeeded);
+}
+
+TEST(Scheduler, AbortEndsEveryUnfinishedJobAsUnavailable) {
+  Harness h({steps(10ms, 100)});
+  const auto running = h.submit(1);
+  const auto queued = h.submit(1);
+  h.scheduler->wait_events(running, "", 2, Clock::now() + 2s);
+  h.scheduler->abort_all("drain timeout");
+  for (const auto& id : {running, queued}) {
+    const auto job = h.wait(id);
+    EXPECT_EQ(job.state, JobState::Failed);
+    EXPECT_EQ(job.error_kind, ErrorKind::Unavailable);
+    EXPECT_EQ(job.error, "drain timeout");
+  }
+}
+
+TEST(Scheduler, IdempotencyKeyReturnsTheSameJobAndRefusesADifferentRequest) {
+  Harness h({FakeBehaviour{}});
+  const auto first = h.submit(1, 0, 1, "alice", std::nullopt, "key-1", 111);
+  const auto again = h.submit(1, 0, 1, "alice", std::nullopt, "key-1", 111);
+  EXPECT_EQ(first, again);
+  const auto other_owner = h.submit(1, 0, 1, "bob", std::nullopt, "key-1", 111);
+  EXPECT_NE(first, other_owner) << "keys are per client";
+  try {
+    h.submit(1, 0, 1, "alice", std::nullopt, "key-1", 222);
+    FAIL() << "expected AdmissionError";
+  } catch (const AdmissionError& e) {
+    EXPECT_EQ(e.reason(), AdmissionError::Reason::IdempotencyConflict);
+    EXPECT_NE(std::string(e.what()).find(first), std::string::npos);
+  }
+}
+
+TEST(Scheduler, ClientsSeeOnlyTheirOwnJobs) {
+  Harness h({FakeBehaviour{}});
+  const auto alice = h.submit(1, 0, 1, "alice");
+  const auto bob = h.submit(1, 0, 1, "bob");
+  EXPECT_TRUE(h.scheduler->get(alice, "alice").has_value());
+  EXPECT_FALSE(h.scheduler->get(alice, "bob").has_value());
+  EXPECT_FALSE(h.scheduler->cancel(alice, "bob").has_value());
+  EXPECT_FALSE(h.scheduler->wait_events(alice, "bob", 0, Clock::now()).found);
+  const auto listed = h.scheduler->list("bob");
+  ASSERT_EQ(listed.size(), 1u);
+  EXPECT_EQ(listed[0].id, bob);
+  EXPECT_EQ(h.wait(alice, "alice").state, JobState::Succeeded);
+}
+
+TEST(Scheduler, EventsTellTheWholeStoryInOrder) {
+  Harness h({steps(2ms, 3)});
+  const auto id = h.submit(2);
+  h.wait(id);
+  const auto batch = h.scheduler->wait_events(id, "", 0, Clock::now());
+  ASSERT_FALSE(batch.events.empty());
+  EXPECT_TRUE(batch.finished);
+  std::vector<EventType> types;
+  for (size_t i = 0; i < batch.events.size(); ++i) {
+    EXPECT_EQ(batch.events[i].sequence, i + 1);
+    types.push_back(batch.events[i].type);
+  }
+  const std::vector<EventType> expected = {
+      EventType::Queued,       EventType::ChunkStarted, EventType::Step, EventType::Step,
+      EventType::Step,         EventType::ChunkFinished, EventType::ChunkStarted, EventType::Step,
+      EventType::Step,         EventType::Step,         EventType::ChunkFinished, EventType::Finished};
+  EXPECT_EQ(types, expected);
+  EXPECT_DOUBLE_EQ(batch.events[10 - 1].progress, 1.0) << "the last step of the last chunk is 100 %";
+}
+
+TEST(Scheduler, QueuedJobsKnowTheirPositionAndAnEstimate) {
+  Harness h({steps(5ms)});
+  h.wait(h.submit(1));  // one measurement for the estimate
+  const auto busy = h.submit(1);
+  std::vector<std::string> queued;
+  for (int i = 0; i < 3; ++i) queued.push_back(h.submit(1));
+  double previous_eta = -1;
+  for (size_t i = 0; i < queued.size(); ++i) {
+    const auto job = h.scheduler->get(queued[i], "");
+    ASSERT_TRUE(job.has_value());
+    if (job->state != JobState::Queued) continue;  // the replica may already have moved on
+    EXPECT_GT(job->queue_position, 0);
+    EXPECT_GE(job->eta_seconds, 0.0);
+    EXPECT_GE(job->eta_seconds, previous_eta);
+    previous_eta = job->eta_seconds;
+  }
+  for (const auto& id : queued) h.wait(id);
+  h.wait(busy);
+}
+
+}  // namespace
+}  // namespace skyreels::server

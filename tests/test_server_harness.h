@@ -1,0 +1,75 @@
+// Runs the real skyreels-server binary on 127.0.0.1 for the server suites, and talks to it like a client would.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <sys/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "server/client.h"
+
+namespace skyreels::test {
+
+// A free TCP port on 127.0.0.1 (bound, read back, released).
+int free_port();
+
+class ServerProcess {
+ public:
+  // Starts `skyreels-server <args> --listen 127.0.0.1:P --metrics-listen 127.0.0.1:M` and waits until readiness is
+  // SERVING (when wait_ready). Fails the current test (and throws) when it does not come up.
+  explicit ServerProcess(std::vector<std::string> args, bool wait_ready = true, std::string api_key = "");
+  ~ServerProcess();  // SIGKILL if still running
+  ServerProcess(const ServerProcess&) = delete;
+  ServerProcess& operator=(const ServerProcess&) = delete;
+
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  int metrics_port() const { return metrics_port_; }
+  server::Client& client() { return *client_; }
+  // A client with another API key (or none).
+  std::unique_ptr<server::Client> client_with_key(const std::string& key) const;
+
+  void signal(int sig) const;
+  // Waits for the process to exit; returns its exit status, or -1 on timeout.
+  int wait_exit(std::chrono::milliseconds timeout);
+  bool running();
+  std::string log() const;
+
+ private:
+  pid_t pid_ = -1;
+  int port_ = 0;
+  int metrics_port_ = 0;
+  std::string log_path_;
+  std::string api_key_;
+  std::unique_ptr<server::Client> client_;
+  bool exited_ = false;
+};
+
+// GET http://127.0.0.1:port/path; returns the body ("" on failure), status code into *status.
+std::string http_get(int port, const std::string& path, int* status = nullptr);
+// The value of one sample line "name{labels} value" of a Prometheus exposition (NaN when absent).
+double metric_value(const std::string& exposition, const std::string& name_with_labels);
+
+// grpc.health.v1 Check: the serving status enum value, or -1 with the gRPC status code in *code.
+int health_status(const std::string& address, const std::string& service, int* code = nullptr);
+
+// A long-video job on the tiny demo model: 4 chunks of 5 latent frames at 48x32 (37 frames, base 17, overlap 9).
+v1::SubmitJobRequest long_video_request(uint64_t seed, int64_t steps = 3, double guidance = 5.0);
+// The request's prompt embeddings as CPU float tensors (prompt, negative).
+std::pair<at::Tensor, at::Tensor> request_embeddings(const v1::SubmitJobRequest& request);
+
+// Submits; fails the test on a non-OK status.
+v1::Job submit(server::Client& client, const v1::SubmitJobRequest& request);
+// Follows the job to its end (WatchJob); returns the final job.
+v1::Job wait_job(server::Client& client, const std::string& id, std::chrono::seconds timeout = std::chrono::seconds(60));
+// Every chunk of a finished job joined into fp32 latents [1, 16, F, h, w].
+at::Tensor download_latents(server::Client& client, const std::string& id);
+
+// What `skyreels generate --seed` computes for the same request: the demo model (written again from its seed),
+// loaded as float32, whole video in one process.
+at::Tensor reference_latents(const v1::SubmitJobRequest& request);
+
+}  // namespace skyreels::test
