@@ -11,11 +11,12 @@ using skyreels::cli::UsageError;
 namespace pb = skyreels::v1;
 namespace server = skyreels::server;
 
-const std::string kUsage = std::string(
-    "usage: skyreels cancel JOB_ID\n\n"
-    "Cancels a job: at once when queued or between chunks, at the next denoising step when running.\n"
-    "Prints the job's state (a running job reports CANCELLED once its step ends; see `skyreels watch`).\n") +
-                           skyreels::server::kConnectionFlagsHelp;
+const std::string kUsage =
+    std::string(
+        "usage: skyreels cancel JOB_ID\n\n"
+        "Cancels a job: at once when queued or between chunks, at the next denoising step when running.\n"
+        "Prints the job's state (a running job reports CANCELLED once its step ends; see `skyreels watch`).\n") +
+    skyreels::server::kConnectionFlagsHelp;
 
 int run_cancel(const std::vector<std::string>& raw) {
   const Args args(raw, {"tls"});

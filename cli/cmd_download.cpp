@@ -14,14 +14,15 @@ namespace pb = skyreels::v1;
 namespace server = skyreels::server;
 namespace fs = std::filesystem;
 
-const std::string kUsage = std::string(
-    "usage: skyreels download JOB_ID --out PATH [flags]\n\n"
-    "Downloads a job's latents (fp32 [1, 16, F, H/8, W/8], tensor `latents`) into one safetensors file, following\n"
-    "a running job chunk by chunk. PATH is a file, or a directory (then PATH/JOB_ID.safetensors).\n"
-    "  --per-chunk               also write JOB_ID.chunkK.safetensors next to it, one per chunk\n"
-    "  --format latents|mp4      mp4 needs a server with a VAE (default latents)\n"
-    "  --no-wait                 only the chunks that exist now\n") +
-                           skyreels::server::kConnectionFlagsHelp;
+const std::string kUsage =
+    std::string(
+        "usage: skyreels download JOB_ID --out PATH [flags]\n\n"
+        "Downloads a job's latents (fp32 [1, 16, F, H/8, W/8], tensor `latents`) into one safetensors file, following\n"
+        "a running job chunk by chunk. PATH is a file, or a directory (then PATH/JOB_ID.safetensors).\n"
+        "  --per-chunk               also write JOB_ID.chunkK.safetensors next to it, one per chunk\n"
+        "  --format latents|mp4      mp4 needs a server with a VAE (default latents)\n"
+        "  --no-wait                 only the chunks that exist now\n") +
+    skyreels::server::kConnectionFlagsHelp;
 
 int run_download(const std::vector<std::string>& raw) {
   const Args args(raw, {"per-chunk", "no-wait", "tls"});
@@ -47,15 +48,16 @@ int run_download(const std::vector<std::string>& raw) {
   request.set_format(format == "mp4" ? pb::RESULT_FORMAT_MP4 : pb::RESULT_FORMAT_LATENTS);
   request.set_no_wait(args.has("no-wait"));
   std::vector<std::string> chunks;
-  const grpc::Status status = server::download_chunks(client, request, [&](int32_t index, int32_t count, std::string bytes) {
-    std::cerr << "chunk " << index + 1 << "/" << count << ": " << bytes.size() << " bytes\n";
-    if (args.has("per-chunk")) {
-      const fs::path p = fs::path(out).replace_extension("");
-      server::write_binary_file(p.string() + ".chunk" + std::to_string(index) + (format == "mp4" ? ".mp4" : ".safetensors"),
-                                bytes);
-    }
-    chunks.push_back(std::move(bytes));
-  });
+  const grpc::Status status =
+      server::download_chunks(client, request, [&](int32_t index, int32_t count, std::string bytes) {
+        std::cerr << "chunk " << index + 1 << "/" << count << ": " << bytes.size() << " bytes\n";
+        if (args.has("per-chunk")) {
+          const fs::path p = fs::path(out).replace_extension("");
+          server::write_binary_file(
+              p.string() + ".chunk" + std::to_string(index) + (format == "mp4" ? ".mp4" : ".safetensors"), bytes);
+        }
+        chunks.push_back(std::move(bytes));
+      });
   if (!status.ok()) {
     std::cerr << "skyreels download: " << server::describe(status) << "\n";
     return 1;

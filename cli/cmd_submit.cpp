@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "cli/command.h"
+#include "model/sampler_flow_unipc.h"
 #include "server/blob.h"
 #include "server/client.h"
 
@@ -18,26 +19,29 @@ using skyreels::cli::UsageError;
 namespace pb = skyreels::v1;
 namespace server = skyreels::server;
 
-const std::string kUsage = std::string(
-    "usage: skyreels submit (--inputs IN.safetensors | --random-embeddings | --prompt TEXT) [flags]\n\n"
-    "Submits a diffusion-forcing video job and prints its id on stdout.\n"
-    "conditioning (exactly one):\n"
-    "  --inputs FILE             safetensors with prompt_embeds [1, T, text_dim] and negative_prompt_embeds\n"
-    "                            (as `skyreels generate --inputs`)\n"
-    "  --random-embeddings       random prompt embeddings sized for the server's model (demos, load tests);\n"
-    "                            --tokens N (default 16), --embeddings-seed N (default 0)\n"
-    "  --prompt TEXT             text (needs a server with a text encoder); --negative-prompt TEXT\n"
-    "generation (diffusers' names; unset: the pipeline defaults):\n"
-    "  --num-frames --height --width --num-inference-steps --guidance-scale --flow-shift --base-num-frames\n"
-    "  --overlap-history --ar-step --causal-block-size --addnoise-condition --fps --seed\n"
-    "job:\n"
-    "  --priority P              -10 .. 10, higher first (default 0)\n"
-    "  --timeout-seconds S       deadline relative to acceptance\n"
-    "  --idempotency-key KEY     resubmitting the same request with the same key returns the same job\n"
-    "  --wait-ready SECONDS      first wait until the server reports ready (grpc.health.v1)\n"
-    "  --watch                   follow the job (progress on stderr); exit status 0 only if it succeeds\n"
-    "  --out DIR                 with --watch: download the latents into DIR/<job>.safetensors\n") +
-                           skyreels::server::kConnectionFlagsHelp;
+const std::string kUsage =
+    std::string(
+        "usage: skyreels submit (--inputs IN.safetensors | --random-embeddings | --prompt TEXT) [flags]\n\n"
+        "Submits a diffusion-forcing video job and prints its id on stdout.\n"
+        "conditioning (exactly one):\n"
+        "  --inputs FILE             safetensors with prompt_embeds [1, T, text_dim] and negative_prompt_embeds\n"
+        "                            (as `skyreels generate --inputs`)\n"
+        "  --random-embeddings       random prompt embeddings sized for the server's model (demos, load tests);\n"
+        "                            --tokens N (default 16), --embeddings-seed N (default 0)\n"
+        "  --prompt TEXT             text (needs a server with a text encoder); --negative-prompt TEXT\n"
+        "generation (diffusers' names; unset: the pipeline defaults):\n"
+        "  --num-frames --height --width --num-inference-steps --guidance-scale --flow-shift --base-num-frames\n"
+        "  --overlap-history --ar-step --causal-block-size --addnoise-condition --fps --seed\n"
+        "  --scheduler-config FILE   a diffusers UniPCMultistepScheduler scheduler_config.json (its flow_shift is the\n"
+        "                            default of --flow-shift, as for `skyreels generate`)\n"
+        "job:\n"
+        "  --priority P              -10 .. 10, higher first (default 0)\n"
+        "  --timeout-seconds S       deadline relative to acceptance\n"
+        "  --idempotency-key KEY     resubmitting the same request with the same key returns the same job\n"
+        "  --wait-ready SECONDS      first wait until the server reports ready (grpc.health.v1)\n"
+        "  --watch                   follow the job (progress on stderr); exit status 0 only if it succeeds\n"
+        "  --out DIR                 with --watch: download the latents into DIR/<job>.safetensors\n") +
+    skyreels::server::kConnectionFlagsHelp;
 
 int64_t int_flag(const Args& args, const std::string& name) {
   const std::string text = args.get(name);
@@ -52,6 +56,17 @@ int64_t int_flag(const Args& args, const std::string& name) {
 }
 
 void fill_params(const Args& args, pb::GenerationParams* p) {
+  if (args.has("scheduler-config")) {
+    const auto c = skyreels::model::FlowUniPCConfig::from_file(args.get("scheduler-config"));
+    pb::SchedulerConfig* s = p->mutable_scheduler();
+    s->set_num_train_timesteps(c.num_train_timesteps);
+    s->set_solver_order(c.solver_order);
+    s->set_solver_type(c.solver_type);
+    s->set_lower_order_final(c.lower_order_final);
+    for (int64_t step : c.disable_corrector) s->add_disable_corrector(step);
+    s->set_final_sigmas_type(c.final_sigmas_type);
+    p->set_flow_shift(c.flow_shift);
+  }
   if (args.has("num-frames")) p->set_num_frames(int_flag(args, "num-frames"));
   if (args.has("height")) p->set_height(int_flag(args, "height"));
   if (args.has("width")) p->set_width(int_flag(args, "width"));
@@ -87,11 +102,32 @@ int64_t server_text_dim(server::Client& client) {
 
 int run_submit(const std::vector<std::string>& raw) {
   const Args args(raw, {"random-embeddings", "watch", "tls"});
-  std::vector<std::string> known = {"inputs", "random-embeddings", "tokens", "embeddings-seed", "prompt",
-                                    "negative-prompt", "num-frames", "height", "width", "num-inference-steps",
-                                    "guidance-scale", "flow-shift", "base-num-frames", "overlap-history", "ar-step",
-                                    "causal-block-size", "addnoise-condition", "fps", "seed", "priority",
-                                    "timeout-seconds", "idempotency-key", "wait-ready", "watch", "out"};
+  std::vector<std::string> known = {"inputs",
+                                    "random-embeddings",
+                                    "tokens",
+                                    "embeddings-seed",
+                                    "prompt",
+                                    "negative-prompt",
+                                    "num-frames",
+                                    "height",
+                                    "width",
+                                    "num-inference-steps",
+                                    "guidance-scale",
+                                    "flow-shift",
+                                    "base-num-frames",
+                                    "overlap-history",
+                                    "ar-step",
+                                    "causal-block-size",
+                                    "addnoise-condition",
+                                    "fps",
+                                    "seed",
+                                    "scheduler-config",
+                                    "priority",
+                                    "timeout-seconds",
+                                    "idempotency-key",
+                                    "wait-ready",
+                                    "watch",
+                                    "out"};
   known.insert(known.end(), server::kConnectionFlags.begin(), server::kConnectionFlags.end());
   args.reject_unknown(known);
   if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional().front() + "'");
@@ -161,16 +197,16 @@ int run_submit(const std::vector<std::string>& raw) {
     std::vector<std::string> chunks;
     pb::DownloadResultRequest download;
     download.set_job_id(job.job_id());
-    const grpc::Status s = server::download_chunks(client, download, [&](int32_t, int32_t, std::string bytes) {
-      chunks.push_back(std::move(bytes));
-    });
+    const grpc::Status s = server::download_chunks(
+        client, download, [&](int32_t, int32_t, std::string bytes) { chunks.push_back(std::move(bytes)); });
     if (!s.ok()) {
       std::cerr << "skyreels submit: download: " << server::describe(s) << "\n";
       return 1;
     }
     const std::string path = dir + "/" + job.job_id() + ".safetensors";
-    server::write_binary_file(path, server::concat_latent_chunks(chunks, {{"job_id", job.job_id()},
-                                                                         {"seed", std::to_string(job.params().seed())}}));
+    server::write_binary_file(
+        path, server::concat_latent_chunks(chunks,
+                                           {{"job_id", job.job_id()}, {"seed", std::to_string(job.params().seed())}}));
     std::cerr << "wrote " << path << "\n";
   }
   return 0;

@@ -13,12 +13,13 @@ using skyreels::cli::UsageError;
 namespace pb = skyreels::v1;
 namespace server = skyreels::server;
 
-const std::string kUsage = std::string(
-    "usage: skyreels watch JOB_ID [--no-progress]\n\n"
-    "Follows a job until it ends: queue position, chunks starting and finishing on replicas, step progress.\n"
-    "Exit status 0 when the job succeeded, 1 otherwise.\n"
-    "  --no-progress             no progress bar (events only); the default when stderr is not a terminal\n") +
-                           skyreels::server::kConnectionFlagsHelp;
+const std::string kUsage =
+    std::string(
+        "usage: skyreels watch JOB_ID [--no-progress]\n\n"
+        "Follows a job until it ends: queue position, chunks starting and finishing on replicas, step progress.\n"
+        "Exit status 0 when the job succeeded, 1 otherwise.\n"
+        "  --no-progress             no progress bar (events only); the default when stderr is not a terminal\n") +
+    skyreels::server::kConnectionFlagsHelp;
 
 int run_watch(const std::vector<std::string>& raw) {
   const Args args(raw, {"no-progress", "tls"});

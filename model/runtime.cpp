@@ -1,6 +1,7 @@
 #include "model/runtime.h"
 
 #include <ATen/Parallel.h>
+#include <malloc.h>
 #include <sched.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
@@ -105,8 +106,20 @@ std::string resolve_dtype_name(const std::string& requested, const std::string& 
   return (f.amx_bf16 || f.avx512_bf16) ? "bfloat16" : "float32";
 }
 
+void tune_malloc() {
+  const char* opt = std::getenv("SKYREELS_MALLOC_TUNE");
+  if (opt != nullptr && std::string(opt) == "0") return;
+  // Activations are large and short-lived. glibc returns them to the kernel on free and every next allocation
+  // page-faults again; keeping them in the heap made a bf16 DF-1.3B forward 1.7x faster here (bench_transformer).
+  // Cost: freed memory stays with the process (a serving process reuses it on the next chunk anyway).
+  ::mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  ::mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  ::mallopt(M_TOP_PAD, 128 << 20);
+}
+
 void init_process(int argc, char** argv) {
   ensure_openblas_coretype(argc, argv);
+  tune_malloc();
   static bool once = [] {
     // One inter-op thread: we parallelise inside ops; must be set before any inter-op work starts.
     try {

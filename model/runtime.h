@@ -31,7 +31,11 @@ int configure_threads(int threads = 0);
 // Accepts "float32"/"fp32", "bfloat16"/"bf16", "auto". Throws std::invalid_argument otherwise.
 std::string resolve_dtype_name(const std::string& requested, const std::string& device);
 
-// Everything a main() needs: coretype re-exec, threads, spdlog pattern.
+// Keeps freed activation memory in the heap instead of returning it to the kernel (page faults dominated the
+// forward otherwise). SKYREELS_MALLOC_TUNE=0 turns it off.
+void tune_malloc();
+
+// Everything a main() needs: coretype re-exec, malloc tuning, threads, spdlog pattern.
 void init_process(int argc, char** argv);
 
 }  // namespace skyreels::runtime

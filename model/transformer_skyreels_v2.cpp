@@ -242,15 +242,20 @@ Tensor layer_norm_fp32(const Tensor& x, double eps, const Tensor& weight = {}, c
   return at::layer_norm(x.to(at::kFloat), {x.size(-1)}, weight, bias, eps);
 }
 
-// Mixed-dtype elementwise ops (bf16 with fp32) take a scalar casting path in LibTorch 1.13, 10-20x slower than
-// converting first; the helpers below convert explicitly (same numbers: the mixed op upcasts the same way).
+// CPU performance notes for the elementwise helpers below:
+// - mixed-dtype ops (bf16 with fp32) take a scalar casting path in LibTorch 1.13, 10-20x slower than converting
+//   first, so they convert explicitly (same numbers: the mixed op upcasts the same way);
+// - every fresh large tensor costs page faults, so helpers that consume a temporary (`x` passed by value, owned
+//   by the caller's expression) work in place on it or on its fp32 copy.
 
 // torch.nn.RMSNorm over the whole projection (all heads at once): fp32 statistics and weight multiply, one rounding.
-Tensor rms_norm_across_heads(const Tensor& x, const Tensor& weight, double eps) {
-  const Tensor xf = x.to(at::kFloat);
-  Tensor y = xf.mul(at::rsqrt(xf.pow(2).mean(-1, true).add_(eps)));
-  y.mul_(weight.to(at::kFloat));
-  return y.to(x.scalar_type());
+// Consumes x.
+Tensor rms_norm_across_heads(Tensor x, const Tensor& weight, double eps) {
+  const at::ScalarType dtype = x.scalar_type();
+  Tensor xf = x.to(at::kFloat);  // x itself in fp32
+  const Tensor inv = at::rsqrt(xf.pow(2).mean(-1, true).add_(eps));
+  xf.mul_(inv).mul_(weight.to(at::kFloat));
+  return xf.to(dtype);
 }
 
 // (LN(x) * (1 + scale) + shift) in fp32, rounded to `dtype`. x [B, L, D]; scale/shift [B, Fm, 1, D] fp32.
@@ -261,10 +266,10 @@ Tensor modulated_norm(const Tensor& x, const Tensor& scale, const Tensor& shift,
   return n.to(dtype);
 }
 
-// (x.float() + y * gate) rounded to x's dtype: the fp32 residual of self-attention and the FFN.
-Tensor gated_residual(const Tensor& x, const Tensor& y, const Tensor& gate, const Geometry& g) {
-  Tensor sum = y.to(at::kFloat).view(g.per_frame()) * gate;
-  sum.add_(x.to(at::kFloat).view(g.per_frame()));
+// (x.float() + y * gate) rounded to x's dtype: the fp32 residual of self-attention and the FFN. Consumes y.
+Tensor gated_residual(const Tensor& x, Tensor y, const Tensor& gate, const Geometry& g) {
+  Tensor sum = y.to(at::kFloat);  // y itself in fp32
+  sum.view(g.per_frame()).mul_(gate).add_(x.to(at::kFloat).view(g.per_frame()));
   return sum.to(x.scalar_type()).view(g.flat());
 }
 
@@ -276,15 +281,15 @@ struct RopeTables {
 
 // Rotates interleaved pairs (x[2k], x[2k+1]) of every head of x [B, L, D] by the per-token angles:
 // out[2k] = x[2k] cos - x[2k+1] sin, out[2k+1] = x[2k] sin + x[2k+1] cos, computed as x * cos + swap(x) * signed_sin
-// (the same products and sums, so the same fp32 numbers as diffusers), rounded once to x's dtype.
-Tensor apply_rope(const Tensor& x, const RopeTables& rope, int64_t heads) {
+// (the same products and sums, so the same fp32 numbers as diffusers), rounded once to x's dtype. Consumes x.
+Tensor apply_rope(Tensor x, const RopeTables& rope, int64_t heads) {
   const int64_t b = x.size(0), l = x.size(1), dh = x.size(2) / heads;
-  const Tensor xf = x.to(at::kFloat).view({b, l, heads, dh});
+  const at::ScalarType dtype = x.scalar_type();
+  Tensor xf = x.to(at::kFloat).view({b, l, heads, dh});  // x itself in fp32
   const Tensor pairs = xf.view({b, l, heads, dh / 2, 2});
   Tensor swapped = at::stack({pairs.select(-1, 1), pairs.select(-1, 0)}, -1).view({b, l, heads, dh});
-  Tensor out = xf * rope.cos;
-  out.add_(swapped.mul_(rope.signed_sin));
-  return out.to(x.scalar_type()).view({b, l, heads * dh});
+  xf.mul_(rope.cos).add_(swapped.mul_(rope.signed_sin));
+  return xf.to(dtype).view({b, l, heads * dh});
 }
 
 // [B, L, D] -> [B, Nh, L, Dh] (a view).
@@ -551,7 +556,7 @@ Geometry SkyReelsV2Transformer::Impl::check_inputs(const TransformerForwardArgs&
 
 Tensor SkyReelsV2Transformer::Impl::self_attention(const AttentionWeights& a, const Tensor& n, const RopeTables& rope,
                                                    const Geometry& g, int64_t causal_block_tokens) const {
-  // q, k, v stay [B, L, D]; attention reads them through [B, Nh, L, Dh] views (no transposed copies).
+  // Heads made contiguous: oneDNN's bf16 GEMM is several times slower on row-strided operands.
   const int64_t heads = config.num_attention_heads;
   const Tensor q = apply_rope(rms_norm_across_heads(a.to_q(n), a.norm_q, config.eps), rope, heads);
   const Tensor k = apply_rope(rms_norm_across_heads(a.to_k(n), a.norm_k, config.eps), rope, heads);
@@ -565,9 +570,9 @@ Tensor SkyReelsV2Transformer::Impl::cross_attention(const AttentionWeights& a, c
                                                     const Tensor& context) const {
   // No RoPE and no mask: zero-padded text rows are attended, as in diffusers.
   const int64_t heads = config.num_attention_heads;
-  const Tensor q = split_heads(rms_norm_across_heads(a.to_q(n), a.norm_q, config.eps), heads);
-  const Tensor k = split_heads(rms_norm_across_heads(a.to_k(context), a.norm_k, config.eps), heads);
-  const Tensor v = split_heads(a.to_v(context), heads);
+  const Tensor q = split_heads(rms_norm_across_heads(a.to_q(n), a.norm_q, config.eps), heads).contiguous();
+  const Tensor k = split_heads(rms_norm_across_heads(a.to_k(context), a.norm_k, config.eps), heads).contiguous();
+  const Tensor v = split_heads(a.to_v(context), heads).contiguous();
   const Tensor o = detail::attention(q, k, v, 0, chunk_bytes);
   return a.to_out(o.view({n.size(0), n.size(1), n.size(2)}));
 }
@@ -584,7 +589,7 @@ Tensor SkyReelsV2Transformer::Impl::feed_forward(const BlockWeights& b, const Te
   for (int64_t r = 0; r < tokens; r += chunk) {
     const int64_t m = std::min(chunk, tokens - r);
     Tensor hidden = at::linear(flat.narrow(0, r, m), b.ffn_in.weight, b.ffn_in.bias);
-    hidden = at::gelu(hidden, "tanh");
+    at::gelu_(hidden, "tanh");
     Tensor o = out.narrow(0, r, m);
     at::addmm_out(o, b.ffn_out.bias, hidden, w_out_t);
   }

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The main job, end to end on this machine: builds if needed, starts skyreels-server with a tiny random-weight model
-# on two CPU replicas (loopback only), waits until it is ready, submits a long video (several chunks) through the
-# `skyreels` client with random prompt embeddings, follows it, downloads the latents into ./out/, stops the server
-# with SIGTERM (graceful drain) and exits 0.
+# (transformer and VAE) on two CPU replicas (loopback only), waits until it is ready, submits a long video (several
+# chunks) through the `skyreels` client with random prompt embeddings, follows it, downloads the latents and the MP4
+# into ./out/, stops the server with SIGTERM (graceful drain) and exits 0. Random weights make a noise video: this
+# shows the service working, not a model.
 #   scripts/demo.sh                 # build into ./build first (scripts/setup.sh), then run
 #   SKYREELS_SKIP_BUILD=1 BUILD_DIR=build-x scripts/demo.sh   # use binaries that are already built
 set -euo pipefail
@@ -35,7 +36,9 @@ mkdir -p "$OUT"
 LOG="$OUT/server.log"
 
 echo "demo: starting skyreels-server --demo on $SERVER (2 CPU replicas), metrics on 127.0.0.1:$METRICS_PORT"
-"$BIN/skyreels-server" --demo --devices cpu,cpu --listen "$SERVER" --metrics-listen "127.0.0.1:$METRICS_PORT" \
+"$BIN/skyreels-server" --demo --vae demo --text-encoder demo --tokenizer assets/demo/tokenizer \
+  --devices cpu,cpu --listen "$SERVER" \
+  --metrics-listen "127.0.0.1:$METRICS_PORT" \
   >"$LOG" 2>&1 &
 SERVER_PID=$!
 stop_server() {
@@ -46,9 +49,11 @@ stop_server() {
 }
 trap stop_server EXIT
 
-# 57 frames in chunks of 17 with a 9-frame overlap: 6 chunks of diffusion forcing at 64x64, 4 steps each.
+# A text prompt (tiny random UMT5 + the demo tokenizer) -> 57 frames in chunks of 17 with a 9-frame overlap:
+# 6 chunks of diffusion forcing at 64x64, 4 steps each.
 echo "demo: waiting for readiness, then submitting a 57-frame long video"
-if ! JOB=$("$BIN/skyreels" submit --server "$SERVER" --wait-ready 120 --random-embeddings \
+if ! JOB=$("$BIN/skyreels" submit --server "$SERVER" --wait-ready 120 \
+    --prompt "a red fox running through fresh snow at sunrise, cinematic" \
     --num-frames 57 --base-num-frames 17 --overlap-history 9 --height 64 --width 64 \
     --num-inference-steps 4 --seed 42); then
   echo "demo: submit failed; server log:" >&2
@@ -58,6 +63,7 @@ fi
 echo "demo: job $JOB"
 "$BIN/skyreels" watch --server "$SERVER" "$JOB"
 "$BIN/skyreels" download --server "$SERVER" "$JOB" --out "$OUT/"
+"$BIN/skyreels" download --server "$SERVER" "$JOB" --out "$OUT/" --format mp4
 
 # Keep the metrics the run produced next to the result.
 {
@@ -75,4 +81,4 @@ if [ "$STATUS" -ne 0 ]; then
   echo "demo: server exited with $STATUS; log in $LOG" >&2
   exit 1
 fi
-echo "demo: done: $OUT/$JOB.safetensors (latents), $OUT/metrics.txt, $OUT/server.log"
+echo "demo: done: $OUT/$JOB.safetensors (latents), $OUT/$JOB.mp4, $OUT/metrics.txt, $OUT/server.log"

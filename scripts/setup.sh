@@ -13,6 +13,7 @@ PACKAGES=(
   libspdlog-dev libfmt-dev prometheus-cpp-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libyaml-dev
   libavcodec-dev libavformat-dev libswscale-dev libavutil-dev
+  openssl
 )
 
 install_deps() {

@@ -45,7 +45,8 @@ ApiKeys ApiKeys::load(const std::string& path) {
     }
     if (client.empty()) client = "client-" + std::to_string(number);
     for (const auto& e : keys.entries_) {
-      if (e.key == key) throw std::runtime_error("--api-keys: " + path + ":" + std::to_string(number) + ": duplicate key");
+      if (e.key == key)
+        throw std::runtime_error("--api-keys: " + path + ":" + std::to_string(number) + ": duplicate key");
     }
     keys.entries_.push_back({key, client});
   }
@@ -61,7 +62,8 @@ std::optional<std::string> ApiKeys::identify(const std::string& key) const {
   return found;
 }
 
-std::string presented_key(const std::optional<std::string>& authorization, const std::optional<std::string>& x_api_key) {
+std::string presented_key(const std::optional<std::string>& authorization,
+                          const std::optional<std::string>& x_api_key) {
   if (authorization) {
     const std::string& v = *authorization;
     std::string scheme = v.substr(0, std::min<size_t>(7, v.size()));

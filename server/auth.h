@@ -11,7 +11,7 @@ namespace skyreels::server {
 
 class ApiKeys {
  public:
-  ApiKeys() = default;  // disabled: every call is anonymous and sees every job
+  ApiKeys() = default;                           // disabled: every call is anonymous and sees every job
   static ApiKeys load(const std::string& path);  // throws std::runtime_error naming the file and line
   bool enabled() const { return !entries_.empty(); }
   size_t size() const { return entries_.size(); }

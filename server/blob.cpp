@@ -1,8 +1,7 @@
 #include "server/blob.h"
 
-#include <nlohmann/json.hpp>
-
 #include <cstring>
+#include <nlohmann/json.hpp>
 #include <stdexcept>
 
 namespace skyreels::server {
@@ -27,7 +26,8 @@ std::string safetensors_bytes(const std::string& name, const std::vector<int64_t
 }
 
 F32View parse_f32_tensor(const std::string& bytes, const std::string& name) {
-  if (bytes.size() < 8) throw std::runtime_error("result: " + std::to_string(bytes.size()) + " bytes is not safetensors");
+  if (bytes.size() < 8)
+    throw std::runtime_error("result: " + std::to_string(bytes.size()) + " bytes is not safetensors");
   uint64_t len = 0;
   for (int i = 7; i >= 0; --i) len = (len << 8) | static_cast<uint8_t>(bytes[static_cast<size_t>(i)]);
   if (len > bytes.size() - 8) throw std::runtime_error("result: safetensors header past the end");

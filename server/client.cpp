@@ -46,7 +46,8 @@ std::unique_ptr<grpc::ClientContext> Client::context(double timeout_seconds) con
 }
 
 bool Client::wait_ready(double timeout_seconds, std::string* last_error) {
-  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
+  const auto until =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
   while (true) {
     // A fresh channel per probe: a channel that failed to connect waits out its reconnect backoff (and DNS
     // re-resolution limits), which would delay noticing a server that just came up by seconds.
@@ -64,10 +65,11 @@ bool Client::wait_ready(double timeout_seconds, std::string* last_error) {
 }
 
 std::string describe(const grpc::Status& status) {
-  static const char* names[] = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
-                                "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
-                                "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
-                                "UNAUTHENTICATED"};
+  static const char* names[] = {
+      "OK",        "CANCELLED",      "UNKNOWN",           "INVALID_ARGUMENT",   "DEADLINE_EXCEEDED",
+      "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+      "ABORTED",   "OUT_OF_RANGE",   "UNIMPLEMENTED",     "INTERNAL",           "UNAVAILABLE",
+      "DATA_LOSS", "UNAUTHENTICATED"};
   const int code = static_cast<int>(status.error_code());
   const std::string name = code >= 0 && code <= 16 ? names[code] : std::to_string(code);
   return name + ": " + status.error_message();
@@ -133,13 +135,20 @@ grpc::Status download_chunks(Client& client, const v1::DownloadResultRequest& re
 
 const char* state_name(v1::JobState state) {
   switch (state) {
-    case v1::JOB_STATE_QUEUED: return "QUEUED";
-    case v1::JOB_STATE_RUNNING: return "RUNNING";
-    case v1::JOB_STATE_SUCCEEDED: return "SUCCEEDED";
-    case v1::JOB_STATE_FAILED: return "FAILED";
-    case v1::JOB_STATE_CANCELLED: return "CANCELLED";
-    case v1::JOB_STATE_DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
-    default: return "UNSPECIFIED";
+    case v1::JOB_STATE_QUEUED:
+      return "QUEUED";
+    case v1::JOB_STATE_RUNNING:
+      return "RUNNING";
+    case v1::JOB_STATE_SUCCEEDED:
+      return "SUCCEEDED";
+    case v1::JOB_STATE_FAILED:
+      return "FAILED";
+    case v1::JOB_STATE_CANCELLED:
+      return "CANCELLED";
+    case v1::JOB_STATE_DEADLINE_EXCEEDED:
+      return "DEADLINE_EXCEEDED";
+    default:
+      return "UNSPECIFIED";
   }
 }
 
@@ -188,8 +197,8 @@ WatchOutcome watch_job(Client& client, const std::string& job_id, bool progress_
         const auto& c = event.chunk_started();
         end_bar();
         log << "chunk " << c.chunk_index() + 1 << "/" << c.chunk_count() << " started on " << c.replica()
-            << (c.handoff() ? " (handoff)" : "") << (c.attempt() > 0 ? " (retry " + std::to_string(c.attempt()) + ")" : "")
-            << "\n";
+            << (c.handoff() ? " (handoff)" : "")
+            << (c.attempt() > 0 ? " (retry " + std::to_string(c.attempt()) + ")" : "") << "\n";
         break;
       }
       case v1::JobEvent::kStep: {
@@ -218,8 +227,8 @@ WatchOutcome watch_job(Client& client, const std::string& job_id, bool progress_
         outcome.job = event.finished().job();
         const auto& j = outcome.job;
         log << "finished: " << state_name(j.state()) << " (" << j.chunks_done() << "/" << j.chunks_total()
-            << " chunks, " << j.handoffs() << " handoff(s), " << j.retries() << " retr" << (j.retries() == 1 ? "y" : "ies")
-            << ", seed " << j.params().seed() << ")";
+            << " chunks, " << j.handoffs() << " handoff(s), " << j.retries() << " retr"
+            << (j.retries() == 1 ? "y" : "ies") << ", seed " << j.params().seed() << ")";
         if (j.has_error() && !j.error().message().empty()) log << ": " << j.error().message();
         log << "\n";
         break;

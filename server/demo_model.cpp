@@ -49,7 +49,8 @@ void write_tiny_vae(const std::string& dir, uint64_t seed) {
   write_text(dir + "/config.json", config.to_json());
   at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(seed);
   std::vector<std::pair<std::string, at::Tensor>> tensors;
-  for (const auto& spec : model::wan_vae_parameter_specs(config)) tensors.emplace_back(spec.name, random_parameter(spec, generator));
+  for (const auto& spec : model::wan_vae_parameter_specs(config))
+    tensors.emplace_back(spec.name, random_parameter(spec, generator));
   safetensors::save(dir + "/diffusion_pytorch_model.safetensors", tensors, {{"format", "pt"}});
 }
 

@@ -3,10 +3,10 @@
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 #include <spdlog/spdlog.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <filesystem>
-#include <unistd.h>
 #include <stdexcept>
 
 #include "model/checkpoint.h"
@@ -23,7 +23,21 @@ TextEncoderFn load_text_encoder(const std::string& path, const std::string& toke
   model::TextEncoderOptions options;
   options.device = device;
   options.dtype = dtype;
-  std::shared_ptr<model::TextEncoder> encoder = model::TextEncoder::load(path, tokenizer, options);
+  std::string encoder_path = path;
+  std::string demo_dir;
+  if (path == "demo") {  // a tiny random UMT5 matching the transformer's text_dim, for the README's main job
+    if (tokenizer.empty()) {
+      throw std::runtime_error("--text-encoder demo needs --tokenizer DIR (e.g. assets/demo/tokenizer)");
+    }
+    demo_dir = (std::filesystem::temp_directory_path() / ("skyreels-demo-t5-" + std::to_string(::getpid()))).string();
+    model::write_tiny_text_encoder(demo_dir, text_dim, 7);
+    encoder_path = demo_dir;
+  }
+  std::shared_ptr<model::TextEncoder> encoder = model::TextEncoder::load(encoder_path, tokenizer, options);
+  if (!demo_dir.empty()) {
+    std::error_code ec;
+    std::filesystem::remove_all(demo_dir, ec);  // loaded (copied) already
+  }
   if (encoder->hidden_size() != text_dim) {
     throw std::runtime_error("--text-encoder: hidden size " + std::to_string(encoder->hidden_size()) +
                              " does not match the transformer's text_dim " + std::to_string(text_dim));
@@ -91,7 +105,7 @@ void VideoEncoder::chunk_finished(const JobSnapshot& job, const std::string&, in
     std::lock_guard<std::mutex> lock(mu_);
     tasks_.push_back({job.payload, chunk});
   }
-  cv_.notify_one();
+  cv_.notify_all();  // the worker and drain waiters share this condition variable
 }
 
 void VideoEncoder::loop() {
@@ -104,16 +118,28 @@ void VideoEncoder::loop() {
       if (stopping_) return;
       task = std::move(tasks_.front());
       tasks_.pop_front();
+      busy_ = true;
     }
     auto& job = static_cast<ModelJob&>(*task.job);
     try {
       encode(job, task.chunk);
     } catch (const std::exception& e) {
       spdlog::error("event=video_encode_failed chunk={} error=\"{}\"", task.chunk, e.what());
-      job.set_video_error(std::string("video encoding failed at chunk ") + std::to_string(task.chunk) + ": " + e.what());
+      job.set_video_error(std::string("video encoding failed at chunk ") + std::to_string(task.chunk) + ": " +
+                          e.what());
       job.video_state().reset();
     }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      busy_ = false;
+    }
+    cv_.notify_all();
   }
+}
+
+bool VideoEncoder::wait_idle(Clock::time_point until) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return cv_.wait_until(lock, until, [&] { return tasks_.empty() && !busy_; });
 }
 
 void VideoEncoder::encode(ModelJob& job, int64_t chunk) {

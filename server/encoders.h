@@ -35,6 +35,8 @@ class VideoEncoder : public SchedulerObserver {
   ~VideoEncoder() override;
   void chunk_finished(const JobSnapshot& job, const std::string& replica, int64_t chunk, double seconds,
                       int64_t frames) override;
+  // Blocks until every queued chunk is encoded, or `until`; true when idle (used by the drain).
+  bool wait_idle(Clock::time_point until);
 
  private:
   struct Task {
@@ -47,6 +49,7 @@ class VideoEncoder : public SchedulerObserver {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Task> tasks_;
+  bool busy_ = false;
   bool stopping_ = false;
   std::thread thread_;
 };
@@ -55,9 +58,15 @@ class VideoEncoder : public SchedulerObserver {
 class ObserverList : public SchedulerObserver {
  public:
   void add(SchedulerObserver* observer) { observers_.push_back(observer); }
-  void job_submitted(const JobSnapshot& j) override { for (auto* o : observers_) o->job_submitted(j); }
-  void job_started(const JobSnapshot& j, double w) override { for (auto* o : observers_) o->job_started(j, w); }
-  void job_finished(const JobSnapshot& j) override { for (auto* o : observers_) o->job_finished(j); }
+  void job_submitted(const JobSnapshot& j) override {
+    for (auto* o : observers_) o->job_submitted(j);
+  }
+  void job_started(const JobSnapshot& j, double w) override {
+    for (auto* o : observers_) o->job_started(j, w);
+  }
+  void job_finished(const JobSnapshot& j) override {
+    for (auto* o : observers_) o->job_finished(j);
+  }
   void chunk_started(const JobSnapshot& j, const std::string& r, int64_t c) override {
     for (auto* o : observers_) o->chunk_started(j, r, c);
   }
@@ -67,12 +76,18 @@ class ObserverList : public SchedulerObserver {
   void chunk_failed(const JobSnapshot& j, const std::string& r, int64_t c, const std::string& e, bool w) override {
     for (auto* o : observers_) o->chunk_failed(j, r, c, e, w);
   }
-  void step(const std::string& r, double s) override { for (auto* o : observers_) o->step(r, s); }
+  void step(const std::string& r, double s) override {
+    for (auto* o : observers_) o->step(r, s);
+  }
   void handoff(const JobSnapshot& j, const std::string& f, const std::string& t) override {
     for (auto* o : observers_) o->handoff(j, f, t);
   }
-  void replica_changed(const ReplicaStatus& r) override { for (auto* o : observers_) o->replica_changed(r); }
-  void queue_changed(int64_t q, int64_t r) override { for (auto* o : observers_) o->queue_changed(q, r); }
+  void replica_changed(const ReplicaStatus& r) override {
+    for (auto* o : observers_) o->replica_changed(r);
+  }
+  void queue_changed(int64_t q, int64_t r) override {
+    for (auto* o : observers_) o->queue_changed(q, r);
+  }
 
  private:
   std::vector<SchedulerObserver*> observers_;

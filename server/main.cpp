@@ -72,6 +72,7 @@ limits:
   --handoff-cost-seconds S    what moving a job to another replica is assumed to cost (default 0.25)
   --drain-timeout-seconds N   on SIGTERM, how long accepted jobs may still run (default 600)
   --result-ttl-seconds N      how long finished jobs and their results are kept (default 3600)
+  --max-retained-jobs N       finished jobs kept at most, oldest dropped first (default 256)
 test hooks:
   --fault-inject SPEC         REPLICA@N[+],...: the N-th chunk run on REPLICA (e.g. cpu:1@2) throws after its first
                               step ('+': and every later run); also $SKYREELS_FAULT_INJECT
@@ -79,6 +80,10 @@ test hooks:
 other:
   --log-level LEVEL           trace, debug, info (default), warn, error
   --help, --version
+
+SIGTERM/SIGINT drain: readiness turns NOT_SERVING and new jobs get UNAVAILABLE at once; accepted jobs (queued ones
+too) keep running until done or --drain-timeout-seconds, then the rest stop at their next step (FAILED, UNAVAILABLE);
+results stay downloadable for a short grace, then the process exits 0. A second signal stops at once.
 )";
 
 struct Options {
@@ -92,7 +97,7 @@ struct Options {
   int64_t max_queue = 64, max_frames = 1457, max_height = 1280, max_width = 1280, max_steps = 100;
   int chunk_retries = 2, replica_failure_limit = 3;
   double handoff_cost_seconds = 0.25;
-  int64_t drain_timeout_seconds = 600, result_ttl_seconds = 3600;
+  int64_t drain_timeout_seconds = 600, result_ttl_seconds = 3600, max_retained_jobs = 256;
   std::string fault_inject;
   int64_t step_delay_ms = 0;
   std::string log_level = "info";
@@ -109,33 +114,41 @@ int64_t to_int(const std::string& flag, const std::string& value, int64_t lo, in
     if (used == value.size() && v >= lo && v <= hi) return v;
   } catch (const std::exception&) {
   }
-  throw UsageError(flag + ": '" + value + "' is not an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+  throw UsageError(flag + ": '" + value + "' is not an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                   "]");
 }
 
 Options parse(int argc, char** argv) {
   Options o;
-  std::map<std::string, std::string*> strings = {
-      {"--model", &o.model},       {"--vae", &o.vae},           {"--text-encoder", &o.text_encoder},
-      {"--tokenizer", &o.tokenizer}, {"--devices", &o.devices}, {"--dtype", &o.dtype},
-      {"--listen", &o.listen},     {"--metrics-listen", &o.metrics_listen}, {"--tls-cert", &o.tls_cert},
-      {"--tls-key", &o.tls_key},   {"--api-keys", &o.api_keys}, {"--fault-inject", &o.fault_inject},
-      {"--log-level", &o.log_level}};
+  std::map<std::string, std::string*> strings = {{"--model", &o.model},
+                                                 {"--vae", &o.vae},
+                                                 {"--text-encoder", &o.text_encoder},
+                                                 {"--tokenizer", &o.tokenizer},
+                                                 {"--devices", &o.devices},
+                                                 {"--dtype", &o.dtype},
+                                                 {"--listen", &o.listen},
+                                                 {"--metrics-listen", &o.metrics_listen},
+                                                 {"--tls-cert", &o.tls_cert},
+                                                 {"--tls-key", &o.tls_key},
+                                                 {"--api-keys", &o.api_keys},
+                                                 {"--fault-inject", &o.fault_inject},
+                                                 {"--log-level", &o.log_level}};
   struct IntFlag {
     int64_t* target;
     int64_t lo, hi;
   };
   int64_t chunk_retries = o.chunk_retries, failure_limit = o.replica_failure_limit;
-  std::map<std::string, IntFlag> ints = {
-      {"--max-queue", {&o.max_queue, 1, 1000000}},
-      {"--max-frames", {&o.max_frames, 1, 100000}},
-      {"--max-height", {&o.max_height, 16, 16384}},
-      {"--max-width", {&o.max_width, 16, 16384}},
-      {"--max-steps", {&o.max_steps, 1, 10000}},
-      {"--chunk-retries", {&chunk_retries, 0, 100}},
-      {"--replica-failure-limit", {&failure_limit, 1, 1000000}},
-      {"--drain-timeout-seconds", {&o.drain_timeout_seconds, 0, 86400 * 7}},
-      {"--result-ttl-seconds", {&o.result_ttl_seconds, 1, 86400 * 30}},
-      {"--step-delay-ms", {&o.step_delay_ms, 0, 600000}}};
+  std::map<std::string, IntFlag> ints = {{"--max-queue", {&o.max_queue, 1, 1000000}},
+                                         {"--max-frames", {&o.max_frames, 1, 100000}},
+                                         {"--max-height", {&o.max_height, 16, 16384}},
+                                         {"--max-width", {&o.max_width, 16, 16384}},
+                                         {"--max-steps", {&o.max_steps, 1, 10000}},
+                                         {"--chunk-retries", {&chunk_retries, 0, 100}},
+                                         {"--replica-failure-limit", {&failure_limit, 1, 1000000}},
+                                         {"--drain-timeout-seconds", {&o.drain_timeout_seconds, 0, 86400 * 7}},
+                                         {"--result-ttl-seconds", {&o.result_ttl_seconds, 1, 86400 * 30}},
+                                         {"--max-retained-jobs", {&o.max_retained_jobs, 0, 1000000}},
+                                         {"--step-delay-ms", {&o.step_delay_ms, 0, 600000}}};
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
     std::string value;
@@ -170,7 +183,8 @@ Options parse(int argc, char** argv) {
   }
   o.chunk_retries = static_cast<int>(chunk_retries);
   o.replica_failure_limit = static_cast<int>(failure_limit);
-  if (o.model.empty() == !o.demo) throw UsageError(o.demo ? "--demo and --model exclude each other" : "--model DIR is required (or --demo)");
+  if (o.model.empty() == !o.demo)
+    throw UsageError(o.demo ? "--demo and --model exclude each other" : "--model DIR is required (or --demo)");
   if (o.tls_cert.empty() != o.tls_key.empty()) throw UsageError("--tls-cert and --tls-key go together");
   if (o.fault_inject.empty()) {
     if (const char* env = std::getenv("SKYREELS_FAULT_INJECT")) o.fault_inject = env;
@@ -267,6 +281,7 @@ int serve(const Options& o, Signals& signals) {
   scheduling.replica_failure_limit = o.replica_failure_limit;
   scheduling.handoff_cost_seconds = o.handoff_cost_seconds;
   scheduling.retention = std::chrono::seconds(o.result_ttl_seconds);
+  scheduling.max_retained_jobs = o.max_retained_jobs;
   Scheduler scheduler(std::move(executors), scheduling, &observers);
   scheduler.start();
 
@@ -338,6 +353,12 @@ int serve(const Options& o, Signals& signals) {
   // ---- serve until a signal; readiness follows the scheduler ----
   bool ready = false;
   while (signal_count(signals) == 0) {
+    if (!demo_dir.path.empty() && scheduler.all_loaded()) {
+      // Every replica has its (mapped or copied) weights: the files can go now, even if the process is killed later.
+      std::error_code ec;
+      std::filesystem::remove_all(demo_dir.path, ec);
+      demo_dir.path.clear();
+    }
     const bool now_ready = scheduler.ready();
     if (now_ready != ready) {
       health->SetServingStatus("", now_ready);
@@ -364,7 +385,8 @@ int serve(const Options& o, Signals& signals) {
     scheduler.abort_all(reason);
     scheduler.wait_idle(Clock::now() + std::chrono::seconds(60));
   } else if (signal_count(signals) < 2) {
-    // Let clients that follow a job fetch its result before the port closes.
+    // MP4s trail the latents by one VAE decode; then let clients that follow a job fetch its result.
+    if (video) video->wait_idle(drain_deadline);
     wait_for(signals, 2, std::chrono::milliseconds(1500));
   }
   spdlog::info("event=shutdown");

@@ -23,18 +23,22 @@ namespace skyreels::server {
 namespace {
 
 // Buckets (seconds) cover the tiny CPU demo model (milliseconds) up to 14B chunks on one GPU (many minutes).
-const prometheus::Histogram::BucketBoundaries kQueueWait = {0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600,
-                                                            1200, 1800, 3600};
-const prometheus::Histogram::BucketBoundaries kChunk = {0.05, 0.25, 1, 5, 10, 20, 30, 45, 60, 90, 120, 180, 300,
-                                                        600, 1200};
+const prometheus::Histogram::BucketBoundaries kQueueWait = {0.01, 0.1, 0.5, 1,   2,    5,    10,  30,
+                                                            60,   120, 300, 600, 1200, 1800, 3600};
+const prometheus::Histogram::BucketBoundaries kChunk = {0.05, 0.25, 1,   5,   10,  20,  30,  45,
+                                                        60,   90,   120, 180, 300, 600, 1200};
 const prometheus::Histogram::BucketBoundaries kStep = {0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30};
 
 const char* outcome_label(JobState state) {
   switch (state) {
-    case JobState::Succeeded: return "succeeded";
-    case JobState::Cancelled: return "cancelled";
-    case JobState::DeadlineExceeded: return "deadline_exceeded";
-    default: return "failed";
+    case JobState::Succeeded:
+      return "succeeded";
+    case JobState::Cancelled:
+      return "cancelled";
+    case JobState::DeadlineExceeded:
+      return "deadline_exceeded";
+    default:
+      return "failed";
   }
 }
 
@@ -61,12 +65,15 @@ Metrics::Metrics(const std::vector<std::string>& replica_names, const std::strin
   auto& r = *registry_;
   submitted_ = &BuildCounter().Name("skyreels_jobs_submitted_total").Help("Jobs accepted").Register(r).Add({});
   auto& finished = BuildCounter().Name("skyreels_jobs_finished_total").Help("Jobs ended, by outcome").Register(r);
-  for (const char* o : {"succeeded", "failed", "cancelled", "deadline_exceeded"}) finished_[o] = &finished.Add({{"outcome", o}});
-  auto& rejected = BuildCounter().Name("skyreels_jobs_rejected_total").Help("Submissions refused, by reason").Register(r);
+  for (const char* o : {"succeeded", "failed", "cancelled", "deadline_exceeded"})
+    finished_[o] = &finished.Add({{"outcome", o}});
+  auto& rejected =
+      BuildCounter().Name("skyreels_jobs_rejected_total").Help("Submissions refused, by reason").Register(r);
   for (const char* reason : {kRejectInvalidArgument, kRejectQueueFull, kRejectUnauthenticated, kRejectDraining}) {
     rejected_[reason] = &rejected.Add({{"reason", reason}});
   }
-  running_ = &BuildGauge().Name("skyreels_jobs_running").Help("Jobs with a chunk started and not ended").Register(r).Add({});
+  running_ =
+      &BuildGauge().Name("skyreels_jobs_running").Help("Jobs with a chunk started and not ended").Register(r).Add({});
   queue_depth_ = &BuildGauge().Name("skyreels_queue_depth").Help("Jobs accepted and not started").Register(r).Add({});
   queue_wait_ = &BuildHistogram()
                      .Name("skyreels_queue_wait_seconds")
@@ -74,9 +81,11 @@ Metrics::Metrics(const std::vector<std::string>& replica_names, const std::strin
                      .Register(r)
                      .Add({}, kQueueWait);
   auto& chunk = BuildHistogram().Name("skyreels_chunk_duration_seconds").Help("Chunk run time, by replica").Register(r);
-  auto& step = BuildHistogram().Name("skyreels_step_duration_seconds").Help("Denoising row time, by replica").Register(r);
+  auto& step =
+      BuildHistogram().Name("skyreels_step_duration_seconds").Help("Denoising row time, by replica").Register(r);
   auto& busy = BuildGauge().Name("skyreels_replica_busy").Help("1 while the replica runs a chunk").Register(r);
-  auto& healthy = BuildGauge().Name("skyreels_replica_healthy").Help("1 while the replica is loaded and not taken out").Register(r);
+  auto& healthy =
+      BuildGauge().Name("skyreels_replica_healthy").Help("1 while the replica is loaded and not taken out").Register(r);
   for (const auto& name : replica_names) {
     chunk_seconds_[name] = &chunk.Add({{"replica", name}}, kChunk);
     step_seconds_[name] = &step.Add({{"replica", name}}, kStep);
@@ -90,8 +99,13 @@ Metrics::Metrics(const std::vector<std::string>& replica_names, const std::strin
                    .Help("Chunks run on another replica than the job's previous chunk")
                    .Register(r)
                    .Add({});
-  retries_ = &BuildCounter().Name("skyreels_chunk_retries_total").Help("Chunk attempts repeated after a fault").Register(r).Add({});
-  replicas_ready_ = &BuildGauge().Name("skyreels_replicas_ready").Help("Replicas loaded, warmed and healthy").Register(r).Add({});
+  retries_ = &BuildCounter()
+                  .Name("skyreels_chunk_retries_total")
+                  .Help("Chunk attempts repeated after a fault")
+                  .Register(r)
+                  .Add({});
+  replicas_ready_ =
+      &BuildGauge().Name("skyreels_replicas_ready").Help("Replicas loaded, warmed and healthy").Register(r).Add({});
   BuildGauge().Name("skyreels_build_info").Help("Build information").Register(r).Add({{"version", version}}).Set(1);
 }
 
@@ -226,8 +240,8 @@ void Metrics::handle(int connection) const {
     body = "only GET\n";
   }
   const std::string response = "HTTP/1.1 " + status + "\r\nContent-Type: " + type +
-                               "\r\nContent-Length: " + std::to_string(body.size()) +
-                               "\r\nConnection: close\r\n\r\n" + body;
+                               "\r\nContent-Length: " + std::to_string(body.size()) + "\r\nConnection: close\r\n\r\n" +
+                               body;
   size_t sent = 0;
   while (sent < response.size()) {
     const ssize_t n = ::send(connection, response.data() + sent, response.size() - sent, MSG_NOSIGNAL);

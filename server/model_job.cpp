@@ -1,12 +1,12 @@
 #include "server/model_job.h"
 
 #include <ATen/ATen.h>
-#include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "model/diffusion_forcing.h"
@@ -17,9 +17,10 @@ namespace skyreels::server {
 
 namespace {
 
-constexpr int64_t kTemporal = 4;      // VAE: 4 pixel frames per latent frame (after the first)
-constexpr int64_t kSpatial = 8;       // VAE: 8 pixels per latent position
+constexpr int64_t kTemporal = 4;  // VAE: 4 pixel frames per latent frame (after the first)
+constexpr int64_t kSpatial = 8;   // VAE: 8 pixels per latent position
 constexpr int64_t kMaxTensorElements = int64_t{1} << 28;
+constexpr size_t kMaxPromptBytes = 16384;  // the tokenizer keeps 512 tokens anyway
 
 [[noreturn]] void invalid(const std::string& message) { throw ValidationError(message); }
 
@@ -86,10 +87,28 @@ model::GenerationParams resolve_params(const JobRequest& r, const ServerLimits& 
   check_range("flow_shift", p.flow_shift, 1e-3, 1000.0);
   check_frames("base_num_frames", p.base_num_frames, limits.max_frames);
   if (p.overlap_history) check_range("overlap_history", *p.overlap_history, 1, p.base_num_frames);
-  check_range("ar_step", p.ar_step, 0, 1000);
+  // Each unit of ar_step adds a row per block to every chunk; beyond the step count it only adds cost.
+  check_range("ar_step", p.ar_step, 0, p.num_inference_steps, "at most num_inference_steps");
   if (p.causal_block_size) check_range("causal_block_size", *p.causal_block_size, 1, 1000);
   check_range("addnoise_condition", p.addnoise_condition, 0.0, 999.0);
   check_range("fps", p.fps, 1, 240);
+
+  auto& sc = p.scheduler;
+  sc.num_train_timesteps = r.num_train_timesteps.value_or(sc.num_train_timesteps);
+  sc.solver_order = r.solver_order.value_or(sc.solver_order);
+  sc.solver_type = r.solver_type.value_or(sc.solver_type);
+  sc.lower_order_final = r.lower_order_final.value_or(sc.lower_order_final);
+  sc.final_sigmas_type = r.final_sigmas_type.value_or(sc.final_sigmas_type);
+  if (static_cast<int64_t>(r.disable_corrector.size()) > p.num_inference_steps) {
+    invalid("scheduler.disable_corrector: more entries than num_inference_steps");
+  }
+  sc.disable_corrector = r.disable_corrector;
+  check_range("scheduler.num_train_timesteps", sc.num_train_timesteps, 1, 100000);
+  try {
+    sc.validate();
+  } catch (const std::invalid_argument& e) {
+    invalid(std::string("scheduler.") + e.what());
+  }
   return p;
 }
 
@@ -154,9 +173,9 @@ void parse_embeddings_file(const std::string& bytes, std::optional<RawTensor>& p
   std::vector<safetensors::TensorInfo> infos;
   std::map<std::string, std::string> metadata;
   try {
-    safetensors::parse_header(field, bytes.substr(8, header_len), header_len, bytes.size(), infos, metadata);
+    safetensors::parse_header("(request)", bytes.substr(8, header_len), header_len, bytes.size(), infos, metadata);
   } catch (const safetensors::FormatError& e) {
-    invalid(e.what());
+    invalid(field + ": " + e.what());
   }
   for (const auto& info : infos) {
     RawTensor raw;
@@ -188,7 +207,9 @@ struct Fnv {
     bytes(s.data(), s.size());
   }
   template <typename T>
-  void add(const T& v) { bytes(&v, sizeof v); }
+  void add(const T& v) {
+    bytes(&v, sizeof v);
+  }
   template <typename T>
   void opt(const std::optional<T>& v) {
     add(static_cast<uint8_t>(v.has_value()));
@@ -219,6 +240,15 @@ uint64_t fingerprint_of(const JobRequest& r) {
   }
   for (const auto* v : {&r.guidance_scale, &r.flow_shift, &r.addnoise_condition}) f.opt(*v);
   f.opt(r.seed);
+  f.opt(r.num_train_timesteps);
+  f.opt(r.solver_order);
+  f.opt(r.lower_order_final);
+  for (const auto* v : {&r.solver_type, &r.final_sigmas_type}) {
+    f.add(static_cast<uint8_t>(v->has_value()));
+    if (*v) f.str(**v);
+  }
+  f.add(static_cast<uint64_t>(r.disable_corrector.size()));
+  for (int64_t step : r.disable_corrector) f.add(step);
   return f.h;
 }
 
@@ -265,10 +295,14 @@ std::shared_ptr<ModelJob> ModelJob::create(const JobRequest& request, const Mode
   if (request.embeddings_safetensors) parse_embeddings_file(*request.embeddings_safetensors, prompt, negative);
   if (request.prompt) {
     if (!text_encoder) {
-      throw PreconditionError("text: this server has no text encoder (start it with --text-encoder and "
-                              "--tokenizer), send prompt embeddings instead");
+      throw PreconditionError(
+          "text: this server has no text encoder (start it with --text-encoder and "
+          "--tokenizer), send prompt embeddings instead");
     }
     if (request.prompt->empty()) invalid("text.prompt: must not be empty");
+    if (request.prompt->size() > kMaxPromptBytes || request.negative_prompt.value_or("").size() > kMaxPromptBytes) {
+      invalid("text.prompt: longer than " + std::to_string(kMaxPromptBytes) + " bytes");
+    }
     prompt = text_encoder(*request.prompt);
     if (p.guidance_scale > 1.0) negative = text_encoder(request.negative_prompt.value_or(""));
   }
@@ -305,6 +339,12 @@ std::shared_ptr<ModelJob> ModelJob::create(const JobRequest& request, const Mode
   r.flow_shift = p.flow_shift;
   r.addnoise_condition = p.addnoise_condition;
   r.seed = *p.seed;
+  r.num_train_timesteps = p.scheduler.num_train_timesteps;
+  r.solver_order = p.scheduler.solver_order;
+  r.solver_type = p.scheduler.solver_type;
+  r.lower_order_final = p.scheduler.lower_order_final;
+  r.disable_corrector = p.scheduler.disable_corrector;
+  r.final_sigmas_type = p.scheduler.final_sigmas_type;
   return job;
 }
 
@@ -372,13 +412,12 @@ void ModelJob::run_chunk(const model::SkyReelsV2Transformer& transformer, int64_
   ChunkBlob blob;
   blob.latent_begin = spec.output_begin;
   blob.latent_end = spec.output_end;
-  blob.bytes = safetensors_bytes(
-      "latents", fresh.sizes().vec(), fresh.data_ptr<float>(),
-      {{"chunk_index", std::to_string(chunk)},
-       {"chunk_count", std::to_string(chunk_count())},
-       {"latent_frame_begin", std::to_string(spec.output_begin)},
-       {"latent_frame_end", std::to_string(spec.output_end)},
-       {"seed", std::to_string(d.resolved.seed)}});
+  blob.bytes = safetensors_bytes("latents", fresh.sizes().vec(), fresh.data_ptr<float>(),
+                                 {{"chunk_index", std::to_string(chunk)},
+                                  {"chunk_count", std::to_string(chunk_count())},
+                                  {"latent_frame_begin", std::to_string(spec.output_begin)},
+                                  {"latent_frame_end", std::to_string(spec.output_end)},
+                                  {"seed", std::to_string(d.resolved.seed)}});
   d.tail = tail;
   std::lock_guard<std::mutex> lock(d.results_mu);
   d.results[static_cast<size_t>(chunk)] = std::move(blob);

@@ -54,6 +54,11 @@ struct JobRequest {
       causal_block_size, fps;
   std::optional<double> guidance_scale, flow_shift, addnoise_condition;
   std::optional<uint64_t> seed;
+  // The sampler's scheduler_config settings.
+  std::optional<int64_t> num_train_timesteps, solver_order;
+  std::optional<std::string> solver_type, final_sigmas_type;
+  std::optional<bool> lower_order_final;
+  std::vector<int64_t> disable_corrector;
 };
 
 // Every generation parameter with its value in effect (what the job reports back).
@@ -63,6 +68,10 @@ struct ResolvedParams {
   int64_t ar_step = 0, causal_block_size = 0, fps = 0;
   double guidance_scale = 0, flow_shift = 0, addnoise_condition = 0;
   uint64_t seed = 0;
+  int64_t num_train_timesteps = 0, solver_order = 0;
+  std::string solver_type, final_sigmas_type;
+  bool lower_order_final = true;
+  std::vector<int64_t> disable_corrector;
 };
 
 struct ServerLimits {
@@ -84,8 +93,8 @@ struct ModelDescription {
 using TextEncoderFn = std::function<RawTensor(const std::string& text)>;
 
 struct ChunkBlob {
-  std::string bytes;          // safetensors: `latents` fp32 [1, C, frames, h, w]
-  int64_t latent_begin = 0;   // new latent frames [begin, end) of the whole video
+  std::string bytes;         // safetensors: `latents` fp32 [1, C, frames, h, w]
+  int64_t latent_begin = 0;  // new latent frames [begin, end) of the whole video
   int64_t latent_end = 0;
 };
 
@@ -101,12 +110,12 @@ class ModelJob : public JobPayload {
   const ResolvedParams& params() const;
   const std::vector<std::string>& warnings() const;  // e.g. overlap frames dropped by the block size
   int64_t chunk_count() const;
-  std::vector<double> chunk_work() const;    // latent positions x rows x model passes, per chunk
-  std::vector<int64_t> chunk_rows() const;   // denoising rows per chunk
-  std::vector<int64_t> latent_shape() const; // [1, C, F, h, w] of the whole video
+  std::vector<double> chunk_work() const;     // latent positions x rows x model passes, per chunk
+  std::vector<int64_t> chunk_rows() const;    // denoising rows per chunk
+  std::vector<int64_t> latent_shape() const;  // [1, C, F, h, w] of the whole video
   std::pair<int64_t, int64_t> chunk_latent_range(int64_t chunk) const;
   int64_t chunk_pixel_frames(int64_t chunk) const;  // frames chunk `chunk` adds to the decoded video
-  uint64_t fingerprint() const;              // of everything that determines the output (idempotency)
+  uint64_t fingerprint() const;                     // of everything that determines the output (idempotency)
 
   // Runs one chunk on `model` (on the calling replica's device). Reads the tail left by the previous chunk, wherever
   // it is; leaves the new tail on this device and stores the chunk's new frames on the CPU.

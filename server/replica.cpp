@@ -134,17 +134,16 @@ void ModelReplica::start() {
   const auto t0 = std::chrono::steady_clock::now();
   const auto device = model_->device();
   model::TransformerForwardArgs args;
-  args.hidden_states = at::zeros({1, config.in_channels, config.patch_size[0], config.patch_size[1],
-                                  config.patch_size[2]},
-                                 at::TensorOptions().device(device).dtype(model_->compute_dtype()));
+  args.hidden_states =
+      at::zeros({1, config.in_channels, config.patch_size[0], config.patch_size[1], config.patch_size[2]},
+                at::TensorOptions().device(device).dtype(model_->compute_dtype()));
   args.timestep = at::zeros({1, config.patch_size[0]}, at::TensorOptions().device(device).dtype(at::kLong));
   args.encoder_hidden_states =
       at::zeros({1, 1, config.text_dim}, at::TensorOptions().device(device).dtype(model_->compute_dtype()));
   if (config.inject_sample_info) args.fps = at::ones({1}, at::TensorOptions().device(device).dtype(at::kLong));
   model_->forward(args);
   spdlog::info("replica={} event=ready load_seconds={:.3f} warmup_seconds={:.3f} parameters={}", options_.name,
-               loaded.report.seconds,
-               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+               loaded.report.seconds, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
                loaded.report.parameter_count);
 }
 
@@ -178,6 +177,9 @@ ChunkResult ModelReplica::run(const ChunkWork& work, const ChunkCallbacks& callb
     job->run_chunk(*model_, work.chunk_index, hooks);
   } catch (const model::GenerationCancelled&) {
     return {ChunkOutcome::Stopped, "", 0};
+  } catch (const std::invalid_argument& e) {
+    // The model refuses this request's inputs (validation missed a case): the job's fault, not the replica's.
+    return {ChunkOutcome::Rejected, e.what(), 0};
   }
   return {ChunkOutcome::Succeeded, "", job->chunk_pixel_frames(work.chunk_index)};
 }

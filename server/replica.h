@@ -26,11 +26,11 @@ struct FaultRule {
 std::vector<FaultRule> parse_fault_rules(const std::string& text);  // throws std::invalid_argument
 
 struct ReplicaOptions {
-  std::string name;          // metric label, e.g. "cpu:0", "cuda:1"
-  std::string device;        // torch device, e.g. "cpu", "cuda:1"
+  std::string name;    // metric label, e.g. "cpu:0", "cuda:1"
+  std::string device;  // torch device, e.g. "cpu", "cuda:1"
   std::string dtype = "auto";
   std::string model_path;
-  int threads = 0;           // intra-op threads for this replica's worker thread; 0 = leave as is
+  int threads = 0;  // intra-op threads for this replica's worker thread; 0 = leave as is
   std::vector<FaultRule> faults;
   std::chrono::milliseconds step_delay{0};  // test hook: sleep after every denoising step
 };

@@ -11,12 +11,18 @@ namespace skyreels::server {
 
 const char* job_state_name(JobState state) {
   switch (state) {
-    case JobState::Queued: return "queued";
-    case JobState::Running: return "running";
-    case JobState::Succeeded: return "succeeded";
-    case JobState::Failed: return "failed";
-    case JobState::Cancelled: return "cancelled";
-    case JobState::DeadlineExceeded: return "deadline_exceeded";
+    case JobState::Queued:
+      return "queued";
+    case JobState::Running:
+      return "running";
+    case JobState::Succeeded:
+      return "succeeded";
+    case JobState::Failed:
+      return "failed";
+    case JobState::Cancelled:
+      return "cancelled";
+    case JobState::DeadlineExceeded:
+      return "deadline_exceeded";
   }
   return "unknown";
 }
@@ -36,17 +42,17 @@ struct Scheduler::Job {
   std::string id;
   JobSpec spec;
   JobState state = JobState::Queued;
-  uint64_t order = 0;        // submission order (ties)
-  int64_t vbase = 0;         // fair-share start: the least attained service among active jobs at submission
+  uint64_t order = 0;  // submission order (ties)
+  int64_t vbase = 0;   // fair-share start: the least attained service among active jobs at submission
   WallClock::time_point created;
   Clock::time_point created_mono;
   std::optional<WallClock::time_point> started, finished;
   std::optional<Clock::time_point> finished_mono;
   int64_t chunks_done = 0;
   bool chunk_running = false;
-  int attempts = 0;          // failed attempts of the current chunk
-  int holder = -1;           // replica that ran the previous chunk
-  int avoid = -1;            // replica that just failed the current chunk
+  int attempts = 0;  // failed attempts of the current chunk
+  int holder = -1;   // replica that ran the previous chunk
+  int avoid = -1;    // replica that just failed the current chunk
   std::vector<std::string> chunk_replicas;
   int handoffs = 0;
   int retries = 0;
@@ -244,8 +250,7 @@ void Scheduler::expire_locked(Clock::time_point now) {
   for (auto& [id, job] : jobs_) {
     if (job->active() && !job->chunk_running && job->spec.deadline && now >= *job->spec.deadline) {
       finish_locked(*job, JobState::DeadlineExceeded, ErrorKind::DeadlineExceeded,
-                    job->state == JobState::Queued ? "deadline passed while queued"
-                                                   : "deadline passed between chunks");
+                    job->state == JobState::Queued ? "deadline passed while queued" : "deadline passed between chunks");
     }
   }
 }
@@ -293,7 +298,9 @@ void Scheduler::dispatch_locked() {
 }
 
 int Scheduler::choose_replica_locked(Job& job, const std::vector<size_t>& idle, Clock::time_point now) const {
-  auto is_idle = [&](int r) { return r >= 0 && std::find(idle.begin(), idle.end(), static_cast<size_t>(r)) != idle.end(); };
+  auto is_idle = [&](int r) {
+    return r >= 0 && std::find(idle.begin(), idle.end(), static_cast<size_t>(r)) != idle.end();
+  };
   // Affinity: the replica that ran the previous chunk, unless it just failed this one.
   if (job.holder >= 0 && job.holder != job.avoid && is_idle(job.holder)) return job.holder;
 
@@ -316,7 +323,7 @@ int Scheduler::choose_replica_locked(Job& job, const std::vector<size_t>& idle, 
     if (holder.healthy && holder.busy && seconds_per_work_ > 0) {
       const double elapsed = std::chrono::duration<double>(now - holder.chunk_started).count();
       const double remaining = std::max(0.0, holder.expected_seconds - elapsed);
-      if (remaining <= options_.handoff_cost_seconds) return -1;
+      if (remaining < options_.handoff_cost_seconds) return -1;  // cost 0: never wait
     }
   }
 
@@ -433,10 +440,15 @@ void Scheduler::complete_locked(size_t index, const ChunkResult& result, double 
     push_event_locked(job, std::move(event));
     spdlog::info("job={} event=chunk_finished chunk={} replica={} seconds={:.3f}", job.id, chunk, replica.name,
                  seconds);
-    if (observer_) observer_->chunk_finished(snapshot_locked(job), replica.name, chunk, seconds, result.frames_generated);
+    if (observer_)
+      observer_->chunk_finished(snapshot_locked(job), replica.name, chunk, seconds, result.frames_generated);
     if (job.chunks_done == static_cast<int64_t>(job.spec.chunk_work.size())) {
       finish_locked(job, JobState::Succeeded, ErrorKind::None, "");
     }
+  } else if (outcome == ChunkOutcome::Rejected) {
+    replica.consecutive_failures = 0;  // the replica works; the request does not
+    spdlog::warn("job={} event=chunk_rejected chunk={} replica={} error=\"{}\"", job.id, chunk, replica.name, error);
+    if (!stop) finish_locked(job, JobState::Failed, ErrorKind::InvalidArgument, error);
   } else if (outcome == ChunkOutcome::Failed) {
     ++replica.failures;
     ++replica.consecutive_failures;
@@ -758,8 +770,8 @@ EventBatch Scheduler::wait_events(const std::string& id, const std::string& owne
   }
 }
 
-std::optional<JobSnapshot> Scheduler::wait_chunks(const std::string& id, const std::string& owner,
-                                                  int64_t chunks_seen, Clock::time_point until) const {
+std::optional<JobSnapshot> Scheduler::wait_chunks(const std::string& id, const std::string& owner, int64_t chunks_seen,
+                                                  Clock::time_point until) const {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     const Job* job = find_locked(id, owner);
@@ -771,8 +783,9 @@ std::optional<JobSnapshot> Scheduler::wait_chunks(const std::string& id, const s
 
 void Scheduler::begin_drain() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!draining_) spdlog::info("event=drain_started queued={} running={}", count_locked(JobState::Queued),
-                               count_locked(JobState::Running));
+  if (!draining_)
+    spdlog::info("event=drain_started queued={} running={}", count_locked(JobState::Queued),
+                 count_locked(JobState::Running));
   draining_ = true;
   changed_.notify_all();
 }

@@ -46,17 +46,19 @@ struct ChunkWork {
   JobPayload* payload = nullptr;
 };
 
-enum class ChunkOutcome { Succeeded, Stopped, Failed };
+// Failed: the replica could not run it (retried elsewhere, counts against the replica). Rejected: the request itself
+// cannot run (the job fails at once with ErrorKind::InvalidArgument; no retry, the replica is not blamed).
+enum class ChunkOutcome { Succeeded, Stopped, Failed, Rejected };
 
 struct ChunkResult {
   ChunkOutcome outcome = ChunkOutcome::Succeeded;
-  std::string error;           // when Failed
+  std::string error;             // when Failed
   int64_t frames_generated = 0;  // pixel frames this chunk added to the video
 };
 
 struct ChunkCallbacks {
   std::function<void(int64_t row, int64_t rows)> on_step;  // after each denoising row (1-based row)
-  std::function<bool()> should_stop;                        // cancelled, deadline passed or hard stop: stop now
+  std::function<bool()> should_stop;                       // cancelled, deadline passed or hard stop: stop now
 };
 
 // One replica: a model on one device. run() is only ever called from the replica's own worker thread.
@@ -75,16 +77,16 @@ const char* job_state_name(JobState state);
 bool is_terminal(JobState state);
 
 // Why a job ended unsuccessfully, as a gRPC-style category (the transport maps it to a status code).
-enum class ErrorKind { None, Internal, Unavailable, Cancelled, DeadlineExceeded };
+enum class ErrorKind { None, Internal, Unavailable, Cancelled, DeadlineExceeded, InvalidArgument };
 
 struct JobSpec {
   std::string owner;  // client identity; jobs are only visible to their owner
   int priority = 0;
   std::optional<Clock::time_point> deadline;
-  std::vector<double> chunk_work;  // relative cost of each chunk (e.g. tokens x rows); size = number of chunks
-  std::vector<int64_t> chunk_rows; // denoising rows of each chunk (progress)
+  std::vector<double> chunk_work;   // relative cost of each chunk (e.g. tokens x rows); size = number of chunks
+  std::vector<int64_t> chunk_rows;  // denoising rows of each chunk (progress)
   std::string idempotency_key;
-  uint64_t fingerprint = 0;        // of the request, to detect a reused idempotency key
+  uint64_t fingerprint = 0;  // of the request, to detect a reused idempotency key
   std::shared_ptr<JobPayload> payload;
 };
 
@@ -100,11 +102,11 @@ struct JobEvent {
   int64_t step = 0, steps = 0;
   int attempt = 0;
   bool handoff = false;
-  double seconds = 0;        // ChunkFinished: chunk duration
-  int64_t position = 0;      // Queued
-  double eta_seconds = -1;   // Queued
-  double progress = 0;       // Step
-  std::string message;       // ChunkRetry: the error
+  double seconds = 0;       // ChunkFinished: chunk duration
+  int64_t position = 0;     // Queued
+  double eta_seconds = -1;  // Queued
+  double progress = 0;      // Step
+  std::string message;      // ChunkRetry: the error
 };
 
 struct JobSnapshot {
@@ -148,8 +150,8 @@ class SchedulerObserver {
   virtual void job_started(const JobSnapshot&, double /*queue_wait_seconds*/) {}
   virtual void job_finished(const JobSnapshot&) {}
   virtual void chunk_started(const JobSnapshot&, const std::string& /*replica*/, int64_t /*chunk*/) {}
-  virtual void chunk_finished(const JobSnapshot&, const std::string& /*replica*/, int64_t /*chunk*/,
-                              double /*seconds*/, int64_t /*frames*/) {}
+  virtual void chunk_finished(const JobSnapshot&, const std::string& /*replica*/, int64_t /*chunk*/, double /*seconds*/,
+                              int64_t /*frames*/) {}
   virtual void chunk_failed(const JobSnapshot&, const std::string& /*replica*/, int64_t /*chunk*/,
                             const std::string& /*error*/, bool /*will_retry*/) {}
   virtual void step(const std::string& /*replica*/, double /*seconds*/) {}
@@ -159,11 +161,11 @@ class SchedulerObserver {
 };
 
 struct SchedulerOptions {
-  int64_t max_jobs = 64;              // admitted, unfinished jobs (queued or running)
-  int chunk_retries = 2;              // extra attempts per chunk after a failure
-  int replica_failure_limit = 3;      // consecutive failed chunks before a replica is taken out
-  double handoff_cost_seconds = 0.25; // expected cost of moving a job's state to another replica
-  int64_t max_retained_jobs = 1000;   // finished jobs kept for Get/List/Download (oldest dropped first)
+  int64_t max_jobs = 64;               // admitted, unfinished jobs (queued or running)
+  int chunk_retries = 2;               // extra attempts per chunk after a failure
+  int replica_failure_limit = 3;       // consecutive failed chunks before a replica is taken out
+  double handoff_cost_seconds = 0.25;  // expected cost of moving a job's state to another replica
+  int64_t max_retained_jobs = 256;     // finished jobs kept for Get/List/Download (oldest dropped first)
   std::chrono::seconds retention{3600};
 };
 

@@ -19,7 +19,7 @@ using grpc::ServerContext;
 using grpc::Status;
 using grpc::StatusCode;
 
-constexpr size_t kPartBytes = 1 << 20;  // result messages stay small whatever the chunk size
+constexpr size_t kPartBytes = 1 << 20;                  // result messages stay small whatever the chunk size
 constexpr auto kPoll = std::chrono::milliseconds(500);  // how often long streams look for a gone client
 
 // ---- conversions --------------------------------------------------------------------------------------------------
@@ -34,23 +34,36 @@ google::protobuf::Timestamp to_timestamp(WallClock::time_point t) {
 
 pb::JobState to_proto(JobState s) {
   switch (s) {
-    case JobState::Queued: return pb::JOB_STATE_QUEUED;
-    case JobState::Running: return pb::JOB_STATE_RUNNING;
-    case JobState::Succeeded: return pb::JOB_STATE_SUCCEEDED;
-    case JobState::Failed: return pb::JOB_STATE_FAILED;
-    case JobState::Cancelled: return pb::JOB_STATE_CANCELLED;
-    case JobState::DeadlineExceeded: return pb::JOB_STATE_DEADLINE_EXCEEDED;
+    case JobState::Queued:
+      return pb::JOB_STATE_QUEUED;
+    case JobState::Running:
+      return pb::JOB_STATE_RUNNING;
+    case JobState::Succeeded:
+      return pb::JOB_STATE_SUCCEEDED;
+    case JobState::Failed:
+      return pb::JOB_STATE_FAILED;
+    case JobState::Cancelled:
+      return pb::JOB_STATE_CANCELLED;
+    case JobState::DeadlineExceeded:
+      return pb::JOB_STATE_DEADLINE_EXCEEDED;
   }
   return pb::JOB_STATE_UNSPECIFIED;
 }
 
 StatusCode to_code(ErrorKind kind) {
   switch (kind) {
-    case ErrorKind::None: return StatusCode::OK;
-    case ErrorKind::Internal: return StatusCode::INTERNAL;
-    case ErrorKind::Unavailable: return StatusCode::UNAVAILABLE;
-    case ErrorKind::Cancelled: return StatusCode::CANCELLED;
-    case ErrorKind::DeadlineExceeded: return StatusCode::DEADLINE_EXCEEDED;
+    case ErrorKind::None:
+      return StatusCode::OK;
+    case ErrorKind::Internal:
+      return StatusCode::INTERNAL;
+    case ErrorKind::Unavailable:
+      return StatusCode::UNAVAILABLE;
+    case ErrorKind::Cancelled:
+      return StatusCode::CANCELLED;
+    case ErrorKind::DeadlineExceeded:
+      return StatusCode::DEADLINE_EXCEEDED;
+    case ErrorKind::InvalidArgument:
+      return StatusCode::INVALID_ARGUMENT;
   }
   return StatusCode::UNKNOWN;
 }
@@ -59,10 +72,18 @@ std::optional<RawTensor> raw_tensor(const pb::Tensor& t, bool present) {
   if (!present) return std::nullopt;
   RawTensor raw;
   switch (t.dtype()) {
-    case pb::DTYPE_FLOAT32: raw.dtype = "F32"; break;
-    case pb::DTYPE_BFLOAT16: raw.dtype = "BF16"; break;
-    case pb::DTYPE_FLOAT16: raw.dtype = "F16"; break;
-    default: raw.dtype = ""; break;
+    case pb::DTYPE_FLOAT32:
+      raw.dtype = "F32";
+      break;
+    case pb::DTYPE_BFLOAT16:
+      raw.dtype = "BF16";
+      break;
+    case pb::DTYPE_FLOAT16:
+      raw.dtype = "F16";
+      break;
+    default:
+      raw.dtype = "";
+      break;
   }
   raw.shape.assign(t.shape().begin(), t.shape().end());
   raw.data = t.data();
@@ -102,6 +123,15 @@ JobRequest request_from_proto(const pb::JobSpec& spec) {
   if (p.has_addnoise_condition()) r.addnoise_condition = p.addnoise_condition();
   if (p.has_fps()) r.fps = p.fps();
   if (p.has_seed()) r.seed = p.seed();
+  if (p.has_scheduler()) {
+    const pb::SchedulerConfig& c = p.scheduler();
+    if (c.has_num_train_timesteps()) r.num_train_timesteps = c.num_train_timesteps();
+    if (c.has_solver_order()) r.solver_order = c.solver_order();
+    if (c.has_solver_type()) r.solver_type = c.solver_type();
+    if (c.has_lower_order_final()) r.lower_order_final = c.lower_order_final();
+    if (c.has_final_sigmas_type()) r.final_sigmas_type = c.final_sigmas_type();
+    r.disable_corrector.assign(c.disable_corrector().begin(), c.disable_corrector().end());
+  }
   return r;
 }
 
@@ -119,6 +149,13 @@ void params_to_proto(const ResolvedParams& r, pb::GenerationParams* p) {
   p->set_addnoise_condition(r.addnoise_condition);
   p->set_fps(r.fps);
   p->set_seed(r.seed);
+  pb::SchedulerConfig* c = p->mutable_scheduler();
+  c->set_num_train_timesteps(r.num_train_timesteps);
+  c->set_solver_order(r.solver_order);
+  c->set_solver_type(r.solver_type);
+  c->set_lower_order_final(r.lower_order_final);
+  for (int64_t step : r.disable_corrector) c->add_disable_corrector(step);
+  c->set_final_sigmas_type(r.final_sigmas_type);
 }
 
 ModelJob* model_job(const JobSnapshot& s) { return dynamic_cast<ModelJob*>(s.payload.get()); }
@@ -392,8 +429,8 @@ class VideoServiceImpl final : public pb::VideoService::Service {
     }
     std::optional<Clock::time_point> deadline;
     if (request.has_deadline()) {
-      const auto wall = std::chrono::system_clock::time_point(
-          std::chrono::seconds(request.deadline().seconds()) + std::chrono::nanoseconds(request.deadline().nanos()));
+      const auto wall = std::chrono::system_clock::time_point(std::chrono::seconds(request.deadline().seconds()) +
+                                                              std::chrono::nanoseconds(request.deadline().nanos()));
       const auto left = wall - WallClock::now();
       if (left <= WallClock::duration::zero()) {
         return reject(kRejectInvalidArgument, StatusCode::INVALID_ARGUMENT, "deadline: already passed");

@@ -21,6 +21,7 @@
 
 #include "model/checkpoint.h"
 #include "model/diffusion_forcing.h"
+#include "model/transformer_loader.h"
 #include "model/transformer_skyreels_v2.h"
 #include "tests/test_util.h"
 
@@ -589,29 +590,9 @@ TEST(RunChunk, ExplainsMissingInputs) {
 
 // ---- with the real (tiny) transformer --------------------------------------------------------------------------
 
-TransformerConfig config_from_diffusers_json(const std::string& path) {
-  const Json j = read_json(path);
-  TransformerConfig c;
-  c.patch_size = j.at("patch_size").get<std::array<int64_t, 3>>();
-  c.num_attention_heads = j.at("num_attention_heads").get<int64_t>();
-  c.attention_head_dim = j.at("attention_head_dim").get<int64_t>();
-  c.in_channels = j.at("in_channels").get<int64_t>();
-  c.out_channels = j.at("out_channels").get<int64_t>();
-  c.text_dim = j.at("text_dim").get<int64_t>();
-  c.freq_dim = j.at("freq_dim").get<int64_t>();
-  c.ffn_dim = j.at("ffn_dim").get<int64_t>();
-  c.num_layers = j.at("num_layers").get<int64_t>();
-  c.cross_attn_norm = j.at("cross_attn_norm").get<bool>();
-  c.eps = j.at("eps").get<double>();
-  c.rope_max_seq_len = j.at("rope_max_seq_len").get<int64_t>();
-  c.inject_sample_info = j.at("inject_sample_info").get<bool>();
-  c.num_frame_per_block = j.at("num_frame_per_block").get<int64_t>();
-  return c;
-}
-
 std::unique_ptr<SkyReelsV2Transformer> load_fixture_model(const std::string& case_name) {
   const std::string dir = golden_path("pipeline_df/" + case_name + "/weights/diffusers");
-  TransformerConfig config = config_from_diffusers_json(dir + "/config.json");
+  TransformerConfig config = skyreels::model::parse_transformer_config(dir + "/config.json").config;
   const auto source = checkpoint::Source::open(dir);
   std::map<std::string, at::Tensor> tensors;
   for (const auto& key : source.keys()) tensors[key] = source.tensor(key);

@@ -1,6 +1,7 @@
 // The chunk scheduler with fake executors: affinity, handoffs, fairness, priorities, retries, deadlines,
 // cancellation, admission and drain. No model, no gRPC: every test runs in milliseconds.
 #include <gtest/gtest.h>
+#include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <atomic>
@@ -50,6 +51,7 @@ struct FakeBehaviour {
   std::set<int> fail_calls;  // 1-based runs of this replica that throw (after their first step)
   bool always_fail = false;
   bool fail_to_load = false;
+  bool reject = false;  // the request itself cannot run
 };
 
 FakeBehaviour steps(std::chrono::milliseconds step, int64_t rows = 3) {
@@ -66,6 +68,11 @@ FakeBehaviour failing_calls(std::set<int> calls) {
 FakeBehaviour always_failing() {
   FakeBehaviour b;
   b.always_fail = true;
+  return b;
+}
+FakeBehaviour rejecting() {
+  FakeBehaviour b;
+  b.reject = true;
   return b;
 }
 FakeBehaviour not_loading() {
@@ -85,6 +92,7 @@ class FakeExecutor : public ChunkExecutor {
   ChunkResult run(const ChunkWork& work, const ChunkCallbacks& callbacks) override {
     const int call = ++calls_;
     log_->add(work.job_id + ":" + std::to_string(work.chunk_index) + "@" + name_);
+    if (behaviour_.reject) return {ChunkOutcome::Rejected, "prompt_embeds: bad shape", 0};
     for (int64_t row = 1; row <= behaviour_.rows; ++row) {
       if (callbacks.should_stop()) return {ChunkOutcome::Stopped, "", 0};
       std::this_thread::sleep_for(behaviour_.step);
@@ -113,6 +121,7 @@ struct Harness {
   std::unique_ptr<Scheduler> scheduler;
 
   Harness(std::vector<FakeBehaviour> behaviours, SchedulerOptions options = {}) {
+    spdlog::set_level(spdlog::level::warn);  // per-chunk info logs would drown the test output
     std::vector<std::unique_ptr<ChunkExecutor>> executors;
     for (size_t i = 0; i < behaviours.size(); ++i) {
       executors.push_back(std::make_unique<FakeExecutor>("fake:" + std::to_string(i), behaviours[i], log));
@@ -250,7 +259,7 @@ TEST(Scheduler, JobsInterleaveAtChunkBoundaries) {
 }
 
 TEST(Scheduler, HigherPriorityJobsRunFirst) {
-  Harness h({steps(10ms)});
+  Harness h({steps(10ms, 20)});
   const auto busy = h.submit(1);
   std::this_thread::sleep_for(5ms);  // `busy` is on the only replica
   const auto low_a = h.submit(1, 0);
@@ -305,6 +314,21 @@ TEST(Scheduler, ChunkFailingEverywhereFailsTheJobAfterBoundedRetries) {
   EXPECT_EQ(job.retries, 2);
   EXPECT_EQ(h.log->snapshot().size(), 3u) << "first try + 2 retries";
   EXPECT_NE(job.error.find("injected fault"), std::string::npos) << job.error;
+}
+
+TEST(Scheduler, RejectedRequestFailsAtOnceWithoutRetriesOrBlamingTheReplica) {
+  SchedulerOptions options;
+  options.replica_failure_limit = 1;
+  Harness h({rejecting()}, options);
+  for (int i = 0; i < 3; ++i) {
+    const auto job = h.wait(h.submit(2));
+    EXPECT_EQ(job.state, JobState::Failed);
+    EXPECT_EQ(job.error_kind, ErrorKind::InvalidArgument);
+    EXPECT_EQ(job.error, "prompt_embeds: bad shape");
+    EXPECT_EQ(job.retries, 0);
+  }
+  EXPECT_EQ(h.log->snapshot().size(), 3u) << "one attempt per job";
+  EXPECT_TRUE(h.scheduler->replicas()[0].healthy) << "bad requests do not take replicas out";
 }
 
 TEST(Scheduler, NoHealthyReplicaLeftFailsWaitingJobsAndRefusesNewOnes) {
@@ -380,7 +404,7 @@ TEST(Scheduler, DeadlinePassingDuringAChunkStopsIt) {
 TEST(Scheduler, FullQueueRefusesWithARetryHint) {
   SchedulerOptions options;
   options.max_jobs = 2;
-  Harness h({steps(20ms)}, options);
+  Harness h({steps(20ms, 20)}, options);
   const auto a = h.submit(1);
   const auto b = h.submit(1);
   try {
@@ -468,10 +492,10 @@ TEST(Scheduler, EventsTellTheWholeStoryInOrder) {
     EXPECT_EQ(batch.events[i].sequence, i + 1);
     types.push_back(batch.events[i].type);
   }
-  const std::vector<EventType> expected = {
-      EventType::Queued,       EventType::ChunkStarted, EventType::Step, EventType::Step,
-      EventType::Step,         EventType::ChunkFinished, EventType::ChunkStarted, EventType::Step,
-      EventType::Step,         EventType::Step,         EventType::ChunkFinished, EventType::Finished};
+  const std::vector<EventType> expected = {EventType::Queued,       EventType::ChunkStarted,  EventType::Step,
+                                           EventType::Step,         EventType::Step,          EventType::ChunkFinished,
+                                           EventType::ChunkStarted, EventType::Step,          EventType::Step,
+                                           EventType::Step,         EventType::ChunkFinished, EventType::Finished};
   EXPECT_EQ(types, expected);
   EXPECT_DOUBLE_EQ(batch.events[10 - 1].progress, 1.0) << "the last step of the last chunk is 100 %";
 }

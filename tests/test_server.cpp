@@ -8,6 +8,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <set>
 #include <thread>
 
@@ -46,8 +47,8 @@ pb::JobEvent first_event_of_type(server::Client& client, const std::string& id, 
   return event;
 }
 
-grpc::Status submit_status(server::Client& client, const pb::SubmitJobRequest& request, pb::SubmitJobResponse* out = nullptr,
-                           std::string* retry_after_ms = nullptr) {
+grpc::Status submit_status(server::Client& client, const pb::SubmitJobRequest& request,
+                           pb::SubmitJobResponse* out = nullptr, std::string* retry_after_ms = nullptr) {
   auto ctx = client.context(30);
   pb::SubmitJobResponse response;
   const grpc::Status status = client.stub().SubmitJob(ctx.get(), request, &response);
@@ -65,7 +66,8 @@ grpc::Status submit_status(server::Client& client, const pb::SubmitJobRequest& r
 class ServerTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    server_ = new ServerProcess({"--demo", "--devices", "cpu,cpu", "--dtype", "float32", "--handoff-cost-seconds", "0"});
+    server_ =
+        new ServerProcess({"--demo", "--devices", "cpu,cpu", "--dtype", "float32", "--handoff-cost-seconds", "0"});
   }
   static void TearDownTestSuite() {
     delete server_;
@@ -122,6 +124,8 @@ TEST_F(ServerTest, ServerInfoDescribesTheModelAndBothReplicas) {
 TEST_F(ServerTest, LongVideosSplitAcrossReplicasEqualTheSingleProcessResult) {
   // Three 4-chunk videos on two replicas: chunks interleave, so jobs move between replicas mid-video.
   std::vector<pb::SubmitJobRequest> requests = {long_video_request(11), long_video_request(12), long_video_request(13)};
+  requests[1].mutable_spec()->mutable_params()->mutable_scheduler()->set_solver_order(1);  // sampler settings travel
+  requests[1].mutable_spec()->mutable_params()->mutable_scheduler()->set_lower_order_final(false);
   requests[2].mutable_spec()->mutable_params()->set_addnoise_condition(20);  // chunk-indexed condition noise too
   std::vector<std::string> ids;
   for (const auto& r : requests) ids.push_back(submit(server_->client(), r).job_id());
@@ -134,9 +138,10 @@ TEST_F(ServerTest, LongVideosSplitAcrossReplicasEqualTheSingleProcessResult) {
     moved += replicas.size() > 1 ? 1 : 0;
     const at::Tensor served = download_latents(server_->client(), ids[i]);
     const at::Tensor expected = reference_latents(requests[i]);
-    EXPECT_TRUE(all_close(served, expected, kAtol))
-        << "job " << i << " ran on " << ::testing::PrintToString(job.chunk_replicas()) << ", max diff "
-        << max_abs_diff(served, expected);
+    const double diff = max_abs_diff(served, expected);
+    std::cout << "job " << i << " chunks on " << ::testing::PrintToString(job.chunk_replicas()) << ", handoffs "
+              << job.handoffs() << ": max |served - single process| = " << diff << "\n";
+    EXPECT_TRUE(all_close(served, expected, kAtol)) << "job " << i << ", max diff " << diff;
   }
   EXPECT_GE(moved, 1) << "no job ran on both replicas; the handoff path was not exercised";
 }
@@ -237,7 +242,8 @@ TEST_F(ServerTest, JobWithoutSeedGetsARandomSeedRecordedInTheJob) {
   // Resubmitting with the recorded seed reproduces the video.
   request.mutable_spec()->mutable_params()->set_seed(a.params().seed());
   const pb::Job again = wait_job(server_->client(), submit(server_->client(), request).job_id());
-  EXPECT_TRUE(at::equal(download_latents(server_->client(), a.job_id()), download_latents(server_->client(), again.job_id())));
+  EXPECT_TRUE(
+      at::equal(download_latents(server_->client(), a.job_id()), download_latents(server_->client(), again.job_id())));
 }
 
 TEST_F(ServerTest, ListJobsPagesThroughJobsOldestFirst) {
@@ -281,43 +287,62 @@ TEST_F(ServerTest, EveryBadInputIsRefusedWithItsStatusNamingTheField) {
       {"height not a multiple of 16", [&](auto& r) { params(r)->set_height(40); }, invalid, "height"},
       {"width over --max-width", [&](auto& r) { params(r)->set_width(4096); }, invalid, "width"},
       {"zero steps", [&](auto& r) { params(r)->set_num_inference_steps(0); }, invalid, "num_inference_steps"},
-      {"steps over --max-steps", [&](auto& r) { params(r)->set_num_inference_steps(101); }, invalid, "num_inference_steps"},
+      {"steps over --max-steps", [&](auto& r) { params(r)->set_num_inference_steps(101); }, invalid,
+       "num_inference_steps"},
       {"negative guidance", [&](auto& r) { params(r)->set_guidance_scale(-1); }, invalid, "guidance_scale"},
       {"NaN shift", [&](auto& r) { params(r)->set_flow_shift(std::nan("")); }, invalid, "flow_shift"},
       {"fps zero", [&](auto& r) { params(r)->set_fps(0); }, invalid, "fps"},
       {"long video without overlap", [&](auto& r) { params(r)->clear_overlap_history(); }, invalid, "overlap_history"},
       {"overlap not below base", [&](auto& r) { params(r)->set_overlap_history(17); }, invalid, "overlap_history"},
-      {"block size not dividing the chunks", [&](auto& r) { params(r)->set_causal_block_size(2); }, invalid, "base_num_frames"},
-      {"addnoise out of range", [&](auto& r) { params(r)->set_addnoise_condition(5000); }, invalid, "addnoise_condition"},
+      {"block size not dividing the chunks", [&](auto& r) { params(r)->set_causal_block_size(2); }, invalid,
+       "base_num_frames"},
+      {"unknown solver type", [&](auto& r) { params(r)->mutable_scheduler()->set_solver_type("bh3"); }, invalid,
+       "scheduler.solver_type"},
+      {"ar_step over the step count", [&](auto& r) { params(r)->set_ar_step(2); }, invalid, "ar_step"},
+      {"addnoise out of range", [&](auto& r) { params(r)->set_addnoise_condition(5000); }, invalid,
+       "addnoise_condition"},
       {"wrong text_dim", [&](auto& r) { *prompt(r) = server::random_embeddings(16, 31, 1); }, invalid, "prompt_embeds"},
       {"batch of two", [&](auto& r) { prompt(r)->set_shape(0, 2); }, invalid, "prompt_embeds"},
-      {"2-D embeddings", [&](auto& r) { prompt(r)->clear_shape(); prompt(r)->add_shape(16); prompt(r)->add_shape(32); }, invalid, "prompt_embeds"},
-      {"too many tokens", [&](auto& r) { *prompt(r) = server::random_embeddings(513, 32, 1); }, invalid, "prompt_embeds"},
+      {"2-D embeddings",
+       [&](auto& r) {
+         prompt(r)->clear_shape();
+         prompt(r)->add_shape(16);
+         prompt(r)->add_shape(32);
+       },
+       invalid, "prompt_embeds"},
+      {"too many tokens", [&](auto& r) { *prompt(r) = server::random_embeddings(513, 32, 1); }, invalid,
+       "prompt_embeds"},
       {"no dtype", [&](auto& r) { prompt(r)->set_dtype(pb::DTYPE_UNSPECIFIED); }, invalid, "prompt_embeds"},
       {"short data", [&](auto& r) { prompt(r)->mutable_data()->resize(10); }, invalid, "prompt_embeds"},
-      {"NaN in embeddings", [&](auto& r) {
+      {"NaN in embeddings",
+       [&](auto& r) {
          float nan = std::nanf("");
          prompt(r)->mutable_data()->replace(0, 4, reinterpret_cast<const char*>(&nan), 4);
-       }, invalid, "prompt_embeds"},
-      {"guidance without negative", [&](auto& r) { r.mutable_spec()->mutable_embeddings()->clear_negative_prompt_embeds(); }, invalid, "negative_prompt_embeds"},
-      {"garbage safetensors", [&](auto& r) { r.mutable_spec()->set_embeddings_safetensors("not a safetensors file"); }, invalid, "embeddings_safetensors"},
+       },
+       invalid, "prompt_embeds"},
+      {"guidance without negative",
+       [&](auto& r) { r.mutable_spec()->mutable_embeddings()->clear_negative_prompt_embeds(); }, invalid,
+       "negative_prompt_embeds"},
+      {"garbage safetensors", [&](auto& r) { r.mutable_spec()->set_embeddings_safetensors("not a safetensors file"); },
+       invalid, "embeddings_safetensors"},
       {"no conditioning", [&](auto& r) { r.mutable_spec()->clear_conditioning(); }, invalid, "conditioning"},
       {"priority out of range", [&](auto& r) { r.set_priority(11); }, invalid, "priority"},
       {"negative timeout", [&](auto& r) { r.mutable_timeout()->set_seconds(-1); }, invalid, "timeout"},
-      {"text without encoder", [&](auto& r) { r.mutable_spec()->mutable_text()->set_prompt("a cat"); }, grpc::StatusCode::FAILED_PRECONDITION, "text"},
+      {"text without encoder", [&](auto& r) { r.mutable_spec()->mutable_text()->set_prompt("a cat"); },
+       grpc::StatusCode::FAILED_PRECONDITION, "text"},
   };
-  const double rejected_before =
-      metric_value(http_get(server_->metrics_port(), "/metrics"), "skyreels_jobs_rejected_total{reason=\"invalid_argument\"}");
+  const double rejected_before = metric_value(http_get(server_->metrics_port(), "/metrics"),
+                                              "skyreels_jobs_rejected_total{reason=\"invalid_argument\"}");
   for (const auto& c : cases) {
     pb::SubmitJobRequest request = long_video_request(70, 1);
     c.mutate(request);
     const grpc::Status status = submit_status(server_->client(), request);
     EXPECT_EQ(status.error_code(), c.code) << c.name << ": " << status.error_message();
-    EXPECT_EQ(status.error_message().rfind(c.field, 0), 0u) << c.name << ": message does not start with '" << c.field
-                                                            << "': " << status.error_message();
+    EXPECT_EQ(status.error_message().rfind(c.field, 0), 0u)
+        << c.name << ": message does not start with '" << c.field << "': " << status.error_message();
   }
-  const double rejected_after =
-      metric_value(http_get(server_->metrics_port(), "/metrics"), "skyreels_jobs_rejected_total{reason=\"invalid_argument\"}");
+  const double rejected_after = metric_value(http_get(server_->metrics_port(), "/metrics"),
+                                             "skyreels_jobs_rejected_total{reason=\"invalid_argument\"}");
   EXPECT_EQ(rejected_after - rejected_before, static_cast<double>(cases.size() - 1));
 
   // Unknown ids, bad downloads.
@@ -353,17 +378,27 @@ TEST_F(ServerTest, MetricsExposeEveryContractMetric) {
   int status = 0;
   const std::string text = http_get(server_->metrics_port(), "/metrics", &status);
   EXPECT_EQ(status, 200);
-  for (const char* name :
-       {"skyreels_jobs_submitted_total", "skyreels_jobs_finished_total{outcome=\"succeeded\"}",
-        "skyreels_jobs_finished_total{outcome=\"failed\"}", "skyreels_jobs_finished_total{outcome=\"cancelled\"}",
-        "skyreels_jobs_finished_total{outcome=\"deadline_exceeded\"}",
-        "skyreels_jobs_rejected_total{reason=\"invalid_argument\"}", "skyreels_jobs_rejected_total{reason=\"queue_full\"}",
-        "skyreels_jobs_rejected_total{reason=\"unauthenticated\"}", "skyreels_jobs_rejected_total{reason=\"draining\"}",
-        "skyreels_jobs_running", "skyreels_queue_depth", "skyreels_queue_wait_seconds_count",
-        "skyreels_chunk_duration_seconds_count{replica=\"cpu:0\"}", "skyreels_step_duration_seconds_count{replica=\"cpu:1\"}",
-        "skyreels_frames_generated_total", "skyreels_replica_busy{replica=\"cpu:0\"}",
-        "skyreels_replica_healthy{replica=\"cpu:1\"}", "skyreels_chunk_handoffs_total", "skyreels_chunk_retries_total",
-        "skyreels_replicas_ready", "skyreels_build_info{version=\"0.1.0\"}"}) {
+  for (const char* name : {"skyreels_jobs_submitted_total",
+                           "skyreels_jobs_finished_total{outcome=\"succeeded\"}",
+                           "skyreels_jobs_finished_total{outcome=\"failed\"}",
+                           "skyreels_jobs_finished_total{outcome=\"cancelled\"}",
+                           "skyreels_jobs_finished_total{outcome=\"deadline_exceeded\"}",
+                           "skyreels_jobs_rejected_total{reason=\"invalid_argument\"}",
+                           "skyreels_jobs_rejected_total{reason=\"queue_full\"}",
+                           "skyreels_jobs_rejected_total{reason=\"unauthenticated\"}",
+                           "skyreels_jobs_rejected_total{reason=\"draining\"}",
+                           "skyreels_jobs_running",
+                           "skyreels_queue_depth",
+                           "skyreels_queue_wait_seconds_count",
+                           "skyreels_chunk_duration_seconds_count{replica=\"cpu:0\"}",
+                           "skyreels_step_duration_seconds_count{replica=\"cpu:1\"}",
+                           "skyreels_frames_generated_total",
+                           "skyreels_replica_busy{replica=\"cpu:0\"}",
+                           "skyreels_replica_healthy{replica=\"cpu:1\"}",
+                           "skyreels_chunk_handoffs_total",
+                           "skyreels_chunk_retries_total",
+                           "skyreels_replicas_ready",
+                           "skyreels_build_info{version=\"0.1.0\"}"}) {
     EXPECT_FALSE(std::isnan(metric_value(text, name))) << name << " missing from /metrics";
   }
   EXPECT_GE(metric_value(text, "skyreels_jobs_submitted_total"), 1);
@@ -512,7 +547,8 @@ class AuthServerTest : public ::testing::Test {
   static void SetUpTestSuite() {
     const std::string dir = temp_dir("api-keys");
     std::ofstream(dir + "/keys") << "# test keys\nalice-key-123456 alice\nbob-key-1234567 bob\n";
-    server_ = new ServerProcess({"--demo", "--devices", "cpu,cpu", "--api-keys", dir + "/keys"}, true, "alice-key-123456");
+    server_ =
+        new ServerProcess({"--demo", "--devices", "cpu,cpu", "--api-keys", dir + "/keys"}, true, "alice-key-123456");
   }
   static void TearDownTestSuite() {
     delete server_;
@@ -534,7 +570,9 @@ TEST_F(AuthServerTest, MissingOrWrongKeyIsUnauthenticated) {
   }
   EXPECT_EQ(health_status(server_->address(), ""), grpc::health::v1::HealthCheckResponse::SERVING)
       << "probes need no key";
-  EXPECT_GE(metric_value(http_get(server_->metrics_port(), "/metrics"), "skyreels_jobs_rejected_total{reason=\"unauthenticated\"}"), 2);
+  EXPECT_GE(metric_value(http_get(server_->metrics_port(), "/metrics"),
+                         "skyreels_jobs_rejected_total{reason=\"unauthenticated\"}"),
+            2);
 }
 
 TEST_F(AuthServerTest, AnotherClientsJobIsNotFoundForEveryCall) {
@@ -582,7 +620,8 @@ TEST(TlsServerTest, ServesOverTlsWithTheGivenCertificate) {
   if (run_command("openssl version") != 0) GTEST_SKIP() << "openssl command not available to make a certificate";
   const std::string dir = temp_dir("tls");
   ASSERT_EQ(run_command("openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost -addext "
-                        "subjectAltName=DNS:localhost,IP:127.0.0.1 -keyout " + dir + "/key.pem -out " + dir + "/cert.pem"),
+                        "subjectAltName=DNS:localhost,IP:127.0.0.1 -keyout " +
+                        dir + "/key.pem -out " + dir + "/cert.pem"),
             0);
   ServerProcess server({"--demo", "--devices", "cpu", "--tls-cert", dir + "/cert.pem", "--tls-key", dir + "/key.pem"},
                        false);
@@ -625,14 +664,35 @@ TEST(VideoServerTest, Mp4ResultDecodedChunkByChunkMatchesDecodingTheWholeLatentV
   EXPECT_EQ(decoded.info.height, 64);
   ASSERT_EQ(decoded.info.frames, 37) << "the joined chunks are one playable video of every frame";
 
-  // The same latents decoded in one go by the same tiny VAE: equal up to the H.264 quantisation.
+  // Generate streams the same MP4 fragments inline.
+  pb::GenerateRequest generate;
+  *generate.mutable_job() = request;
+  generate.set_format(pb::RESULT_FORMAT_MP4);
+  generate.set_skip_steps(true);
+  auto ctx = server.client().context(60);
+  auto reader = server.client().stub().Generate(ctx.get(), generate);
+  pb::GenerateResponse item;
+  std::string streamed;
+  while (reader->Read(&item)) {
+    if (item.has_result()) {
+      EXPECT_EQ(item.result().format(), pb::RESULT_FORMAT_MP4);
+      streamed += item.result().data();
+    }
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(video::read_video_bytes(std::vector<uint8_t>(streamed.begin(), streamed.end())).info.frames, 37);
+
+  // The same latents decoded in one go by the same tiny VAE: equal up to what H.264 loses on this (noise-like,
+  // random-model) content anyway, measured by encoding the whole decoded video once.
   const std::string dir = temp_dir("tiny-vae");
   server::write_tiny_vae(dir);
   const model::WanVae vae = model::WanVae::load(dir);
   const at::Tensor latents = download_latents(server.client(), job.job_id());
   const at::Tensor whole = vae.decode(vae.denormalize(latents));
   const at::Tensor expected = video::to_rgb_uint8(whole.select(0, 0));
-  EXPECT_GT(video::psnr(decoded.frames, expected), 30.0);
+  const auto codec_only = video::read_video_bytes(video::encode_mp4_segment(whole.select(0, 0)));
+  const double codec_psnr = video::psnr(codec_only.frames, expected);
+  EXPECT_GT(video::psnr(decoded.frames, expected), codec_psnr - 1.0) << "codec alone: " << codec_psnr << " dB";
 }
 
 TEST(TextServerTest, TextPromptGivesTheVideoOfItsEncodedEmbeddings) {
@@ -659,7 +719,8 @@ TEST(TextServerTest, TextPromptGivesTheVideoOfItsEncodedEmbeddings) {
   pb::SubmitJobRequest by_embeddings = long_video_request(800, 2);
   *by_embeddings.mutable_spec()->mutable_embeddings()->mutable_prompt_embeds() =
       to_proto(encoder->encode({"A cat walks on the grass, realistic style."}));
-  *by_embeddings.mutable_spec()->mutable_embeddings()->mutable_negative_prompt_embeds() = to_proto(encoder->encode({""}));
+  *by_embeddings.mutable_spec()->mutable_embeddings()->mutable_negative_prompt_embeds() =
+      to_proto(encoder->encode({""}));
   const pb::Job embeddings_job = wait_job(server.client(), submit(server.client(), by_embeddings).job_id());
   ASSERT_EQ(embeddings_job.state(), pb::JOB_STATE_SUCCEEDED);
   const at::Tensor a = download_latents(server.client(), text_job.job_id());

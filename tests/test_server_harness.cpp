@@ -224,8 +224,8 @@ at::Tensor download_latents(server::Client& client, const std::string& id) {
   pb::DownloadResultRequest request;
   request.set_job_id(id);
   std::vector<std::string> chunks;
-  const grpc::Status status =
-      server::download_chunks(client, request, [&](int32_t, int32_t, std::string bytes) { chunks.push_back(std::move(bytes)); });
+  const grpc::Status status = server::download_chunks(
+      client, request, [&](int32_t, int32_t, std::string bytes) { chunks.push_back(std::move(bytes)); });
   EXPECT_TRUE(status.ok()) << "download " << id << ": " << server::describe(status);
   if (chunks.empty()) return at::Tensor();
   const std::string joined = server::concat_latent_chunks(chunks);
@@ -259,6 +259,15 @@ at::Tensor reference_latents(const pb::SubmitJobRequest& request) {
   if (p.has_addnoise_condition()) params.addnoise_condition = p.addnoise_condition();
   if (p.has_fps()) params.fps = p.fps();
   params.seed = p.seed();
+  if (p.has_scheduler()) {
+    const auto& c = p.scheduler();
+    if (c.has_num_train_timesteps()) params.scheduler.num_train_timesteps = c.num_train_timesteps();
+    if (c.has_solver_order()) params.scheduler.solver_order = c.solver_order();
+    if (c.has_solver_type()) params.scheduler.solver_type = c.solver_type();
+    if (c.has_lower_order_final()) params.scheduler.lower_order_final = c.lower_order_final();
+    if (c.has_final_sigmas_type()) params.scheduler.final_sigmas_type = c.final_sigmas_type();
+    params.scheduler.disable_corrector.assign(c.disable_corrector().begin(), c.disable_corrector().end());
+  }
   const auto [prompt, negative] = request_embeddings(request);
   model::Conditioning conditioning;
   conditioning.prompt_embeds = prompt;

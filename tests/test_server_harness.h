@@ -64,7 +64,8 @@ std::pair<at::Tensor, at::Tensor> request_embeddings(const v1::SubmitJobRequest&
 // Submits; fails the test on a non-OK status.
 v1::Job submit(server::Client& client, const v1::SubmitJobRequest& request);
 // Follows the job to its end (WatchJob); returns the final job.
-v1::Job wait_job(server::Client& client, const std::string& id, std::chrono::seconds timeout = std::chrono::seconds(60));
+v1::Job wait_job(server::Client& client, const std::string& id,
+                 std::chrono::seconds timeout = std::chrono::seconds(60));
 // Every chunk of a finished job joined into fp32 latents [1, 16, F, h, w].
 at::Tensor download_latents(server::Client& client, const std::string& id);
 

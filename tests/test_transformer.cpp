@@ -11,6 +11,7 @@
 #include <memory>
 
 #include "model/checkpoint.h"
+#include "model/transformer_loader.h"
 #include "model/transformer_skyreels_v2.h"
 #include "tests/test_util.h"
 
@@ -29,31 +30,6 @@ const std::vector<std::string> kCases = {"t1_tiny_df_fps",        "t2_head128_ro
 
 std::string case_dir(const std::string& name) { return skyreels::test::golden_path("transformer_forward/" + name); }
 
-nlohmann::json read_json(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw std::runtime_error("cannot open " + path);
-  return nlohmann::json::parse(in);
-}
-
-TransformerConfig config_from_diffusers(const nlohmann::json& j) {
-  TransformerConfig c;
-  c.patch_size = j.at("patch_size").get<std::array<int64_t, 3>>();
-  c.num_attention_heads = j.at("num_attention_heads").get<int64_t>();
-  c.attention_head_dim = j.at("attention_head_dim").get<int64_t>();
-  c.in_channels = j.at("in_channels").get<int64_t>();
-  c.out_channels = j.at("out_channels").get<int64_t>();
-  c.text_dim = j.at("text_dim").get<int64_t>();
-  c.freq_dim = j.at("freq_dim").get<int64_t>();
-  c.ffn_dim = j.at("ffn_dim").get<int64_t>();
-  c.num_layers = j.at("num_layers").get<int64_t>();
-  c.cross_attn_norm = j.at("cross_attn_norm").get<bool>();
-  c.eps = j.at("eps").get<double>();
-  c.rope_max_seq_len = j.at("rope_max_seq_len").get<int64_t>();
-  c.inject_sample_info = j.at("inject_sample_info").get<bool>();
-  c.num_frame_per_block = j.at("num_frame_per_block").get<int64_t>();
-  return c;
-}
-
 // A golden case: model weights from weights/diffusers (keys are the internal names), inputs and expected outputs.
 struct GoldenCase {
   TransformerConfig config;
@@ -62,7 +38,7 @@ struct GoldenCase {
 
   explicit GoldenCase(const std::string& name) {
     const std::string dir = case_dir(name);
-    config = config_from_diffusers(read_json(dir + "/weights/diffusers/config.json"));
+    config = skyreels::model::parse_transformer_config(dir + "/weights/diffusers/config.json").config;
     const auto source = ckpt::Source::open(dir + "/weights/diffusers");
     for (const auto& key : source.keys()) checkpoint[key] = source.tensor(key);
     inputs = skyreels::test::load_tensors(dir + "/inputs.safetensors");
