@@ -365,3 +365,35 @@ TEST(EncodeTextCli, MissingFlagIsAUsageError) {
 }
 
 }  // namespace
+
+TEST(GenerateCli, TextPromptGivesTheSameLatentsAsItsEncodedEmbeddings) {
+  const std::string bin = skyreels::test::bin_path("skyreels");
+  ASSERT_TRUE(fs::exists(bin)) << bin << " is not built";
+  const std::string dir = skyreels::test::temp_dir("generate-prompt");
+  const std::string encoder = case_path("e3_prompts_to_embeds") + "/weights/transformers";  // d_model 32
+  const std::string tokenizer = case_path("e3_prompts_to_embeds") + "/tokenizer";
+  std::string log;
+  ASSERT_EQ(skyreels::test::run_command(bin + " make-tiny --out " + dir + "/model", &log), 0) << log;  // text_dim 32
+
+  // The same embeddings, once as tensors (encode-text; "" is the default negative prompt) and once from text.
+  const std::string embeds = dir + "/embeds.safetensors";
+  ASSERT_EQ(skyreels::test::run_command(bin + " encode-text --text-encoder " + encoder + " --tokenizer " + tokenizer +
+                                            " --prompt 'a fox in the snow' --prompt '' --out " + embeds, &log),
+            0) << log;
+  const auto encoded = skyreels::test::load_tensors(embeds);
+  skyreels::safetensors::save(dir + "/inputs.safetensors",
+                              {{"prompt_embeds", encoded.at("prompt_embeds").slice(0, 0, 1)},
+                               {"negative_prompt_embeds", encoded.at("prompt_embeds").slice(0, 1, 2)}});
+  const std::string common = " generate --model " + dir + "/model --num-frames 17 --height 32 --width 32" +
+                             " --num-inference-steps 3 --guidance-scale 5 --seed 3";
+  ASSERT_EQ(skyreels::test::run_command(bin + common + " --inputs " + dir + "/inputs.safetensors --out " + dir +
+                                            "/from_tensors.safetensors", &log),
+            0) << log;
+  ASSERT_EQ(skyreels::test::run_command(bin + common + " --text-encoder " + encoder + " --tokenizer " + tokenizer +
+                                            " --prompt 'a fox in the snow' --out " + dir + "/from_text.safetensors",
+                                        &log),
+            0) << log;
+  const at::Tensor a = skyreels::test::load_tensors(dir + "/from_tensors.safetensors").at("latents");
+  const at::Tensor b = skyreels::test::load_tensors(dir + "/from_text.safetensors").at("latents");
+  EXPECT_TRUE(at::equal(a, b));
+}
