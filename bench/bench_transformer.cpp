@@ -27,10 +27,14 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "model/runtime.h"
 #include "model/transformer_skyreels_v2.h"
 
 namespace {
+
+using skyreels::bench::process_cpu_seconds;
+using skyreels::bench::status_mb;
 
 using skyreels::model::SkyReelsV2Transformer;
 using skyreels::model::TransformerConfig;
@@ -41,24 +45,6 @@ struct Options {
   int warmup = 1, repeats = 2, threads = 0;
   bool single = false;  // internal: run the first dtype in this process
 };
-
-// CPU seconds of this process (all threads): on a shared machine, cpu_s / wall_s shows how many cores it really got.
-double process_cpu_seconds() {
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  auto sec = [](const timeval& t) { return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) * 1e-6; };
-  return sec(usage.ru_utime) + sec(usage.ru_stime);
-}
-
-double status_mb(const char* field) {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  const std::string key = std::string(field) + ":";
-  while (std::getline(in, line)) {
-    if (line.rfind(key, 0) == 0) return std::stod(line.substr(key.size())) / 1024.0;  // kB -> MiB
-  }
-  return 0.0;
-}
 
 Options parse(int argc, char** argv) {
   Options o;

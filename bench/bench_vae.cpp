@@ -21,10 +21,14 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "model/runtime.h"
 #include "model/vae_wan.h"
 
 namespace {
+
+using skyreels::bench::process_cpu_seconds;
+using skyreels::bench::status_mb;
 
 using skyreels::model::WanVae;
 using skyreels::model::WanVaeConfig;
@@ -36,24 +40,6 @@ struct Options {
   int threads = 0;
   int64_t single = -1;  // internal: run one length and print one RESULT line
 };
-
-double status_mb(const char* field) {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  const std::string key = std::string(field) + ":";
-  while (std::getline(in, line)) {
-    if (line.rfind(key, 0) == 0) return std::stod(line.substr(key.size())) / 1024.0;  // kB -> MiB
-  }
-  return 0.0;
-}
-
-// User + system CPU time of this process: robust to other processes competing for the cores.
-double cpu_seconds() {
-  rusage usage{};
-  ::getrusage(RUSAGE_SELF, &usage);
-  return static_cast<double>(usage.ru_utime.tv_sec + usage.ru_stime.tv_sec) +
-         static_cast<double>(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec) / 1e6;
-}
 
 Options parse(int argc, char** argv) {
   Options o;
@@ -115,7 +101,7 @@ int run_single(const Options& o) {
   const bool reset = static_cast<bool>(clear_refs << "5" << std::flush);  // "5": reset VmHWM (Linux >= 4.0)
   const double base_mb = reset ? status_mb("VmRSS") : status_mb("VmHWM");
 
-  const double cpu_start = cpu_seconds();
+  const double cpu_start = process_cpu_seconds();
   const auto start = std::chrono::steady_clock::now();
   int64_t pixel_frames = 0;
   double checksum = 0.0;
@@ -133,7 +119,7 @@ int run_single(const Options& o) {
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("RESULT %lld %lld %.3f %.3f %.1f %.1f %d %.6f\n", static_cast<long long>(o.single),
-              static_cast<long long>(pixel_frames), seconds, cpu_seconds() - cpu_start, base_mb, status_mb("VmHWM"),
+              static_cast<long long>(pixel_frames), seconds, process_cpu_seconds() - cpu_start, base_mb, status_mb("VmHWM"),
               at::get_num_threads(), checksum);
   return 0;
 }

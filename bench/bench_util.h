@@ -1,0 +1,31 @@
+// What the benchmarks measure about their own process: CPU time (robust to other processes on the cores) and
+// memory from /proc/self/status.
+#pragma once
+
+#include <sys/resource.h>
+
+#include <fstream>
+#include <string>
+
+namespace skyreels::bench {
+
+// User + system CPU seconds of this process, all threads: cpu_s / wall_s shows how many cores it really got.
+inline double process_cpu_seconds() {
+  rusage usage{};
+  ::getrusage(RUSAGE_SELF, &usage);
+  auto sec = [](const timeval& t) { return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) * 1e-6; };
+  return sec(usage.ru_utime) + sec(usage.ru_stime);
+}
+
+// A /proc/self/status field in MiB, e.g. "VmHWM" (peak RSS) or "VmRSS"; 0 when absent.
+inline double status_mb(const char* field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  const std::string key = std::string(field) + ":";
+  while (std::getline(in, line)) {
+    if (line.rfind(key, 0) == 0) return std::stod(line.substr(key.size())) / 1024.0;  // kB -> MiB
+  }
+  return 0.0;
+}
+
+}  // namespace skyreels::bench
