@@ -96,45 +96,15 @@ const std::vector<RenameRule>& original_rules() {
   return rules;
 }
 
-// internal -> original: the mirror of original_rules(), in mirrored order (tested to invert it on every parameter).
+// internal -> original: original_rules() mirrored (each rule swapped, in reverse order; the prefix rule becomes an
+// empty `from`, which apply_rules ignores). Tested to invert the forward table on every parameter.
 const std::vector<RenameRule>& original_reverse_rules() {
-  static const std::vector<RenameRule> rules = {
-      {"condition_embedder.image_embedder.norm1.", "img_emb.proj.0."},
-      {"condition_embedder.image_embedder.ff.net.0.proj.", "img_emb.proj.1."},
-      {"condition_embedder.image_embedder.ff.net.2.", "img_emb.proj.3."},
-      {"condition_embedder.image_embedder.norm2.", "img_emb.proj.4."},
-      {"condition_embedder.image_embedder.pos_embed", "img_emb.emb_pos"},
-      {".norm2.", ".norm__placeholder."},
-      {".norm3.", ".norm2."},
-      {".norm__placeholder.", ".norm3."},
-      {".ffn.net.0.proj.", ".ffn.0."},
-      {".ffn.net.2.", ".ffn.2."},
-      {"attn1.to_q.", "self_attn.q."},
-      {"attn1.to_k.", "self_attn.k."},
-      {"attn1.to_v.", "self_attn.v."},
-      {"attn1.to_out.0.", "self_attn.o."},
-      {"attn1.norm_q.", "self_attn.norm_q."},
-      {"attn1.norm_k.", "self_attn.norm_k."},
-      {"attn2.to_q.", "cross_attn.q."},
-      {"attn2.to_k.", "cross_attn.k."},
-      {"attn2.to_v.", "cross_attn.v."},
-      {"attn2.to_out.0.", "cross_attn.o."},
-      {"attn2.norm_q.", "cross_attn.norm_q."},
-      {"attn2.norm_k.", "cross_attn.norm_k."},
-      {"attn2.add_k_proj.", "cross_attn.k_img."},
-      {"attn2.add_v_proj.", "cross_attn.v_img."},
-      {"attn2.norm_added_k.", "cross_attn.norm_k_img."},
-      {".scale_shift_table", ".modulation"},  // per block first: the top-level table has no leading dot
-      {"proj_out.", "head.head."},
-      {"scale_shift_table", "head.modulation"},
-      {"fps_projection.net.0.proj.", "fps_projection.0."},
-      {"fps_projection.net.2.", "fps_projection.2."},
-      {"condition_embedder.time_proj.", "time_projection.1."},
-      {"condition_embedder.time_embedder.linear_1.", "time_embedding.0."},
-      {"condition_embedder.time_embedder.linear_2.", "time_embedding.2."},
-      {"condition_embedder.text_embedder.linear_1.", "text_embedding.0."},
-      {"condition_embedder.text_embedder.linear_2.", "text_embedding.2."},
-  };
+  static const std::vector<RenameRule> rules = [] {
+    std::vector<RenameRule> out;
+    const auto& forward = original_rules();
+    for (auto it = forward.rbegin(); it != forward.rend(); ++it) out.push_back({it->to, it->from});
+    return out;
+  }();
   return rules;
 }
 
