@@ -121,7 +121,26 @@ TEST_F(ServerTest, ServerInfoDescribesTheModelAndBothReplicas) {
   EXPECT_FALSE(info.text_encoder_available());
 }
 
-TEST_F(ServerTest, LongVideosSplitAcrossReplicasEqualTheSingleProcessResult) {
+// ---- two CPU replicas, each step slowed down so that submitted jobs overlap --------------------------------------
+
+class HandoffServerTest : public ::testing::Test {
+ protected:
+  // 25 ms per step, 3 steps per chunk: a 4-chunk job runs >= 300 ms, far longer than submitting three jobs, so all
+  // three compete and fairness must move one mid-video (without the delay a tiny-model job can end before the next
+  // one arrives, and nothing moves).
+  static void SetUpTestSuite() {
+    server_ = new ServerProcess({"--demo", "--devices", "cpu,cpu", "--dtype", "float32", "--handoff-cost-seconds", "0",
+                                 "--step-delay-ms", "25"});
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    server_ = nullptr;
+  }
+  static ServerProcess* server_;
+};
+ServerProcess* HandoffServerTest::server_ = nullptr;
+
+TEST_F(HandoffServerTest, LongVideosSplitAcrossReplicasEqualTheSingleProcessResult) {
   // Three 4-chunk videos on two replicas: chunks interleave, so jobs move between replicas mid-video.
   std::vector<pb::SubmitJobRequest> requests = {long_video_request(11), long_video_request(12), long_video_request(13)};
   requests[1].mutable_spec()->mutable_params()->mutable_scheduler()->set_solver_order(1);  // sampler settings travel
