@@ -63,19 +63,13 @@ grpc::Status submit_status(server::Client& client, const pb::SubmitJobRequest& r
 
 // ---- two CPU replicas, the demo model, float32 ------------------------------------------------------------------
 
-class ServerTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    server_ =
-        new ServerProcess({"--demo", "--devices", "cpu,cpu", "--dtype", "float32", "--handoff-cost-seconds", "0"});
+class ServerTest : public SharedServerSuite<ServerTest> {
+ public:
+  static std::unique_ptr<ServerProcess> start() {
+    return std::make_unique<ServerProcess>(std::vector<std::string>{"--demo", "--devices", "cpu,cpu", "--dtype",
+                                                                    "float32", "--handoff-cost-seconds", "0"});
   }
-  static void TearDownTestSuite() {
-    delete server_;
-    server_ = nullptr;
-  }
-  static ServerProcess* server_;
 };
-ServerProcess* ServerTest::server_ = nullptr;
 
 TEST_F(ServerTest, HealthReportsReadinessAndLiveness) {
   EXPECT_EQ(health_status(server_->address(), ""), grpc::health::v1::HealthCheckResponse::SERVING);
@@ -123,22 +117,17 @@ TEST_F(ServerTest, ServerInfoDescribesTheModelAndBothReplicas) {
 
 // ---- two CPU replicas, each step slowed down so that submitted jobs overlap --------------------------------------
 
-class HandoffServerTest : public ::testing::Test {
- protected:
+class HandoffServerTest : public SharedServerSuite<HandoffServerTest> {
+ public:
   // 25 ms per step, 3 steps per chunk: a 4-chunk job runs >= 300 ms, far longer than submitting three jobs, so all
   // three compete and fairness must move one mid-video (without the delay a tiny-model job can end before the next
   // one arrives, and nothing moves).
-  static void SetUpTestSuite() {
-    server_ = new ServerProcess({"--demo", "--devices", "cpu,cpu", "--dtype", "float32", "--handoff-cost-seconds", "0",
-                                 "--step-delay-ms", "25"});
+  static std::unique_ptr<ServerProcess> start() {
+    return std::make_unique<ServerProcess>(std::vector<std::string>{"--demo", "--devices", "cpu,cpu", "--dtype",
+                                                                    "float32", "--handoff-cost-seconds", "0",
+                                                                    "--step-delay-ms", "25"});
   }
-  static void TearDownTestSuite() {
-    delete server_;
-    server_ = nullptr;
-  }
-  static ServerProcess* server_;
 };
-ServerProcess* HandoffServerTest::server_ = nullptr;
 
 TEST_F(HandoffServerTest, LongVideosSplitAcrossReplicasEqualTheSingleProcessResult) {
   // Three 4-chunk videos on two replicas: chunks interleave, so jobs move between replicas mid-video.
@@ -430,18 +419,13 @@ TEST_F(ServerTest, MetricsExposeEveryContractMetric) {
 
 // ---- slow steps: cancellation, deadlines, a full queue ----------------------------------------------------------
 
-class SlowServerTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    server_ = new ServerProcess({"--demo", "--devices", "cpu,cpu", "--step-delay-ms", "40", "--max-queue", "3"});
+class SlowServerTest : public SharedServerSuite<SlowServerTest> {
+ public:
+  static std::unique_ptr<ServerProcess> start() {
+    return std::make_unique<ServerProcess>(
+        std::vector<std::string>{"--demo", "--devices", "cpu,cpu", "--step-delay-ms", "40", "--max-queue", "3"});
   }
-  static void TearDownTestSuite() {
-    delete server_;
-    server_ = nullptr;
-  }
-  static ServerProcess* server_;
 };
-ServerProcess* SlowServerTest::server_ = nullptr;
 
 TEST_F(SlowServerTest, CancellingARunningJobStopsItAtTheNextStep) {
   const pb::Job job = submit(server_->client(), long_video_request(200, 20));  // ~0.8 s per chunk, 4 chunks
@@ -561,21 +545,16 @@ TEST(DrainTest, JobsStillRunningAtTheDrainTimeoutEndUnavailable) {
 
 // ---- API keys (and TLS) -------------------------------------------------------------------------------------------
 
-class AuthServerTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
+class AuthServerTest : public SharedServerSuite<AuthServerTest> {
+ public:
+  static std::unique_ptr<ServerProcess> start() {
     const std::string dir = temp_dir("api-keys");
     std::ofstream(dir + "/keys") << "# test keys\nalice-key-123456 alice\nbob-key-1234567 bob\n";
-    server_ =
-        new ServerProcess({"--demo", "--devices", "cpu,cpu", "--api-keys", dir + "/keys"}, true, "alice-key-123456");
+    return std::make_unique<ServerProcess>(
+        std::vector<std::string>{"--demo", "--devices", "cpu,cpu", "--api-keys", dir + "/keys"}, true,
+        "alice-key-123456");
   }
-  static void TearDownTestSuite() {
-    delete server_;
-    server_ = nullptr;
-  }
-  static ServerProcess* server_;
 };
-ServerProcess* AuthServerTest::server_ = nullptr;
 
 TEST_F(AuthServerTest, MissingOrWrongKeyIsUnauthenticated) {
   for (const std::string key : {"", "wrong-key-000000"}) {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <gtest/gtest.h>
 #include <sys/types.h>
 
 #include <chrono>
@@ -46,6 +47,18 @@ class ServerProcess {
   std::string api_key_;
   std::unique_ptr<server::Client> client_;
   bool exited_ = false;
+};
+
+// One server shared by every test of a suite, started by the suite's `static std::unique_ptr<ServerProcess> start()`.
+template <typename Suite>
+class SharedServerSuite : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { server_ = Suite::start().release(); }
+  static void TearDownTestSuite() {
+    delete server_;
+    server_ = nullptr;
+  }
+  static inline ServerProcess* server_ = nullptr;
 };
 
 // GET http://127.0.0.1:port/path; returns the body ("" on failure), status code into *status.
