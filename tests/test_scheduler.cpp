@@ -379,7 +379,7 @@ TEST(Scheduler, CancellingARunningJobStopsItAtTheNextStep) {
   EXPECT_EQ(job.state, JobState::Cancelled);
   EXPECT_EQ(job.error_kind, ErrorKind::Cancelled);
   EXPECT_EQ(job.chunks_done, 0);
-  EXPECT_LT(Clock::now() - t0, 500ms);
+  EXPECT_LT(Clock::now() - t0, 1s);  // steps are 10 ms; the chunk's end is ~2 s away
 }
 
 TEST(Scheduler, DeadlinePassingWhileQueuedMeansTheJobNeverRuns) {
@@ -398,7 +398,7 @@ TEST(Scheduler, DeadlinePassingDuringAChunkStopsIt) {
   const auto t0 = Clock::now();
   const auto job = h.wait(h.submit(2, 0, 1, "", Clock::now() + 50ms));
   EXPECT_EQ(job.state, JobState::DeadlineExceeded);
-  EXPECT_LT(Clock::now() - t0, 500ms);
+  EXPECT_LT(Clock::now() - t0, 1s);  // the two chunks would take 2 s
 }
 
 TEST(Scheduler, FullQueueRefusesWithARetryHint) {
