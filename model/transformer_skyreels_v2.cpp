@@ -1,6 +1,7 @@
 #include "model/transformer_skyreels_v2.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <nlohmann/json.hpp>
 #include <torch/version.h>
 
@@ -633,7 +634,7 @@ at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) co
   const Impl& m = *impl_;
   const TransformerConfig& c = m.config;
   const Geometry g = m.check_inputs(args);
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;  // c10::, not at::: LibTorch 2.x no longer aliases it through ATen/ATen.h
 
   // Patch embedding: conv3d with kernel == stride is a linear over flattened (c, pt, ph, pw) patches; token order
   // f * pph * ppw + h * ppw + w.

@@ -5,13 +5,16 @@
 // then whatever is left is stopped at its next denoising step and ends FAILED/UNAVAILABLE ("drain timeout"). After
 // the last job ends, reads (GetJob, WatchJob, DownloadResult) are still answered for a short grace period so clients
 // can collect results, then the gRPC server shuts down and the process exits 0. A second signal skips the wait.
+#include <fcntl.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/impl/service_type.h>
 #include <spdlog/spdlog.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <csignal>
@@ -200,13 +203,51 @@ std::string read_file(const std::string& path, const std::string& flag) {
   return os.str();
 }
 
-// SIGTERM / SIGINT arrive on a dedicated thread (sigwait) and are counted here.
+// SIGTERM / SIGINT, counted.
 struct Signals {
   std::mutex mu;
   std::condition_variable cv;
   int count = 0;
   int last = 0;
 };
+
+// A handler, not a blocked mask and sigwait: libraries start threads before main (LibTorch 2.x, OpenMP), and a
+// process signal may land on any thread that does not block it. The handler only writes the signal number into a
+// pipe (async-signal-safe); a watcher thread reads it and counts it.
+int g_signal_pipe[2] = {-1, -1};
+
+extern "C" void on_shutdown_signal(int sig) {
+  const int saved_errno = errno;
+  const auto byte = static_cast<unsigned char>(sig);
+  [[maybe_unused]] const ssize_t written = ::write(g_signal_pipe[1], &byte, 1);
+  errno = saved_errno;
+}
+
+void watch_signals(Signals& signals) {
+  if (::pipe2(g_signal_pipe, O_CLOEXEC) != 0) throw std::runtime_error("cannot create the signal pipe");
+  struct sigaction action {};
+  action.sa_handler = on_shutdown_signal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  ::sigaction(SIGTERM, &action, nullptr);
+  ::sigaction(SIGINT, &action, nullptr);
+  std::signal(SIGPIPE, SIG_IGN);
+  std::thread([&signals] {
+    while (true) {
+      unsigned char byte = 0;
+      const ssize_t n = ::read(g_signal_pipe[0], &byte, 1);
+      if (n < 0 && errno == EINTR) continue;
+      if (n != 1) return;
+      {
+        std::lock_guard<std::mutex> lock(signals.mu);
+        ++signals.count;
+        signals.last = byte;
+      }
+      signals.cv.notify_all();
+      spdlog::info("event=signal signal={}", static_cast<int>(byte));
+    }
+  }).detach();
+}
 
 void wait_for(Signals& signals, int count, std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(signals.mu);
@@ -421,27 +462,8 @@ int main(int argc, char** argv) {
   const auto level = spdlog::level::from_str(options.log_level);
   spdlog::set_level(level == spdlog::level::off && options.log_level != "off" ? spdlog::level::info : level);
 
-  // Signals go to one thread only: block them here, before any other thread starts.
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGTERM);
-  sigaddset(&set, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
-  std::signal(SIGPIPE, SIG_IGN);
   Signals signals;
-  std::thread([&signals, set] {
-    while (true) {
-      int sig = 0;
-      if (sigwait(&set, &sig) != 0) continue;
-      {
-        std::lock_guard<std::mutex> lock(signals.mu);
-        ++signals.count;
-        signals.last = sig;
-      }
-      signals.cv.notify_all();
-      spdlog::info("event=signal signal={}", sig);
-    }
-  }).detach();
+  watch_signals(signals);
 
   try {
     return serve(options, signals);
