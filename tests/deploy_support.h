@@ -37,7 +37,15 @@ Json load_json(const fs::path& file);
 // (strategic merge by kind + metadata.name; lists of objects with a `name` merge by name, other lists are
 // replaced), and `images` (name -> newName:newTag). Throws on any other field, so the manifests stay that simple.
 std::vector<Json> render_kustomization(const fs::path& dir);
+// GCC 14's -Wdangling-reference assumes a returned reference may point into a temporary argument; this one points
+// into `objects`.
+#if defined(__has_cpp_attribute) && __has_cpp_attribute(gnu::no_dangling)
+#define SKYREELS_RETURNS_INTO_FIRST_ARGUMENT [[gnu::no_dangling]]
+#else
+#define SKYREELS_RETURNS_INTO_FIRST_ARGUMENT
+#endif
 // The object of `kind` (and `name`, when not empty); throws when there is not exactly one.
+SKYREELS_RETURNS_INTO_FIRST_ARGUMENT
 const Json& only_object(const std::vector<Json>& objects, const std::string& kind, const std::string& name = "");
 std::string kubectl_path();  // empty when kubectl is not on PATH
 

@@ -11,6 +11,7 @@
 #include <iostream>
 #include <fstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "model/checkpoint.h"
@@ -35,7 +36,8 @@ struct Case {
   std::map<std::string, at::Tensor> inputs, outputs, intermediates;
 };
 
-const Case& fixture(const std::string& name) {
+const Case& fixture(std::string_view name_view) {  // a view: GCC 14 takes a temporary std::string as dangling
+  const std::string name(name_view);
   static std::map<std::string, Case> cache;
   auto it = cache.find(name);
   if (it != cache.end()) return it->second;
