@@ -95,7 +95,8 @@ double forward_flops(const TransformerConfig& c, const Options& o) {
   // Block-causal: query block b (of nb) sees (b + 1) blocks of keys; mean key count L * (nb + 1) / (2 nb).
   const double nb = o.nfpb > 1 ? ppf / static_cast<double>(o.nfpb) : 1.0;
   const double keys = o.nfpb > 1 ? l * (nb + 1.0) / (2.0 * nb) : l;
-  const double block = 8 * l * d * d + 4 * l * keys * d + 4 * l * d * d + 4 * t * d * d + 4 * l * t * d + 4 * l * d * dff;
+  const double block =
+      8 * l * d * d + 4 * l * keys * d + 4 * l * d * d + 4 * t * d * d + 4 * l * t * d + 4 * l * d * dff;
   const double once = 2 * l * static_cast<double>(c.in_channels) * patch * d +
                       2 * t * (static_cast<double>(c.text_dim) * d + d * d) +
                       2 * ppf * (static_cast<double>(c.freq_dim) * d + d * d + 6 * d * d) +
@@ -163,8 +164,8 @@ int run_single(const Options& o) {
       "peak_rss_mib=%.0f\n",
       dtype_name.c_str(), static_cast<long long>(c.num_layers), static_cast<long long>(o.frames),
       static_cast<long long>(o.height), static_cast<long long>(o.width), static_cast<long long>(tokens),
-      static_cast<long long>(o.text), static_cast<long long>(o.nfpb), at::get_num_threads(), init_s, best, median,
-      cpu, flops / 1e12, flops / best / 1e9, status_mb("VmHWM"));
+      static_cast<long long>(o.text), static_cast<long long>(o.nfpb), at::get_num_threads(), init_s, best, median, cpu,
+      flops / 1e12, flops / best / 1e9, status_mb("VmHWM"));
   return 0;
 }
 

@@ -119,8 +119,8 @@ int run_single(const Options& o) {
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("RESULT %lld %lld %.3f %.3f %.1f %.1f %d %.6f\n", static_cast<long long>(o.single),
-              static_cast<long long>(pixel_frames), seconds, process_cpu_seconds() - cpu_start, base_mb, status_mb("VmHWM"),
-              at::get_num_threads(), checksum);
+              static_cast<long long>(pixel_frames), seconds, process_cpu_seconds() - cpu_start, base_mb,
+              status_mb("VmHWM"), at::get_num_threads(), checksum);
   return 0;
 }
 

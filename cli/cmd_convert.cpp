@@ -12,13 +12,19 @@ uint64_t parse_size(const std::string& text) {
   size_t digits = 0;
   while (digits < text.size() && std::isdigit(static_cast<unsigned char>(text[digits]))) ++digits;
   const std::string unit = text.substr(digits);
-  static const std::pair<const char*, uint64_t> units[] = {
-      {"", 1},           {"B", 1},         {"KB", 1000ull},     {"MB", 1000000ull},
-      {"GB", 1000000000ull}, {"KiB", 1ull << 10}, {"MiB", 1ull << 20}, {"GiB", 1ull << 30}};
+  static const std::pair<const char*, uint64_t> units[] = {{"", 1},
+                                                           {"B", 1},
+                                                           {"KB", 1000ull},
+                                                           {"MB", 1000000ull},
+                                                           {"GB", 1000000000ull},
+                                                           {"KiB", 1ull << 10},
+                                                           {"MiB", 1ull << 20},
+                                                           {"GiB", 1ull << 30}};
   for (const auto& [name, scale] : units) {
     if (digits > 0 && digits <= 15 && unit == name) return std::stoull(text.substr(0, digits)) * scale;
   }
-  throw skyreels::cli::UsageError("--max-shard-size '" + text + "': expected bytes, or a number with KB/MB/GB/KiB/MiB/GiB");
+  throw skyreels::cli::UsageError("--max-shard-size '" + text +
+                                  "': expected bytes, or a number with KB/MB/GB/KiB/MiB/GiB");
 }
 
 int run_convert(const std::vector<std::string>& raw) {

@@ -62,9 +62,8 @@ int run_encode(const std::vector<std::string>& raw) {
   const auto posterior = vae.encode(video);
   const at::Tensor mean = posterior.mean.to(at::kCPU, at::kFloat);
   const at::Tensor latents = vae.normalize(posterior.mode()).to(at::kCPU);
-  skyreels::safetensors::save(out, {{"latents", latents},
-                                    {"mean", mean},
-                                    {"logvar", posterior.logvar.to(at::kCPU, at::kFloat)}});
+  skyreels::safetensors::save(
+      out, {{"latents", latents}, {"mean", mean}, {"logvar", posterior.logvar.to(at::kCPU, at::kFloat)}});
   spdlog::info("wrote {} (latents {})", out, skyreels::checkpoint::shape_str(latents.sizes().vec()));
   return 0;
 }

@@ -1,11 +1,11 @@
 // `skyreels encode-text`: prompts -> prompt_embeds [prompts, N, d_model] with the UMT5 text encoder, exactly as the
 // diffusers pipeline's _get_t5_prompt_embeds (prompt_clean, T5 tokenizer, encoder, zero padding after each prompt).
 #include <ATen/ATen.h>
-#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
 #include <chrono>
 #include <iostream>
+#include <nlohmann/json.hpp>
 
 #include "cli/command.h"
 #include "model/runtime.h"

@@ -28,7 +28,8 @@ const char* kUsage =
     "  --model      a transformer checkpoint in any layout the loader accepts\n"
     "  --inputs     safetensors with prompt_embeds [B, T, text_dim] and, when --guidance-scale > 1,\n"
     "               negative_prompt_embeds (e.g. from `skyreels encode-text`)\n"
-    "  --text-encoder DIR  a UMT5 text encoder: encode --prompt / --negative-prompt (default \"\") instead of --inputs\n"
+    "  --text-encoder DIR  a UMT5 text encoder: encode --prompt / --negative-prompt (default \"\") instead of "
+    "--inputs\n"
     "  --tokenizer DIR     its tokenizer (default: found next to the text encoder)\n"
     "  --max-sequence-length 512\n"
     "  --out        safetensors with `latents` fp32 [B, 16, F, H/8, W/8] and `chunkK_latents_end` per chunk K\n"
@@ -146,10 +147,30 @@ model::Conditioning conditioning_from(const std::string& path) {
 
 int run_generate(const std::vector<std::string>& argv) {
   const Args args(argv);
-  args.reject_unknown({"model", "inputs", "out", "num-frames", "height", "width", "num-inference-steps",
-                       "guidance-scale", "flow-shift", "base-num-frames", "overlap-history", "ar-step",
-                       "causal-block-size", "addnoise-condition", "fps", "seed", "noise", "scheduler-config",
-                       "dtype", "device", "text-encoder", "tokenizer", "prompt", "negative-prompt",
+  args.reject_unknown({"model",
+                       "inputs",
+                       "out",
+                       "num-frames",
+                       "height",
+                       "width",
+                       "num-inference-steps",
+                       "guidance-scale",
+                       "flow-shift",
+                       "base-num-frames",
+                       "overlap-history",
+                       "ar-step",
+                       "causal-block-size",
+                       "addnoise-condition",
+                       "fps",
+                       "seed",
+                       "noise",
+                       "scheduler-config",
+                       "dtype",
+                       "device",
+                       "text-encoder",
+                       "tokenizer",
+                       "prompt",
+                       "negative-prompt",
                        "max-sequence-length"});
   if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional().front() + "'");
   const std::string model_path = args.require("model");
@@ -160,8 +181,8 @@ int run_generate(const std::vector<std::string>& argv) {
 
   model::GenerationParams params = params_from_flags(args);
   const model::Conditioning conditioning = args.has("inputs")
-                                                ? conditioning_from(args.get("inputs"))
-                                                : conditioning_from_text(args, params, args.get("device", "cpu"));
+                                               ? conditioning_from(args.get("inputs"))
+                                               : conditioning_from_text(args, params, args.get("device", "cpu"));
   auto noise = noise_from_flags(args, params);
 
   // With an explicit block size the request can be checked before a (possibly large) model is loaded.

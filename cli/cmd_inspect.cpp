@@ -23,12 +23,11 @@ std::string with_commas(uint64_t n) {
 
 std::string describe_config(const TransformerConfig& c) {
   std::ostringstream os;
-  os << "inner dim " << c.inner_dim() << " (" << c.num_attention_heads << " heads x " << c.attention_head_dim
-     << "), " << c.num_layers << " layers, ffn " << c.ffn_dim << ", in/out channels " << c.in_channels << "/"
-     << c.out_channels << ", text_dim " << c.text_dim << ", freq_dim " << c.freq_dim << ", patch [" << c.patch_size[0]
-     << ", " << c.patch_size[1] << ", " << c.patch_size[2] << "], fps embedding "
-     << (c.inject_sample_info ? "yes" : "no") << ", cross_attn_norm " << (c.cross_attn_norm ? "yes" : "no")
-     << ", eps " << c.eps;
+  os << "inner dim " << c.inner_dim() << " (" << c.num_attention_heads << " heads x " << c.attention_head_dim << "), "
+     << c.num_layers << " layers, ffn " << c.ffn_dim << ", in/out channels " << c.in_channels << "/" << c.out_channels
+     << ", text_dim " << c.text_dim << ", freq_dim " << c.freq_dim << ", patch [" << c.patch_size[0] << ", "
+     << c.patch_size[1] << ", " << c.patch_size[2] << "], fps embedding " << (c.inject_sample_info ? "yes" : "no")
+     << ", cross_attn_norm " << (c.cross_attn_norm ? "yes" : "no") << ", eps " << c.eps;
   return os.str();
 }
 

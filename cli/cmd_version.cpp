@@ -18,5 +18,5 @@ int run_version(const std::vector<std::string>&) {
 
 }  // namespace
 
-SKYREELS_COMMAND("version", "print versions and the CPU features that pick defaults",
-                 "usage: skyreels version", run_version);
+SKYREELS_COMMAND("version", "print versions and the CPU features that pick defaults", "usage: skyreels version",
+                 run_version);

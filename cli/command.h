@@ -11,8 +11,8 @@ namespace skyreels::cli {
 
 struct Command {
   std::string name;
-  std::string summary;  // one line for `skyreels --help`
-  std::string usage;    // full text for `skyreels NAME --help`
+  std::string summary;                                           // one line for `skyreels --help`
+  std::string usage;                                             // full text for `skyreels NAME --help`
   std::function<int(const std::vector<std::string>& args)> run;  // args exclude the subcommand name
 };
 
@@ -46,6 +46,6 @@ struct UsageError : std::runtime_error {
 
 #define SKYREELS_CONCAT_INNER(a, b) a##b
 #define SKYREELS_CONCAT(a, b) SKYREELS_CONCAT_INNER(a, b)
-#define SKYREELS_COMMAND(...) \
+#define SKYREELS_COMMAND(...)                                                 \
   static const bool SKYREELS_CONCAT(skyreels_command_registered_, __LINE__) = \
       ::skyreels::cli::register_command(::skyreels::cli::Command{__VA_ARGS__})

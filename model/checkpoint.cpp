@@ -2,11 +2,11 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
-#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <regex>
 #include <set>
 #include <sstream>

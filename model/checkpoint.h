@@ -37,20 +37,20 @@ class Source {
   // `preferred_stem` picks e.g. "diffusion_pytorch_model" or "model" when a folder holds several candidates.
   static Source open(const std::string& path, const std::string& preferred_stem = "");
 
-  const std::string& folder() const { return folder_; }       // where config.json would be
+  const std::string& folder() const { return folder_; }  // where config.json would be
   const std::vector<std::string>& files() const { return files_; }
-  std::vector<std::string> keys() const;                       // sorted
+  std::vector<std::string> keys() const;  // sorted
   bool contains(const std::string& key) const { return where_.count(key) != 0; }
   const safetensors::TensorInfo& info(const std::string& key) const;
   const std::string& file_of(const std::string& key) const;
-  at::Tensor tensor(const std::string& key) const;             // CPU view of the mapped bytes
-  uint64_t total_bytes() const;                                // sum of tensor bytes
+  at::Tensor tensor(const std::string& key) const;  // CPU view of the mapped bytes
+  uint64_t total_bytes() const;                     // sum of tensor bytes
 
  private:
   std::string folder_;
   std::vector<std::string> files_;
   std::vector<std::shared_ptr<safetensors::File>> opened_;
-  std::map<std::string, size_t> where_;                        // key -> index into opened_
+  std::map<std::string, size_t> where_;  // key -> index into opened_
 };
 
 // Ordered substring replacement, as diffusers' converters do it: every rule whose `from` occurs in the key is applied
@@ -69,7 +69,7 @@ struct ParamSpec {
 };
 
 struct PlaceOptions {
-  std::string device = "cpu";        // "cpu", "cuda", "cuda:N"
+  std::string device = "cpu";         // "cpu", "cuda", "cuda:N"
   at::ScalarType dtype = at::kFloat;  // compute dtype for everything that is not an fp32 island
 };
 
@@ -84,16 +84,16 @@ struct KeyOrigins {
 
 // The outcome of matching checkpoint tensors against specs; empty() means a perfect match.
 struct MatchProblems {
-  std::vector<std::string> missing;          // spec names with no tensor
-  std::vector<std::string> unexpected;       // tensor names with no spec (KeyOrigins::describe form)
-  std::vector<std::string> shape_mismatch;   // "name (checkpoint key ..): checkpoint [..] vs model [..]"
-  std::vector<std::string> bad_dtype;        // non-floating tensors where floats were expected
-  std::vector<std::string> duplicates;       // several checkpoint keys renamed onto one internal name
+  std::vector<std::string> missing;         // spec names with no tensor
+  std::vector<std::string> unexpected;      // tensor names with no spec (KeyOrigins::describe form)
+  std::vector<std::string> shape_mismatch;  // "name (checkpoint key ..): checkpoint [..] vs model [..]"
+  std::vector<std::string> bad_dtype;       // non-floating tensors where floats were expected
+  std::vector<std::string> duplicates;      // several checkpoint keys renamed onto one internal name
   bool empty() const {
     return missing.empty() && unexpected.empty() && shape_mismatch.empty() && bad_dtype.empty() && duplicates.empty();
   }
   size_t count() const;
-  std::string describe() const;              // one message listing all of them
+  std::string describe() const;  // one message listing all of them
 };
 
 // Checks `tensors` against `specs` without placing anything (what `inspect` reports).

@@ -58,9 +58,9 @@ TimestepMatrix generate_timestep_matrix(int64_t num_latent_frames, const std::ve
     const double min_ar_step = static_cast<double>(steps) / static_cast<double>(base_blocks);
     if (static_cast<double>(ar_step) < min_ar_step) {
       throw std::invalid_argument("ar_step: should be at least " +
-                                  std::to_string(static_cast<int64_t>(std::ceil(min_ar_step))) +
-                                  " in your setting (" + std::to_string(steps) + " steps over " +
-                                  std::to_string(base_blocks) + " base blocks)");
+                                  std::to_string(static_cast<int64_t>(std::ceil(min_ar_step))) + " in your setting (" +
+                                  std::to_string(steps) + " steps over " + std::to_string(base_blocks) +
+                                  " base blocks)");
     }
   }
   std::vector<int64_t> padded_template;  // [999, template..., 0]
@@ -130,9 +130,9 @@ namespace {
 
 struct Geometry {
   bool long_video = false;
-  int64_t total = 0;    // Ftot
-  int64_t base = 0;     // Fb (= Ftot for a short video)
-  int64_t overlap = 0;  // O
+  int64_t total = 0;             // Ftot
+  int64_t base = 0;              // Fb (= Ftot for a short video)
+  int64_t overlap = 0;           // O
   std::vector<int64_t> lengths;  // latent frames per chunk
 };
 
@@ -227,11 +227,11 @@ void refuse_unaligned(const GenerationParams& p, int64_t num_frames, const Geome
       const int64_t frames = (m * block - 1) * kTemporalFactor + 1;
       if (m * block > g.overlap) valid.push_back(frames);  // a chunk must be longer than its overlap
     }
-    throw std::invalid_argument("base_num_frames: " + std::to_string(p.base_num_frames) + " gives " +
-                                std::to_string(g.base) + " latent frames per chunk, not a multiple of causal_block_size " +
-                                std::to_string(block) +
-                                "; the tail frames would never be denoised (diffusers #13609). Valid base_num_frames: " +
-                                join(valid) + ", ...");
+    throw std::invalid_argument(
+        "base_num_frames: " + std::to_string(p.base_num_frames) + " gives " + std::to_string(g.base) +
+        " latent frames per chunk, not a multiple of causal_block_size " + std::to_string(block) +
+        "; the tail frames would never be denoised (diffusers #13609). Valid base_num_frames: " + join(valid) +
+        ", ...");
   }
   if (aligned(g, block)) return;
   std::ostringstream os;
@@ -290,8 +290,8 @@ ChunkPlan plan_chunks(const GenerationParams& params, int64_t model_num_frame_pe
     c.output_begin = produced;
     c.output_end = produced + c.num_latent_frames - c.keep_from;
     produced = c.output_end;
-    c.timestep_rows = generate_timestep_matrix(c.num_latent_frames, dummy_template, c.num_latent_frames,
-                                               params.ar_step, c.prefix_frames, block)
+    c.timestep_rows = generate_timestep_matrix(c.num_latent_frames, dummy_template, c.num_latent_frames, params.ar_step,
+                                               c.prefix_frames, block)
                           .rows();
     plan.chunks.push_back(c);
   }
@@ -335,7 +335,10 @@ std::vector<int64_t> with_frames(at::IntArrayRef shape, int64_t frames) {
 // chunk k by re-drawing (and discarding) the draws of the chunks before it, so any chunk can run first, anywhere.
 class SeededNoise final : public NoiseSource {
  public:
-  explicit SeededNoise(uint64_t seed) : seed_(seed) { reset_latent(); reset_condition(); }
+  explicit SeededNoise(uint64_t seed) : seed_(seed) {
+    reset_latent();
+    reset_condition();
+  }
 
   void begin_chunk(const ChunkPlan& plan, int64_t /*chunk_index*/) override { plan_ = plan; }
 
@@ -482,9 +485,9 @@ at::Tensor initial_latents(const ChunkPlan& plan, const ChunkSpec& chunk, const 
       previous.size(4) != plan.latent_width) {
     throw std::invalid_argument(
         "previous_latents: chunk " + std::to_string(chunk.index) + " needs the accumulated latents with at least " +
-        std::to_string(overlap) + " frames of [" + std::to_string(batch) + ", " +
-        std::to_string(info.latent_channels) + ", F, " + std::to_string(plan.latent_height) + ", " +
-        std::to_string(plan.latent_width) + "], got " + (previous.defined() ? shape_text(previous.sizes()) : "nothing"));
+        std::to_string(overlap) + " frames of [" + std::to_string(batch) + ", " + std::to_string(info.latent_channels) +
+        ", F, " + std::to_string(plan.latent_height) + ", " + std::to_string(plan.latent_width) + "], got " +
+        (previous.defined() ? shape_text(previous.sizes()) : "nothing"));
   }
   // diffusers: prefix = video[:, :, -O:] cut to P frames, copied in through the transformer dtype (bf16 rounding).
   const at::Tensor prefix = previous.narrow(2, previous.size(2) - overlap, chunk.prefix_frames);

@@ -43,9 +43,9 @@ struct GenerationParams {
 // diffusers' generate_timestep_matrix, unchanged (also for frames that are not a multiple of the block size, whose
 // tail gets no columns: #13609 is refused in plan_chunks instead).
 struct TimestepMatrix {
-  at::Tensor step_matrix;   // int64 [R, C]: model timestep per row and frame (999 not started, 0 finished)
-  at::Tensor step_index;    // int64 [R, C]: index into [999, step_template..., 0]
-  at::Tensor update_mask;   // bool  [R, C]: frames the scheduler advances in that row
+  at::Tensor step_matrix;  // int64 [R, C]: model timestep per row and frame (999 not started, 0 finished)
+  at::Tensor step_index;   // int64 [R, C]: index into [999, step_template..., 0]
+  at::Tensor update_mask;  // bool  [R, C]: frames the scheduler advances in that row
   std::vector<std::pair<int64_t, int64_t>> valid_interval;  // [start, end) frames fed to the model per row
   int64_t rows() const { return static_cast<int64_t>(valid_interval.size()); }
 };
@@ -66,8 +66,8 @@ struct ChunkSpec {
 };
 
 struct ChunkPlan {
-  int64_t total_latent_frames = 0;  // Ftot
-  int64_t base_latent_frames = 0;   // Fb
+  int64_t total_latent_frames = 0;    // Ftot
+  int64_t base_latent_frames = 0;     // Fb
   int64_t overlap_latent_frames = 0;  // O (0 when not a long video)
   int64_t latent_height = 0;
   int64_t latent_width = 0;
@@ -81,7 +81,7 @@ struct ChunkPlan {
 ChunkPlan plan_chunks(const GenerationParams& params, int64_t model_num_frame_per_block);
 
 struct Conditioning {
-  at::Tensor prompt_embeds;                      // [B, T, text_dim]
+  at::Tensor prompt_embeds;                          // [B, T, text_dim]
   std::optional<at::Tensor> negative_prompt_embeds;  // required when guidance_scale > 1
 };
 
@@ -135,7 +135,7 @@ struct DenoiseCall {
   bool unconditional = false;        // the negative-prompt pass of classifier-free guidance
   int64_t chunk = 0;
   int64_t row = 0;
-  int64_t num_frame_per_block = 1;   // this request's causal block size (the block-causal mask when > 1)
+  int64_t num_frame_per_block = 1;  // this request's causal block size (the block-causal mask when > 1)
 };
 // Returns the velocity prediction [B, C, F, h, w] (compute dtype).
 using Denoiser = std::function<at::Tensor(const DenoiseCall&)>;
@@ -144,7 +144,7 @@ struct DenoiserInfo {
   c10::Device device = c10::kCPU;
   at::ScalarType dtype = at::kFloat;  // compute dtype (inputs are cast to it, as diffusers casts to transformer.dtype)
   int64_t latent_channels = 16;
-  int64_t num_frame_per_block = 1;    // the model config's default causal block size
+  int64_t num_frame_per_block = 1;  // the model config's default causal block size
 };
 
 // The transformer as a Denoiser (per-request block size from the call, fps from `params`).

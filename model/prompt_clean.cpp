@@ -38,7 +38,7 @@ struct InvalidCharref {
 constexpr char32_t kNone = 0xFFFFFFFF;
 struct Charmap {
   const char* name;
-  bool sloppy;                    // byte 0x1A decodes to U+FFFD (ftfy's sloppy-* codecs)
+  bool sloppy;                     // byte 0x1A decodes to U+FFFD (ftfy's sloppy-* codecs)
   std::array<char32_t, 128> high;  // bytes 0x80..0xFF
 };
 struct CpString {
@@ -256,9 +256,7 @@ const char* find_entity(const Table& table, std::string_view name) {
 
 bool is_ascii_digit(char32_t c) { return c >= U'0' && c <= U'9'; }
 bool is_hex_digit(char32_t c) { return is_ascii_digit(c) || (c >= U'a' && c <= U'f') || (c >= U'A' && c <= U'F'); }
-uint32_t hex_value(char32_t c) {
-  return is_ascii_digit(c) ? c - U'0' : (c >= U'a' ? c - U'a' + 10 : c - U'A' + 10);
-}
+uint32_t hex_value(char32_t c) { return is_ascii_digit(c) ? c - U'0' : (c >= U'a' ? c - U'a' + 10 : c - U'A' + 10); }
 
 // The replacement of a numeric reference with value `num` (saturated above U+10FFFF), per html._replace_charref.
 U32 numeric_charref(uint64_t num) {
@@ -444,8 +442,8 @@ CharClass lit(std::u32string literals) { return cls(0, std::move(literals)); }
 const std::vector<BadnessPattern>& badness_patterns() {
   static const std::vector<BadnessPattern> patterns = [] {
     using F = CharClass;
-    const uint16_t punct_etc = kBad | kLowerAccented | kUpperAccented | kBox | kStartPunct | kEndPunct | kCurrency |
-                               kNumeric | kLaw;
+    const uint16_t punct_etc =
+        kBad | kLowerAccented | kUpperAccented | kBox | kStartPunct | kEndPunct | kCurrency | kNumeric | kLaw;
     const uint16_t accented = kLowerAccented | kUpperAccented;
     std::vector<BadnessPattern> p;
     auto add = [&](std::vector<CharClass> seq, bool anchored = false) { p.push_back({std::move(seq), anchored}); };
@@ -466,44 +464,44 @@ const std::vector<BadnessPattern>& badness_patterns() {
     add({cls(accented | kCurrency | kNumeric | kStartPunct | kEndPunct | kLaw), cls(kBox)});
     add({cls(kBox), cls(kEndPunct)});
     add({cls(accented), cls(kStartPunct | kEndPunct), cls(0, U"", F::kWord)});
-    add({lit(U"\u0152\u0153"), cls(0, U"", F::kNotLatin)});                       // [Œœ][^A-Za-z]
-    add({cls(kUpperAccented), lit(U"\u00B0")});                                    // [upper]°
-    add({lit(U"\u00C2\u00C3\u00CE\u00D0"),                                         // [ÂÃÎÐ][€œŠš¢£Ÿž...]
+    add({lit(U"\u0152\u0153"), cls(0, U"", F::kNotLatin)});  // [Œœ][^A-Za-z]
+    add({cls(kUpperAccented), lit(U"\u00B0")});              // [upper]°
+    add({lit(U"\u00C2\u00C3\u00CE\u00D0"),                   // [ÂÃÎÐ][€œŠš¢£Ÿž...]
          cls(kStartPunct | kEndPunct,
              U"\u20AC\u0153\u0160\u0161\u00A2\u00A3\u0178\u017E\u00A0\u00AD\u00AE\u00A9\u00B0\u00B7\u00BB"
              U"\u2013\u2014\u00B4")});
-    add({lit(U"\u00D7"), lit(U"\u00B2\u00B3")});                                   // × [²³]
+    add({lit(U"\u00D7"), lit(U"\u00B2\u00B3")});  // × [²³]
     {
       const CharClass arabic = lit(U"\u00D8\u00D9");
-      const CharClass after = cls(kCommon | kCurrency | kBad | kNumeric | kStartPunct,
-                                  U"\u0178\u0160\u00AE\u00B0\u00B5\u00BB");
+      const CharClass after =
+          cls(kCommon | kCurrency | kBad | kNumeric | kStartPunct, U"\u0178\u0160\u00AE\u00B0\u00B5\u00BB");
       add({arabic, after, arabic, after});
     }
-    add({lit(U"\u00E0"), lit(U"\u00B2\u00B5\u00B9\u00BC\u00BD\u00BE")});            // à[²µ¹¼½¾]
-    add({lit(U"\u221A"),                                                           // √[±∂†≠®™´≤≥¥µø]
+    add({lit(U"\u00E0"), lit(U"\u00B2\u00B5\u00B9\u00BC\u00BD\u00BE")});  // à[²µ¹¼½¾]
+    add({lit(U"\u221A"),                                                  // √[±∂†≠®™´≤≥¥µø]
          lit(U"\u00B1\u2202\u2020\u2260\u00AE\u2122\u00B4\u2264\u2265\u00A5\u00B5\u00F8")});
-    add({lit(U"\u2248"), lit(U"\u00B0\u00A2")});                                   // ≈[°¢]
-    add({lit(U"\u201A"), lit(U"\u00C4"),                                           // ‚Ä[ìîïòôúùû†°¢π]
+    add({lit(U"\u2248"), lit(U"\u00B0\u00A2")});  // ≈[°¢]
+    add({lit(U"\u201A"), lit(U"\u00C4"),          // ‚Ä[ìîïòôúùû†°¢π]
          lit(U"\u00EC\u00EE\u00EF\u00F2\u00F4\u00FA\u00F9\u00FB\u2020\u00B0\u00A2\u03C0")});
     add({lit(U"\u201A"), lit(U"\u00E2\u00F3"), lit(U"\u00E0\u00E4\u00B0\u00EA")});  // ‚[âó][àä°ê]
-    add({lit(U"\u0432"), lit(U"\u0402")});                                         // вЂ
+    add({lit(U"\u0432"), lit(U"\u0402")});                                          // вЂ
     {
-      const CharClass cyr = lit(U"\u0412\u0413\u0420\u0421");                      // [ВГРС]
+      const CharClass cyr = lit(U"\u0412\u0413\u0420\u0421");  // [ВГРС]
       add({cyr, cls(kC1 | kBad | kStartPunct | kEndPunct | kCurrency, U"\u00B0\u00B5"), cyr});
     }
     add({lit(U"\u0413"), lit(U"\u045E"), lit(U"\u0412"), lit(U"\u0402"), lit(U"\u0412"),  // ГўВЂВ.[A-Za-z ]
          cls(0, U"", F::kAnyButNewline), cls(0, U" ", F::kLowerAscii | F::kUpperAscii)});
-    add({lit(U"\u00C3"), lit(U"\u00A0\u00A1")});                                   // Ã[\xa0¡]
-    add({cls(0, U"", F::kLowerAscii), lit(U"\u00C3\u00C2"), lit(U" ")});          // [a-z]\s?[ÃÂ][ ]
+    add({lit(U"\u00C3"), lit(U"\u00A0\u00A1")});                          // Ã[\xa0¡]
+    add({cls(0, U"", F::kLowerAscii), lit(U"\u00C3\u00C2"), lit(U" ")});  // [a-z]\s?[ÃÂ][ ]
     add({cls(0, U"", F::kLowerAscii), cls(0, U"", F::kSpace), lit(U"\u00C3\u00C2"), lit(U" ")});
-    add({lit(U"\u00C3\u00C2"), lit(U" ")}, /*anchored=*/true);                     // ^[ÃÂ][ ]
+    add({lit(U"\u00C3\u00C2"), lit(U" ")}, /*anchored=*/true);  // ^[ÃÂ][ ]
     add({cls(kEndPunct, U".,?!", F::kLowerAscii), lit(U"\u00C2"), cls(kStartPunct | kEndPunct, U" ")});
     add({lit(U"\u03B2"), lit(U"\u20AC"), lit(U"\u2122\u00A0\u0386\u00AD\u00AE\u00B0")});  // β€[™\xa0Ά\xad®°]
     {
-      const CharClass greek = lit(U"\u0392\u0393\u039E\u039F");                    // [ΒΓΞΟ]
+      const CharClass greek = lit(U"\u0392\u0393\u039E\u039F");  // [ΒΓΞΟ]
       add({greek, cls(kC1 | kBad | kStartPunct | kEndPunct | kCurrency, U"\u00B0"), greek});
     }
-    add({lit(U"\u0101"), lit(U"\u20AC")});                                         // ā€
+    add({lit(U"\u0101"), lit(U"\u20AC")});  // ā€
     return p;
   }();
   return patterns;
@@ -813,8 +811,9 @@ U32 fix_encoding_one_step(const U32& text) {
     if (name == "latin-1") latin1_possible = true;
     std::string bytes = encode_bytes(text, codec);
     bool altered = false;
-    if (name != "macroman") byte_sub(bytes, altered_utf8_patterns(), [](std::string_view m) { return std::string(m); },
-                                     &altered);
+    if (name != "macroman")
+      byte_sub(
+          bytes, altered_utf8_patterns(), [](std::string_view m) { return std::string(m); }, &altered);
     if (altered) bytes = restore_byte_a0(bytes);
     if (name.rfind("sloppy", 0) == 0) bytes = replace_lossy_sequences(bytes);
     U32 fixed;

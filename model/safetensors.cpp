@@ -2,7 +2,6 @@
 
 #include <ATen/ATen.h>
 #include <fcntl.h>
-#include <nlohmann/json.hpp>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -13,6 +12,7 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <nlohmann/json.hpp>
 
 namespace skyreels::safetensors {
 namespace {
@@ -29,9 +29,8 @@ constexpr uint64_t kMaxHeaderBytes = 100ull << 20;  // the reference implementat
 
 bool parse_dtype(const std::string& s, DType& out) {
   static const std::pair<const char*, DType> table[] = {
-      {"F64", DType::F64}, {"F32", DType::F32}, {"F16", DType::F16}, {"BF16", DType::BF16},
-      {"I64", DType::I64}, {"I32", DType::I32}, {"I16", DType::I16}, {"I8", DType::I8},
-      {"U8", DType::U8},   {"BOOL", DType::BOOL}};
+      {"F64", DType::F64}, {"F32", DType::F32}, {"F16", DType::F16}, {"BF16", DType::BF16}, {"I64", DType::I64},
+      {"I32", DType::I32}, {"I16", DType::I16}, {"I8", DType::I8},   {"U8", DType::U8},     {"BOOL", DType::BOOL}};
   for (const auto& [name, dtype] : table) {
     if (s == name) {
       out = dtype;
@@ -45,59 +44,100 @@ bool parse_dtype(const std::string& s, DType& out) {
 
 const char* dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::F64: return "F64";
-    case DType::F32: return "F32";
-    case DType::F16: return "F16";
-    case DType::BF16: return "BF16";
-    case DType::I64: return "I64";
-    case DType::I32: return "I32";
-    case DType::I16: return "I16";
-    case DType::I8: return "I8";
-    case DType::U8: return "U8";
-    case DType::BOOL: return "BOOL";
+    case DType::F64:
+      return "F64";
+    case DType::F32:
+      return "F32";
+    case DType::F16:
+      return "F16";
+    case DType::BF16:
+      return "BF16";
+    case DType::I64:
+      return "I64";
+    case DType::I32:
+      return "I32";
+    case DType::I16:
+      return "I16";
+    case DType::I8:
+      return "I8";
+    case DType::U8:
+      return "U8";
+    case DType::BOOL:
+      return "BOOL";
   }
   return "?";
 }
 
 size_t dtype_size(DType dtype) {
   switch (dtype) {
-    case DType::F64: case DType::I64: return 8;
-    case DType::F32: case DType::I32: return 4;
-    case DType::F16: case DType::BF16: case DType::I16: return 2;
-    case DType::I8: case DType::U8: case DType::BOOL: return 1;
+    case DType::F64:
+    case DType::I64:
+      return 8;
+    case DType::F32:
+    case DType::I32:
+      return 4;
+    case DType::F16:
+    case DType::BF16:
+    case DType::I16:
+      return 2;
+    case DType::I8:
+    case DType::U8:
+    case DType::BOOL:
+      return 1;
   }
   return 0;
 }
 
 at::ScalarType to_scalar_type(DType dtype) {
   switch (dtype) {
-    case DType::F64: return at::kDouble;
-    case DType::F32: return at::kFloat;
-    case DType::F16: return at::kHalf;
-    case DType::BF16: return at::kBFloat16;
-    case DType::I64: return at::kLong;
-    case DType::I32: return at::kInt;
-    case DType::I16: return at::kShort;
-    case DType::I8: return at::kChar;
-    case DType::U8: return at::kByte;
-    case DType::BOOL: return at::kBool;
+    case DType::F64:
+      return at::kDouble;
+    case DType::F32:
+      return at::kFloat;
+    case DType::F16:
+      return at::kHalf;
+    case DType::BF16:
+      return at::kBFloat16;
+    case DType::I64:
+      return at::kLong;
+    case DType::I32:
+      return at::kInt;
+    case DType::I16:
+      return at::kShort;
+    case DType::I8:
+      return at::kChar;
+    case DType::U8:
+      return at::kByte;
+    case DType::BOOL:
+      return at::kBool;
   }
   return at::kFloat;
 }
 
 DType from_scalar_type(at::ScalarType type) {
   switch (type) {
-    case at::kDouble: return DType::F64;
-    case at::kFloat: return DType::F32;
-    case at::kHalf: return DType::F16;
-    case at::kBFloat16: return DType::BF16;
-    case at::kLong: return DType::I64;
-    case at::kInt: return DType::I32;
-    case at::kShort: return DType::I16;
-    case at::kChar: return DType::I8;
-    case at::kByte: return DType::U8;
-    case at::kBool: return DType::BOOL;
-    default: break;
+    case at::kDouble:
+      return DType::F64;
+    case at::kFloat:
+      return DType::F32;
+    case at::kHalf:
+      return DType::F16;
+    case at::kBFloat16:
+      return DType::BF16;
+    case at::kLong:
+      return DType::I64;
+    case at::kInt:
+      return DType::I32;
+    case at::kShort:
+      return DType::I16;
+    case at::kChar:
+      return DType::I8;
+    case at::kByte:
+      return DType::U8;
+    case at::kBool:
+      return DType::BOOL;
+    default:
+      break;
   }
   throw FormatError(std::string("safetensors cannot store dtype ") + c10::toString(type));
 }
@@ -168,14 +208,16 @@ void parse_header(const std::string& path, const std::string& text, uint64_t hea
     info.end = offsets[1].get<uint64_t>();
     if (info.begin > info.end) fail_tensor(path, name, "data_offsets begin > end");
     if (info.end > data_size) {
-      fail_tensor(path, name, "data_offsets end " + std::to_string(info.end) + " is past the data area (" +
-                                  std::to_string(data_size) + " bytes; file truncated?)");
+      fail_tensor(path, name,
+                  "data_offsets end " + std::to_string(info.end) + " is past the data area (" +
+                      std::to_string(data_size) + " bytes; file truncated?)");
     }
     uint64_t expected = 0;
     if (!checked_nbytes(info.shape, dtype_size(info.dtype), expected)) fail_tensor(path, name, "shape is too large");
     if (info.end - info.begin != expected) {
-      fail_tensor(path, name, "byte length " + std::to_string(info.end - info.begin) + " does not match shape x " +
-                                  dtype + " = " + std::to_string(expected));
+      fail_tensor(path, name,
+                  "byte length " + std::to_string(info.end - info.begin) + " does not match shape x " + dtype + " = " +
+                      std::to_string(expected));
     }
     tensors.push_back(std::move(info));
   }
@@ -266,7 +308,8 @@ at::Tensor File::tensor(const std::string& name) const {
     return out;
   }
   std::shared_ptr<const File> keep = self_.lock();
-  return at::from_blob(ptr, info->shape, [keep](void*) {}, options);
+  return at::from_blob(
+      ptr, info->shape, [keep](void*) {}, options);
 }
 
 void save_streaming(const std::string& path, const std::vector<SaveItem>& items,
@@ -282,7 +325,8 @@ void save_streaming(const std::string& path, const std::vector<SaveItem>& items,
     if (!checked_nbytes(item.shape, dtype_size(dtype), nbytes)) {
       throw FormatError("tensor '" + item.name + "' for '" + path + "' is too large");
     }
-    header[item.name] = {{"dtype", dtype_name(dtype)}, {"shape", item.shape}, {"data_offsets", {offset, offset + nbytes}}};
+    header[item.name] = {
+        {"dtype", dtype_name(dtype)}, {"shape", item.shape}, {"data_offsets", {offset, offset + nbytes}}};
     offset += nbytes;
   }
   std::string text = header.dump();

@@ -25,8 +25,8 @@ class FormatError : public std::runtime_error {
 
 enum class DType { F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL };
 
-const char* dtype_name(DType dtype);          // "F32", ...
-size_t dtype_size(DType dtype);               // bytes per element
+const char* dtype_name(DType dtype);  // "F32", ...
+size_t dtype_size(DType dtype);       // bytes per element
 at::ScalarType to_scalar_type(DType dtype);
 DType from_scalar_type(at::ScalarType type);  // throws FormatError for types safetensors cannot hold
 

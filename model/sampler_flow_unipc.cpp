@@ -1,12 +1,12 @@
 #include "model/sampler_flow_unipc.h"
 
 #include <ATen/ATen.h>
-#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -51,10 +51,11 @@ T get_typed(const Json& j, const std::string& origin, const std::string& key, T 
 
 // Keys diffusers stores that do not influence the flow-sigma path (betas, spacing of the discarded default grid...).
 const std::set<std::string>& ignored_keys() {
-  static const std::set<std::string> keys = {"_diffusers_version", "beta_start", "beta_end", "beta_schedule",
-                                             "trained_betas", "dynamic_thresholding_ratio", "sample_max_value",
-                                             "steps_offset", "rescale_betas_zero_snr", "time_shift_type",
-                                             "sigma_min", "sigma_max", "timestep_spacing"};
+  static const std::set<std::string> keys = {"_diffusers_version", "beta_start",    "beta_end",
+                                             "beta_schedule",      "trained_betas", "dynamic_thresholding_ratio",
+                                             "sample_max_value",   "steps_offset",  "rescale_betas_zero_snr",
+                                             "time_shift_type",    "sigma_min",     "sigma_max",
+                                             "timestep_spacing"};
   return keys;
 }
 
@@ -96,10 +97,10 @@ FlowUniPCConfig FlowUniPCConfig::from_json(const std::string& text, const std::s
   c.flow_shift = get_typed<double>(j, origin, "flow_shift", c.flow_shift);
 
   static const std::set<std::string> handled = {
-      "_class_name", "prediction_type", "use_flow_sigmas", "predict_x0", "thresholding", "use_karras_sigmas",
-      "use_exponential_sigmas", "use_beta_sigmas", "use_dynamic_shifting", "solver_p", "shift_terminal",
-      "num_train_timesteps", "solver_order", "solver_type", "lower_order_final", "disable_corrector",
-      "final_sigmas_type", "flow_shift"};
+      "_class_name",       "prediction_type",        "use_flow_sigmas", "predict_x0",           "thresholding",
+      "use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "use_dynamic_shifting", "solver_p",
+      "shift_terminal",    "num_train_timesteps",    "solver_order",    "solver_type",          "lower_order_final",
+      "disable_corrector", "final_sigmas_type",      "flow_shift"};
   for (const auto& item : j.items()) {
     if (!handled.count(item.key()) && !ignored_keys().count(item.key())) {
       spdlog::warn("{}: ignoring unknown scheduler key '{}'", origin, item.key());
@@ -128,10 +129,10 @@ void FlowUniPCConfig::validate() const {
   require(num_train_timesteps >= 1, "num_train_timesteps: must be >= 1, got " + std::to_string(num_train_timesteps));
   require(solver_order == 1 || solver_order == 2,
           "solver_order: only 1 or 2 is supported, got " + std::to_string(solver_order));
-  require(solver_type == "bh1" || solver_type == "bh2", "solver_type: must be \"bh1\" or \"bh2\", got \"" +
-                                                            solver_type + "\"");
-  require(final_sigmas_type == "zero", "final_sigmas_type: only \"zero\" is supported, got \"" + final_sigmas_type +
-                                           "\"");
+  require(solver_type == "bh1" || solver_type == "bh2",
+          "solver_type: must be \"bh1\" or \"bh2\", got \"" + solver_type + "\"");
+  require(final_sigmas_type == "zero",
+          "final_sigmas_type: only \"zero\" is supported, got \"" + final_sigmas_type + "\"");
   require(std::isfinite(flow_shift) && flow_shift > 0.0,
           "flow_shift: must be a positive number, got " + std::to_string(flow_shift));
 }

@@ -21,8 +21,8 @@ namespace skyreels::model {
 // by from_json with a message naming the key.
 struct FlowUniPCConfig {
   int64_t num_train_timesteps = 1000;
-  int64_t solver_order = 2;              // 1 or 2
-  std::string solver_type = "bh2";       // "bh1" or "bh2"
+  int64_t solver_order = 2;         // 1 or 2
+  std::string solver_type = "bh2";  // "bh1" or "bh2"
   bool lower_order_final = true;
   std::vector<int64_t> disable_corrector;  // step indices whose corrector is skipped (diffusers semantics)
   std::string final_sigmas_type = "zero";  // "zero" or "sigma_min"

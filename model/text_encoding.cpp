@@ -38,8 +38,8 @@ std::string find_tokenizer(const std::string& text_encoder_path) {
                        "); pass the tokenizer folder");
 }
 
-std::unique_ptr<TextEncoder> TextEncoder::load(const std::string& text_encoder_path,
-                                               const std::string& tokenizer_path, const TextEncoderOptions& options) {
+std::unique_ptr<TextEncoder> TextEncoder::load(const std::string& text_encoder_path, const std::string& tokenizer_path,
+                                               const TextEncoderOptions& options) {
   const std::string tok = tokenizer_path.empty() ? find_tokenizer(text_encoder_path) : tokenizer_path;
   T5Tokenizer tokenizer = T5Tokenizer::load(tok);
   LoadedUMT5 loaded = load_umt5_encoder(text_encoder_path, UMT5LoadOptions{options.device, options.dtype});
@@ -109,7 +109,7 @@ at::Tensor TextEncoder::encode(const std::vector<std::string>& prompts, int64_t 
       rows[missing[k]] = embeds[static_cast<int64_t>(k)];
       if (!capacity_) continue;
       const Key key = length_tag + prompts[missing[k]];
-      if (index_.count(key)) continue;  // another thread got there first
+      if (index_.count(key)) continue;                    // another thread got there first
       lru_.emplace_front(key, rows[missing[k]].clone());  // own copy: the batch tensor can go
       index_[key] = lru_.begin();
       while (lru_.size() > capacity_) {

@@ -23,8 +23,8 @@
 namespace skyreels::model {
 
 struct TextEncoderOptions {
-  std::string device = "cpu";      // cpu, cuda, cuda:N
-  std::string dtype = "float32";   // float32, bfloat16, auto
+  std::string device = "cpu";     // cpu, cuda, cuda:N
+  std::string dtype = "float32";  // float32, bfloat16, auto
   // Prompts kept (least recently used dropped first), on the encoder's device; 0 disables the cache. One entry is
   // max_sequence_length x d_model values: 4 MiB for UMT5-XXL in bf16 at 512 tokens.
   size_t cache_capacity = 32;
@@ -75,7 +75,7 @@ class TextEncoder {
   T5Tokenizer tokenizer_;
   size_t capacity_;
   mutable std::mutex mutex_;
-  using Key = std::string;  // max_sequence_length + '\n' + prompt
+  using Key = std::string;                             // max_sequence_length + '\n' + prompt
   mutable std::list<std::pair<Key, at::Tensor>> lru_;  // front = most recent; rows [L, d_model]
   mutable std::unordered_map<Key, std::list<std::pair<Key, at::Tensor>>::iterator> index_;
   mutable CacheStats stats_;

@@ -1,7 +1,5 @@
 #include "model/tokenizer_unigram.h"
 
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
 #include <cfloat>
 #include <cstdio>
@@ -9,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 #include <unordered_set>
@@ -68,11 +67,20 @@ class WireReader {
 
   void skip(uint32_t wire_type) {
     switch (wire_type) {
-      case 0: varint(); break;
-      case 1: advance(8); break;
-      case 2: bytes(); break;
-      case 5: advance(4); break;
-      default: fail("unsupported wire type " + std::to_string(wire_type) + " (groups are not used by ModelProto)");
+      case 0:
+        varint();
+        break;
+      case 1:
+        advance(8);
+        break;
+      case 2:
+        bytes();
+        break;
+      case 5:
+        advance(4);
+        break;
+      default:
+        fail("unsupported wire type " + std::to_string(wire_type) + " (groups are not used by ModelProto)");
     }
   }
 
@@ -145,12 +153,28 @@ void parse_normalizer_spec(std::string_view bytes, const std::string& context, S
   while (!r.done()) {
     const auto [field, wt] = r.key();
     switch (field) {
-      case 1: r.expect(wt, 2, "name"); proto.normalizer_name = std::string(r.bytes()); break;
-      case 2: r.expect(wt, 2, "precompiled_charsmap"); proto.precompiled_charsmap = std::string(r.bytes()); break;
-      case 3: r.expect(wt, 0, "add_dummy_prefix"); proto.add_dummy_prefix = r.varint() != 0; break;
-      case 4: r.expect(wt, 0, "remove_extra_whitespaces"); proto.remove_extra_whitespaces = r.varint() != 0; break;
-      case 5: r.expect(wt, 0, "escape_whitespaces"); proto.escape_whitespaces = r.varint() != 0; break;
-      default: r.skip(wt);
+      case 1:
+        r.expect(wt, 2, "name");
+        proto.normalizer_name = std::string(r.bytes());
+        break;
+      case 2:
+        r.expect(wt, 2, "precompiled_charsmap");
+        proto.precompiled_charsmap = std::string(r.bytes());
+        break;
+      case 3:
+        r.expect(wt, 0, "add_dummy_prefix");
+        proto.add_dummy_prefix = r.varint() != 0;
+        break;
+      case 4:
+        r.expect(wt, 0, "remove_extra_whitespaces");
+        proto.remove_extra_whitespaces = r.varint() != 0;
+        break;
+      case 5:
+        r.expect(wt, 0, "escape_whitespaces");
+        proto.escape_whitespaces = r.varint() != 0;
+        break;
+      default:
+        r.skip(wt);
     }
   }
 }
@@ -440,9 +464,8 @@ struct SentencePieceUnigram::Impl {
     using T = SentencePieceModelProto::PieceType;
     for (int64_t start = 0; start < size;) {
       const float till_here = best[static_cast<size_t>(start)].score;
-      const auto mblen = static_cast<int64_t>(
-          std::min<size_t>(one_char_len(static_cast<uint8_t>(text[static_cast<size_t>(start)])),
-                           static_cast<size_t>(size - start)));
+      const auto mblen = static_cast<int64_t>(std::min<size_t>(
+          one_char_len(static_cast<uint8_t>(text[static_cast<size_t>(start)])), static_cast<size_t>(size - start)));
       bool has_single_node = false;
       const size_t max_len = std::min(max_piece_bytes, static_cast<size_t>(size - start));
       for (size_t len = 1; len <= max_len; ++len) {
@@ -666,9 +689,8 @@ T5Tokenizer::T5Tokenizer(SentencePieceUnigram model, T5TokenizerOptions options)
   }
   for (const auto& [content, id] : {std::pair{options.eos_token, eos_id_}, std::pair{options.pad_token, pad_id_},
                                     std::pair{options.unk_token, unk_id_}}) {
-    const bool present = std::any_of(added_.begin(), added_.end(), [&](const AddedToken& t) {
-      return t.content == content;
-    });
+    const bool present =
+        std::any_of(added_.begin(), added_.end(), [&](const AddedToken& t) { return t.content == content; });
     if (!present) added_.push_back({content, id, false, false});
   }
 }
@@ -734,9 +756,8 @@ std::vector<int64_t> T5Tokenizer::text_ids(std::string_view text) const {
     }
     for (const auto& piece : sp_->encode_as_pieces(part)) {
       // convert_tokens_to_ids: the added vocabulary first, then the model's piece_to_id.
-      const auto added = std::find_if(added_.begin(), added_.end(), [&](const AddedToken& t) {
-        return t.content == piece;
-      });
+      const auto added =
+          std::find_if(added_.begin(), added_.end(), [&](const AddedToken& t) { return t.content == piece; });
       ids.push_back(added != added_.end() ? added->id : sp_->piece_to_id(piece));
     }
   }

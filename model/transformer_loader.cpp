@@ -1,7 +1,6 @@
 #include "model/transformer_loader.h"
 
 #include <ATen/ATen.h>
-#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -10,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -118,7 +118,7 @@ const std::vector<RenameRule>& prefix_only_rules() {
 // ---- layout detection --------------------------------------------------------------------------------------------
 
 bool is_original_key(const std::string& k) {
-  static const char* const starts[] = {"head.", "text_embedding.", "time_embedding.", "time_projection.",
+  static const char* const starts[] = {"head.",    "text_embedding.",   "time_embedding.",  "time_projection.",
                                        "img_emb.", "fps_projection.0.", "fps_projection.2."};
   for (const char* s : starts) {
     if (starts_with(k, s)) return true;
@@ -168,8 +168,8 @@ void fold_norm_out_linear(TransformerCheckpointAnalysis& a, const std::string& p
   }
   const int64_t D = w.size(1);
   if (b.dim() != 1 || b.size(0) != 2 * D) {
-    a.problems.push_back("'" + prefix + bkey + "' has shape " + shape_of(b) + "; expected [" +
-                         std::to_string(2 * D) + "] to match " + wname + " " + shape_of(w));
+    a.problems.push_back("'" + prefix + bkey + "' has shape " + shape_of(b) + "; expected [" + std::to_string(2 * D) +
+                         "] to match " + wname + " " + shape_of(w));
     return;
   }
   if (!at::isFloatingType(w.scalar_type()) || !at::isFloatingType(b.scalar_type())) {
@@ -306,12 +306,12 @@ TransformerConfig parse_diffusers_config(const json& j, ConfigReader& r, std::ve
   if (qk_norm != "rms_norm_across_heads") {
     notes.push_back("config.json qk_norm '" + qk_norm + "' is ignored: diffusers always builds the q/k RMSNorm");
   }
-  note_unknown_fields(j,
-                      {"patch_size", "num_attention_heads", "attention_head_dim", "in_channels", "out_channels",
-                       "text_dim", "freq_dim", "ffn_dim", "num_layers", "cross_attn_norm", "qk_norm", "eps",
-                       "image_dim", "added_kv_proj_dim", "rope_max_seq_len", "pos_embed_seq_len",
-                       "inject_sample_info", "num_frame_per_block"},
-                      notes);
+  note_unknown_fields(
+      j,
+      {"patch_size", "num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "text_dim", "freq_dim",
+       "ffn_dim", "num_layers", "cross_attn_norm", "qk_norm", "eps", "image_dim", "added_kv_proj_dim",
+       "rope_max_seq_len", "pos_embed_seq_len", "inject_sample_info", "num_frame_per_block"},
+      notes);
   return c;
 }
 
@@ -345,11 +345,11 @@ TransformerConfig parse_original_config(const json& j, ConfigReader& r, std::vec
   } else if (model_type != "t2v") {
     r.fail("model_type", "is '" + model_type + "' (expected t2v, i2v or flf2v)");
   }
-  note_unknown_fields(j,
-                      {"model_type", "patch_size", "text_len", "in_dim", "dim", "ffn_dim", "freq_dim", "text_dim",
-                       "out_dim", "num_heads", "num_layers", "window_size", "qk_norm", "cross_attn_norm", "eps",
-                       "inject_sample_info"},
-                      notes);
+  note_unknown_fields(
+      j,
+      {"model_type", "patch_size", "text_len", "in_dim", "dim", "ffn_dim", "freq_dim", "text_dim", "out_dim",
+       "num_heads", "num_layers", "window_size", "qk_norm", "cross_attn_norm", "eps", "inject_sample_info"},
+      notes);
   return c;
 }
 
@@ -501,9 +501,12 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 const char* layout_name(TransformerLayout layout) {
   switch (layout) {
-    case TransformerLayout::Diffusers: return "diffusers";
-    case TransformerLayout::Original: return "original";
-    case TransformerLayout::NormOutLinear: return "norm_out_linear";
+    case TransformerLayout::Diffusers:
+      return "diffusers";
+    case TransformerLayout::Original:
+      return "original";
+    case TransformerLayout::NormOutLinear:
+      return "norm_out_linear";
   }
   return "?";
 }
@@ -536,9 +539,12 @@ const std::vector<RenameRule>& transformer_rename_rules(TransformerLayout layout
 
 std::string transformer_checkpoint_key(TransformerLayout layout, const std::string& internal) {
   switch (layout) {
-    case TransformerLayout::Original: return checkpoint::apply_rules(internal, original_reverse_rules());
-    case TransformerLayout::NormOutLinear: return internal == "scale_shift_table" ? "norm_out.linear.bias" : internal;
-    case TransformerLayout::Diffusers: break;
+    case TransformerLayout::Original:
+      return checkpoint::apply_rules(internal, original_reverse_rules());
+    case TransformerLayout::NormOutLinear:
+      return internal == "scale_shift_table" ? "norm_out.linear.bias" : internal;
+    case TransformerLayout::Diffusers:
+      break;
   }
   return internal;
 }
@@ -553,8 +559,8 @@ ParsedTransformerConfig parse_transformer_config(const std::string& path) {
     throw CheckpointError("config.json '" + path + "' is not valid JSON (" + e.what() + ")");
   }
   if (!j.is_object()) throw CheckpointError("config.json '" + path + "' is not a JSON object");
-  const std::string cls = j.contains("_class_name") && j["_class_name"].is_string() ? j["_class_name"].get<std::string>()
-                                                                                     : "";
+  const std::string cls =
+      j.contains("_class_name") && j["_class_name"].is_string() ? j["_class_name"].get<std::string>() : "";
   const bool original = cls == "WanModel" || (cls.empty() && (j.contains("dim") || j.contains("num_heads")));
   const bool diffusers = cls == "SkyReelsV2Transformer3DModel" ||
                          (cls.empty() && (j.contains("num_attention_heads") || j.contains("attention_head_dim")));
@@ -614,16 +620,18 @@ TransformerConfig infer_transformer_config(const std::map<std::string, at::Tenso
   // The split of D into heads changes the attention and the RoPE split but is recorded nowhere in the weights.
   if (D % kAssumedHeadDim != 0) {
     throw CheckpointError("cannot infer num_attention_heads: the inner dim " + std::to_string(D) + " (" +
-                          f.inner_dim->evidence + ") is not a multiple of 128, and the weights do not record how it "
+                          f.inner_dim->evidence +
+                          ") is not a multiple of 128, and the weights do not record how it "
                           "splits into heads (the q/k RMSNorm spans all heads); add a config.json");
   }
   c.attention_head_dim = kAssumedHeadDim;
   c.num_attention_heads = D / kAssumedHeadDim;
   if (notes != nullptr) {
     notes->push_back("no config.json: config inferred from tensor shapes");
-    notes->push_back("assumed attention_head_dim 128 (every published SkyReels-V2/Wan model), so num_attention_heads = " +
-                     std::to_string(D) + " / 128 = " + std::to_string(c.num_attention_heads) +
-                     "; the weights do not record the head split");
+    notes->push_back(
+        "assumed attention_head_dim 128 (every published SkyReels-V2/Wan model), so num_attention_heads = " +
+        std::to_string(D) + " / 128 = " + std::to_string(c.num_attention_heads) +
+        "; the weights do not record the head split");
     notes->push_back("eps 1e-06, rope_max_seq_len 1024 and num_frame_per_block 1 are defaults (not in the weights)");
   }
   return c;
@@ -684,7 +692,8 @@ TransformerCheckpointAnalysis analyze_transformer_checkpoint(const std::string& 
   for (const auto& key : keys) a.report.stored_dtypes[safetensors::dtype_name(src.info(key).dtype)] += 1;
 
   a.report.layout = detect_transformer_layout(keys);
-  const bool prefixed = std::any_of(keys.begin(), keys.end(), [](const std::string& k) { return starts_with(k, kPrefix); });
+  const bool prefixed =
+      std::any_of(keys.begin(), keys.end(), [](const std::string& k) { return starts_with(k, kPrefix); });
   const std::string prefix = prefixed ? kPrefix : "";
   a.report.notes.push_back(std::string("layout ") + layout_name(a.report.layout) + ": " +
                            (a.report.layout == TransformerLayout::Original
@@ -740,8 +749,8 @@ LoadedTransformer load_transformer(const std::string& path, const TransformerLoa
     const bool same = t.scalar_type() == checkpoint::placed_dtype(spec, place);
     (device.is_cpu() && same ? views : converted) += 1;
   }
-  checkpoint::StateDict weights = checkpoint::place_strict(a.tensors, specs, place, "transformer checkpoint '" +
-                                                                                       a.path + "'", a.origins);
+  checkpoint::StateDict weights =
+      checkpoint::place_strict(a.tensors, specs, place, "transformer checkpoint '" + a.path + "'", a.origins);
   a.tensors.clear();  // converted tensors no longer need the mapping; zero-copy ones keep it alive themselves
   a.report.notes.push_back("placed on " + device.str() + " as " + dtype_name + ": " + std::to_string(islands) +
                            " fp32-island tensors kept float32, " + std::to_string(converted) + " copied/converted, " +
@@ -750,8 +759,8 @@ LoadedTransformer load_transformer(const std::string& path, const TransformerLoa
   LoadedTransformer out;
   out.model = std::make_unique<SkyReelsV2Transformer>(*a.config, std::move(weights), device, dtype);
   a.report.seconds = seconds_since(t0);
-  spdlog::info("transformer loaded: {} parameters, {} in {:.3f} s ({}/s) onto {} as {} ({})",
-               a.report.parameter_count, gb(a.report.bytes), a.report.seconds,
+  spdlog::info("transformer loaded: {} parameters, {} in {:.3f} s ({}/s) onto {} as {} ({})", a.report.parameter_count,
+               gb(a.report.bytes), a.report.seconds,
                gb(static_cast<uint64_t>(static_cast<double>(a.report.bytes) / std::max(a.report.seconds, 1e-9))),
                device.str(), dtype_name, a.report.notes.back());
   out.report = std::move(a.report);
@@ -841,7 +850,8 @@ ConvertResult convert_transformer_checkpoint(const std::string& src, const std::
   try {
     nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
     for (size_t i = 0; i < shards.size(); ++i) {
-      const std::string file = shards.size() == 1 ? "diffusion_pytorch_model.safetensors" : shard_name(i, shards.size());
+      const std::string file =
+          shards.size() == 1 ? "diffusion_pytorch_model.safetensors" : shard_name(i, shards.size());
       std::vector<safetensors::SaveItem> items;
       for (const auto& t : shards[i]) {
         items.push_back({t.name, t.dtype, t.source.sizes().vec(), [t] { return t.source.to(t.dtype); }});
@@ -866,8 +876,8 @@ ConvertResult convert_transformer_checkpoint(const std::string& src, const std::
     if (created) fs::remove(out_dir, ec);
     throw;
   }
-  spdlog::info("converted '{}' (layout {}) to diffusers layout in '{}': {} file(s), {} of tensors{}, {:.2f} s",
-               a.path, layout_name(a.report.layout), dst, result.files.size(), gb(result.bytes),
+  spdlog::info("converted '{}' (layout {}) to diffusers layout in '{}': {} file(s), {} of tensors{}, {:.2f} s", a.path,
+               layout_name(a.report.layout), dst, result.files.size(), gb(result.bytes),
                target ? " as " + options.dtype + " (fp32 islands kept float32)" : std::string(" in stored dtypes"),
                seconds_since(t0));
   return result;

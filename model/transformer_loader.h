@@ -19,16 +19,16 @@ enum class TransformerLayout { Diffusers, Original, NormOutLinear };
 const char* layout_name(TransformerLayout layout);  // "diffusers", "original", "norm_out_linear"
 
 struct TransformerLoadOptions {
-  std::string device = "cpu";      // cpu, cuda, cuda:N
-  std::string dtype = "float32";   // float32, bfloat16, auto (runtime::resolve_dtype_name)
+  std::string device = "cpu";     // cpu, cuda, cuda:N
+  std::string dtype = "float32";  // float32, bfloat16, auto (runtime::resolve_dtype_name)
 };
 
 // What the loader found and did; also what `skyreels inspect` prints.
 struct TransformerLoadReport {
   TransformerLayout layout = TransformerLayout::Diffusers;
-  std::string config_source;                 // "config.json (diffusers)", "config.json (original)", "inferred ..."
+  std::string config_source;  // "config.json (diffusers)", "config.json (original)", "inferred ..."
   std::vector<std::string> files;
-  std::vector<std::string> notes;            // mapping applied, conversions, inferences
+  std::vector<std::string> notes;                // mapping applied, conversions, inferences
   std::map<std::string, int64_t> stored_dtypes;  // "F32" -> tensor count
   int64_t parameter_count = 0;
   uint64_t bytes = 0;
@@ -70,7 +70,7 @@ std::string transformer_checkpoint_key(TransformerLayout layout, const std::stri
 // file and field on a malformed or unsupported config.
 struct ParsedTransformerConfig {
   TransformerConfig config;
-  std::string form;                // "diffusers" or "original"
+  std::string form;  // "diffusers" or "original"
   std::vector<std::string> notes;
 };
 ParsedTransformerConfig parse_transformer_config(const std::string& config_json_path);
@@ -90,15 +90,15 @@ std::vector<std::string> transformer_config_contradictions(const TransformerConf
 // Everything the loader finds, with problems collected instead of thrown (what `inspect` prints). Only unreadable
 // inputs throw (missing path, damaged safetensors, missing shard, unrecognised or mixed key names).
 struct TransformerCheckpointAnalysis {
-  std::string path;                          // what was read (a pipeline's transformer/ folder, for instance)
-  std::optional<TransformerConfig> config;   // absent when it could not be read or inferred
-  std::map<std::string, at::Tensor> tensors; // internal name -> CPU tensor as stored (mapped views)
-  checkpoint::KeyOrigins origins;            // internal name -> checkpoint key
+  std::string path;                           // what was read (a pipeline's transformer/ folder, for instance)
+  std::optional<TransformerConfig> config;    // absent when it could not be read or inferred
+  std::map<std::string, at::Tensor> tensors;  // internal name -> CPU tensor as stored (mapped views)
+  checkpoint::KeyOrigins origins;             // internal name -> checkpoint key
   TransformerLoadReport report;
-  std::vector<std::string> problems;         // config and layout problems, each naming its field/key/file
-  checkpoint::MatchProblems match;           // strict comparison with the model's parameters
+  std::vector<std::string> problems;  // config and layout problems, each naming its field/key/file
+  checkpoint::MatchProblems match;    // strict comparison with the model's parameters
   bool ok() const { return problems.empty() && match.empty(); }
-  std::string error_message() const;         // every problem in one message
+  std::string error_message() const;  // every problem in one message
 };
 TransformerCheckpointAnalysis analyze_transformer_checkpoint(const std::string& path);
 
@@ -107,13 +107,13 @@ TransformerCheckpointAnalysis analyze_transformer_checkpoint(const std::string& 
 // diffusion_pytorch_model.safetensors.index.json when it is larger than max_shard_size. `dst` must not exist or be
 // empty. The source is checked strictly first; nothing is written for a checkpoint that would not load.
 struct ConvertOptions {
-  std::string dtype;                             // "" keeps stored dtypes; float32 or bfloat16 (fp32 islands stay fp32)
-  uint64_t max_shard_size = 5'000'000'000ull;    // bytes per shard, 5 GB like diffusers' save_pretrained
+  std::string dtype;                           // "" keeps stored dtypes; float32 or bfloat16 (fp32 islands stay fp32)
+  uint64_t max_shard_size = 5'000'000'000ull;  // bytes per shard, 5 GB like diffusers' save_pretrained
 };
 struct ConvertResult {
-  std::vector<std::string> files;                // written, config.json and index included
-  uint64_t bytes = 0;                            // tensor bytes written
-  TransformerLoadReport source;                  // what was read
+  std::vector<std::string> files;  // written, config.json and index included
+  uint64_t bytes = 0;              // tensor bytes written
+  TransformerLoadReport source;    // what was read
 };
 ConvertResult convert_transformer_checkpoint(const std::string& src, const std::string& dst,
                                              const ConvertOptions& options = {});

@@ -2,12 +2,12 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
-#include <nlohmann/json.hpp>
 #include <torch/version.h>
 
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <stdexcept>
 
@@ -364,10 +364,11 @@ void SkyReelsV2Transformer::Impl::check_weights() const {
     }
     const at::ScalarType want = spec.keep_fp32 ? at::kFloat : dtype;
     if (t.scalar_type() != want) {
-      problems.push_back(spec.name + ": dtype " + c10::toString(t.scalar_type()) + ", expected " +
-                         c10::toString(want) + (spec.keep_fp32 ? " (fp32 island)" : ""));
+      problems.push_back(spec.name + ": dtype " + c10::toString(t.scalar_type()) + ", expected " + c10::toString(want) +
+                         (spec.keep_fp32 ? " (fp32 island)" : ""));
     }
-    if (!on_device(t, device)) problems.push_back(spec.name + ": on " + t.device().str() + ", expected " + device.str());
+    if (!on_device(t, device))
+      problems.push_back(spec.name + ": on " + t.device().str() + ", expected " + device.str());
   }
   for (const auto& [name, t] : weights) {
     if (!expected.count(name)) problems.push_back(name + ": unexpected (no such parameter in this config)");
@@ -394,8 +395,8 @@ void SkyReelsV2Transformer::Impl::bind_weights() {
     fps_2 = linear("fps_projection.net.2");
   }
   auto attention_weights = [&](const std::string& p) {
-    return AttentionWeights{linear(p + ".to_q"), linear(p + ".to_k"), linear(p + ".to_v"), linear(p + ".to_out.0"),
-                            w(p + ".norm_q.weight"), w(p + ".norm_k.weight")};
+    return AttentionWeights{linear(p + ".to_q"),     linear(p + ".to_k"),     linear(p + ".to_v"),
+                            linear(p + ".to_out.0"), w(p + ".norm_q.weight"), w(p + ".norm_k.weight")};
   };
   blocks.clear();
   for (int64_t i = 0; i < config.num_layers; ++i) {
@@ -471,8 +472,8 @@ std::vector<std::pair<std::string, at::Tensor>> SkyReelsV2Transformer::named_ten
 std::pair<at::Tensor, at::Tensor> SkyReelsV2Transformer::rope_tables(int64_t ppf, int64_t pph, int64_t ppw) const {
   const int64_t max_len = impl_->config.rope_max_seq_len;
   if (ppf < 1 || pph < 1 || ppw < 1 || ppf > max_len || pph > max_len || ppw > max_len) {
-    throw std::invalid_argument("rope_tables: the post-patch grid " + std::to_string(ppf) + "x" +
-                                std::to_string(pph) + "x" + std::to_string(ppw) +
+    throw std::invalid_argument("rope_tables: the post-patch grid " + std::to_string(ppf) + "x" + std::to_string(pph) +
+                                "x" + std::to_string(ppw) +
                                 " must be positive and at most rope_max_seq_len=" + std::to_string(max_len));
   }
   const auto& s = impl_->split;
@@ -524,17 +525,15 @@ Geometry SkyReelsV2Transformer::Impl::check_inputs(const TransformerForwardArgs&
   g.dim = c.inner_dim();
 
   const Tensor& t = a.timestep;
-  require(t.defined() && (t.dim() == 1 || t.dim() == 2) && t.size(0) == g.batch &&
-              (t.dim() == 1 || t.size(1) == g.ppf),
+  require(t.defined() && (t.dim() == 1 || t.dim() == 2) && t.size(0) == g.batch && (t.dim() == 1 || t.size(1) == g.ppf),
           "timestep: expected [B] or [B, F] with B=" + std::to_string(g.batch) + ", F=" + std::to_string(g.ppf) +
               (t.defined() ? ", got " + checkpoint::shape_str(t.sizes().vec()) : ""));
   require(t.scalar_type() != at::kBool, "timestep: expected integer or floating-point values");
 
   const Tensor& e = a.encoder_hidden_states;
   require(e.defined() && e.dim() == 3 && e.size(0) == g.batch && e.size(1) >= 1 && e.size(2) == c.text_dim,
-          "encoder_hidden_states: expected [B, T, text_dim] with B=" + std::to_string(g.batch) +
-              ", text_dim=" + std::to_string(c.text_dim) +
-              (e.defined() ? ", got " + checkpoint::shape_str(e.sizes().vec()) : ""));
+          "encoder_hidden_states: expected [B, T, text_dim] with B=" + std::to_string(g.batch) + ", text_dim=" +
+              std::to_string(c.text_dim) + (e.defined() ? ", got " + checkpoint::shape_str(e.sizes().vec()) : ""));
   require(at::isFloatingType(e.scalar_type()), "encoder_hidden_states: expected a floating-point tensor");
 
   if (c.inject_sample_info) {
@@ -582,8 +581,8 @@ Tensor SkyReelsV2Transformer::Impl::feed_forward(const BlockWeights& b, const Te
   // Linear -> GELU(tanh) -> Linear, token-wise: run over chunks of tokens so the [tokens, ffn_dim] hidden state
   // (0.9 GB in bf16 at 540P for 1.3B) is never whole.
   const int64_t tokens = n.size(0) * n.size(1), dim = n.size(2);
-  const int64_t chunk = std::clamp<int64_t>(
-      chunk_bytes / (config.ffn_dim * static_cast<int64_t>(n.element_size())), 1, tokens);
+  const int64_t chunk =
+      std::clamp<int64_t>(chunk_bytes / (config.ffn_dim * static_cast<int64_t>(n.element_size())), 1, tokens);
   const Tensor flat = n.view({tokens, dim});
   Tensor out = at::empty({tokens, dim}, n.options());
   const Tensor w_out_t = b.ffn_out.weight.t();
@@ -659,16 +658,14 @@ at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) co
     modulation = modulation + fps_proj.view({g.batch, 1, 6, g.dim});
   }
   modulation = modulation.to(at::kFloat);
-  const Tensor context =
-      m.text_2(at::gelu(m.text_1(args.encoder_hidden_states.to(m.device, m.dtype)), "tanh"));
+  const Tensor context = m.text_2(at::gelu(m.text_1(args.encoder_hidden_states.to(m.device, m.dtype)), "tanh"));
 
   // RoPE: diffusers uses cos[..., 0::2] and sin[..., 1::2] of its tables, each angle repeated over its pair.
   const auto [cos_full, sin_full] = rope_tables(g.ppf, g.pph, g.ppw);
   const Tensor sin_half = sin_full.slice(-1, 1, c.attention_head_dim, 2);
   const RopeTables rope{cos_full, at::stack({sin_half.neg(), sin_half}, -1).view(cos_full.sizes())};
 
-  const int64_t causal_block_tokens =
-      args.num_frame_per_block > 1 ? args.num_frame_per_block * g.tokens_per_frame : 0;
+  const int64_t causal_block_tokens = args.num_frame_per_block > 1 ? args.num_frame_per_block * g.tokens_per_frame : 0;
   for (const BlockWeights& b : m.blocks) {
     x = m.block_forward(b, std::move(x), context, modulation, rope, g, causal_block_tokens);
   }

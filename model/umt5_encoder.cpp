@@ -4,7 +4,6 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
 #include <chrono>
@@ -12,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <regex>
 #include <set>
@@ -41,8 +41,8 @@ UMT5Config UMT5Config::umt5_xxl() {
 
 void UMT5Config::validate() const {
   auto positive = [](int64_t v, const char* name) {
-    if (v <= 0) throw std::invalid_argument(std::string("UMT5 config: ") + name + " must be positive, got " +
-                                            std::to_string(v));
+    if (v <= 0)
+      throw std::invalid_argument(std::string("UMT5 config: ") + name + " must be positive, got " + std::to_string(v));
   };
   positive(vocab_size, "vocab_size");
   positive(d_model, "d_model");
@@ -154,11 +154,16 @@ namespace {
 
 double lowest_of(at::ScalarType dtype) {
   switch (dtype) {
-    case at::kFloat: return static_cast<double>(std::numeric_limits<float>::lowest());
-    case at::kDouble: return std::numeric_limits<double>::lowest();
-    case at::kBFloat16: return static_cast<double>(std::numeric_limits<c10::BFloat16>::lowest());
-    case at::kHalf: return static_cast<double>(std::numeric_limits<c10::Half>::lowest());
-    default: throw std::invalid_argument("UMT5: unsupported compute dtype " + std::string(c10::toString(dtype)));
+    case at::kFloat:
+      return static_cast<double>(std::numeric_limits<float>::lowest());
+    case at::kDouble:
+      return std::numeric_limits<double>::lowest();
+    case at::kBFloat16:
+      return static_cast<double>(std::numeric_limits<c10::BFloat16>::lowest());
+    case at::kHalf:
+      return static_cast<double>(std::numeric_limits<c10::Half>::lowest());
+    default:
+      throw std::invalid_argument("UMT5: unsupported compute dtype " + std::string(c10::toString(dtype)));
   }
 }
 
@@ -246,19 +251,18 @@ UMT5Encoder::UMT5Encoder(UMT5Config config, checkpoint::StateDict weights, c10::
   for (int64_t i = 0; i < config.num_layers; ++i) {
     const std::string a = layer_prefix(i) + "layer.0.";
     const std::string f = layer_prefix(i) + "layer.1.";
-    impl_->layers.push_back(Layer{
-        impl_->get(a + "layer_norm.weight"), impl_->get(a + "SelfAttention.q.weight"),
-        impl_->get(a + "SelfAttention.k.weight"), impl_->get(a + "SelfAttention.v.weight"),
-        impl_->get(a + "SelfAttention.o.weight"), impl_->get(a + "SelfAttention.relative_attention_bias.weight"),
-        impl_->get(f + "layer_norm.weight"), impl_->get(f + "DenseReluDense.wi_0.weight"),
-        impl_->get(f + "DenseReluDense.wi_1.weight"), impl_->get(f + "DenseReluDense.wo.weight")});
+    impl_->layers.push_back(
+        Layer{impl_->get(a + "layer_norm.weight"), impl_->get(a + "SelfAttention.q.weight"),
+              impl_->get(a + "SelfAttention.k.weight"), impl_->get(a + "SelfAttention.v.weight"),
+              impl_->get(a + "SelfAttention.o.weight"), impl_->get(a + "SelfAttention.relative_attention_bias.weight"),
+              impl_->get(f + "layer_norm.weight"), impl_->get(f + "DenseReluDense.wi_0.weight"),
+              impl_->get(f + "DenseReluDense.wi_1.weight"), impl_->get(f + "DenseReluDense.wo.weight")});
   }
 }
 
 UMT5Encoder::~UMT5Encoder() = default;
 
-at::Tensor UMT5Encoder::forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,
-                                UMT5Trace* trace) const {
+at::Tensor UMT5Encoder::forward(const at::Tensor& input_ids, const at::Tensor& attention_mask, UMT5Trace* trace) const {
   const auto& c = impl_->config;
   if (input_ids.dim() != 2 || attention_mask.sizes() != input_ids.sizes()) {
     throw std::invalid_argument("UMT5Encoder: input_ids and attention_mask must both be [B, T]; got " +
@@ -281,9 +285,9 @@ at::Tensor UMT5Encoder::forward(const at::Tensor& input_ids, const at::Tensor& a
                           lowest_of(x.scalar_type());
   const int64_t length = ids.size(1);
   const at::Tensor positions = at::arange(length, ids.options());
-  const at::Tensor buckets = umt5_relative_position_bucket(
-      positions.unsqueeze(0) - positions.unsqueeze(1), c.relative_attention_num_buckets,
-      c.relative_attention_max_distance);
+  const at::Tensor buckets =
+      umt5_relative_position_bucket(positions.unsqueeze(0) - positions.unsqueeze(1), c.relative_attention_num_buckets,
+                                    c.relative_attention_max_distance);
   if (trace) {
     trace->embeddings = x;
     trace->extended_attention_mask = mask;
@@ -367,15 +371,17 @@ int64_t json_int(const nlohmann::json& j, const fs::path& file, const char* key,
     notes.push_back(std::string(key) + " not in config.json; using " + std::to_string(*fallback));
     return *fallback;
   }
-  if (!j[key].is_number_integer()) throw CheckpointError("'" + file.string() + "': field '" + key + "' is not an integer");
+  if (!j[key].is_number_integer())
+    throw CheckpointError("'" + file.string() + "': field '" + key + "' is not an integer");
   return j[key].get<int64_t>();
 }
 
 UMT5Config parse_transformers_config(const nlohmann::json& j, const fs::path& file, std::vector<std::string>& notes) {
   const std::string model_type = j.value("model_type", std::string("umt5"));
   if (model_type == "t5" || model_type == "mt5") {
-    throw CheckpointError("'" + file.string() + "': model_type '" + model_type +
-                          "' shares layer 0's relative attention bias; this encoder implements UMT5 (a bias per layer)");
+    throw CheckpointError(
+        "'" + file.string() + "': model_type '" + model_type +
+        "' shares layer 0's relative attention bias; this encoder implements UMT5 (a bias per layer)");
   }
   const std::string ffn = j.value("feed_forward_proj", std::string("gated-gelu"));
   if (ffn != "gated-gelu") {
@@ -477,8 +483,9 @@ UMT5Layout detect_umt5_layout(const std::vector<std::string>& keys) {
   }
   if (transformers) return UMT5Layout::Transformers;
   if (original) return UMT5Layout::Original;
-  throw CheckpointError("no UMT5 text encoder keys found (expected 'shared.weight' / 'encoder.block.N...' or "
-                        "'token_embedding.weight' / 'blocks.N...')");
+  throw CheckpointError(
+      "no UMT5 text encoder keys found (expected 'shared.weight' / 'encoder.block.N...' or "
+      "'token_embedding.weight' / 'blocks.N...')");
 }
 
 const std::vector<checkpoint::RenameRule>& umt5_rename_rules(UMT5Layout layout) {
@@ -513,10 +520,10 @@ LoadedUMT5 load_umt5_encoder(const std::string& path, const UMT5LoadOptions& opt
     embedding_key = "token_embedding.weight";
   }
   if (embedding_key.empty()) {
-    throw CheckpointError(
-        "UMT5 text encoder '" + path + "' has no token embedding: expected " +
-        (hf ? std::string("'shared.weight' or 'encoder.embed_tokens.weight'") : std::string("'token_embedding.weight'")) +
-        " (it is never initialised at random)");
+    throw CheckpointError("UMT5 text encoder '" + path + "' has no token embedding: expected " +
+                          (hf ? std::string("'shared.weight' or 'encoder.embed_tokens.weight'")
+                              : std::string("'token_embedding.weight'")) +
+                          " (it is never initialised at random)");
   }
   report.notes.push_back("token embedding read from '" + embedding_key + "'");
 
@@ -561,8 +568,8 @@ LoadedUMT5 load_umt5_encoder(const std::string& path, const UMT5LoadOptions& opt
   checkpoint::StateDict placed = checkpoint::place_strict(tensors, umt5_parameter_specs(config), place,
                                                           "UMT5 text encoder '" + path + "'", origins);
   for (const auto& [name, t] : placed) report.parameter_count += t.numel();
-  loaded.model = std::make_unique<UMT5Encoder>(config, std::move(placed), checkpoint::parse_device(options.device),
-                                               place.dtype);
+  loaded.model =
+      std::make_unique<UMT5Encoder>(config, std::move(placed), checkpoint::parse_device(options.device), place.dtype);
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   spdlog::info("UMT5 text encoder: {} layout, {} layers, d_model {}, {} parameters, {} on {}, {:.2f} s",
                umt5_layout_name(report.layout), config.num_layers, config.d_model, report.parameter_count, dtype_name,

@@ -51,11 +51,11 @@ std::vector<checkpoint::ParamSpec> umt5_parameter_specs(const UMT5Config& config
 
 // Per-layer values of one forward pass, for tests (filled when a trace is passed).
 struct UMT5Trace {
-  at::Tensor embeddings;                      // [B, T, d_model]
-  at::Tensor extended_attention_mask;         // [B, 1, 1, T]
-  std::vector<at::Tensor> position_bias;      // per layer [1, heads, T, T]
-  std::vector<at::Tensor> after_attention;    // per layer, hidden states after the attention sublayer
-  std::vector<at::Tensor> block_out;          // per layer, hidden states after the block
+  at::Tensor embeddings;                    // [B, T, d_model]
+  at::Tensor extended_attention_mask;       // [B, 1, 1, T]
+  std::vector<at::Tensor> position_bias;    // per layer [1, heads, T, T]
+  std::vector<at::Tensor> after_attention;  // per layer, hidden states after the attention sublayer
+  std::vector<at::Tensor> block_out;        // per layer, hidden states after the block
 };
 
 class UMT5Encoder {
@@ -102,7 +102,7 @@ struct UMT5LoadOptions {
 
 struct UMT5LoadReport {
   UMT5Layout layout = UMT5Layout::Transformers;
-  std::string config_source;       // "config.json (transformers)", "config.json (original)", "inferred from shapes"
+  std::string config_source;  // "config.json (transformers)", "config.json (original)", "inferred from shapes"
   std::vector<std::string> files;
   std::vector<std::string> notes;  // embedding key used, ignored keys, ...
   int64_t parameter_count = 0;

@@ -1,13 +1,13 @@
 #include "model/vae_wan.h"
 
 #include <ATen/ATen.h>
-#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <utility>
 #include <variant>
@@ -21,8 +21,8 @@ namespace fs = std::filesystem;
 constexpr int64_t kCacheT = 2;
 
 std::vector<double> wan21_latents_mean() {
-  return {-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
-          0.4134,  -0.0715, 0.5517,  -0.3632, -0.1922, -0.9497, 0.2503, -0.2921};
+  return {-0.7571, -0.7089, -0.9113, 0.1075,  -0.1745, 0.9653,  -0.1517, 1.5508,
+          0.4134,  -0.0715, 0.5517,  -0.3632, -0.1922, -0.9497, 0.2503,  -0.2921};
 }
 std::vector<double> wan21_latents_std() {
   return {2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
@@ -42,8 +42,9 @@ class Binder {
     auto it = weights_->find(name);
     if (it == weights_->end()) throw WanVaeError("Wan VAE: missing parameter '" + name + "'");
     if (it->second.sizes().vec() != shape) {
-      throw WanVaeError("Wan VAE: parameter '" + name + "' has shape " + checkpoint::shape_str(it->second.sizes().vec()) +
-                        ", the config needs " + checkpoint::shape_str(shape));
+      throw WanVaeError("Wan VAE: parameter '" + name + "' has shape " +
+                        checkpoint::shape_str(it->second.sizes().vec()) + ", the config needs " +
+                        checkpoint::shape_str(shape));
     }
     at::Tensor t = std::move(it->second);
     weights_->erase(it);
@@ -138,8 +139,7 @@ struct Conv2d {
   at::Tensor weight, bias;
   int64_t stride = 1, padding = 0;
   Conv2d() = default;
-  Conv2d(Binder& b, const std::string& name, int64_t in, int64_t out, int64_t kernel, int64_t stride_,
-         int64_t padding_)
+  Conv2d(Binder& b, const std::string& name, int64_t in, int64_t out, int64_t kernel, int64_t stride_, int64_t padding_)
       : stride(stride_), padding(padding_) {
     weight = b.param(name + ".weight", {out, in, kernel, kernel});
     bias = b.param(name + ".bias", {out});
@@ -223,7 +223,7 @@ struct AttentionBlock {
     const int64_t bt = y.size(0);
     at::Tensor qkv = to_qkv.forward(y).reshape({bt, 1, c * 3, h * w}).permute({0, 1, 3, 2}).contiguous();
     auto parts = qkv.chunk(3, -1);
-    y = attention(parts[0], parts[1], parts[2]);                 // [bt, 1, hw, c]
+    y = attention(parts[0], parts[1], parts[2]);  // [bt, 1, hw, c]
     y = y.squeeze(1).permute({0, 2, 1}).reshape({bt, c, h, w});
     y = proj.forward(y);
     return images_to_frames(y, b) + x;
@@ -452,7 +452,8 @@ void check_input(const at::Tensor& x, int64_t channels, const char* what, const 
        << (x.defined() ? list_str(x.sizes().vec()) : std::string("an undefined tensor"));
     throw std::invalid_argument(os.str());
   }
-  if (!at::isFloatingType(x.scalar_type())) throw std::invalid_argument(std::string("Wan VAE: ") + what + " must be floating point");
+  if (!at::isFloatingType(x.scalar_type()))
+    throw std::invalid_argument(std::string("Wan VAE: ") + what + " must be floating point");
 }
 
 }  // namespace
@@ -733,8 +734,8 @@ at::Tensor WanVaeDecodeSession::decode(const at::Tensor& z, bool clamp) {
   if (shape_.empty()) {
     shape_ = shape;
   } else if (shape != shape_) {
-    throw std::invalid_argument("Wan VAE decode session: batch/height/width changed from " + list_str(shape_) +
-                                " to " + list_str(shape));
+    throw std::invalid_argument("Wan VAE decode session: batch/height/width changed from " + list_str(shape_) + " to " +
+                                list_str(shape));
   }
   if (z.size(2) < 1) throw std::invalid_argument("Wan VAE decode session: z has no frames");
   // post_quant_conv is 1x1x1, so applying it per call equals diffusers' whole-sequence application.

@@ -108,8 +108,8 @@ class WanVae {
 };
 
 // Decoding of one video, latent frame by latent frame, keeping the causal cache between calls: decoding a latent
-// sequence in any split gives what decode() gives for the whole (to float rounding). Not thread-safe; one per video. The
-// WanVae must outlive it.
+// sequence in any split gives what decode() gives for the whole (to float rounding). Not thread-safe; one per video.
+// The WanVae must outlive it.
 class WanVaeDecodeSession {
  public:
   explicit WanVaeDecodeSession(const WanVae& vae);

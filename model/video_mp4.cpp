@@ -52,8 +52,9 @@ using WriteBuffer = uint8_t*;
 at::Tensor as_frames_hwc(const at::Tensor& frames, int width, int height) {
   at::Tensor f = frames.dim() == 3 ? frames.unsqueeze(0) : frames;
   if (f.dim() != 4 || f.size(3) != 3 || f.scalar_type() != at::kByte) {
-    throw VideoError("Mp4Writer: frames must be uint8 [T, H, W, 3], got " + std::string(c10::toString(frames.scalar_type())) +
-                     " of " + std::to_string(frames.dim()) + " dims");
+    throw VideoError("Mp4Writer: frames must be uint8 [T, H, W, 3], got " +
+                     std::string(c10::toString(frames.scalar_type())) + " of " + std::to_string(frames.dim()) +
+                     " dims");
   }
   if (f.size(1) != height || f.size(2) != width) {
     throw VideoError("Mp4Writer: frame size " + std::to_string(f.size(2)) + "x" + std::to_string(f.size(1)) +
@@ -93,7 +94,7 @@ double psnr(const at::Tensor& a, const at::Tensor& b) {
 struct Mp4Writer::Impl {
   int width = 0, height = 0;
   Mp4Options options;
-  ByteSink sink;            // set in stream mode
+  ByteSink sink;  // set in stream mode
   AVFormatContext* fmt = nullptr;
   AVCodecContext* enc = nullptr;
   AVStream* stream = nullptr;
@@ -221,7 +222,8 @@ struct Mp4Writer::Impl {
     }
     const int rc = avcodec_open2(enc, codec, &opts);
     av_dict_free(&opts);
-    check(rc, "Mp4Writer: cannot open libx264 (preset '" + options.preset + "', crf " + std::to_string(options.crf) + ")");
+    check(rc,
+          "Mp4Writer: cannot open libx264 (preset '" + options.preset + "', crf " + std::to_string(options.crf) + ")");
   }
 
   void drain(bool flushing) {
@@ -369,10 +371,17 @@ struct MemoryInput {
     if (whence & AVSEEK_SIZE) return size;
     int64_t target = offset;
     switch (whence & ~AVSEEK_FORCE) {
-      case SEEK_SET: target = offset; break;
-      case SEEK_CUR: target = self->pos + offset; break;
-      case SEEK_END: target = size + offset; break;
-      default: return AVERROR(EINVAL);
+      case SEEK_SET:
+        target = offset;
+        break;
+      case SEEK_CUR:
+        target = self->pos + offset;
+        break;
+      case SEEK_END:
+        target = size + offset;
+        break;
+      default:
+        return AVERROR(EINVAL);
     }
     if (target < 0 || target > size) return AVERROR(EINVAL);
     self->pos = target;
@@ -469,8 +478,8 @@ class Reader {
 
   at::Tensor to_rgb(const AVFrame* f) {
     sws_ = sws_getCachedContext(sws_, f->width, f->height, static_cast<AVPixelFormat>(f->format), f->width, f->height,
-                                AV_PIX_FMT_RGB24, SWS_BICUBIC | SWS_ACCURATE_RND | SWS_FULL_CHR_H_INT, nullptr,
-                                nullptr, nullptr);
+                                AV_PIX_FMT_RGB24, SWS_BICUBIC | SWS_ACCURATE_RND | SWS_FULL_CHR_H_INT, nullptr, nullptr,
+                                nullptr);
     if (sws_ == nullptr) throw VideoError("read_video: cannot convert frames of " + name_ + " to RGB");
     const int cs = f->colorspace == AVCOL_SPC_BT709 ? SWS_CS_ITU709 : kSwsColorspace;
     const int full_range = f->color_range == AVCOL_RANGE_JPEG ? 1 : 0;

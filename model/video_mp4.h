@@ -52,8 +52,8 @@ class Mp4Writer {
   Mp4Writer(const Mp4Writer&) = delete;
   Mp4Writer& operator=(const Mp4Writer&) = delete;
 
-  void write_rgb(const at::Tensor& frames);  // uint8 [T, H, W, 3] (or [H, W, 3])
-  void write_video(const at::Tensor& video); // float [3, T, H, W] in [-1, 1]
+  void write_rgb(const at::Tensor& frames);   // uint8 [T, H, W, 3] (or [H, W, 3])
+  void write_video(const at::Tensor& video);  // float [3, T, H, W] in [-1, 1]
   // Fragmented output: closes the current fragment (sink mode: hands its bytes to the sink). Does nothing for a
   // regular MP4 or when no frame was written since the last segment.
   void end_segment();
@@ -80,8 +80,8 @@ struct VideoInfo {
   std::string pix_fmt;    // "yuv420p"
   int width = 0;
   int height = 0;
-  int64_t frames = 0;     // decoded frames
-  double fps = 0.0;       // average frame rate of the stream
+  int64_t frames = 0;  // decoded frames
+  double fps = 0.0;    // average frame rate of the stream
 };
 
 struct DecodedVideo {

@@ -61,10 +61,10 @@ TEST_P(TimestepMatrixGolden, EqualsDiffusersExactly) {
   const at::Tensor tmpl = golden.at("step_template");
   const std::vector<int64_t> step_template(tmpl.data_ptr<int64_t>(), tmpl.data_ptr<int64_t>() + tmpl.numel());
 
-  const TimestepMatrix m = generate_timestep_matrix(
-      args.at("num_latent_frames").get<int64_t>(), step_template, args.at("base_num_latent_frames").get<int64_t>(),
-      args.at("ar_step").get<int64_t>(), args.at("num_pre_ready").get<int64_t>(),
-      args.at("causal_block_size").get<int64_t>());
+  const TimestepMatrix m =
+      generate_timestep_matrix(args.at("num_latent_frames").get<int64_t>(), step_template,
+                               args.at("base_num_latent_frames").get<int64_t>(), args.at("ar_step").get<int64_t>(),
+                               args.at("num_pre_ready").get<int64_t>(), args.at("causal_block_size").get<int64_t>());
 
   EXPECT_TRUE(at::equal(m.step_matrix, golden.at("step_matrix")));
   EXPECT_TRUE(at::equal(m.step_index, golden.at("step_index")));
@@ -136,7 +136,8 @@ PipelineCase load_case(const std::string& name) {
 
   const auto inputs = load_tensors(dir + "/inputs.safetensors");
   c.conditioning.prompt_embeds = inputs.at("prompt_embeds");
-  if (inputs.count("negative_prompt_embeds")) c.conditioning.negative_prompt_embeds = inputs.at("negative_prompt_embeds");
+  if (inputs.count("negative_prompt_embeds"))
+    c.conditioning.negative_prompt_embeds = inputs.at("negative_prompt_embeds");
   const auto noise = load_tensors(dir + "/noise.safetensors");
   for (const auto& draw : c.json.at("noise_draws_in_order")) c.noise.push_back(noise.at(draw.at("name")));
   c.trace = load_tensors(dir + "/trace.safetensors");
@@ -174,8 +175,7 @@ at::Tensor run_chunks(const PipelineCase& c, const Denoiser& denoiser, const Den
   const ChunkPlan plan = plan_chunks(c.params, info.num_frame_per_block);
   at::Tensor video;
   for (const ChunkSpec& chunk : plan.chunks) {
-    const at::Tensor latents =
-        run_chunk(denoiser, info, c.params, plan, chunk.index, c.conditioning, video, noise);
+    const at::Tensor latents = run_chunk(denoiser, info, c.params, plan, chunk.index, c.conditioning, video, noise);
     EXPECT_TRUE(all_close(latents, c.output.at("chunk" + std::to_string(chunk.index) + "_latents_end"), atol))
         << c.name << " chunk " << chunk.index;
     video = accumulate(video, latents, chunk);
@@ -315,9 +315,10 @@ TEST(ChunkByChunk, EachChunkOnItsOwnFreshSeededSourceEqualsTheWholeVideo) {
   for (const ChunkSpec& chunk : plan.chunks) {
     auto replica_noise = make_seeded_noise(*p.seed);  // as if each chunk ran on another replica
     // Only the tail the chunk needs travels between replicas.
-    const at::Tensor tail = video.defined() ? video.narrow(2, video.size(2) - plan.overlap_latent_frames,
-                                                            plan.overlap_latent_frames).clone()
-                                            : at::Tensor();
+    const at::Tensor tail =
+        video.defined()
+            ? video.narrow(2, video.size(2) - plan.overlap_latent_frames, plan.overlap_latent_frames).clone()
+            : at::Tensor();
     const at::Tensor latents = run_chunk(synthetic_prediction, info, p, plan, chunk.index, cond, tail, *replica_noise);
     EXPECT_TRUE(at::equal(latents, whole_chunks[static_cast<size_t>(chunk.index)])) << "chunk " << chunk.index;
     video = accumulate(video, latents, chunk);
@@ -515,7 +516,8 @@ TEST(DiffusersBugOverlap, OverlapNotAMultipleOfTheBlockKeepsDiffusersResultAndWa
         if (call.chunk == 1 && call.row == 0) chunk_inputs.push_back(call.latent_model_input);
         return synthetic_prediction(call);
       },
-      info, p, cond, *noise, {}, [&](int64_t k, const at::Tensor& latents) {
+      info, p, cond, *noise, {},
+      [&](int64_t k, const at::Tensor& latents) {
         if (k == 0) chunk0 = latents;
       });
   EXPECT_EQ(video.size(2), 9);
@@ -574,9 +576,9 @@ TEST(RunChunk, ExplainsMissingInputs) {
   auto noise = make_seeded_noise(1);
   Conditioning no_negative = random_conditioning(1, 1);
   no_negative.negative_prompt_embeds.reset();
-  EXPECT_TRUE(starts_with(
-      message_of([&] { run_chunk(synthetic_prediction, info, p, plan, 0, no_negative, {}, *noise); }),
-      "negative_prompt_embeds:"));
+  EXPECT_TRUE(
+      starts_with(message_of([&] { run_chunk(synthetic_prediction, info, p, plan, 0, no_negative, {}, *noise); }),
+                  "negative_prompt_embeds:"));
   const Conditioning cond = random_conditioning(1, 1);
   EXPECT_TRUE(starts_with(message_of([&] { run_chunk(synthetic_prediction, info, p, plan, 1, cond, {}, *noise); }),
                           "previous_latents:"));
@@ -624,8 +626,7 @@ TEST_P(PipelineWithTransformer, RecordedNoiseThroughRunChunkMatchesDiffusersWith
   const auto model = load_fixture_model(c.name);
   if (!forward_available(*model, c)) GTEST_SKIP() << "SkyReelsV2Transformer::forward is not implemented yet";
   auto noise = make_recorded_noise(c.noise);
-  const at::Tensor video =
-      run_chunks(c, transformer_denoiser(*model, c.params), denoiser_info(*model), *noise, 1e-4);
+  const at::Tensor video = run_chunks(c, transformer_denoiser(*model, c.params), denoiser_info(*model), *noise, 1e-4);
   EXPECT_TRUE(all_close(video, c.output.at("latents"), 1e-4));
   std::printf("[ %s ] transformer max |diff| = %.3g\n", c.name.c_str(),
               test::max_abs_diff(video, c.output.at("latents")));

@@ -3,11 +3,11 @@
 // that names what is wrong.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <set>
 
 #include "model/checkpoint.h"
@@ -141,8 +141,8 @@ TEST(TransformerLoader, EveryGoldenLayoutMapsBitwiseOntoTheDiffusersTensors) {
         EXPECT_EQ(it->second.scalar_type(), want.scalar_type()) << name;
         EXPECT_TRUE(at::equal(it->second, want)) << name;
       }
-      EXPECT_EQ(mapped.config.to_diffusers_json(), map_transformer_checkpoint(weights(golden_case, "diffusers"))
-                                                       .config.to_diffusers_json());
+      EXPECT_EQ(mapped.config.to_diffusers_json(),
+                map_transformer_checkpoint(weights(golden_case, "diffusers")).config.to_diffusers_json());
     }
   }
 }
@@ -334,8 +334,9 @@ TEST(TransformerConvert, OriginalToDiffusersRoundTripsEveryTensorBitwise) {
   const auto reference = diffusers_reference("t1_tiny_df_fps");
   ASSERT_EQ(written.size(), reference.size());
   for (const auto& [name, want] : reference) EXPECT_TRUE(at::equal(written.at(name), want)) << name;
-  EXPECT_EQ(parse_transformer_config(dst + "/config.json").config.to_diffusers_json(),
-            parse_transformer_config(weights("t1_tiny_df_fps", "diffusers") + "/config.json").config.to_diffusers_json());
+  EXPECT_EQ(
+      parse_transformer_config(dst + "/config.json").config.to_diffusers_json(),
+      parse_transformer_config(weights("t1_tiny_df_fps", "diffusers") + "/config.json").config.to_diffusers_json());
   EXPECT_EQ(map_transformer_checkpoint(dst).report.layout, TransformerLayout::Diffusers);
 }
 
@@ -422,8 +423,7 @@ TEST(TransformerLoaderDamage, InvalidJsonHeader) {
 
 TEST(TransformerLoaderDamage, UnknownDtypeNamesTheTensor) {
   const std::string dir = copy_of("t1_tiny_df_fps", "diffusers");
-  edit_header(dir + "/diffusion_pytorch_model.safetensors",
-              [](auto& h) { h["proj_out.bias"]["dtype"] = "F8_E9M9"; });
+  edit_header(dir + "/diffusion_pytorch_model.safetensors", [](auto& h) { h["proj_out.bias"]["dtype"] = "F8_E9M9"; });
   EXPECT_HAS(load_error(dir), "tensor 'proj_out.bias': unknown dtype 'F8_E9M9'");
 }
 
@@ -474,16 +474,15 @@ TEST(TransformerLoaderDamage, MissingUnexpectedAndMisshapenKeysAreReportedTogeth
 TEST(TransformerLoaderDamage, MissingShardIsNamed) {
   const std::string dir = copy_of("t1_tiny_df_fps", "diffusers_sharded");
   fs::remove(dir + "/diffusion_pytorch_model-00002-of-00002.safetensors");
-  EXPECT_HAS(load_error(dir),
-             "diffusion_pytorch_model-00002-of-00002.safetensors' named by the index is missing");
+  EXPECT_HAS(load_error(dir), "diffusion_pytorch_model-00002-of-00002.safetensors' named by the index is missing");
 }
 
 TEST(TransformerLoaderDamage, NonIdentityNormOutLinearWeightIsRefusedWithItsDeviation) {
   const std::string dir = copy_of("t1_tiny_df_fps", "norm_out_linear");
-  edit_tensors(dir + "/diffusion_pytorch_model.safetensors",
-               [](auto& t) { t["norm_out.linear.weight"][30][6] = 0.5; });
+  edit_tensors(dir + "/diffusion_pytorch_model.safetensors", [](auto& t) { t["norm_out.linear.weight"][30][6] = 0.5; });
   const std::string msg = load_error(dir);
-  EXPECT_HAS(msg, "'norm_out.linear.weight' is not two stacked identities [I; I] (max deviation 0.5 at row 30, column 6)");
+  EXPECT_HAS(msg,
+             "'norm_out.linear.weight' is not two stacked identities [I; I] (max deviation 0.5 at row 30, column 6)");
   EXPECT_HAS(msg, "Refusing to load it");
 }
 
@@ -494,8 +493,9 @@ TEST(TransformerLoaderDamage, ConfigThatContradictsTheTensorsNamesTheFieldAndThe
     j["inject_sample_info"] = false;
   });
   const std::string msg = load_error(dir);
-  EXPECT_HAS(msg, "contradicts the tensors: ffn_dim: config says 64, the tensors say 32 "
-                  "(blocks.0.ffn.net.0.proj.weight [32, 24])");
+  EXPECT_HAS(msg,
+             "contradicts the tensors: ffn_dim: config says 64, the tensors say 32 "
+             "(blocks.0.ffn.net.0.proj.weight [32, 24])");
   EXPECT_HAS(msg, "inject_sample_info: config says false, but the checkpoint has fps_embedding.weight");
 }
 

@@ -22,9 +22,7 @@ TEST(Runtime, AutoDtypeFollowsTheCpu) {
   EXPECT_EQ(rt::resolve_dtype_name("auto", "cuda:0"), "bfloat16");
 }
 
-TEST(Runtime, UsesEveryAvailableCore) {
-  EXPECT_EQ(at::get_num_threads(), rt::available_cores());
-}
+TEST(Runtime, UsesEveryAvailableCore) { EXPECT_EQ(at::get_num_threads(), rt::available_cores()); }
 
 TEST(Runtime, OpenblasCoretypeIsSetBeforeStart) {
   const auto f = rt::cpu_features();

@@ -36,14 +36,13 @@ std::string error_of(const std::string& path) {
 
 TEST(Safetensors, RoundTripsEveryDtypeAndMetadata) {
   const std::string dir = temp_dir("st");
-  std::vector<std::pair<std::string, at::Tensor>> tensors = {
-      {"f32", at::randn({3, 4})},
-      {"bf16", at::randn({5}).to(at::kBFloat16)},
-      {"f64", at::randn({2, 2}, at::kDouble)},
-      {"i64", at::arange(6, at::kLong).view({2, 3})},
-      {"bool", at::tensor({1, 0, 1}).to(at::kBool)},
-      {"empty", at::empty({0, 3})},
-      {"noncontig", at::randn({4, 3}).t()}};
+  std::vector<std::pair<std::string, at::Tensor>> tensors = {{"f32", at::randn({3, 4})},
+                                                             {"bf16", at::randn({5}).to(at::kBFloat16)},
+                                                             {"f64", at::randn({2, 2}, at::kDouble)},
+                                                             {"i64", at::arange(6, at::kLong).view({2, 3})},
+                                                             {"bool", at::tensor({1, 0, 1}).to(at::kBool)},
+                                                             {"empty", at::empty({0, 3})},
+                                                             {"noncontig", at::randn({4, 3}).t()}};
   st::save(dir + "/a.safetensors", tensors, {{"format", "pt"}});
   auto file = st::File::open(dir + "/a.safetensors");
   EXPECT_EQ(file->metadata().at("format"), "pt");
@@ -127,8 +126,7 @@ TEST(SafetensorsDamage, MissingFileIsAnError) {
 TEST(SafetensorsDamage, ShapeWhoseByteSizeOverflowsIsAnErrorNotAWrapAround) {
   const std::string dir = temp_dir("st");
   // 2^62 x 2^2 x 4 bytes wraps to 0 in 64 bits; it must not pass as an empty tensor.
-  const std::string header =
-      R"({"w":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,0]}})";
+  const std::string header = R"({"w":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,0]}})";
   const std::string msg = error_of(write_raw(dir, "big.safetensors", header, ""));
   EXPECT_NE(msg.find("tensor 'w': shape is too large"), std::string::npos) << msg;
 }
@@ -140,8 +138,7 @@ TEST(SafetensorsDamage, ParseHeaderRejectsALengthPastTheFile) {
     st::parse_header("x.safetensors", "{}", 100, 50, tensors, metadata);
     FAIL() << "no error";
   } catch (const st::FormatError& e) {
-    EXPECT_NE(std::string(e.what()).find("header length 100 is past the end of the file (50 bytes)"),
-              std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("header length 100 is past the end of the file (50 bytes)"), std::string::npos)
         << e.what();
   }
 }

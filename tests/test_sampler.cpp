@@ -66,8 +66,8 @@ TEST_P(UniPCTrace, ChainedStepsMatchDiffusersWithin1e6) {
 
     EXPECT_TRUE(all_close(frames.last_x0(0).squeeze(2), trace.at(step_key(k, "x0_pred")), 1e-6));
     if (call.at("corrector_applied").get<bool>()) {
-      EXPECT_TRUE(all_close(frames.last_corrected_sample(0).squeeze(2), trace.at(step_key(k, "corrected_sample")),
-                            1e-6));
+      EXPECT_TRUE(
+          all_close(frames.last_corrected_sample(0).squeeze(2), trace.at(step_key(k, "corrected_sample")), 1e-6));
     }
     EXPECT_TRUE(all_close(sample.squeeze(2), trace.at(step_key(k, "prev_sample")), 1e-6));
     worst = std::max(worst, test::max_abs_diff(sample.squeeze(2), trace.at(step_key(k, "prev_sample"))));
@@ -84,14 +84,14 @@ TEST(FlowSchedule, StepTemplatesOfEveryTimestepMatrixCaseMatchDiffusers) {
     int64_t steps;
     double shift;
   };
-  for (const Case& c : {Case{"m1_sync_ar0", 10, 8.0}, Case{"m2_async_ar5_cbs5_f25", 30, 8.0},
-                        Case{"m4_ar2_cbs2", 10, 5.0}, Case{"m7_pre_ready_not_multiple_of_cbs", 8, 5.0},
-                        Case{"m8_sync_pre_ready5", 6, 8.0}}) {
+  for (const Case& c :
+       {Case{"m1_sync_ar0", 10, 8.0}, Case{"m2_async_ar5_cbs5_f25", 30, 8.0}, Case{"m4_ar2_cbs2", 10, 5.0},
+        Case{"m7_pre_ready_not_multiple_of_cbs", 8, 5.0}, Case{"m8_sync_pre_ready5", 6, 8.0}}) {
     FlowUniPCConfig config;
     config.flow_shift = c.shift;
     const auto golden = load_tensors(golden_path(std::string("timestep_matrix/") + c.name + "/matrix.safetensors"));
-    EXPECT_TRUE(at::equal(at::tensor(make_flow_schedule(config, c.steps).timesteps, at::kLong),
-                          golden.at("step_template")))
+    EXPECT_TRUE(
+        at::equal(at::tensor(make_flow_schedule(config, c.steps).timesteps, at::kLong), golden.at("step_template")))
         << c.name;
   }
 }
@@ -145,7 +145,9 @@ TEST(FlowUniPC, FramesSharingAStepAreUpdatedTogetherExactlyAsOneByOne) {
   for (int64_t k = 0; k < 6; ++k) {
     const at::Tensor v = at::randn_like(x);
     x = together.step({0, 1, 2}, v, x);
-    for (int64_t f = 0; f < 3; ++f) xs[static_cast<size_t>(f)] = alone[static_cast<size_t>(f)]->step({0}, v.narrow(2, f, 1), xs[static_cast<size_t>(f)]);
+    for (int64_t f = 0; f < 3; ++f)
+      xs[static_cast<size_t>(f)] =
+          alone[static_cast<size_t>(f)]->step({0}, v.narrow(2, f, 1), xs[static_cast<size_t>(f)]);
   }
   EXPECT_TRUE(at::equal(x, at::cat(xs, 2)));
 }
@@ -221,9 +223,7 @@ TEST(FlowUniPCConfig, RefusesUnsupportedSettingsNamingTheKey) {
   EXPECT_THROW(FlowUniPCConfig::from_file("/nonexistent/scheduler_config.json"), std::invalid_argument);
 }
 
-TEST(FlowSchedule, RefusesZeroSteps) {
-  EXPECT_THROW(make_flow_schedule(FlowUniPCConfig{}, 0), std::invalid_argument);
-}
+TEST(FlowSchedule, RefusesZeroSteps) { EXPECT_THROW(make_flow_schedule(FlowUniPCConfig{}, 0), std::invalid_argument); }
 
 }  // namespace
 }  // namespace skyreels::model

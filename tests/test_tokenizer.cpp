@@ -2,16 +2,15 @@
 // against transformers' slow T5Tokenizer, prompt cleaning against diffusers' prompt_clean with ftfy 6.3.1 (fixture
 // tokenizer/k1_unigram768_bytefallback: 25 strings, raw and cleaned, ids exact). This binary links gRPC and LibTorch
 // on purpose: the tokenizer must live in such a process (libsentencepiece cannot, build-notes P5).
+#include <ATen/ATen.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
-
-#include <ATen/ATen.h>
 
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -93,8 +92,10 @@ TEST(SentencePieceModel, EveryPieceScoreAndTypeEqualsVocabTsv) {
   std::string line;
   std::getline(in, line);  // header: id piece score type
   const std::map<std::string, SentencePieceModelProto::PieceType> types = {
-      {"NORMAL", SentencePieceModelProto::PieceType::Normal}, {"UNKNOWN", SentencePieceModelProto::PieceType::Unknown},
-      {"CONTROL", SentencePieceModelProto::PieceType::Control}, {"BYTE", SentencePieceModelProto::PieceType::Byte}};
+      {"NORMAL", SentencePieceModelProto::PieceType::Normal},
+      {"UNKNOWN", SentencePieceModelProto::PieceType::Unknown},
+      {"CONTROL", SentencePieceModelProto::PieceType::Control},
+      {"BYTE", SentencePieceModelProto::PieceType::Byte}};
   size_t n = 0;
   while (std::getline(in, line)) {
     std::vector<std::string> f;
@@ -169,11 +170,19 @@ TEST(SentencePieceEncode, UnknownCharactersFallBackToTheirUtf8Bytes) {
 
 TEST(SentencePieceEncode, NormalizerAppliesNfkcAndCollapsesWhitespace) {
   const auto& sp = tokenizer().sentencepiece();
-  EXPECT_EQ(sp.normalize("  ＡＢＣ\xE3\x80\x80x  "), "\xE2\x96\x81" "ABC" "\xE2\x96\x81" "x");
+  EXPECT_EQ(sp.normalize("  ＡＢＣ\xE3\x80\x80x  "),
+            "\xE2\x96\x81"
+            "ABC"
+            "\xE2\x96\x81"
+            "x");
   EXPECT_EQ(sp.normalize("   "), "");
-  EXPECT_EQ(sp.normalize("a\x07"), "\xE2\x96\x81" "a");  // control characters are deleted
+  EXPECT_EQ(sp.normalize("a\x07"),
+            "\xE2\x96\x81"
+            "a");  // control characters are deleted
   // Malformed UTF-8 becomes U+FFFD, one byte at a time, as in sentencepiece.
-  EXPECT_EQ(sp.normalize("a\xFF"), "\xE2\x96\x81" "a\xEF\xBF\xBD");
+  EXPECT_EQ(sp.normalize("a\xFF"),
+            "\xE2\x96\x81"
+            "a\xEF\xBF\xBD");
 }
 
 // ---- T5 conventions ----------------------------------------------------------------------------------------------
@@ -260,7 +269,7 @@ TEST(T5Tokenizer, ExtraIdsAreAddedTokensThatEatSurroundingWhitespace) {
   ASSERT_EQ(parts.size(), 4u);
   EXPECT_EQ(parts[0].first, "a cat");  // rstripped by the token's lstrip
   EXPECT_EQ(parts[1].second, 768 - 1 + 3 - 0);
-  EXPECT_EQ(parts[2].first, "sat");    // lstripped by the token's rstrip
+  EXPECT_EQ(parts[2].first, "sat");  // lstripped by the token's rstrip
   EXPECT_EQ(parts[3].second, 768 - 1 + 3 - 2);
 }
 
@@ -282,7 +291,7 @@ TEST(T5Tokenizer, TokenizerConfigJsonSetsExtraIdsAndAddedTokens) {
   const auto ids = with_added.encode("a [MARK] b");
   EXPECT_NE(std::find(ids.begin(), ids.end(), 700), ids.end());
   const auto split = with_added.split_on_added_tokens("a  [MARK] b");
-  EXPECT_EQ(split[0].first, "a");    // the token eats whitespace on its left only
+  EXPECT_EQ(split[0].first, "a");  // the token eats whitespace on its left only
   EXPECT_EQ(split[2].first, " b");
 
   std::ofstream(dir + "/tokenizer_config.json") << R"({"eos_token": "<not-a-piece>"})";
@@ -331,21 +340,21 @@ TEST(PromptClean, WithoutFtfyEqualsDiffusersChainWithIdentityFixText) {
 // Expected values below were produced by ftfy 6.3.1 (fix_text) and Python 3.11's html.unescape.
 TEST(PromptClean, FtfyRepairsMojibakeThroughEachEncodingPath) {
   using skyreels::model::ftfy_fix_text;
-  EXPECT_EQ(ftfy_fix_text("s\u00c3\u00b3"), "s\u00f3");                              // latin-1
-  EXPECT_EQ(ftfy_fix_text("voil\u00c3 le travail"), "voil\u00e0 le travail");        // byte A0 restored
-  EXPECT_EQ(ftfy_fix_text("\u00e2\u20ac\u0153 like this \u00e2\u20ac\ufffd"),        // lossy sequence -> U+FFFD
+  EXPECT_EQ(ftfy_fix_text("s\u00c3\u00b3"), "s\u00f3");                        // latin-1
+  EXPECT_EQ(ftfy_fix_text("voil\u00c3 le travail"), "voil\u00e0 le travail");  // byte A0 restored
+  EXPECT_EQ(ftfy_fix_text("\u00e2\u20ac\u0153 like this \u00e2\u20ac\ufffd"),  // lossy sequence -> U+FFFD
             "\" like this \ufffd");
-  EXPECT_EQ(ftfy_fix_text("\u221a\u00a9"), "\u00e9");                                // MacRoman
+  EXPECT_EQ(ftfy_fix_text("\u221a\u00a9"), "\u00e9");  // MacRoman
   EXPECT_EQ(ftfy_fix_text("caf\u00c3\u00a0"), "caf\u00e0");
   EXPECT_EQ(ftfy_fix_text("Pr\u00c3\u00a9sentation de la 1\u00c3\u00a8re \u00c3\u00a9dition"),
             "Pr\u00e9sentation de la 1\u00e8re \u00e9dition");
-  EXPECT_EQ(ftfy_fix_text("\u00c2\u00c2\u00c2"), "\u00c2\u00c2\u00c2");              // not mojibake: unchanged
+  EXPECT_EQ(ftfy_fix_text("\u00c2\u00c2\u00c2"), "\u00c2\u00c2\u00c2");  // not mojibake: unchanged
   EXPECT_EQ(ftfy_fix_text("\u00d7\u00b2"), "\u05f2");
 }
 
 TEST(PromptClean, FtfyCharacterFixes) {
   using skyreels::model::ftfy_fix_text;
-  EXPECT_EQ(ftfy_fix_text("\u0080 euro"), "\u20ac euro");                            // C1 control as cp1252
+  EXPECT_EQ(ftfy_fix_text("\u0080 euro"), "\u20ac euro");  // C1 control as cp1252
   EXPECT_EQ(ftfy_fix_text("\uff2c\uff2f\uff35\uff24\u3000\uff2e\uff2f\uff29\uff33\uff25\uff33"), "LOUD NOISES");
   EXPECT_EQ(ftfy_fix_text("\uff71\uff72\uff73 \uff8a\uff9f"), "\u30a2\u30a4\u30a6 \u30d1");  // half-width kana
   EXPECT_EQ(ftfy_fix_text("\ufb02ubberi\ufb01c"), "flubberific");

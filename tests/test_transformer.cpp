@@ -2,13 +2,13 @@
 // batch forms the fixtures miss, the block-causal attention, and every bad input named in a clear error.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 
 #include "model/checkpoint.h"
 #include "model/transformer_loader.h"
@@ -25,8 +25,8 @@ using skyreels::model::TransformerForwardArgs;
 using skyreels::test::all_close;
 using skyreels::test::max_abs_diff;
 
-const std::vector<std::string> kCases = {"t1_tiny_df_fps",        "t2_head128_rope",     "t3_block_causal_nfpb2",
-                                         "t4_batch2_df_nofps",    "t5_nondf_timestep_B", "t6_bf16_checkpoint"};
+const std::vector<std::string> kCases = {"t1_tiny_df_fps",     "t2_head128_rope",     "t3_block_causal_nfpb2",
+                                         "t4_batch2_df_nofps", "t5_nondf_timestep_B", "t6_bf16_checkpoint"};
 
 std::string case_dir(const std::string& name) { return skyreels::test::golden_path("transformer_forward/" + name); }
 
@@ -47,8 +47,8 @@ struct GoldenCase {
   }
 
   std::unique_ptr<SkyReelsV2Transformer> model(at::ScalarType dtype) const {
-    auto weights = ckpt::place_strict(checkpoint, skyreels::model::transformer_parameter_specs(config),
-                                      {"cpu", dtype}, "golden weights");
+    auto weights = ckpt::place_strict(checkpoint, skyreels::model::transformer_parameter_specs(config), {"cpu", dtype},
+                                      "golden weights");
     return std::make_unique<SkyReelsV2Transformer>(config, std::move(weights), at::kCPU, dtype);
   }
 
@@ -371,17 +371,22 @@ TEST(Transformer, ConstructorNamesEveryMismatchedWeight) {
   auto check = [&](const std::function<void(ckpt::StateDict&)>& damage, const std::string& needle) {
     ckpt::StateDict w = random_weights(c, at::kBFloat16, 4);
     damage(w);
-    const std::string message =
-        error_of([&] { SkyReelsV2Transformer(c, std::move(w), at::kCPU, at::kBFloat16); });
+    const std::string message = error_of([&] { SkyReelsV2Transformer(c, std::move(w), at::kCPU, at::kBFloat16); });
     EXPECT_NE(message.find(needle), std::string::npos) << message;
   };
   check([](ckpt::StateDict& w) { w.erase("blocks.1.attn2.to_k.bias"); }, "blocks.1.attn2.to_k.bias: missing");
-  check([](ckpt::StateDict& w) { w["proj_out.weight"] = at::zeros({64, 25}, at::kBFloat16); },
-        "proj_out.weight: shape [64, 25], expected [64, 24]");
+  check(
+      [](ckpt::StateDict& w) {
+        w["proj_out.weight"] = at::zeros({64, 25}, at::kBFloat16);
+      },
+      "proj_out.weight: shape [64, 25], expected [64, 24]");
   check([](ckpt::StateDict& w) { w["blocks.0.scale_shift_table"] = w["blocks.0.scale_shift_table"].to(at::kBFloat16); },
         "blocks.0.scale_shift_table: dtype BFloat16, expected Float (fp32 island)");
-  check([](ckpt::StateDict& w) { w["fps_embedding.weight"] = at::zeros({2, 24}, at::kBFloat16); },
-        "fps_embedding.weight: unexpected");
+  check(
+      [](ckpt::StateDict& w) {
+        w["fps_embedding.weight"] = at::zeros({2, 24}, at::kBFloat16);
+      },
+      "fps_embedding.weight: unexpected");
 }
 
 TEST(Transformer, BadInputShapesAreInvalidArgumentsNamingTheInput) {
@@ -397,14 +402,18 @@ TEST(Transformer, BadInputShapesAreInvalidArgumentsNamingTheInput) {
     damage(a);
     return error_of([&] { model.forward(a); });
   };
-  EXPECT_NE(message_for([](auto& a) { a.hidden_states = at::randn({1, 15, 3, 4, 4}); }).find("hidden_states"),
+  EXPECT_NE(message_for([](auto& a) {
+              a.hidden_states = at::randn({1, 15, 3, 4, 4});
+            }).find("hidden_states"),
             std::string::npos);
-  EXPECT_NE(message_for([](auto& a) { a.hidden_states = at::randn({1, 16, 3, 5, 4}); }).find("height 5"),
+  EXPECT_NE(message_for([](auto& a) {
+              a.hidden_states = at::randn({1, 16, 3, 5, 4});
+            }).find("height 5"),
             std::string::npos);
-  EXPECT_NE(message_for([](auto& a) { a.timestep = longs({1, 2}, {1, 2}); }).find("timestep"),
-            std::string::npos);
-  EXPECT_NE(message_for([](auto& a) { a.encoder_hidden_states = at::randn({1, 5, 31}); })
-                .find("encoder_hidden_states"),
+  EXPECT_NE(message_for([](auto& a) { a.timestep = longs({1, 2}, {1, 2}); }).find("timestep"), std::string::npos);
+  EXPECT_NE(message_for([](auto& a) {
+              a.encoder_hidden_states = at::randn({1, 5, 31});
+            }).find("encoder_hidden_states"),
             std::string::npos);
   EXPECT_NE(message_for([](auto& a) { a.num_frame_per_block = 0; }).find("num_frame_per_block"), std::string::npos);
 }

@@ -1,15 +1,14 @@
 // The UMT5 text encoder against transformers' UMT5EncoderModel (fixtures umt5_encoder/e1, e2, e3; both weight
 // layouts), the pipeline's zero padding, checkpoint handling, and the end-to-end path strings -> prompt_embeds
 // (library and `skyreels encode-text`).
-#include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
-
 #include <ATen/ATen.h>
+#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <filesystem>
-#include <iostream>
 #include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -124,8 +123,7 @@ TEST_P(UMT5Fixture, OutputsAndIntermediatesMatchTransformers) {
     EXPECT_TRUE(close_on_valid_rows(trace.after_attention[static_cast<size_t>(l)], c.intermediates.at(key), seq_lens))
         << key;
     std::snprintf(key, sizeof(key), "block_%02lld_out", static_cast<long long>(l));
-    EXPECT_TRUE(close_on_valid_rows(trace.block_out[static_cast<size_t>(l)], c.intermediates.at(key), seq_lens))
-        << key;
+    EXPECT_TRUE(close_on_valid_rows(trace.block_out[static_cast<size_t>(l)], c.intermediates.at(key), seq_lens)) << key;
   }
   EXPECT_TRUE(close_on_valid_rows(hidden, c.outputs.at("last_hidden_state"), seq_lens)) << "last_hidden_state";
   double worst = 0.0;
@@ -134,8 +132,8 @@ TEST_P(UMT5Fixture, OutputsAndIntermediatesMatchTransformers) {
     worst = std::max(worst, skyreels::test::max_abs_diff(hidden[b].slice(0, 0, n),
                                                          c.outputs.at("last_hidden_state")[b].slice(0, 0, n)));
   }
-  std::cout << "[ measured ] " << name << " " << layout << ": max |last_hidden_state - golden| on valid rows = "
-            << worst << "\n";
+  std::cout << "[ measured ] " << name << " " << layout
+            << ": max |last_hidden_state - golden| on valid rows = " << worst << "\n";
 
   const at::Tensor embeds = skyreels::model::umt5_zero_pad_rows(hidden, mask);
   EXPECT_TRUE(skyreels::test::all_close(embeds, c.outputs.at("prompt_embeds"), 1e-4, 1e-4)) << "prompt_embeds";
@@ -176,7 +174,7 @@ std::string rewritten_e1(const std::string& tag, const std::map<std::string, std
 at::Tensor e1_output(const std::string& dir) {
   const Case& c = fixture("e1_b2_T12_pad");
   return skyreels::model::load_umt5_encoder(dir).model->forward(c.inputs.at("input_ids"),
-                                                                 c.inputs.at("attention_mask"));
+                                                                c.inputs.at("attention_mask"));
 }
 
 TEST(UMT5Loading, EmbedTokensKeyStandsInForSharedWeight) {
@@ -380,21 +378,26 @@ TEST(GenerateCli, TextPromptGivesTheSameLatentsAsItsEncodedEmbeddings) {
   // The same embeddings, once as tensors (encode-text; "" is the default negative prompt) and once from text.
   const std::string embeds = dir + "/embeds.safetensors";
   ASSERT_EQ(skyreels::test::run_command(bin + " encode-text --text-encoder " + encoder + " --tokenizer " + tokenizer +
-                                            " --prompt 'a fox in the snow' --prompt '' --out " + embeds, &log),
-            0) << log;
+                                            " --prompt 'a fox in the snow' --prompt '' --out " + embeds,
+                                        &log),
+            0)
+      << log;
   const auto encoded = skyreels::test::load_tensors(embeds);
   skyreels::safetensors::save(dir + "/inputs.safetensors",
                               {{"prompt_embeds", encoded.at("prompt_embeds").slice(0, 0, 1)},
                                {"negative_prompt_embeds", encoded.at("prompt_embeds").slice(0, 1, 2)}});
   const std::string common = " generate --model " + dir + "/model --num-frames 17 --height 32 --width 32" +
                              " --num-inference-steps 3 --guidance-scale 5 --seed 3";
-  ASSERT_EQ(skyreels::test::run_command(bin + common + " --inputs " + dir + "/inputs.safetensors --out " + dir +
-                                            "/from_tensors.safetensors", &log),
-            0) << log;
+  ASSERT_EQ(
+      skyreels::test::run_command(
+          bin + common + " --inputs " + dir + "/inputs.safetensors --out " + dir + "/from_tensors.safetensors", &log),
+      0)
+      << log;
   ASSERT_EQ(skyreels::test::run_command(bin + common + " --text-encoder " + encoder + " --tokenizer " + tokenizer +
                                             " --prompt 'a fox in the snow' --out " + dir + "/from_text.safetensors",
                                         &log),
-            0) << log;
+            0)
+      << log;
   const at::Tensor a = skyreels::test::load_tensors(dir + "/from_tensors.safetensors").at("latents");
   const at::Tensor b = skyreels::test::load_tensors(dir + "/from_text.safetensors").at("latents");
   EXPECT_TRUE(at::equal(a, b));

@@ -5,8 +5,8 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <functional>
 #include <fstream>
+#include <functional>
 #include <sstream>
 
 #include "model/safetensors.h"
@@ -132,9 +132,8 @@ TEST(WanVaeLoad, NamesAMissingTensor) {
 }
 
 TEST(WanVaeLoad, NamesAnUnexpectedTensor) {
-  const std::string dir = edited_copy("vae-extra", [](auto& tensors) {
-    tensors.emplace_back("decoder.extra.weight", at::zeros({2}));
-  });
+  const std::string dir =
+      edited_copy("vae-extra", [](auto& tensors) { tensors.emplace_back("decoder.extra.weight", at::zeros({2})); });
   const std::string message = error_of([&] { WanVae::load(dir); });
   EXPECT_NE(message.find("decoder.extra.weight"), std::string::npos) << message;
 }
@@ -203,8 +202,10 @@ TEST(WanVaeEncode, MeanAndLogvarMatchDiffusers) {
 TEST(WanVaeLatents, DenormalizeIsLatentsTimesStdPlusMeanAndNormalizeInvertsIt) {
   const at::Tensor latents = at::randn({1, 16, 2, 3, 3}, at::TensorOptions().dtype(at::kFloat));
   const WanVaeConfig& c = fixture_vae().config();
-  const at::Tensor mean = at::tensor(std::vector<float>(c.latents_mean.begin(), c.latents_mean.end())).view({1, 16, 1, 1, 1});
-  const at::Tensor std = at::tensor(std::vector<float>(c.latents_std.begin(), c.latents_std.end())).view({1, 16, 1, 1, 1});
+  const at::Tensor mean =
+      at::tensor(std::vector<float>(c.latents_mean.begin(), c.latents_mean.end())).view({1, 16, 1, 1, 1});
+  const at::Tensor std =
+      at::tensor(std::vector<float>(c.latents_std.begin(), c.latents_std.end())).view({1, 16, 1, 1, 1});
   const at::Tensor z = fixture_vae().denormalize(latents);
   EXPECT_TRUE(all_close(z, latents * std + mean, 1e-5));
   EXPECT_TRUE(all_close(fixture_vae().normalize(z), latents, 1e-5));
@@ -237,7 +238,8 @@ TEST_F(VaeCommands, DecodeOfNormalisedLatentsDenormalisesFirst) {
   const std::string dir = skyreels::test::temp_dir("cli-decode-latents");
   // Normalised latents of a batch of two: the fixture's z and its negation.
   const at::Tensor z = fixture_z();
-  skyreels::safetensors::save(dir + "/latents.safetensors", {{"latents", fixture_vae().normalize(at::cat({z, -z}, 0))}});
+  skyreels::safetensors::save(dir + "/latents.safetensors",
+                              {{"latents", fixture_vae().normalize(at::cat({z, -z}, 0))}});
   std::string log;
   ASSERT_EQ(run("decode --vae " + weights_dir() + " --latents " + dir + "/latents.safetensors --out " + dir +
                     "/video.safetensors",
@@ -255,10 +257,10 @@ TEST_F(VaeCommands, DecodeToMp4WritesOneH264FilePerBatchItem) {
   const at::Tensor z = fixture_z();
   skyreels::safetensors::save(dir + "/z.safetensors", {{"z", at::cat({z, -z}, 0)}});
   std::string log;
-  ASSERT_EQ(run("decode --vae " + weights_dir() + " --latents " + dir + "/z.safetensors --out " + dir +
-                    "/out.mp4 --fps 16",
-                &log),
-            0)
+  ASSERT_EQ(
+      run("decode --vae " + weights_dir() + " --latents " + dir + "/z.safetensors --out " + dir + "/out.mp4 --fps 16",
+          &log),
+      0)
       << log;
   const at::Tensor first = skyreels::video::to_rgb_uint8(outputs().at("video")[0]);
   const at::Tensor second = skyreels::video::to_rgb_uint8(fixture_vae().decode(-z)[0]);

@@ -23,8 +23,8 @@ at::Tensor smooth_video(int64_t frames, int64_t height, int64_t width) {
   const at::Tensor r = at::sin(6.0 * x + 0.15 * t) * 0.8;
   const at::Tensor g = at::cos(5.0 * y - 0.1 * t) * 0.7;
   const at::Tensor b = at::sin(3.0 * (x + y) + 0.05 * t) * 0.6 - 0.1;
-  return at::stack({r.expand({frames, height, width}), g.expand({frames, height, width}),
-                    b.expand({frames, height, width})});
+  return at::stack(
+      {r.expand({frames, height, width}), g.expand({frames, height, width}), b.expand({frames, height, width})});
 }
 
 bool starts_with_box(const std::vector<uint8_t>& bytes, size_t offset, const char* type) {
