@@ -19,6 +19,7 @@ namespace {
 
 using skyreels::cli::Args;
 using skyreels::cli::UsageError;
+using skyreels::cli::with_generation_flags;
 namespace model = skyreels::model;
 
 const char* kUsage =
@@ -147,31 +148,8 @@ model::Conditioning conditioning_from(const std::string& path) {
 
 int run_generate(const std::vector<std::string>& argv) {
   const Args args(argv);
-  args.reject_unknown({"model",
-                       "inputs",
-                       "out",
-                       "num-frames",
-                       "height",
-                       "width",
-                       "num-inference-steps",
-                       "guidance-scale",
-                       "flow-shift",
-                       "base-num-frames",
-                       "overlap-history",
-                       "ar-step",
-                       "causal-block-size",
-                       "addnoise-condition",
-                       "fps",
-                       "seed",
-                       "noise",
-                       "scheduler-config",
-                       "dtype",
-                       "device",
-                       "text-encoder",
-                       "tokenizer",
-                       "prompt",
-                       "negative-prompt",
-                       "max-sequence-length"});
+  args.reject_unknown(with_generation_flags(
+      {"model", "inputs", "out", "noise", "dtype", "device", "text-encoder", "tokenizer", "max-sequence-length"}));
   if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional().front() + "'");
   const std::string model_path = args.require("model");
   if (args.has("inputs") == args.has("text-encoder")) {

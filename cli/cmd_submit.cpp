@@ -16,6 +16,7 @@ namespace {
 
 using skyreels::cli::Args;
 using skyreels::cli::UsageError;
+using skyreels::cli::with_generation_flags;
 namespace pb = skyreels::v1;
 namespace server = skyreels::server;
 
@@ -102,32 +103,9 @@ int64_t server_text_dim(server::Client& client) {
 
 int run_submit(const std::vector<std::string>& raw) {
   const Args args(raw, {"random-embeddings", "watch", "tls"});
-  std::vector<std::string> known = {"inputs",
-                                    "random-embeddings",
-                                    "tokens",
-                                    "embeddings-seed",
-                                    "prompt",
-                                    "negative-prompt",
-                                    "num-frames",
-                                    "height",
-                                    "width",
-                                    "num-inference-steps",
-                                    "guidance-scale",
-                                    "flow-shift",
-                                    "base-num-frames",
-                                    "overlap-history",
-                                    "ar-step",
-                                    "causal-block-size",
-                                    "addnoise-condition",
-                                    "fps",
-                                    "seed",
-                                    "scheduler-config",
-                                    "priority",
-                                    "timeout-seconds",
-                                    "idempotency-key",
-                                    "wait-ready",
-                                    "watch",
-                                    "out"};
+  std::vector<std::string> known =
+      with_generation_flags({"inputs", "random-embeddings", "tokens", "embeddings-seed", "priority", "timeout-seconds",
+                             "idempotency-key", "wait-ready", "watch", "out"});
   known.insert(known.end(), server::kConnectionFlags.begin(), server::kConnectionFlags.end());
   args.reject_unknown(known);
   if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional().front() + "'");

@@ -88,4 +88,26 @@ void Args::reject_unknown(const std::vector<std::string>& known) const {
   }
 }
 
+const std::vector<std::string> kGenerationFlags = {"prompt",
+                                                   "negative-prompt",
+                                                   "num-frames",
+                                                   "height",
+                                                   "width",
+                                                   "num-inference-steps",
+                                                   "guidance-scale",
+                                                   "flow-shift",
+                                                   "base-num-frames",
+                                                   "overlap-history",
+                                                   "ar-step",
+                                                   "causal-block-size",
+                                                   "addnoise-condition",
+                                                   "fps",
+                                                   "seed",
+                                                   "scheduler-config"};
+
+std::vector<std::string> with_generation_flags(std::vector<std::string> known) {
+  known.insert(known.end(), kGenerationFlags.begin(), kGenerationFlags.end());
+  return known;
+}
+
 }  // namespace skyreels::cli

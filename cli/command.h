@@ -38,6 +38,12 @@ class Args {
   std::vector<std::string> positional_;
 };
 
+// The generation parameters that `generate` (in process) and `submit` (to a server) both take: one list, so that
+// the two commands accept the same flags.
+extern const std::vector<std::string> kGenerationFlags;
+// `known` followed by kGenerationFlags, for Args::reject_unknown.
+std::vector<std::string> with_generation_flags(std::vector<std::string> known);
+
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
