@@ -463,9 +463,8 @@ int main(int argc, char** argv) {
   spdlog::set_level(level == spdlog::level::off && options.log_level != "off" ? spdlog::level::info : level);
 
   Signals signals;
-  watch_signals(signals);
-
   try {
+    watch_signals(signals);
     return serve(options, signals);
   } catch (const UsageError& e) {
     std::cerr << "skyreels-server: " << e.what() << "\n";
