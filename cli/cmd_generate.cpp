@@ -5,15 +5,20 @@
 
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <iostream>
+#include <map>
 #include <optional>
 #include <random>
 
 #include "cli/command.h"
+#include "model/checkpoint.h"
 #include "model/diffusion_forcing.h"
+#include "model/pixel_conditioning.h"
 #include "model/safetensors.h"
 #include "model/text_encoding.h"
 #include "model/transformer_loader.h"
+#include "model/vae_wan.h"
 
 namespace {
 
@@ -34,6 +39,16 @@ const char* kUsage =
     "  --tokenizer DIR     its tokenizer (default: found next to the text encoder)\n"
     "  --max-sequence-length 512\n"
     "  --out        safetensors with `latents` fp32 [B, 16, F, H/8, W/8] and `chunkK_latents_end` per chunk K\n"
+    "image-to-video and video extension (diffusers' DF ImageToVideo / VideoToVideo pipelines):\n"
+    "  --vae DIR          the Wan VAE that encodes the image / video (diffusers AutoencoderKLWan folder)\n"
+    "  --image PATH       first frame: PNG/JPEG, or safetensors with `image` [B, 3, H, W] float in [0, 1]\n"
+    "  --last-image PATH  last frame (with --image): PNG/JPEG, or safetensors with `last_image`\n"
+    "  --video PATH       video to extend: MP4, or safetensors with `video` [B, F, 3, H, W] float in [0, 1];\n"
+    "                     its last --overlap-history frames are continued; --num-frames counts them too\n"
+    "                     (images and videos must already be --width x --height)\n"
+    "a prompt per chunk (each chunk takes the prompt in force at its first new frame):\n"
+    "  --prompt-at FRAME:TEXT   from pixel frame FRAME on, TEXT (needs --text-encoder); repeatable\n"
+    "  --inputs-at FRAME:FILE   from pixel frame FRAME on, the embeddings of FILE (like --inputs); repeatable\n"
     "flags named after diffusers' arguments (defaults as diffusers):\n"
     "  --num-frames 97  --height 544  --width 960  --num-inference-steps 50  --guidance-scale 6.0\n"
     "  --flow-shift 8.0 (default: the --scheduler-config value if given, else 8.0)\n"
@@ -121,19 +136,81 @@ std::unique_ptr<model::NoiseSource> noise_from_flags(const Args& args, model::Ge
 }
 
 // diffusers' encode_prompt: the negative prompt (default "") is encoded only when guidance is on.
-model::Conditioning conditioning_from_text(const Args& args, const model::GenerationParams& params,
-                                           const std::string& device) {
-  const std::string prompt = args.require("prompt");
-  model::TextEncoderOptions options;
-  options.device = device;
-  auto encoder = model::TextEncoder::load(args.require("text-encoder"), args.get("tokenizer"), options);
+model::Conditioning conditioning_from_text(model::TextEncoder& encoder, const Args& args,
+                                           const model::GenerationParams& params, const std::string& prompt) {
   const int64_t max_len = args.get_int("max-sequence-length", 512);
   model::Conditioning c;
-  c.prompt_embeds = encoder->encode({prompt}, max_len).to(at::kFloat);
+  c.prompt_embeds = encoder.encode({prompt}, max_len).to(at::kFloat);
   if (params.guidance_scale > 1.0) {
-    c.negative_prompt_embeds = encoder->encode({args.get("negative-prompt", "")}, max_len).to(at::kFloat);
+    c.negative_prompt_embeds = encoder.encode({args.get("negative-prompt", "")}, max_len).to(at::kFloat);
   }
   return c;
+}
+
+std::pair<int64_t, std::string> frame_and_value(const std::string& flag, const std::string& text) {
+  const size_t colon = text.find(':');
+  try {
+    if (colon == std::string::npos || colon == 0) throw std::invalid_argument(text);
+    size_t used = 0;
+    const long long frame = std::stoll(text.substr(0, colon), &used);
+    if (used != colon || frame < 0) throw std::invalid_argument(text);
+    return {frame, text.substr(colon + 1)};
+  } catch (const std::exception&) {
+    throw UsageError("flag --" + flag + " expects FRAME:VALUE with FRAME a pixel frame >= 0, got '" + text + "'");
+  }
+}
+
+// --prompt-at and --inputs-at, sorted by frame; `encode` turns a text into [prompt, negative] embeddings.
+std::vector<model::PromptChange> prompt_changes_from_flags(
+    const Args& args, const std::function<model::Conditioning(const std::string&)>& encode,
+    const std::function<model::Conditioning(const std::string&)>& read_file) {
+  std::map<int64_t, model::PromptChange> by_frame;
+  auto add = [&](const std::string& flag, const std::string& text, const auto& make) {
+    const auto [frame, value] = frame_and_value(flag, text);
+    if (by_frame.count(frame)) throw UsageError("two prompts take over at frame " + std::to_string(frame));
+    const model::Conditioning c = make(value);
+    by_frame[frame] = model::PromptChange{frame, c.prompt_embeds, c.negative_prompt_embeds};
+  };
+  for (const auto& text : args.all("prompt-at")) {
+    if (!encode) throw UsageError("--prompt-at needs --text-encoder (or use --inputs-at FRAME:FILE)");
+    add("prompt-at", text, encode);
+  }
+  for (const auto& text : args.all("inputs-at")) add("inputs-at", text, read_file);
+  std::vector<model::PromptChange> out;
+  for (auto& [frame, change] : by_frame) out.push_back(std::move(change));
+  return out;
+}
+
+model::PixelConditioning pixels_from_flags(const Args& args) {
+  if (args.has("image") && args.has("video")) {
+    throw UsageError("--image and --video are exclusive (image-to-video or video extension)");
+  }
+  model::PixelConditioning pixels;
+  if (args.has("image")) pixels.image = model::load_pixels(args.get("image"), "image", model::PixelKind::kImage);
+  if (args.has("last-image")) {
+    if (!args.has("image")) throw UsageError("--last-image needs --image");
+    pixels.last_image = model::load_pixels(args.get("last-image"), "last_image", model::PixelKind::kImage);
+  }
+  if (args.has("video")) {
+    pixels.video = model::load_pixels(args.get("video"), "video", model::PixelKind::kVideo);
+  }
+  return pixels;
+}
+
+// The VAE encode of the image / video into the conditioning's latents (once per video).
+void encode_pixels(const Args& args, const model::PixelConditioning& pixels, const model::GenerationParams& params,
+                   model::Conditioning& conditioning) {
+  if (pixels.empty()) return;
+  if (!args.has("vae")) throw UsageError("--image / --video need --vae DIR (the VAE that encodes them)");
+  skyreels::checkpoint::PlaceOptions place;
+  place.device = args.get("device", "cpu");
+  auto start = std::chrono::steady_clock::now();
+  const model::WanVae vae = model::WanVae::load(args.get("vae"), place);
+  const model::EncodedConditioning encoded = model::encode_conditioning(vae, pixels, params);
+  conditioning.prefix_latents = encoded.prefix_latents;
+  conditioning.last_image_latents = encoded.last_image_latents;
+  spdlog::info("encoded the conditioning into {} latent frame(s) in {:.2f} s", encoded.prefix_latents.size(2),
+               seconds_since(start));
 }
 
 model::Conditioning conditioning_from(const std::string& path) {
@@ -148,8 +225,9 @@ model::Conditioning conditioning_from(const std::string& path) {
 
 int run_generate(const std::vector<std::string>& argv) {
   const Args args(argv);
-  args.reject_unknown(with_generation_flags(
-      {"model", "inputs", "out", "noise", "dtype", "device", "text-encoder", "tokenizer", "max-sequence-length"}));
+  args.reject_unknown(
+      with_generation_flags({"model", "inputs", "out", "noise", "dtype", "device", "text-encoder", "tokenizer",
+                             "max-sequence-length", "vae", "image", "last-image", "video", "prompt-at", "inputs-at"}));
   if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional().front() + "'");
   const std::string model_path = args.require("model");
   if (args.has("inputs") == args.has("text-encoder")) {
@@ -158,14 +236,27 @@ int run_generate(const std::vector<std::string>& argv) {
   const std::string out_path = args.require("out");
 
   model::GenerationParams params = params_from_flags(args);
-  const model::Conditioning conditioning = args.has("inputs")
-                                               ? conditioning_from(args.get("inputs"))
-                                               : conditioning_from_text(args, params, args.get("device", "cpu"));
+  std::unique_ptr<model::TextEncoder> encoder;
+  if (args.has("text-encoder")) {
+    model::TextEncoderOptions options;
+    options.device = args.get("device", "cpu");
+    encoder = model::TextEncoder::load(args.require("text-encoder"), args.get("tokenizer"), options);
+  }
+  std::function<model::Conditioning(const std::string&)> encode_text;
+  if (encoder)
+    encode_text = [&](const std::string& text) { return conditioning_from_text(*encoder, args, params, text); };
+  model::Conditioning conditioning =
+      args.has("inputs") ? conditioning_from(args.get("inputs")) : encode_text(args.require("prompt"));
+  conditioning.prompt_changes = prompt_changes_from_flags(args, encode_text, conditioning_from);
+  const model::PixelConditioning pixels = pixels_from_flags(args);
+  model::describe_conditioning(pixels, conditioning.prompt_embeds.size(0), params);
   auto noise = noise_from_flags(args, params);
 
   // With an explicit block size the request can be checked before a (possibly large) model is loaded.
   std::optional<model::ChunkPlan> plan;
   if (params.causal_block_size) plan = model::plan_chunks(params, *params.causal_block_size);
+
+  encode_pixels(args, pixels, params, conditioning);
 
   model::TransformerLoadOptions options;
   options.device = args.get("device", "cpu");

@@ -136,22 +136,28 @@ struct Geometry {
   std::vector<int64_t> lengths;  // latent frames per chunk
 };
 
-// diffusers' chunking, for an already rounded pixel frame count.
-Geometry geometry_of(int64_t num_frames, int64_t base_num_frames, const std::optional<int64_t>& overlap_history) {
+int64_t floor_div(int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0)) ? 1 : 0); }
+
+// diffusers' chunking, for an already rounded pixel frame count. Text and image: chunks only when num_frames
+// exceeds base_num_frames (and overlap_history is set). Video extension: always the long-video formula, whose first
+// chunk is min(total, base) frames (a single chunk when the video fits in one).
+Geometry geometry_of(int64_t num_frames, const GenerationParams& p) {
   Geometry g;
   g.total = latent_frames_of(num_frames);
-  g.long_video = overlap_history.has_value() && num_frames > base_num_frames;
+  const bool video = p.mode == ConditioningMode::kVideo;
+  if (video && p.overlap_history) g.overlap = latent_frames_of(*p.overlap_history);
+  g.long_video = p.overlap_history.has_value() && num_frames > p.base_num_frames;
   if (!g.long_video) {
     g.base = g.total;
     g.lengths = {g.total};
     return g;
   }
-  g.base = latent_frames_of(base_num_frames);
-  g.overlap = latent_frames_of(*overlap_history);
+  g.base = latent_frames_of(p.base_num_frames);
+  g.overlap = latent_frames_of(*p.overlap_history);
   const int64_t stride = g.base - g.overlap;
   g.lengths.push_back(g.base);
   if (stride <= 0) return g;  // refused by plan_chunks (overlap_history must be shorter than a chunk)
-  const int64_t iterations = 1 + (g.total - g.base - 1) / stride + 1;
+  const int64_t iterations = 1 + floor_div(g.total - g.base - 1, stride) + 1;
   for (int64_t k = 1; k < iterations; ++k) {
     const int64_t finished = k * stride + g.overlap;
     g.lengths.push_back(std::min(g.total - finished + g.overlap, g.base));
@@ -166,7 +172,7 @@ bool aligned(const Geometry& g, int64_t block) {
 bool valid_candidate(int64_t n, const GenerationParams& p, int64_t block) {
   if ((n - 1) % kTemporalFactor != 0) return false;
   if (n > p.base_num_frames && !p.overlap_history) return false;  // would need overlap_history
-  const Geometry g = geometry_of(n, p.base_num_frames, p.overlap_history);
+  const Geometry g = geometry_of(n, p);
   if (g.long_video && g.overlap >= g.base) return false;
   return aligned(g, block);
 }
@@ -248,7 +254,65 @@ void refuse_unaligned(const GenerationParams& p, int64_t num_frames, const Geome
   throw std::invalid_argument(os.str());
 }
 
+// Requests diffusers crashes on, or silently mishandles, with pixel conditioning: refused naming the field.
+void validate_pixel_conditioning(const GenerationParams& p, const Geometry& g, int64_t block) {
+  if (p.mode == ConditioningMode::kText) {
+    require(!p.last_image && p.video_frames == 0, "conditioning: last_image / video frames given in text mode");
+    return;
+  }
+  const int64_t prefix = condition_prefix_frames(p, block);
+  if (p.mode == ConditioningMode::kImage) {
+    require(p.video_frames == 0, "video: an image and a video cannot both condition one video");
+    // diffusers would pin the last_image column over a generated frame and never denoise the last one.
+    require(!p.last_image || block == 1,
+            "last_image: needs causal_block_size 1 (got " + std::to_string(block) +
+                "); the appended frame would break the causal blocks (diffusers leaves the last frame as noise)");
+  } else {
+    require(!p.last_image, "last_image: only with an image (image-to-video), not with a video");
+    require(p.overlap_history.has_value(),
+            "overlap_history: required to extend a video (how many of its last frames to continue from; 17 or 37 "
+            "are usual)");
+    require(p.video_frames >= 1, "video: needs at least 1 frame, got " + std::to_string(p.video_frames));
+    require(prefix >= 1, "video: its last " + std::to_string(std::min(p.video_frames, *p.overlap_history)) +
+                             " frame(s) encode to fewer latent frames than causal_block_size " + std::to_string(block) +
+                             "; give more frames or a larger overlap_history");
+  }
+  require(g.lengths.front() > prefix,
+          "num_frames: " + std::to_string(p.num_frames) + " gives " + std::to_string(g.lengths.front()) +
+              " latent frame(s) in the first chunk, no more than the " + std::to_string(prefix) +
+              " conditioning latent frame(s); nothing would be generated" +
+              (p.mode == ConditioningMode::kVideo ? " (num_frames counts the continued video's last frames too)" : ""));
+}
+
 }  // namespace
+
+int64_t condition_prefix_frames(const GenerationParams& params, int64_t causal_block_size) {
+  switch (params.mode) {
+    case ConditioningMode::kText:
+      return 0;
+    case ConditioningMode::kImage:
+      return 1;
+    case ConditioningMode::kVideo: {
+      if (!params.overlap_history || params.video_frames < 1 || causal_block_size < 1) return 0;
+      const int64_t encoded = latent_frames_of(std::min(params.video_frames, *params.overlap_history));
+      return encoded - encoded % causal_block_size;
+    }
+  }
+  return 0;
+}
+
+TimestepMatrix chunk_timestep_matrix(const ChunkSpec& chunk, const std::vector<int64_t>& step_template, int64_t ar_step,
+                                     int64_t causal_block_size) {
+  // The chunk's own length as the base: diffusers' I2V passes base_num_frames, which crashes on a shorter last chunk.
+  const int64_t frames = chunk.num_latent_frames + chunk.suffix_frames;
+  TimestepMatrix m =
+      generate_timestep_matrix(frames, step_template, frames, ar_step, chunk.prefix_frames, causal_block_size);
+  if (chunk.suffix_frames > 0 && m.step_matrix.size(1) == frames) {
+    m.step_matrix.narrow(1, chunk.num_latent_frames, chunk.suffix_frames).fill_(0);
+    m.update_mask.narrow(1, chunk.num_latent_frames, chunk.suffix_frames).fill_(false);
+  }
+  return m;
+}
 
 ChunkPlan plan_chunks(const GenerationParams& params, int64_t model_num_frame_per_block) {
   const int64_t block = params.causal_block_size.value_or(model_num_frame_per_block);
@@ -261,7 +325,7 @@ ChunkPlan plan_chunks(const GenerationParams& params, int64_t model_num_frame_pe
     plan.warnings.push_back("num_frames: " + std::to_string(params.num_frames) + " is not 4k+1; rounded down to " +
                             std::to_string(num_frames) + " as diffusers does");
   }
-  const Geometry g = geometry_of(num_frames, params.base_num_frames, params.overlap_history);
+  const Geometry g = geometry_of(num_frames, params);
   if (g.long_video) {
     require(g.overlap < g.base, "overlap_history: " + std::to_string(*params.overlap_history) + " frames (" +
                                     std::to_string(g.overlap) + " latent) must be fewer than base_num_frames " +
@@ -269,6 +333,7 @@ ChunkPlan plan_chunks(const GenerationParams& params, int64_t model_num_frame_pe
                                     " latent)");
   }
   refuse_unaligned(params, num_frames, g, block);
+  validate_pixel_conditioning(params, g, block);
 
   plan.total_latent_frames = g.total;
   plan.base_latent_frames = g.base;
@@ -280,24 +345,25 @@ ChunkPlan plan_chunks(const GenerationParams& params, int64_t model_num_frame_pe
   // Prefixes are cut at their end to a multiple of the block; the accumulation still cuts at O (diffusers).
   const int64_t prefix = g.overlap - g.overlap % block;
   const std::vector<int64_t> dummy_template(static_cast<size_t>(params.num_inference_steps), 0);
+  const int64_t suffix = params.mode == ConditioningMode::kImage && params.last_image ? 1 : 0;
   int64_t produced = 0;
   for (size_t k = 0; k < g.lengths.size(); ++k) {
     ChunkSpec c;
     c.index = static_cast<int64_t>(k);
     c.num_latent_frames = g.lengths[k];
-    c.prefix_frames = k == 0 ? 0 : prefix;
+    c.prefix_frames = k == 0 ? condition_prefix_frames(params, block) : prefix;
     c.keep_from = k == 0 ? 0 : g.overlap;
+    c.suffix_frames = k + 1 == g.lengths.size() ? suffix : 0;
     c.output_begin = produced;
-    c.output_end = produced + c.num_latent_frames - c.keep_from;
+    c.output_end = produced + c.num_latent_frames + c.suffix_frames - c.keep_from;
     produced = c.output_end;
-    c.timestep_rows = generate_timestep_matrix(c.num_latent_frames, dummy_template, c.num_latent_frames, params.ar_step,
-                                               c.prefix_frames, block)
-                          .rows();
+    c.timestep_rows = chunk_timestep_matrix(c, dummy_template, params.ar_step, block).rows();
     plan.chunks.push_back(c);
   }
-  if (produced != g.total) {
+  plan.total_latent_frames += suffix;  // the last_image latent stays in the output, as in diffusers
+  if (produced != plan.total_latent_frames) {
     throw std::logic_error("plan_chunks: chunks cover " + std::to_string(produced) + " latent frames, expected " +
-                           std::to_string(g.total));
+                           std::to_string(plan.total_latent_frames));
   }
 
   if (g.long_video && g.overlap % block != 0) {
@@ -466,19 +532,24 @@ ChunkInputs prepare_conditioning(const Conditioning& c, const GenerationParams& 
   return in;
 }
 
-// The chunk's starting latents: fresh fp32 noise with the previous chunk's tail copied in as the prefix.
-at::Tensor initial_latents(const ChunkPlan& plan, const ChunkSpec& chunk, const DenoiserInfo& info, int64_t batch,
-                           const at::Tensor& previous, NoiseSource& noise) {
-  const std::vector<int64_t> shape = {batch, info.latent_channels, chunk.num_latent_frames, plan.latent_height,
-                                      plan.latent_width};
-  at::Tensor latents = noise.latent_noise(chunk.index, shape);
-  if (latents.sizes() != at::IntArrayRef(shape)) {
-    throw std::logic_error("noise source returned " + shape_text(latents.sizes()) + " for latent shape " +
-                           shape_text(shape));
+// Normalised condition latents for `batch` items (one per item, or one for all), checked against the chunk.
+at::Tensor condition_frames(const at::Tensor& latents, const std::string& field, int64_t frames, int64_t batch,
+                            const ChunkPlan& plan, const DenoiserInfo& info) {
+  if (!latents.defined() || latents.dim() != 5 || (latents.size(0) != batch && latents.size(0) != 1) ||
+      latents.size(1) != info.latent_channels || latents.size(2) < frames || latents.size(3) != plan.latent_height ||
+      latents.size(4) != plan.latent_width) {
+    throw std::invalid_argument(field + ": expected [" + std::to_string(batch) + " or 1, " +
+                                std::to_string(info.latent_channels) + ", >= " + std::to_string(frames) + ", " +
+                                std::to_string(plan.latent_height) + ", " + std::to_string(plan.latent_width) +
+                                "] (encode_conditioning), got " +
+                                (latents.defined() ? shape_text(latents.sizes()) : "nothing"));
   }
-  latents = latents.to(info.device, at::kFloat).contiguous();
-  if (chunk.prefix_frames == 0) return latents;
+  return latents.narrow(2, 0, frames).expand({batch, -1, -1, -1, -1});
+}
 
+// The previous chunk's tail: diffusers' prefix = video[:, :, -O:] cut to P frames.
+at::Tensor previous_tail(const ChunkPlan& plan, const ChunkSpec& chunk, const DenoiserInfo& info, int64_t batch,
+                         const at::Tensor& previous) {
   const int64_t overlap = plan.overlap_latent_frames;
   if (!previous.defined() || previous.dim() != 5 || previous.size(2) < overlap || previous.size(0) != batch ||
       previous.size(1) != info.latent_channels || previous.size(3) != plan.latent_height ||
@@ -489,9 +560,33 @@ at::Tensor initial_latents(const ChunkPlan& plan, const ChunkSpec& chunk, const 
         ", F, " + std::to_string(plan.latent_height) + ", " + std::to_string(plan.latent_width) + "], got " +
         (previous.defined() ? shape_text(previous.sizes()) : "nothing"));
   }
-  // diffusers: prefix = video[:, :, -O:] cut to P frames, copied in through the transformer dtype (bf16 rounding).
-  const at::Tensor prefix = previous.narrow(2, previous.size(2) - overlap, chunk.prefix_frames);
-  latents.narrow(2, 0, chunk.prefix_frames).copy_(prefix.to(info.device).to(info.dtype));
+  return previous.narrow(2, previous.size(2) - overlap, chunk.prefix_frames);
+}
+
+// The chunk's starting latents: fresh fp32 noise with the prefix copied in (chunk 0: the image / video condition;
+// later chunks: the previous chunk's tail), and the last_image latent appended to the last chunk. Both go through
+// the transformer dtype first, as in diffusers (bf16 rounding).
+at::Tensor initial_latents(const ChunkPlan& plan, const ChunkSpec& chunk, const DenoiserInfo& info, int64_t batch,
+                           const Conditioning& conditioning, const at::Tensor& previous, NoiseSource& noise) {
+  const std::vector<int64_t> shape = {batch, info.latent_channels, chunk.num_latent_frames, plan.latent_height,
+                                      plan.latent_width};
+  at::Tensor latents = noise.latent_noise(chunk.index, shape);
+  if (latents.sizes() != at::IntArrayRef(shape)) {
+    throw std::logic_error("noise source returned " + shape_text(latents.sizes()) + " for latent shape " +
+                           shape_text(shape));
+  }
+  latents = latents.to(info.device, at::kFloat).contiguous();
+  if (chunk.prefix_frames > 0) {
+    const at::Tensor prefix = chunk.index == 0 ? condition_frames(conditioning.prefix_latents, "prefix_latents",
+                                                                  chunk.prefix_frames, batch, plan, info)
+                                               : previous_tail(plan, chunk, info, batch, previous);
+    latents.narrow(2, 0, chunk.prefix_frames).copy_(prefix.to(info.device).to(info.dtype));
+  }
+  if (chunk.suffix_frames > 0) {
+    const at::Tensor suffix =
+        condition_frames(conditioning.last_image_latents, "last_image_latents", chunk.suffix_frames, batch, plan, info);
+    latents = at::cat({latents, suffix.to(info.device).to(info.dtype).to(at::kFloat)}, 2);
+  }
   return latents;
 }
 
@@ -550,29 +645,54 @@ void check_plan(const ChunkPlan& plan, int64_t chunk_index, const GenerationPara
 
 }  // namespace
 
+Conditioning prompt_for_chunk(const Conditioning& conditioning, const ChunkSpec& chunk) {
+  Conditioning out;
+  out.prompt_embeds = conditioning.prompt_embeds;
+  out.negative_prompt_embeds = conditioning.negative_prompt_embeds;
+  int64_t last_from = -1;
+  for (const PromptChange& change : conditioning.prompt_changes) {
+    if (change.from_frame <= last_from) {
+      throw std::invalid_argument("prompt_changes: frames must be given in increasing order (" +
+                                  std::to_string(change.from_frame) + " after " + std::to_string(last_from) + ")");
+    }
+    last_from = change.from_frame;
+    const at::Tensor& e = change.prompt_embeds;
+    if (!e.defined() || e.dim() != 3 || !out.prompt_embeds.defined() || e.size(0) != out.prompt_embeds.size(0) ||
+        e.size(2) != out.prompt_embeds.size(2)) {
+      throw std::invalid_argument("prompt_changes: the prompt from frame " + std::to_string(change.from_frame) +
+                                  " has shape " + (e.defined() ? shape_text(e.sizes()) : "nothing") +
+                                  ", not [B, T, text_dim] like prompt_embeds");
+    }
+    if (change.from_frame > chunk.first_new_pixel_frame()) continue;
+    out.prompt_embeds = change.prompt_embeds;
+    if (change.negative_prompt_embeds) out.negative_prompt_embeds = change.negative_prompt_embeds;
+  }
+  return out;
+}
+
 at::Tensor run_chunk(const Denoiser& denoiser, const DenoiserInfo& info, const GenerationParams& params,
                      const ChunkPlan& plan, int64_t chunk_index, const Conditioning& conditioning,
                      const at::Tensor& previous_latents, NoiseSource& noise, const StepHooks& hooks) {
   check_plan(plan, chunk_index, params);
   const ChunkSpec& chunk = plan.chunks[static_cast<size_t>(chunk_index)];
-  const ChunkInputs inputs = prepare_conditioning(conditioning, params, info);
+  const ChunkInputs inputs = prepare_conditioning(prompt_for_chunk(conditioning, chunk), params, info);
   const int64_t batch = conditioning.prompt_embeds.size(0);
 
   FlowUniPCConfig scheduler_config = params.scheduler;
   scheduler_config.flow_shift = params.flow_shift;
   auto sampler = std::make_shared<const FlowUniPCSampler>(scheduler_config, params.num_inference_steps);
   const TimestepMatrix matrix =
-      generate_timestep_matrix(chunk.num_latent_frames, sampler->schedule().timesteps, chunk.num_latent_frames,
-                               params.ar_step, chunk.prefix_frames, plan.causal_block_size);
-  if (matrix.step_matrix.size(1) != chunk.num_latent_frames) {
+      chunk_timestep_matrix(chunk, sampler->schedule().timesteps, params.ar_step, plan.causal_block_size);
+  const int64_t frames = chunk.num_latent_frames + chunk.suffix_frames;
+  if (matrix.step_matrix.size(1) != frames) {
     throw std::invalid_argument("causal_block_size: chunk " + std::to_string(chunk_index) + " has " +
-                                std::to_string(chunk.num_latent_frames) + " latent frames, not a multiple of " +
+                                std::to_string(frames) + " latent frames, not a multiple of " +
                                 std::to_string(plan.causal_block_size) + " (use plan_chunks)");
   }
 
   noise.begin_chunk(plan, chunk_index);
-  at::Tensor latents = initial_latents(plan, chunk, info, batch, previous_latents, noise);
-  FlowUniPCFrames schedulers(sampler, chunk.num_latent_frames);
+  at::Tensor latents = initial_latents(plan, chunk, info, batch, conditioning, previous_latents, noise);
+  FlowUniPCFrames schedulers(sampler, frames);
   spdlog::debug("chunk {}/{}: {} latent frames, prefix {}, {} rows", chunk_index + 1, plan.chunks.size(),
                 chunk.num_latent_frames, chunk.prefix_frames, matrix.rows());
 

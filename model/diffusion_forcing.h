@@ -20,6 +20,10 @@ namespace skyreels::model {
 
 class SkyReelsV2Transformer;
 
+// What the video is conditioned on besides the prompt: diffusers' text-to-video, image-to-video
+// (SkyReelsV2DiffusionForcingImageToVideoPipeline) and video-to-video (...VideoToVideoPipeline) pipelines.
+enum class ConditioningMode { kText, kImage, kVideo };
+
 // diffusers' __call__ arguments (pixel-space frame counts, like the pipeline), with its defaults.
 struct GenerationParams {
   int64_t num_frames = 97;
@@ -38,7 +42,16 @@ struct GenerationParams {
   // The other settings of a diffusers scheduler_config.json (solver order/type, lower_order_final, ...).
   // Its flow_shift is ignored here: `flow_shift` above is the one used.
   FlowUniPCConfig scheduler;
+  // Pixel conditioning, as far as the chunk plan depends on it (the pixels themselves go to encode_conditioning).
+  ConditioningMode mode = ConditioningMode::kText;
+  bool last_image = false;   // kImage: a last frame, appended as an extra latent frame to the last chunk
+  int64_t video_frames = 0;  // kVideo: pixel frames of the input video (its last overlap_history are encoded)
 };
+
+// Latent frames the conditioning pins at the start of chunk 0: 1 for an image (never cut to the block size, as in
+// diffusers: with causal_block_size > 1 it is then not pre-ready and gets denoised), the encoded tail of the video
+// cut to a multiple of the block size for a video, 0 for text.
+int64_t condition_prefix_frames(const GenerationParams& params, int64_t causal_block_size);
 
 // diffusers' generate_timestep_matrix, unchanged (also for frames that are not a multiple of the block size, whose
 // tail gets no columns: #13609 is refused in plan_chunks instead).
@@ -63,12 +76,16 @@ struct ChunkSpec {
   int64_t output_end = 0;         // (exclusive); new frames are chunk frames [keep_from, Fk)
   int64_t keep_from = 0;          // 0 for chunk 0, else O (diffusers cuts at the overlap, not at P)
   int64_t timestep_rows = 0;      // rows of this chunk's timestep matrix (= model calls per guidance branch)
+  int64_t suffix_frames = 0;      // frames appended after the Fk (the last_image latent, last chunk only; never
+                                  // updated, part of the output)
+  // The first pixel frame of the output video this chunk generates (0 for chunk 0): where its prompt is looked up.
+  int64_t first_new_pixel_frame() const { return output_begin == 0 ? 0 : 1 + 4 * (output_begin - 1); }
 };
 
 struct ChunkPlan {
   int64_t total_latent_frames = 0;    // Ftot
   int64_t base_latent_frames = 0;     // Fb
-  int64_t overlap_latent_frames = 0;  // O (0 when not a long video)
+  int64_t overlap_latent_frames = 0;  // O (0 when not a long video; always set for video extension)
   int64_t latent_height = 0;
   int64_t latent_width = 0;
   int64_t causal_block_size = 1;
@@ -76,14 +93,35 @@ struct ChunkPlan {
   std::vector<std::string> warnings;  // e.g. overlap not a multiple of the block size: frames dropped
 };
 
+// This chunk's timestep matrix as diffusers builds it (prefix frames pre-ready; a last_image suffix column pinned at
+// timestep 0 and never updated). Also used by plan_chunks to count rows.
+TimestepMatrix chunk_timestep_matrix(const ChunkSpec& chunk, const std::vector<int64_t>& step_template, int64_t ar_step,
+                                     int64_t causal_block_size);
+
 // Validates `params` against the model config (throws std::invalid_argument whose message starts with the
 // offending field name, e.g. "num_frames: ...") and computes the chunk geometry.
 ChunkPlan plan_chunks(const GenerationParams& params, int64_t model_num_frame_per_block);
 
+// A prompt that takes over from a pixel frame of the output video on ("prompt travel"): every chunk whose first new
+// frame is at or after `from_frame` uses it, until the next one.
+struct PromptChange {
+  int64_t from_frame = 0;
+  at::Tensor prompt_embeds;                          // [B, T, text_dim]
+  std::optional<at::Tensor> negative_prompt_embeds;  // unset: the base negative prompt
+};
+
 struct Conditioning {
   at::Tensor prompt_embeds;                          // [B, T, text_dim]
   std::optional<at::Tensor> negative_prompt_embeds;  // required when guidance_scale > 1
+  std::vector<PromptChange> prompt_changes;          // ascending from_frame; empty: one prompt for the whole video
+  // Pixel conditioning as normalised VAE latents (encode_conditioning): chunk 0's prefix [B or 1, 16, >= P, h, w]
+  // (its first P = condition_prefix_frames frames are used) and the last_image latent [B or 1, 16, 1, h, w].
+  at::Tensor prefix_latents;
+  at::Tensor last_image_latents;
 };
+
+// The prompt (and negative prompt) chunk `chunk` uses: the last change at or before its first new frame.
+Conditioning prompt_for_chunk(const Conditioning& conditioning, const ChunkSpec& chunk);
 
 // Where random tensors come from, in diffusers' draw order.
 class NoiseSource {

@@ -389,8 +389,26 @@ struct MemoryInput {
   }
 };
 
+// PNG's IHDR gives the size before anything is decoded.
+void check_png_header(const std::vector<uint8_t>& b, const ReadLimits& limits, const std::string& name) {
+  static const uint8_t kMagic[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
+  if (b.size() < 24 || std::memcmp(b.data(), kMagic, 8) != 0) return;
+  auto be32 = [&](size_t at) {
+    return (uint64_t{b[at]} << 24) | (uint64_t{b[at + 1]} << 16) | (uint64_t{b[at + 2]} << 8) | uint64_t{b[at + 3]};
+  };
+  const uint64_t width = be32(16), height = be32(20);
+  if ((limits.max_width > 0 && width > static_cast<uint64_t>(limits.max_width)) ||
+      (limits.max_height > 0 && height > static_cast<uint64_t>(limits.max_height))) {
+    throw VideoError("read_video: " + name + " is a " + std::to_string(width) + "x" + std::to_string(height) +
+                     " PNG, larger than the limit " + std::to_string(limits.max_width) + "x" +
+                     std::to_string(limits.max_height));
+  }
+}
+
 class Reader {
  public:
+  explicit Reader(const ReadLimits& limits) : limits_(limits) {}
+
   ~Reader() {
     sws_freeContext(sws_);
     av_frame_free(&frame_);
@@ -411,6 +429,7 @@ class Reader {
 
   DecodedVideo read_bytes(const std::vector<uint8_t>& bytes) {
     name_ = "a buffer of " + std::to_string(bytes.size()) + " bytes";
+    check_png_header(bytes, limits_, name_);
     input_.bytes = &bytes;
     constexpr int kBufferSize = 1 << 16;
     auto* buffer = static_cast<unsigned char*>(av_malloc(kBufferSize));
@@ -424,9 +443,48 @@ class Reader {
   }
 
  private:
+  int64_t max_pixels() const {
+    return limits_.max_width > 0 && limits_.max_height > 0 ? int64_t{limits_.max_width} * limits_.max_height : 0;
+  }
+
+  // What the container header says, before any frame is decoded (MP4: the sample table).
+  void check_header_limits() const {
+    for (unsigned i = 0; i < fmt_->nb_streams; ++i) {
+      const AVStream* s = fmt_->streams[i];
+      check_size(s->codecpar->width, s->codecpar->height);
+      if (limits_.max_frames > 0 && s->codecpar->codec_type == AVMEDIA_TYPE_VIDEO &&
+          s->nb_frames > limits_.max_frames) {
+        throw VideoError("read_video: " + name_ + " has " + std::to_string(s->nb_frames) +
+                         " frames, more than the limit " + std::to_string(limits_.max_frames));
+      }
+    }
+  }
+
+  void check_size(int width, int height) const {
+    if ((limits_.max_width > 0 && width > limits_.max_width) ||
+        (limits_.max_height > 0 && height > limits_.max_height)) {
+      throw VideoError("read_video: " + name_ + " is " + std::to_string(width) + "x" + std::to_string(height) +
+                       ", larger than the limit " + std::to_string(limits_.max_width) + "x" +
+                       std::to_string(limits_.max_height));
+    }
+  }
+
+  void find_stream_info() {
+    // The probe decodes a frame or two: bound those decoders too.
+    std::vector<AVDictionary*> options(fmt_->nb_streams, nullptr);
+    if (max_pixels() > 0) {
+      for (auto& o : options) av_dict_set_int(&o, "max_pixels", max_pixels(), 0);
+    }
+    const int rc = avformat_find_stream_info(fmt_, options.empty() ? nullptr : options.data());
+    for (auto& o : options) av_dict_free(&o);
+    check(rc, "read_video: no stream info in " + name_);
+  }
+
   DecodedVideo decode_all() {
     quiet_ffmpeg();
-    check(avformat_find_stream_info(fmt_, nullptr), "read_video: no stream info in " + name_);
+    check_header_limits();
+    find_stream_info();
+    check_header_limits();
     const AVCodec* codec = nullptr;
     const int index = av_find_best_stream(fmt_, AVMEDIA_TYPE_VIDEO, -1, -1, &codec, 0);
     check(index, "read_video: no video stream in " + name_);
@@ -434,6 +492,7 @@ class Reader {
     dec_ = avcodec_alloc_context3(codec);
     if (dec_ == nullptr) throw VideoError("read_video: out of memory");
     check(avcodec_parameters_to_context(dec_, stream->codecpar), "read_video: codec parameters");
+    if (max_pixels() > 0) dec_->max_pixels = max_pixels();
     check(avcodec_open2(dec_, codec, nullptr), "read_video: cannot open the decoder for " + name_);
 
     DecodedVideo out;
@@ -471,6 +530,11 @@ class Reader {
       const int rc = avcodec_receive_frame(dec_, frame_);
       if (rc == AVERROR(EAGAIN) || rc == AVERROR_EOF) return;
       check(rc, "read_video: decoding " + name_ + " failed");
+      check_size(frame_->width, frame_->height);
+      if (limits_.max_frames > 0 && static_cast<int64_t>(frames_.size()) >= limits_.max_frames) {
+        throw VideoError("read_video: " + name_ + " has more than " + std::to_string(limits_.max_frames) +
+                         " frames (the limit)");
+      }
       frames_.push_back(to_rgb(frame_));
       av_frame_unref(frame_);
     }
@@ -492,6 +556,7 @@ class Reader {
     return rgb;
   }
 
+  ReadLimits limits_;
   std::string name_;
   MemoryInput input_;
   AVIOContext* io_ = nullptr;
@@ -505,7 +570,9 @@ class Reader {
 
 }  // namespace
 
-DecodedVideo read_video(const std::string& path) { return Reader().read_file(path); }
-DecodedVideo read_video_bytes(const std::vector<uint8_t>& bytes) { return Reader().read_bytes(bytes); }
+DecodedVideo read_video(const std::string& path, const ReadLimits& limits) { return Reader(limits).read_file(path); }
+DecodedVideo read_video_bytes(const std::vector<uint8_t>& bytes, const ReadLimits& limits) {
+  return Reader(limits).read_bytes(bytes);
+}
 
 }  // namespace skyreels::video

@@ -89,8 +89,18 @@ struct DecodedVideo {
   at::Tensor frames;  // uint8 [T, H, W, 3] RGB
 };
 
-DecodedVideo read_video(const std::string& path);
-DecodedVideo read_video_bytes(const std::vector<uint8_t>& bytes);
+// Bounds for decoding untrusted input (0 = none). Width x height and the frame count are checked on the container's
+// header before any frame is decoded, and the decoders refuse larger frames themselves (max_pixels), so a hostile
+// file cannot make the reader allocate more than about max_width x max_height x max_frames x 3 bytes.
+struct ReadLimits {
+  int max_width = 0;
+  int max_height = 0;
+  int64_t max_frames = 0;
+};
+
+// Any container/codec FFmpeg reads: MP4 videos, and PNG / JPEG images as one-frame videos.
+DecodedVideo read_video(const std::string& path, const ReadLimits& limits = {});
+DecodedVideo read_video_bytes(const std::vector<uint8_t>& bytes, const ReadLimits& limits = {});
 
 // Peak signal-to-noise ratio in dB of two uint8 (or 0..255 float) tensors of one shape; +inf when equal.
 double psnr(const at::Tensor& a, const at::Tensor& b);
