@@ -225,9 +225,8 @@ model::Conditioning conditioning_from(const std::string& path) {
 
 int run_generate(const std::vector<std::string>& argv) {
   const Args args(argv);
-  args.reject_unknown(
-      with_generation_flags({"model", "inputs", "out", "noise", "dtype", "device", "text-encoder", "tokenizer",
-                             "max-sequence-length", "vae", "image", "last-image", "video", "prompt-at", "inputs-at"}));
+  args.reject_unknown(with_generation_flags({"model", "inputs", "out", "noise", "dtype", "device", "text-encoder",
+                                             "tokenizer", "max-sequence-length", "vae"}));
   if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional().front() + "'");
   const std::string model_path = args.require("model");
   if (args.has("inputs") == args.has("text-encoder")) {

@@ -1,13 +1,16 @@
 // `skyreels submit`: sends a video job to a skyreels-server and prints its id (optionally follows it and downloads
 // the result).
+#include <ATen/ATen.h>
 #include <unistd.h>
 
 #include <filesystem>
 #include <iostream>
+#include <map>
 #include <optional>
 #include <stdexcept>
 
 #include "cli/command.h"
+#include "model/safetensors.h"
 #include "model/sampler_flow_unipc.h"
 #include "server/blob.h"
 #include "server/client.h"
@@ -35,6 +38,10 @@ const std::string kUsage =
         "  --overlap-history --ar-step --causal-block-size --addnoise-condition --fps --seed\n"
         "  --scheduler-config FILE   a diffusers UniPCMultistepScheduler scheduler_config.json (its flow_shift is the\n"
         "                            default of --flow-shift, as for `skyreels generate`)\n"
+        "image-to-video / video extension (a server with --vae) and a prompt per chunk, as for `generate`:\n"
+        "  --image PATH  --last-image PATH  --video PATH   PNG/JPEG/MP4 (sent as bytes) or safetensors with\n"
+        "                            `image` / `last_image` / `video` float in [0, 1] (sent as tensors)\n"
+        "  --prompt-at FRAME:TEXT    --inputs-at FRAME:FILE   the prompt from pixel frame FRAME on (repeatable)\n"
         "job:\n"
         "  --priority P              -10 .. 10, higher first (default 0)\n"
         "  --timeout-seconds S       deadline relative to acceptance\n"
@@ -93,6 +100,73 @@ void fill_params(const Args& args, pb::GenerationParams* p) {
   }
 }
 
+bool is_safetensors(const std::string& path) {
+  return path.size() >= 12 && path.compare(path.size() - 12, 12, ".safetensors") == 0;
+}
+
+// A float32 tensor of a safetensors file as the wire's Tensor.
+pb::Tensor wire_tensor(const std::string& path, const std::string& name) {
+  auto file = skyreels::safetensors::File::open(path);
+  if (!file->contains(name)) throw std::invalid_argument("'" + path + "' holds no tensor `" + name + "`");
+  const at::Tensor t = file->tensor(name).to(at::kFloat).contiguous();
+  pb::Tensor out;
+  out.set_dtype(pb::DTYPE_FLOAT32);
+  for (int64_t d : t.sizes()) out.add_shape(d);
+  out.set_data(t.data_ptr(), static_cast<size_t>(t.numel()) * sizeof(float));
+  return out;
+}
+
+void fill_pixels(const Args& args, const std::string& flag, const std::string& tensor_name, pb::PixelInput* input) {
+  const std::string path = args.get(flag);
+  if (is_safetensors(path)) {
+    *input->mutable_tensor() = wire_tensor(path, tensor_name);
+  } else {
+    input->set_encoded(server::read_binary_file(path));
+  }
+}
+
+std::pair<int64_t, std::string> frame_and_value(const std::string& flag, const std::string& text) {
+  const size_t colon = text.find(':');
+  try {
+    if (colon == std::string::npos || colon == 0) throw std::invalid_argument(text);
+    size_t used = 0;
+    const long long frame = std::stoll(text.substr(0, colon), &used);
+    if (used != colon || frame < 0) throw std::invalid_argument(text);
+    return {frame, text.substr(colon + 1)};
+  } catch (const std::exception&) {
+    throw UsageError("flag --" + flag + " expects FRAME:VALUE with FRAME a pixel frame >= 0, got '" + text + "'");
+  }
+}
+
+// --image / --last-image / --video and --prompt-at / --inputs-at (changes sent in frame order).
+void fill_conditioning(const Args& args, pb::JobSpec* spec) {
+  if (args.has("image") && args.has("video")) throw UsageError("--image and --video are exclusive");
+  if (args.has("last-image") && !args.has("image")) throw UsageError("--last-image needs --image");
+  if (args.has("image")) fill_pixels(args, "image", "image", spec->mutable_image());
+  if (args.has("last-image")) fill_pixels(args, "last-image", "last_image", spec->mutable_last_image());
+  if (args.has("video")) fill_pixels(args, "video", "video", spec->mutable_video());
+  std::map<int64_t, pb::PromptChange> changes;
+  auto slot = [&](const std::string& flag, int64_t frame) -> pb::PromptChange& {
+    if (changes.count(frame))
+      throw UsageError("--" + flag + ": two prompts take over at frame " + std::to_string(frame));
+    changes[frame].set_from_frame(frame);
+    return changes[frame];
+  };
+  for (const auto& text : args.all("prompt-at")) {
+    const auto [frame, prompt] = frame_and_value("prompt-at", text);
+    slot("prompt-at", frame).set_text(prompt);
+  }
+  for (const auto& text : args.all("inputs-at")) {
+    const auto [frame, path] = frame_and_value("inputs-at", text);
+    pb::PromptEmbeddings* e = slot("inputs-at", frame).mutable_embeddings();
+    *e->mutable_prompt_embeds() = wire_tensor(path, "prompt_embeds");
+    if (skyreels::safetensors::File::open(path)->contains("negative_prompt_embeds")) {
+      *e->mutable_negative_prompt_embeds() = wire_tensor(path, "negative_prompt_embeds");
+    }
+  }
+  for (auto& [frame, change] : changes) *spec->add_prompt_changes() = std::move(change);
+}
+
 int64_t server_text_dim(server::Client& client) {
   auto ctx = client.context(30);
   pb::ServerInfo info;
@@ -137,6 +211,7 @@ int run_submit(const std::vector<std::string>& raw) {
     spec->mutable_text()->set_negative_prompt(args.get("negative-prompt", ""));
   }
   fill_params(args, spec->mutable_params());
+  fill_conditioning(args, spec);
   request.set_priority(args.get_int("priority", 0));
   request.set_idempotency_key(args.get("idempotency-key", ""));
   if (args.has("timeout-seconds")) {

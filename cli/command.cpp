@@ -103,7 +103,12 @@ const std::vector<std::string> kGenerationFlags = {"prompt",
                                                    "addnoise-condition",
                                                    "fps",
                                                    "seed",
-                                                   "scheduler-config"};
+                                                   "scheduler-config",
+                                                   "image",
+                                                   "last-image",
+                                                   "video",
+                                                   "prompt-at",
+                                                   "inputs-at"};
 
 std::vector<std::string> with_generation_flags(std::vector<std::string> known) {
   known.insert(known.end(), kGenerationFlags.begin(), kGenerationFlags.end());

@@ -443,8 +443,16 @@ class Reader {
   }
 
  private:
+  // Input with limits comes from outside (a request): damaged data is an error, not concealed.
+  bool untrusted() const { return limits_.max_width > 0 || limits_.max_height > 0 || limits_.max_frames > 0; }
+
+  // For the decoders' own check, which counts the stride-aligned width (up to 64 more pixels) and padding: the exact
+  // bound is checked on the header and on every decoded frame.
   int64_t max_pixels() const {
-    return limits_.max_width > 0 && limits_.max_height > 0 ? int64_t{limits_.max_width} * limits_.max_height : 0;
+    constexpr int64_t kSlack = 256;
+    return limits_.max_width > 0 && limits_.max_height > 0
+               ? (int64_t{limits_.max_width} + kSlack) * (int64_t{limits_.max_height} + kSlack)
+               : 0;
   }
 
   // What the container header says, before any frame is decoded (MP4: the sample table).
@@ -508,7 +516,12 @@ class Reader {
     frame_ = av_frame_alloc();
     packet_ = av_packet_alloc();
     if (frame_ == nullptr || packet_ == nullptr) throw VideoError("read_video: out of memory");
-    while (av_read_frame(fmt_, packet_) >= 0) {
+    int read = 0;
+    while ((read = av_read_frame(fmt_, packet_)) >= 0) {
+      if (untrusted() && (packet_->flags & AV_PKT_FLAG_CORRUPT) != 0) {
+        av_packet_unref(packet_);
+        throw VideoError("read_video: " + name_ + " is damaged (a corrupt packet)");
+      }
       if (packet_->stream_index == index) {
         const int rc = avcodec_send_packet(dec_, packet_);
         av_packet_unref(packet_);
@@ -518,6 +531,7 @@ class Reader {
         av_packet_unref(packet_);
       }
     }
+    if (untrusted() && read != AVERROR_EOF) check(read, "read_video: " + name_ + " is truncated or damaged");
     check(avcodec_send_packet(dec_, nullptr), "read_video: flushing the decoder failed");
     receive_frames();
     out.info.frames = static_cast<int64_t>(frames_.size());

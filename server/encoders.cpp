@@ -81,7 +81,7 @@ VideoEncoder::VideoEncoder(const std::string& vae_path, const std::string& devic
   checkpoint::PlaceOptions place;
   place.device = device;
   place.dtype = at::kFloat;  // the pipeline decodes in float32
-  vae_ = std::make_unique<model::WanVae>(model::WanVae::load(path, place));
+  vae_ = std::make_shared<model::WanVae>(model::WanVae::load(path, place));
   if (!demo_dir.empty()) {
     std::error_code ec;
     std::filesystem::remove_all(demo_dir, ec);  // loaded (copied) already

@@ -37,6 +37,9 @@ class VideoEncoder : public SchedulerObserver {
                       int64_t frames) override;
   // Blocks until every queued chunk is encoded, or `until`; true when idle (used by the drain).
   bool wait_idle(Clock::time_point until);
+  // The loaded VAE, shared with jobs that encode image / video conditioning (its encode and decode may run
+  // concurrently).
+  std::shared_ptr<const model::WanVae> vae() const { return vae_; }
 
  private:
   struct Task {
@@ -45,7 +48,7 @@ class VideoEncoder : public SchedulerObserver {
   };
   void loop();
   void encode(ModelJob& job, int64_t chunk);
-  std::unique_ptr<model::WanVae> vae_;
+  std::shared_ptr<model::WanVae> vae_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Task> tasks_;

@@ -359,6 +359,7 @@ int serve(const Options& o, Signals& signals) {
   service_config.api_keys = &keys;
   service_config.text_encoder = text_encoder;
   service_config.vae_available = video != nullptr;
+  if (video) service_config.vae = video->vae();  // image / video conditioning
   service_config.metrics = &metrics;
   auto service = make_video_service(scheduler, service_config);
 

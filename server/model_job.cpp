@@ -10,7 +10,9 @@
 #include <sstream>
 
 #include "model/diffusion_forcing.h"
+#include "model/pixel_conditioning.h"
 #include "model/safetensors.h"
+#include "model/vae_wan.h"
 #include "server/blob.h"
 
 namespace skyreels::server {
@@ -194,6 +196,62 @@ void parse_embeddings_file(const std::string& bytes, std::optional<RawTensor>& p
   if (!prompt) invalid(field + ": no tensor named prompt_embeds");
 }
 
+// ---- image / video conditioning -------------------------------------------------------------------------------
+
+// One image or video, bounded and shape-checked before any decode or copy; decoders get the request's exact size as
+// their limit, so nothing larger than the video being made is ever allocated.
+at::Tensor pixel_input(const PixelRequest& r, const std::string& field, model::PixelKind kind,
+                       const model::GenerationParams& p, const ServerLimits& limits) {
+  if (r.encoded.has_value() == r.tensor.has_value()) invalid(field + ": give either encoded bytes or a tensor");
+  const auto max_bytes = static_cast<size_t>(limits.max_pixel_input_bytes);
+  if (r.encoded) {
+    if (r.encoded->empty()) invalid(field + ".encoded: empty");
+    if (r.encoded->size() > max_bytes) {
+      invalid(field + ".encoded: " + std::to_string(r.encoded->size()) + " bytes, more than the limit " +
+              std::to_string(max_bytes));
+    }
+    video::ReadLimits read;
+    read.max_width = static_cast<int>(p.width);
+    read.max_height = static_cast<int>(p.height);
+    read.max_frames = kind == model::PixelKind::kImage ? 1 : limits.max_frames;
+    const std::vector<uint8_t> bytes(r.encoded->begin(), r.encoded->end());
+    try {
+      return model::decode_pixels(bytes, kind, read, field + ".encoded");
+    } catch (const std::invalid_argument& e) {
+      invalid(e.what());
+    }
+  }
+  const RawTensor& t = *r.tensor;
+  const std::vector<int64_t> expected_tail = {3, p.height, p.width};
+  const size_t dims = kind == model::PixelKind::kImage ? 4 : 5;
+  const bool shape_ok =
+      t.shape.size() == dims && std::equal(expected_tail.begin(), expected_tail.end(), t.shape.end() - 3);
+  if (!shape_ok) {
+    invalid(field + ".tensor: expected " +
+            (kind == model::PixelKind::kImage ? std::string("[1, 3, ") : std::string("[1, F, 3, ")) +
+            std::to_string(p.height) + ", " + std::to_string(p.width) + "] (the request's height x width), got " +
+            shape_text(t.shape));
+  }
+  if (kind == model::PixelKind::kVideo)
+    check_range(field + ".tensor frames (shape[1])", t.shape[1], 1, limits.max_frames);
+  if (t.data.size() > max_bytes) {
+    invalid(field + ".tensor: " + std::to_string(t.data.size()) + " bytes, more than the limit " +
+            std::to_string(max_bytes));
+  }
+  return to_tensor(t, field + ".tensor");
+}
+
+model::PixelConditioning pixel_conditioning(const JobRequest& r, const model::GenerationParams& p,
+                                            const ServerLimits& limits) {
+  model::PixelConditioning pixels;
+  if (r.image && r.video) invalid("image: an image (image-to-video) and a video (video extension) are exclusive");
+  if (r.last_image && !r.image) invalid("last_image: needs an image as the first frame");
+  if (r.image) pixels.image = pixel_input(*r.image, "image", model::PixelKind::kImage, p, limits);
+  if (r.last_image) pixels.last_image = pixel_input(*r.last_image, "last_image", model::PixelKind::kImage, p, limits);
+  if (r.video) pixels.video = pixel_input(*r.video, "video", model::PixelKind::kVideo, p, limits);
+  return pixels;
+}
+
 // ---- fingerprint ----------------------------------------------------------------------------------------------
 
 struct Fnv {
@@ -249,7 +307,55 @@ uint64_t fingerprint_of(const JobRequest& r) {
   }
   f.add(static_cast<uint64_t>(r.disable_corrector.size()));
   for (int64_t step : r.disable_corrector) f.add(step);
+  for (const auto* pixels : {&r.image, &r.last_image, &r.video}) {
+    f.add(static_cast<uint8_t>(pixels->has_value()));
+    if (!*pixels) continue;
+    f.add(static_cast<uint8_t>((*pixels)->encoded.has_value()));
+    if ((*pixels)->encoded) f.str(*(*pixels)->encoded);
+    f.tensor((*pixels)->tensor);
+  }
+  f.add(static_cast<uint64_t>(r.prompt_changes.size()));
+  for (const auto& change : r.prompt_changes) {
+    f.add(change.from_frame);
+    f.tensor(change.prompt_embeds);
+    f.tensor(change.negative_prompt_embeds);
+    f.add(static_cast<uint8_t>(change.text.has_value()));
+    if (change.text) f.str(*change.text);
+  }
   return f.h;
+}
+
+// ---- prompt changes ---------------------------------------------------------------------------------------------
+
+std::vector<model::PromptChange> prompt_changes(const JobRequest& r, const ModelDescription& model,
+                                                const ServerLimits& limits, const TextEncoderFn& text_encoder) {
+  check_range("prompt_changes (count)", static_cast<int64_t>(r.prompt_changes.size()), 0, limits.max_prompt_changes);
+  std::vector<model::PromptChange> out;
+  int64_t previous = -1;
+  for (size_t i = 0; i < r.prompt_changes.size(); ++i) {
+    const PromptChangeRequest& c = r.prompt_changes[i];
+    const std::string field = "prompt_changes[" + std::to_string(i) + "]";
+    check_range(field + ".from_frame", c.from_frame, previous + 1, limits.max_frames, "ascending, within --max-frames");
+    previous = c.from_frame;
+    if (c.prompt_embeds.has_value() == c.text.has_value()) invalid(field + ": give either embeddings or text");
+    model::PromptChange change;
+    change.from_frame = c.from_frame;
+    if (c.text) {
+      if (!text_encoder) throw PreconditionError(field + ".text: this server has no text encoder; send embeddings");
+      if (c.text->empty() || c.text->size() > kMaxPromptBytes) {
+        invalid(field + ".text: must be 1 to " + std::to_string(kMaxPromptBytes) + " bytes");
+      }
+      change.prompt_embeds = embeddings(text_encoder(*c.text), field + ".text", model, limits);
+    } else {
+      change.prompt_embeds = embeddings(*c.prompt_embeds, field + ".prompt_embeds", model, limits);
+      if (c.negative_prompt_embeds) {
+        change.negative_prompt_embeds =
+            embeddings(*c.negative_prompt_embeds, field + ".negative_prompt_embeds", model, limits);
+      }
+    }
+    out.push_back(std::move(change));
+  }
+  return out;
 }
 
 }  // namespace
@@ -264,6 +370,11 @@ struct ModelJob::Impl {
   int64_t latent_channels = 16;
   uint64_t fingerprint = 0;
   at::Tensor tail;  // last overlap frames of the latent video so far, on the replica that made them
+  // Image / video conditioning: the pixels until the first chunk encodes them with `vae` (once; the latents then
+  // live in `conditioning`, so a retried or handed-off chunk never encodes again).
+  model::PixelConditioning pixels;
+  std::shared_ptr<const model::WanVae> vae;
+  void encode_conditioning_once();
   mutable std::mutex results_mu;
   std::vector<std::optional<ChunkBlob>> results;
   mutable std::condition_variable video_cv;
@@ -272,12 +383,28 @@ struct ModelJob::Impl {
   std::shared_ptr<void> video_state;
 };
 
+// The VAE encode of the job's image / video, on the first chunk's replica thread. Chunks of one job never run
+// concurrently, so the job's state needs no lock here.
+void ModelJob::Impl::encode_conditioning_once() {
+  if (pixels.empty()) return;
+  model::EncodedConditioning encoded;
+  try {
+    encoded = model::encode_conditioning(*vae, pixels, generation);
+  } catch (const std::invalid_argument& e) {
+    throw ValidationError(e.what());
+  }
+  conditioning.prefix_latents = encoded.prefix_latents;
+  conditioning.last_image_latents = encoded.last_image_latents;
+  pixels = {};
+}
+
 ModelJob::ModelJob() : impl_(std::make_unique<Impl>()) {}
 ModelJob::~ModelJob() = default;
 
 std::shared_ptr<ModelJob> ModelJob::create(const JobRequest& request, const ModelDescription& model,
                                            const ServerLimits& limits, uint64_t random_seed,
-                                           const TextEncoderFn& text_encoder) {
+                                           const TextEncoderFn& text_encoder,
+                                           std::shared_ptr<const model::WanVae> vae) {
   std::shared_ptr<ModelJob> job(new ModelJob());
   Impl& d = *job->impl_;
   d.generation = resolve_params(request, limits, random_seed);
@@ -313,6 +440,23 @@ std::shared_ptr<ModelJob> ModelJob::create(const JobRequest& request, const Mode
               std::to_string(p.guidance_scale));
     }
     d.conditioning.negative_prompt_embeds = embeddings(*negative, "negative_prompt_embeds", model, limits);
+  }
+  d.conditioning.prompt_changes = prompt_changes(request, model, limits, text_encoder);
+
+  if (request.image || request.video) {
+    if (!vae) {
+      throw PreconditionError(std::string(request.image ? "image" : "video") +
+                              ": this server has no VAE to encode it (start it with --vae)");
+    }
+    d.pixels = pixel_conditioning(request, d.generation, limits);
+    d.vae = std::move(vae);
+    try {
+      model::describe_conditioning(d.pixels, 1, d.generation);
+    } catch (const std::invalid_argument& e) {
+      invalid(e.what());
+    }
+  } else if (request.last_image) {
+    invalid("last_image: needs an image as the first frame");
   }
 
   try {
@@ -391,6 +535,7 @@ void ModelJob::run_chunk(const model::SkyReelsV2Transformer& transformer, int64_
   Impl& d = *impl_;
   const model::ChunkSpec& spec = d.plan.chunks.at(static_cast<size_t>(chunk));
   // Chunk k's noise depends on (seed, k) only, never on where chunk k-1 ran (NoiseSource::begin_chunk skips ahead).
+  d.encode_conditioning_once();
   auto noise = model::make_seeded_noise(d.resolved.seed);
   const at::Tensor latents =
       model::run_chunk(transformer, d.generation, d.plan, chunk, d.conditioning, d.tail, *noise, hooks);

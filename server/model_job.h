@@ -17,6 +17,7 @@
 
 namespace skyreels::model {
 class SkyReelsV2Transformer;
+class WanVae;
 struct StepHooks;
 }  // namespace skyreels::model
 
@@ -42,6 +43,20 @@ struct RawTensor {
   std::string data;
 };
 
+// Pixels as they arrive: the bytes of a PNG/JPEG/MP4, or a float tensor in [0, 1] (exactly one of the two).
+struct PixelRequest {
+  std::optional<std::string> encoded;
+  std::optional<RawTensor> tensor;
+};
+
+// A prompt taking over from a pixel frame on: embeddings (negative optional) or text (needs a text encoder).
+struct PromptChangeRequest {
+  int64_t from_frame = 0;
+  std::optional<RawTensor> prompt_embeds;
+  std::optional<RawTensor> negative_prompt_embeds;
+  std::optional<std::string> text;
+};
+
 // The request, transport-neutral. Unset optionals take diffusers' defaults.
 struct JobRequest {
   std::optional<RawTensor> prompt_embeds;
@@ -59,6 +74,9 @@ struct JobRequest {
   std::optional<std::string> solver_type, final_sigmas_type;
   std::optional<bool> lower_order_final;
   std::vector<int64_t> disable_corrector;
+  // Image-to-video (image, optionally last_image) or video extension (video).
+  std::optional<PixelRequest> image, last_image, video;
+  std::vector<PromptChangeRequest> prompt_changes;
 };
 
 // Every generation parameter with its value in effect (what the job reports back).
@@ -75,6 +93,8 @@ struct ResolvedParams {
 };
 
 struct ServerLimits {
+  int64_t max_pixel_input_bytes = 32 << 20;  // one image / video of a request, encoded or as a tensor
+  int64_t max_prompt_changes = 64;
   int64_t max_frames = 1457;
   int64_t max_height = 1280;
   int64_t max_width = 1280;
@@ -101,10 +121,12 @@ struct ChunkBlob {
 class ModelJob : public JobPayload {
  public:
   // Validates every field (ValidationError / PreconditionError) and plans the chunks. `random_seed` is used when
-  // the request has no seed.
+  // the request has no seed. Images and videos are decoded here (bounded by the request's size and --max-frames);
+  // `vae` encodes them later, once, when the job's first chunk runs (after admission); null: they are refused.
   static std::shared_ptr<ModelJob> create(const JobRequest& request, const ModelDescription& model,
                                           const ServerLimits& limits, uint64_t random_seed,
-                                          const TextEncoderFn& text_encoder = {});
+                                          const TextEncoderFn& text_encoder = {},
+                                          std::shared_ptr<const model::WanVae> vae = nullptr);
   ~ModelJob() override;
 
   const ResolvedParams& params() const;

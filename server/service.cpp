@@ -90,6 +90,32 @@ std::optional<RawTensor> raw_tensor(const pb::Tensor& t, bool present) {
   return raw;
 }
 
+std::optional<PixelRequest> pixel_request(const pb::PixelInput& input, bool present) {
+  if (!present) return std::nullopt;
+  PixelRequest r;
+  if (input.source_case() == pb::PixelInput::kEncoded) r.encoded = input.encoded();
+  if (input.source_case() == pb::PixelInput::kTensor) r.tensor = raw_tensor(input.tensor(), true);
+  return r;
+}
+
+// Image / video conditioning and prompt changes (image-to-video, video extension, a prompt per chunk).
+void conditioning_from_proto(const pb::JobSpec& spec, JobRequest& r) {
+  r.image = pixel_request(spec.image(), spec.has_image());
+  r.last_image = pixel_request(spec.last_image(), spec.has_last_image());
+  r.video = pixel_request(spec.video(), spec.has_video());
+  for (const pb::PromptChange& c : spec.prompt_changes()) {
+    PromptChangeRequest change;
+    change.from_frame = c.from_frame();
+    if (c.prompt_case() == pb::PromptChange::kText) change.text = c.text();
+    if (c.prompt_case() == pb::PromptChange::kEmbeddings) {
+      change.prompt_embeds = raw_tensor(c.embeddings().prompt_embeds(), c.embeddings().has_prompt_embeds());
+      change.negative_prompt_embeds =
+          raw_tensor(c.embeddings().negative_prompt_embeds(), c.embeddings().has_negative_prompt_embeds());
+    }
+    r.prompt_changes.push_back(std::move(change));
+  }
+}
+
 JobRequest request_from_proto(const pb::JobSpec& spec) {
   JobRequest r;
   switch (spec.conditioning_case()) {
@@ -132,6 +158,7 @@ JobRequest request_from_proto(const pb::JobSpec& spec) {
     if (c.has_final_sigmas_type()) r.final_sigmas_type = c.final_sigmas_type();
     r.disable_corrector.assign(c.disable_corrector().begin(), c.disable_corrector().end());
   }
+  conditioning_from_proto(spec, r);
   return r;
 }
 
@@ -378,6 +405,11 @@ class VideoServiceImpl final : public pb::VideoService::Service {
     response->set_queued_jobs(static_cast<int32_t>(scheduler_.queued_jobs()));
     response->set_running_jobs(static_cast<int32_t>(scheduler_.running_jobs()));
     response->set_api_keys_required(config_.api_keys != nullptr && config_.api_keys->enabled());
+    for (const char* kind : {"embeddings", "prompt_changes"}) response->add_conditionings(kind);
+    if (config_.text_encoder) response->add_conditionings("text");
+    if (config_.vae) {
+      for (const char* kind : {"image", "last_image", "video"}) response->add_conditionings(kind);
+    }
     return Status::OK;
   }
 
@@ -448,7 +480,7 @@ class VideoServiceImpl final : public pb::VideoService::Service {
     std::shared_ptr<ModelJob> job;
     try {
       job = ModelJob::create(request_from_proto(request.spec()), config_.model, config_.limits, random_seed(),
-                             config_.text_encoder);
+                             config_.text_encoder, config_.vae);
     } catch (const ValidationError& e) {
       return reject(kRejectInvalidArgument, StatusCode::INVALID_ARGUMENT, e.what());
     } catch (const PreconditionError& e) {

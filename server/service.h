@@ -43,6 +43,8 @@ struct ServiceConfig {
   int64_t max_request_bytes = 64 << 20;
   bool vae_available = false;
   TextEncoderFn text_encoder;  // unset: text prompts answer FAILED_PRECONDITION
+  std::shared_ptr<const model::WanVae>
+      vae;  // encodes image / video conditioning; null: they answer FAILED_PRECONDITION
   const ApiKeys* api_keys = nullptr;
   Metrics* metrics = nullptr;
 };
