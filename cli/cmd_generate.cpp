@@ -242,8 +242,9 @@ int run_generate(const std::vector<std::string>& argv) {
     encoder = model::TextEncoder::load(args.require("text-encoder"), args.get("tokenizer"), options);
   }
   std::function<model::Conditioning(const std::string&)> encode_text;
-  if (encoder)
+  if (encoder) {
     encode_text = [&](const std::string& text) { return conditioning_from_text(*encoder, args, params, text); };
+  }
   model::Conditioning conditioning =
       args.has("inputs") ? conditioning_from(args.get("inputs")) : encode_text(args.require("prompt"));
   conditioning.prompt_changes = prompt_changes_from_flags(args, encode_text, conditioning_from);

@@ -534,7 +534,7 @@ class Reader {
     if (untrusted() && read != AVERROR_EOF) check(read, "read_video: " + name_ + " is truncated or damaged");
     check(avcodec_send_packet(dec_, nullptr), "read_video: flushing the decoder failed");
     receive_frames();
-    out.info.frames = static_cast<int64_t>(frames_.size());
+    out.info.frames = decoded_;  // all of them, also when keep_last kept fewer in `frames`
     out.frames = frames_.empty() ? at::empty({0, out.info.height, out.info.width, 3}, at::kByte) : at::stack(frames_);
     return out;
   }
@@ -545,11 +545,15 @@ class Reader {
       if (rc == AVERROR(EAGAIN) || rc == AVERROR_EOF) return;
       check(rc, "read_video: decoding " + name_ + " failed");
       check_size(frame_->width, frame_->height);
-      if (limits_.max_frames > 0 && static_cast<int64_t>(frames_.size()) >= limits_.max_frames) {
+      if (limits_.max_frames > 0 && decoded_ >= limits_.max_frames) {
         throw VideoError("read_video: " + name_ + " has more than " + std::to_string(limits_.max_frames) +
                          " frames (the limit)");
       }
       frames_.push_back(to_rgb(frame_));
+      ++decoded_;
+      if (limits_.keep_last > 0 && static_cast<int64_t>(frames_.size()) > limits_.keep_last) {
+        frames_.erase(frames_.begin());
+      }
       av_frame_unref(frame_);
     }
   }
@@ -580,6 +584,7 @@ class Reader {
   AVPacket* packet_ = nullptr;
   SwsContext* sws_ = nullptr;
   std::vector<at::Tensor> frames_;
+  int64_t decoded_ = 0;
 };
 
 }  // namespace

@@ -96,6 +96,7 @@ struct ReadLimits {
   int max_width = 0;
   int max_height = 0;
   int64_t max_frames = 0;
+  int64_t keep_last = 0;  // > 0: keep only the last keep_last decoded frames (memory bounded by them, not the file)
 };
 
 // Any container/codec FFmpeg reads: MP4 videos, and PNG / JPEG images as one-frame videos.

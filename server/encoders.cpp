@@ -146,7 +146,8 @@ void VideoEncoder::encode(ModelJob& job, int64_t chunk) {
   auto blob = job.chunk_result(chunk);
   if (!blob) throw std::logic_error("chunk latents missing");
   const F32View view = parse_f32_tensor(blob->bytes, "latents");
-  const at::Tensor latents = at::from_blob(const_cast<char*>(view.data), view.shape, at::kFloat);
+  const at::Tensor all = at::from_blob(const_cast<char*>(view.data), view.shape, at::kFloat);
+  const at::Tensor latents = all.narrow(2, 0, all.size(2) - job.chunk_suffix_frames(chunk));  // no last_image frame
 
   auto& slot = job.video_state();
   if (chunk == 0) {

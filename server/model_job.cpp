@@ -214,6 +214,8 @@ at::Tensor pixel_input(const PixelRequest& r, const std::string& field, model::P
     read.max_width = static_cast<int>(p.width);
     read.max_height = static_cast<int>(p.height);
     read.max_frames = kind == model::PixelKind::kImage ? 1 : limits.max_frames;
+    // A video is continued from its last overlap_history frames: only those are kept while decoding.
+    if (kind == model::PixelKind::kVideo && p.overlap_history) read.keep_last = *p.overlap_history;
     const std::vector<uint8_t> bytes(r.encoded->begin(), r.encoded->end());
     try {
       return model::decode_pixels(bytes, kind, read, field + ".encoded");
@@ -238,7 +240,11 @@ at::Tensor pixel_input(const PixelRequest& r, const std::string& field, model::P
     invalid(field + ".tensor: " + std::to_string(t.data.size()) + " bytes, more than the limit " +
             std::to_string(max_bytes));
   }
-  return to_tensor(t, field + ".tensor");
+  at::Tensor pixels = to_tensor(t, field + ".tensor");
+  if (kind == model::PixelKind::kVideo && p.overlap_history && pixels.size(1) > *p.overlap_history) {
+    pixels = pixels.narrow(1, pixels.size(1) - *p.overlap_history, *p.overlap_history).clone();  // what is encoded
+  }
+  return pixels;
 }
 
 model::PixelConditioning pixel_conditioning(const JobRequest& r, const model::GenerationParams& p,
@@ -524,9 +530,13 @@ std::pair<int64_t, int64_t> ModelJob::chunk_latent_range(int64_t chunk) const {
   return {c.output_begin, c.output_end};
 }
 
+int64_t ModelJob::chunk_suffix_frames(int64_t chunk) const {
+  return impl_->plan.chunks.at(static_cast<size_t>(chunk)).suffix_frames;
+}
+
 int64_t ModelJob::chunk_pixel_frames(int64_t chunk) const {
   const auto [begin, end] = chunk_latent_range(chunk);
-  const int64_t latent = end - begin;
+  const int64_t latent = end - begin - chunk_suffix_frames(chunk);
   return begin == 0 ? (latent - 1) * kTemporal + 1 : latent * kTemporal;
 }
 

@@ -137,7 +137,10 @@ class ModelJob : public JobPayload {
   std::vector<int64_t> latent_shape() const;  // [1, C, F, h, w] of the whole video
   std::pair<int64_t, int64_t> chunk_latent_range(int64_t chunk) const;
   int64_t chunk_pixel_frames(int64_t chunk) const;  // frames chunk `chunk` adds to the decoded video
-  uint64_t fingerprint() const;                     // of everything that determines the output (idempotency)
+  // Latent frames at the end of chunk `chunk`'s result that are conditioning, not video (the last_image latent):
+  // decoding leaves them out, as diffusers does.
+  int64_t chunk_suffix_frames(int64_t chunk) const;
+  uint64_t fingerprint() const;  // of everything that determines the output (idempotency)
 
   // Runs one chunk on `model` (on the calling replica's device). Reads the tail left by the previous chunk, wherever
   // it is; leaves the new tail on this device and stores the chunk's new frames on the CPU.

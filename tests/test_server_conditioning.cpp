@@ -139,6 +139,23 @@ TEST_F(ConditioningServerTest, GetServerInfoListsTheConditioningsOfTheLoadedMode
   EXPECT_FALSE(kinds.count("text"));  // no text encoder loaded
 }
 
+TEST_F(ConditioningServerTest, TheMp4OfAnImageToVideoWithALastImageLeavesTheLastImageFrameOutAsDiffusersDoes) {
+  pb::SubmitJobRequest request = image_request(44);
+  const at::Tensor image = load_tensors(inputs_of(kI2v)).at("image");
+  *request.mutable_spec()->mutable_last_image()->mutable_tensor() = wire(image.flip({3}));
+  const pb::Job job =
+      wait_job(server_->client(), submit(server_->client(), request).job_id(), std::chrono::seconds(120));
+  ASSERT_EQ(job.state(), pb::JOB_STATE_SUCCEEDED) << job.error().message();
+  EXPECT_EQ(download_latents(server_->client(), job.job_id()).size(2), 10);  // 9 + the last_image latent
+  pb::DownloadResultRequest download;
+  download.set_job_id(job.job_id());
+  download.set_format(pb::RESULT_FORMAT_MP4);
+  std::string mp4;
+  ASSERT_TRUE(
+      server::download_chunks(server_->client(), download, [&](int32_t, int32_t, std::string b) { mp4 += b; }).ok());
+  EXPECT_EQ(video::read_video_bytes(std::vector<uint8_t>(mp4.begin(), mp4.end())).info.frames, 33);
+}
+
 grpc::Status submit_status(ServerProcess& server, const pb::SubmitJobRequest& request) {
   auto ctx = server.client().context(30);
   pb::SubmitJobResponse response;
