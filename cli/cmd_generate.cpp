@@ -46,6 +46,7 @@ const char* kUsage =
     "  --video PATH       video to extend: MP4, or safetensors with `video` [B, F, 3, H, W] float in [0, 1];\n"
     "                     its last --overlap-history frames are continued; --num-frames counts them too\n"
     "                     (images and videos must already be --width x --height)\n"
+    "  --pin-image-prefix with --causal-block-size > 1: keep the image frame fixed (diffusers denoises it)\n"
     "a prompt per chunk (each chunk takes the prompt in force at its first new frame):\n"
     "  --prompt-at FRAME:TEXT   from pixel frame FRAME on, TEXT (needs --text-encoder); repeatable\n"
     "  --inputs-at FRAME:FILE   from pixel frame FRAME on, the embeddings of FILE (like --inputs); repeatable\n"
@@ -112,6 +113,7 @@ model::GenerationParams params_from_flags(const Args& args) {
   if (args.has("causal-block-size")) p.causal_block_size = int_flag(args, "causal-block-size", 0);
   p.addnoise_condition = args.get_double("addnoise-condition", p.addnoise_condition);
   p.fps = int_flag(args, "fps", p.fps);
+  p.pin_image_prefix = args.has("pin-image-prefix");
   return p;
 }
 
@@ -224,9 +226,9 @@ model::Conditioning conditioning_from(const std::string& path) {
 }
 
 int run_generate(const std::vector<std::string>& argv) {
-  const Args args(argv);
+  const Args args(argv, {"pin-image-prefix"});
   args.reject_unknown(with_generation_flags({"model", "inputs", "out", "noise", "dtype", "device", "text-encoder",
-                                             "tokenizer", "max-sequence-length", "vae"}));
+                                             "tokenizer", "max-sequence-length", "vae", "pin-image-prefix"}));
   if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional().front() + "'");
   const std::string model_path = args.require("model");
   if (args.has("inputs") == args.has("text-encoder")) {

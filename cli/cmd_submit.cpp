@@ -167,6 +167,20 @@ void fill_conditioning(const Args& args, pb::JobSpec* spec) {
   for (auto& [frame, change] : changes) *spec->add_prompt_changes() = std::move(change);
 }
 
+// The file's bytes as they are, unless it also holds pixels (--inputs and --image may name one file, as for
+// `generate`): then its two prompt tensors alone.
+void set_embeddings(const std::string& path, pb::JobSpec* spec) {
+  auto file = skyreels::safetensors::File::open(path);
+  if (!file->contains("image") && !file->contains("last_image") && !file->contains("video")) {
+    spec->set_embeddings_safetensors(server::read_binary_file(path));
+    return;
+  }
+  *spec->mutable_embeddings()->mutable_prompt_embeds() = wire_tensor(path, "prompt_embeds");
+  if (file->contains("negative_prompt_embeds")) {
+    *spec->mutable_embeddings()->mutable_negative_prompt_embeds() = wire_tensor(path, "negative_prompt_embeds");
+  }
+}
+
 int64_t server_text_dim(server::Client& client) {
   auto ctx = client.context(30);
   pb::ServerInfo info;
@@ -198,7 +212,7 @@ int run_submit(const std::vector<std::string>& raw) {
   pb::SubmitJobRequest request;
   pb::JobSpec* spec = request.mutable_spec();
   if (args.has("inputs")) {
-    spec->set_embeddings_safetensors(server::read_binary_file(args.get("inputs")));
+    set_embeddings(args.get("inputs"), spec);
   } else if (args.has("random-embeddings")) {
     const int64_t text_dim = server_text_dim(client);
     const int64_t tokens = args.get_int("tokens", 16);

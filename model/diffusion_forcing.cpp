@@ -311,6 +311,10 @@ TimestepMatrix chunk_timestep_matrix(const ChunkSpec& chunk, const std::vector<i
     m.step_matrix.narrow(1, chunk.num_latent_frames, chunk.suffix_frames).fill_(0);
     m.update_mask.narrow(1, chunk.num_latent_frames, chunk.suffix_frames).fill_(false);
   }
+  if (chunk.pin_prefix && chunk.prefix_frames > 0) {
+    m.step_matrix.narrow(1, 0, chunk.prefix_frames).fill_(0);
+    m.update_mask.narrow(1, 0, chunk.prefix_frames).fill_(false);
+  }
   return m;
 }
 
@@ -354,6 +358,7 @@ ChunkPlan plan_chunks(const GenerationParams& params, int64_t model_num_frame_pe
     c.prefix_frames = k == 0 ? condition_prefix_frames(params, block) : prefix;
     c.keep_from = k == 0 ? 0 : g.overlap;
     c.suffix_frames = k + 1 == g.lengths.size() ? suffix : 0;
+    c.pin_prefix = k == 0 && params.mode == ConditioningMode::kImage && params.pin_image_prefix;
     c.output_begin = produced;
     c.output_end = produced + c.num_latent_frames + c.suffix_frames - c.keep_from;
     produced = c.output_end;

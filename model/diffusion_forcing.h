@@ -46,6 +46,10 @@ struct GenerationParams {
   ConditioningMode mode = ConditioningMode::kText;
   bool last_image = false;   // kImage: a last frame, appended as an extra latent frame to the last chunk
   int64_t video_frames = 0;  // kVideo: pixel frames of the input video (its last overlap_history are encoded)
+  // kImage with causal_block_size > 1: diffusers does not mark the 1-frame image prefix ready and denoises it like
+  // noise (kept by default, so results compare). true: the image frame stays pinned (timestep 0, never updated)
+  // while the rest of its block is denoised.
+  bool pin_image_prefix = false;
 };
 
 // Latent frames the conditioning pins at the start of chunk 0: 1 for an image (never cut to the block size, as in
@@ -78,6 +82,7 @@ struct ChunkSpec {
   int64_t timestep_rows = 0;      // rows of this chunk's timestep matrix (= model calls per guidance branch)
   int64_t suffix_frames = 0;      // frames appended after the Fk (the last_image latent, last chunk only; never
                                   // updated, part of the output)
+  bool pin_prefix = false;        // prefix frames pinned like the suffix (GenerationParams::pin_image_prefix)
   // The first pixel frame of the output video this chunk generates (0 for chunk 0): where its prompt is looked up.
   int64_t first_new_pixel_frame() const { return output_begin == 0 ? 0 : 1 + 4 * (output_begin - 1); }
 };

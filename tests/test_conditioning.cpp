@@ -294,6 +294,28 @@ TEST(Observations, WithBlockSize2TheImageFrameIsDenoisedAsInDiffusers) {
   EXPECT_FALSE(at::equal(c.output.at("latents").narrow(2, 0, 1), c.conditioning.prefix_latents));
 }
 
+TEST(Observations, PinImagePrefixKeepsTheImageFrameWithBlockSize2) {
+  Case c = load_case("pipeline_df_i2v/i3_long_async_cbs2_ar2_addnoise20");
+  use_recorded_condition(c);
+  c.params.pin_image_prefix = true;
+  const ChunkPlan plan = plan_chunks(c.params, 1);
+  EXPECT_EQ(plan.chunks[0].timestep_rows, c.json.at("chunks")[0].at("rows").get<int64_t>());  // same schedule
+  auto noise = make_recorded_noise(c.noise);
+  int calls = 0;
+  const Denoiser recorded_shapes = [&](const DenoiseCall& call) {
+    ++calls;
+    return at::zeros_like(call.latent_model_input);  // any prediction: the pinned frame must not move
+  };
+  at::Tensor video;
+  for (const ChunkSpec& chunk : plan.chunks) {
+    video = accumulate(
+        video, run_chunk(recorded_shapes, fixture_info(c), c.params, plan, chunk.index, c.conditioning, video, *noise),
+        chunk);
+  }
+  EXPECT_TRUE(at::equal(video.narrow(2, 0, 1), c.conditioning.prefix_latents));
+  EXPECT_EQ(calls, c.json.at("stats").at("num_transformer_calls").get<int>());
+}
+
 // ---- where diffusers crashes or does the wrong thing ------------------------------------------------------------
 
 at::Tensor synthetic_prediction(const DenoiseCall& call) {

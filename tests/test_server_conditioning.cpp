@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <filesystem>
 #include <iostream>
 #include <set>
 #include <string>
@@ -126,6 +127,24 @@ TEST_F(ConditioningServerTest, ImageToVideoAndVideoExtensionAcrossReplicasEqualT
     EXPECT_TRUE(at::equal(served, expected[i])) << "job " << i << ", max diff " << diff;
   }
   EXPECT_GE(moved, 1) << "no job ran on both replicas; the handoff path was not exercised";
+}
+
+TEST_F(ConditioningServerTest, SkyreelsSubmitTakesTheSameConditioningFlagsAsGenerate) {
+  const std::string flags = " --video " + inputs_of(kV2v) + " --inputs-at 25:" + inputs_of(kI2v);
+  const at::Tensor expected = generate_reference(kV2v, flags, 45);
+  const std::string out = temp_dir("submit");
+  std::string log;
+  ASSERT_EQ(run_command(bin_path("skyreels") + " submit --server " + server_->address() + " --inputs " +
+                            inputs_of(kV2v) + flags +
+                            " --num-frames 33 --height 32 --width 32 --num-inference-steps 3 --guidance-scale 5"
+                            " --base-num-frames 17 --overlap-history 9 --scheduler-config " +
+                            golden_path(kV2v) + "/scheduler/scheduler_config.json --seed 45 --watch --out " + out,
+                        &log),
+            0)
+      << log;
+  const auto files = std::filesystem::directory_iterator(out);
+  ASSERT_NE(files, std::filesystem::directory_iterator());
+  EXPECT_TRUE(at::equal(load_tensors(files->path().string()).at("latents"), expected));
 }
 
 TEST_F(ConditioningServerTest, GetServerInfoListsTheConditioningsOfTheLoadedModel) {
