@@ -21,6 +21,7 @@
 #include "model/transformer_loader.h"
 #include "model/transformer_skyreels_v2.h"
 #include "model/vae_wan.h"
+#include "model/video_mp4.h"
 #include "tests/test_util.h"
 
 namespace skyreels::model {
@@ -432,6 +433,38 @@ TEST(DiffusersCrashes, VideoExtensionWithTheVideoShorterThanTheOverlapUsesAllIts
   const ChunkPlan plan = plan_chunks(p, 1);
   EXPECT_EQ(plan.chunks[0].prefix_frames, 2);
   EXPECT_EQ(plan.total_latent_frames, 5);
+}
+
+// ---- pixels from untrusted bytes -----------------------------------------------------------------------------------
+
+std::vector<uint8_t> mp4_of(int64_t frames, int64_t size) {
+  return video::encode_mp4_segment(at::rand({3, frames, size, size}) * 2 - 1);
+}
+
+TEST(DecodePixels, LimitsAreCheckedBeforeDecodingAndOnlyTheLastFramesAreKept) {
+  video::ReadLimits limits;
+  limits.max_width = 32;
+  limits.max_height = 32;
+  limits.max_frames = 100;
+  limits.keep_last = 5;
+  const at::Tensor video = decode_pixels(mp4_of(9, 32), PixelKind::kVideo, limits, "video");
+  EXPECT_EQ(video.sizes(), at::IntArrayRef({1, 5, 3, 32, 32}));
+  EXPECT_GE(video.min().item<float>(), 0.0f);
+  EXPECT_LE(video.max().item<float>(), 1.0f);
+  limits.max_frames = 4;
+  EXPECT_TRUE(contains(message_of([&] { decode_pixels(mp4_of(9, 32), PixelKind::kVideo, limits, "video"); }),
+                       "video: not a readable MP4 video"));
+  limits.max_frames = 100;
+  EXPECT_TRUE(contains(message_of([&] { decode_pixels(mp4_of(2, 64), PixelKind::kVideo, limits, "video"); }),
+                       "larger than the limit"));
+  std::string png("\x89PNG\r\n\x1a\n\0\0\0\x0dIHDR\0\x01\x86\xa0\0\x01\x86\xa0\x08\x02\0\0\0", 29);
+  EXPECT_TRUE(contains(message_of([&] {
+                         decode_pixels(std::vector<uint8_t>(png.begin(), png.end()), PixelKind::kImage, limits,
+                                       "image");
+                       }),
+                       "100000x100000 PNG, larger than the limit"));
+  EXPECT_TRUE(contains(message_of([&] { decode_pixels(mp4_of(3, 32), PixelKind::kImage, limits, "image"); }),
+                       "image: an image must have exactly 1 frame"));
 }
 
 // ---- a prompt per chunk -----------------------------------------------------------------------------------------
