@@ -278,7 +278,16 @@ TEST(Scheduler, JobsInterleaveAtChunkBoundaries) {
 TEST(Scheduler, HigherPriorityJobsRunFirst) {
   Harness h({steps(10ms, 20)});
   const auto busy = h.submit(1);
-  std::this_thread::sleep_for(5ms);  // `busy` is on the only replica
+  // Event-based: `busy` has run a step on the only replica before the others arrive.
+  uint64_t seen = 0;
+  bool stepped = false;
+  const auto until = Clock::now() + 5s;
+  while (!stepped && Clock::now() < until) {
+    const EventBatch batch = h.scheduler->wait_events(busy, "", seen, until);
+    for (const auto& e : batch.events) stepped = stepped || e.type == EventType::Step;
+    if (!batch.events.empty()) seen = batch.events.back().sequence;
+  }
+  ASSERT_TRUE(stepped);
   const auto low_a = h.submit(1, 0);
   const auto low_b = h.submit(1, 0);
   const auto high = h.submit(1, 5);
