@@ -95,7 +95,8 @@ test hooks:
                               error: the job fails RESOURCE_EXHAUSTED) or dead (re-tests fail too); also
                               $SKYREELS_FAULT_INJECT
   --step-delay-ms N           sleep N ms after every denoising step (slows the tiny model down for tests)
-  --block-delay-ms N          sleep N ms after every transformer block (a long forward, for tests)
+  --block-delay-ms N          sleep N ms at every stop check, i.e. after every transformer block and before every
+                              step (a long forward, for tests)
 other:
   --log-level LEVEL           trace, debug, info (default), warn, error
   --help, --version

@@ -40,8 +40,9 @@ struct ReplicaOptions {
   std::string model_path;
   int threads = 0;  // intra-op threads for this replica's worker thread; 0 = leave as is
   std::vector<FaultRule> faults;
-  std::chrono::milliseconds step_delay{0};   // test hook: sleep after every denoising step
-  std::chrono::milliseconds block_delay{0};  // test hook: sleep after every transformer block (a long forward)
+  std::chrono::milliseconds step_delay{0};  // test hook: sleep after every denoising step
+  std::chrono::milliseconds block_delay{
+      0};  // test hook: sleep at every stop check (after each block, before each step)
 };
 
 struct ReplicaInfo {

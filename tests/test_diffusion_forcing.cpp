@@ -707,6 +707,38 @@ TEST(DiffusersBugBlockSizeLeak, AModelThatServedBlockSize2AnswersTheNextRequestL
   EXPECT_TRUE(at::equal(after, reference));
 }
 
+// Issue 12, item 4: with the transformer, cancellation is polled after every block too, so a stop request acts
+// within one block instead of one whole forward (or two, with guidance).
+TEST(Progress, WithTheTransformerCancellationIsPolledAfterEveryBlock) {
+  const PipelineCase c = load_case("p1_sync_short");
+  const auto model = load_fixture_model(c.name);
+  const int64_t layers = model->config().num_layers;
+  const int64_t passes = c.params.guidance_scale > 1.0 ? 2 : 1;
+  int64_t polls = 0, rows = 0;
+  StepHooks hooks;
+  hooks.on_step = [&](int64_t, int64_t, int64_t) { ++rows; };
+  hooks.cancelled = [&] {
+    ++polls;
+    return false;
+  };
+  auto noise = make_seeded_noise(*c.params.seed);
+  generate(*model, c.params, c.conditioning, *noise, hooks);
+  ASSERT_GT(rows, 0);
+  EXPECT_EQ(polls, rows * (1 + passes * layers)) << "before each row, and after each block of each forward";
+
+  polls = rows = 0;
+  hooks.cancelled = [&] { return ++polls == 2; };  // poll 1: before row 0; poll 2: after the first block
+  auto again = make_seeded_noise(*c.params.seed);
+  try {
+    generate(*model, c.params, c.conditioning, *again, hooks);
+    FAIL() << "not cancelled";
+  } catch (const GenerationCancelled& e) {
+    EXPECT_NE(std::string(e.what()).find("inside a forward"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(polls, 2) << "no block ran after the stop request";
+  EXPECT_EQ(rows, 0);
+}
+
 // ---- the CLI ---------------------------------------------------------------------------------------------------
 
 std::string cli_flags(const PipelineCase& c) {
