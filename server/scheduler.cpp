@@ -295,6 +295,7 @@ void Scheduler::run_probe(Replica& replica, std::unique_lock<std::mutex>& lock) 
   } else {
     replica.backoff = std::min<Clock::duration>(replica.backoff * 2, options_.retest_backoff_max);
     replica.retest_at = now + replica.backoff;
+    timer_cv_.notify_all();  // the timer wakes at the re-test time, not at its next 100 ms tick
     replica.error = error;
     spdlog::warn("replica={} event=retest_failed next_in_seconds={:.3f} error=\"{}\"", replica.name,
                  std::chrono::duration<double>(replica.backoff).count(), error);
