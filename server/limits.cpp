@@ -49,8 +49,4 @@ int64_t default_max_chunk_tokens(const ModelFootprint& model, uint64_t device_me
   return std::clamp<int64_t>(static_cast<int64_t>(fits), 1024, kAttentionTokenCeiling);
 }
 
-int64_t default_max_job_work(int64_t max_chunk_tokens, int64_t max_steps) {
-  return kReferenceChunksPerJob * max_chunk_tokens * max_steps * 2;
-}
-
 }  // namespace skyreels::server

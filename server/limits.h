@@ -39,6 +39,8 @@ uint64_t device_memory_bytes(const std::string& device);
 int64_t default_max_chunk_tokens(const ModelFootprint& model, uint64_t device_memory);
 
 // The default --max-job-work, in token-forwards (tokens x denoising rows x model passes, summed over chunks).
-int64_t default_max_job_work(int64_t max_chunk_tokens, int64_t max_steps);
+constexpr int64_t default_max_job_work(int64_t max_chunk_tokens, int64_t max_steps) {
+  return kReferenceChunksPerJob * max_chunk_tokens * max_steps * 2;
+}
 
 }  // namespace skyreels::server

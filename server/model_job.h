@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "server/limits.h"
 #include "server/scheduler.h"
 
 namespace skyreels::model {
@@ -82,9 +83,9 @@ struct ServerLimits {
   int64_t max_text_tokens = 512;  // diffusers' max_sequence_length
   // Work limits (server/limits.h derives the server's defaults from the model and the device memory): transformer
   // tokens of one chunk, token-forwards of the whole job (tokens x rows x passes, summed), chunks of one job.
-  int64_t max_chunk_tokens = 131072;
-  int64_t max_job_work = int64_t{24} * 131072 * 100 * 2;
-  int64_t max_chunks = 64;
+  int64_t max_chunk_tokens = kAttentionTokenCeiling;
+  int64_t max_job_work = default_max_job_work(kAttentionTokenCeiling, 100);  // 100: max_steps' default
+  int64_t max_chunks = kDefaultMaxChunks;
 };
 
 // What validation needs to know about the loaded model.
