@@ -46,6 +46,8 @@ const std::string kUsage =
         "  --priority P              -10 .. 10, higher first (default 0)\n"
         "  --timeout-seconds S       deadline relative to acceptance\n"
         "  --idempotency-key KEY     resubmitting the same request with the same key returns the same job\n"
+        "  --mp4                     decode the MP4 as the chunks finish (needs a server with --vae); without it\n"
+        "                            the first MP4 download of the job starts the decode\n"
         "  --wait-ready SECONDS      first wait until the server reports ready (grpc.health.v1)\n"
         "  --watch                   follow the job (progress on stderr); exit status 0 only if it succeeds\n"
         "  --out DIR                 with --watch: download the latents into DIR/<job>.safetensors\n") +
@@ -190,10 +192,10 @@ int64_t server_text_dim(server::Client& client) {
 }
 
 int run_submit(const std::vector<std::string>& raw) {
-  const Args args(raw, {"random-embeddings", "watch", "tls"});
+  const Args args(raw, {"random-embeddings", "watch", "tls", "mp4"});
   std::vector<std::string> known =
       with_generation_flags({"inputs", "random-embeddings", "tokens", "embeddings-seed", "priority", "timeout-seconds",
-                             "idempotency-key", "wait-ready", "watch", "out"});
+                             "idempotency-key", "wait-ready", "watch", "out", "mp4"});
   known.insert(known.end(), server::kConnectionFlags.begin(), server::kConnectionFlags.end());
   args.reject_unknown(known);
   if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional().front() + "'");
@@ -228,6 +230,7 @@ int run_submit(const std::vector<std::string>& raw) {
   fill_conditioning(args, spec);
   request.set_priority(args.get_int("priority", 0));
   request.set_idempotency_key(args.get("idempotency-key", ""));
+  request.set_produce_mp4(args.has("mp4"));
   if (args.has("timeout-seconds")) {
     const double t = args.get_double("timeout-seconds", 0);
     request.mutable_timeout()->set_seconds(static_cast<int64_t>(t));

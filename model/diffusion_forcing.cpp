@@ -413,14 +413,23 @@ class SeededNoise final : public NoiseSource {
 
   void begin_chunk(const ChunkPlan& plan, int64_t /*chunk_index*/) override { plan_ = plan; }
 
+  // The generators' whole state (mt19937 and the cached normal samples) is copied: the copy continues bit for bit.
+  std::unique_ptr<NoiseSource> clone() const override {
+    std::unique_ptr<SeededNoise> copy(new SeededNoise(*this));
+    copy->latent_ = latent_.clone();
+    copy->condition_ = condition_.clone();
+    return copy;
+  }
+  int64_t values_drawn() const override { return drawn_; }
+
   at::Tensor latent_noise(int64_t chunk_index, at::IntArrayRef shape) override {
     if (chunk_index < latent_next_) reset_latent();
     while (latent_next_ < chunk_index) {
-      draw(latent_, with_frames(shape, chunk(latent_next_).num_latent_frames));
+      take(latent_, with_frames(shape, chunk(latent_next_).num_latent_frames));
       ++latent_next_;
     }
     ++latent_next_;
-    return draw(latent_, shape);
+    return take(latent_, shape);
   }
 
   at::Tensor condition_noise(int64_t chunk_index, int64_t row, at::IntArrayRef shape) override {
@@ -428,17 +437,24 @@ class SeededNoise final : public NoiseSource {
     while (cond_chunk_ < chunk_index) {  // skip the rest of an earlier chunk
       const ChunkSpec& c = chunk(cond_chunk_);
       if (c.prefix_frames > 0) {
-        for (; cond_row_ < c.timestep_rows; ++cond_row_) draw(condition_, with_frames(shape, c.prefix_frames));
+        for (; cond_row_ < c.timestep_rows; ++cond_row_) take(condition_, with_frames(shape, c.prefix_frames));
       }
       ++cond_chunk_;
       cond_row_ = 0;
     }
-    for (; cond_row_ < row; ++cond_row_) draw(condition_, shape);
+    for (; cond_row_ < row; ++cond_row_) take(condition_, shape);
     ++cond_row_;
-    return draw(condition_, shape);
+    return take(condition_, shape);
   }
 
  private:
+  SeededNoise(const SeededNoise&) = default;  // clone() only: the generators are then cloned, not shared
+  at::Tensor take(at::Generator& generator, at::IntArrayRef shape) {
+    at::Tensor t = draw(generator, shape);
+    drawn_ += t.numel();
+    return t;
+  }
+
   void reset_latent() {
     latent_ = at::make_generator<at::CPUGeneratorImpl>(seed_);
     latent_next_ = 0;
@@ -463,6 +479,7 @@ class SeededNoise final : public NoiseSource {
   at::Generator condition_;
   int64_t cond_chunk_ = 0;
   int64_t cond_row_ = 0;
+  int64_t drawn_ = 0;
 };
 
 class RecordedNoise final : public NoiseSource {
@@ -755,9 +772,10 @@ at::Tensor generate(const Denoiser& denoiser, const DenoiserInfo& info, const Ge
 
 // ---- with the transformer --------------------------------------------------------------------------------------
 
-Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const GenerationParams& params) {
+Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const GenerationParams& params,
+                              std::function<bool()> cancelled) {
   const int64_t fps_index = params.fps == 16 ? 0 : 1;  // diffusers: [0 if fps == 16 else 1] per batch item
-  return [&model, fps_index](const DenoiseCall& call) {
+  return [&model, fps_index, cancelled = std::move(cancelled)](const DenoiseCall& call) {
     TransformerForwardArgs args;
     args.hidden_states = call.latent_model_input;
     args.timestep = call.timestep;
@@ -767,6 +785,14 @@ Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const Generati
                           at::TensorOptions().dtype(at::kLong).device(call.latent_model_input.device()));
     }
     args.num_frame_per_block = call.num_frame_per_block;  // per request; the model config is never written
+    if (cancelled) {
+      args.after_block = [&cancelled, &call] {
+        if (cancelled()) {
+          throw GenerationCancelled("generation cancelled inside a forward (chunk " + std::to_string(call.chunk) +
+                                    ", row " + std::to_string(call.row) + ")");
+        }
+      };
+    }
     return model.forward(args);
   };
 }
@@ -783,15 +809,15 @@ DenoiserInfo denoiser_info(const SkyReelsV2Transformer& model) {
 at::Tensor run_chunk(const SkyReelsV2Transformer& model, const GenerationParams& params, const ChunkPlan& plan,
                      int64_t chunk_index, const Conditioning& conditioning, const at::Tensor& previous_latents,
                      NoiseSource& noise, const StepHooks& hooks) {
-  return run_chunk(transformer_denoiser(model, params), denoiser_info(model), params, plan, chunk_index, conditioning,
-                   previous_latents, noise, hooks);
+  return run_chunk(transformer_denoiser(model, params, hooks.cancelled), denoiser_info(model), params, plan,
+                   chunk_index, conditioning, previous_latents, noise, hooks);
 }
 
 at::Tensor generate(const SkyReelsV2Transformer& model, const GenerationParams& params,
                     const Conditioning& conditioning, NoiseSource& noise, const StepHooks& hooks,
                     const std::function<void(int64_t, const at::Tensor&)>& on_chunk) {
-  return generate(transformer_denoiser(model, params), denoiser_info(model), params, conditioning, noise, hooks,
-                  on_chunk);
+  return generate(transformer_denoiser(model, params, hooks.cancelled), denoiser_info(model), params, conditioning,
+                  noise, hooks, on_chunk);
 }
 
 }  // namespace skyreels::model

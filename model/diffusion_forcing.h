@@ -139,18 +139,26 @@ class NoiseSource {
   // Called by run_chunk before the first draw of a chunk, so that a source reproducing one random stream can skip
   // the draws of earlier chunks it never served (chunks run on different replicas). Default: nothing.
   virtual void begin_chunk(const ChunkPlan& /*plan*/, int64_t /*chunk_index*/) {}
+  // An independent copy of the source's current state, or nullptr when it cannot be copied. A server keeps one
+  // source per job: each chunk draws from a copy, and the copy replaces the kept source only when the chunk succeeds,
+  // so chunk k costs one chunk of draws and a retried (or handed-off) chunk draws the same values again.
+  virtual std::unique_ptr<NoiseSource> clone() const { return nullptr; }
+  // Random values drawn so far (diagnostics: shows that a kept source never redraws earlier chunks).
+  virtual int64_t values_drawn() const { return 0; }
 };
 
 // Seeded: latent noise as torch.Generator("cpu").manual_seed(seed) draws it, chunk after chunk; condition noise
 // from a second generator seeded with seed + 1 (documented in the README). Chunk k can be drawn without chunk k-1
 // (a fresh source per chunk is fine): run_chunk calls begin_chunk, which gives the source the earlier chunks' shapes.
+// Skipping ahead re-draws the earlier chunks; a source kept between chunks (clone()) does not.
 std::unique_ptr<NoiseSource> make_seeded_noise(uint64_t seed);
 // Recorded: tensors noise_000, noise_001, ... consumed in order (the fixtures' noise.safetensors).
 std::unique_ptr<NoiseSource> make_recorded_noise(std::vector<at::Tensor> draws_in_order);
 
 struct StepHooks {
   std::function<void(int64_t chunk, int64_t row, int64_t rows)> on_step;  // after each timestep row
-  std::function<bool()> cancelled;  // polled before each row; true aborts with GenerationCancelled
+  std::function<bool()> cancelled;  // polled before each row and, with the transformer, after each of its blocks;
+                                    // true aborts with GenerationCancelled
 };
 
 struct GenerationCancelled : std::runtime_error {
@@ -190,8 +198,10 @@ struct DenoiserInfo {
   int64_t num_frame_per_block = 1;  // the model config's default causal block size
 };
 
-// The transformer as a Denoiser (per-request block size from the call, fps from `params`).
-Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const GenerationParams& params);
+// The transformer as a Denoiser (per-request block size from the call, fps from `params`). With `cancelled`, the
+// forward also polls it after every transformer block and throws GenerationCancelled when it turns true.
+Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const GenerationParams& params,
+                              std::function<bool()> cancelled = {});
 DenoiserInfo denoiser_info(const SkyReelsV2Transformer& model);
 
 at::Tensor run_chunk(const Denoiser& denoiser, const DenoiserInfo& info, const GenerationParams& params,

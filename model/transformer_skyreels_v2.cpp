@@ -668,6 +668,7 @@ at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) co
   const int64_t causal_block_tokens = args.num_frame_per_block > 1 ? args.num_frame_per_block * g.tokens_per_frame : 0;
   for (const BlockWeights& b : m.blocks) {
     x = m.block_forward(b, std::move(x), context, modulation, rope, g, causal_block_tokens);
+    if (args.after_block) args.after_block();
   }
   return m.head(x, temb, g);
 }

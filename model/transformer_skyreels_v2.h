@@ -9,6 +9,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <utility>
@@ -61,6 +62,9 @@ struct TransformerForwardArgs {
   std::optional<at::Tensor> fps;     // int64 [B] with values in {0, 1}; required iff inject_sample_info (a model
                                      // without the fps embedding ignores it, as diffusers does)
   int64_t num_frame_per_block = 1;   // > 1 turns on the block-causal self-attention mask (F must be a multiple)
+  // Called after every transformer block; it may throw to abandon the forward (cancellation, deadlines, shutdown
+  // act within one block instead of one whole forward).
+  std::function<void()> after_block;
 };
 
 class SkyReelsV2Transformer {

@@ -5,6 +5,7 @@
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <stdexcept>
@@ -59,18 +60,15 @@ TextEncoderFn load_text_encoder(const std::string& path, const std::string& toke
   };
 }
 
-namespace {
-
-// What the encoder keeps per job between its chunks.
-struct VideoState {
+// What the encoder keeps per job between its chunks: the VAE's causal cache and the MP4 writer.
+struct VideoEncoder::VideoState {
   std::unique_ptr<model::WanVaeDecodeSession> session;
   std::unique_ptr<video::Mp4Writer> writer;
   std::string pending;  // bytes the writer emitted since the last chunk was stored
 };
 
-}  // namespace
-
-VideoEncoder::VideoEncoder(const std::string& vae_path, const std::string& device) {
+VideoEncoder::VideoEncoder(const std::string& vae_path, const std::string& device, Metrics* metrics, int64_t max_jobs)
+    : metrics_(metrics), max_jobs_(max_jobs) {
   std::string path = vae_path;
   std::string demo_dir;
   if (vae_path == "demo") {
@@ -99,59 +97,133 @@ VideoEncoder::~VideoEncoder() {
   if (thread_.joinable()) thread_.join();
 }
 
-void VideoEncoder::chunk_finished(const JobSnapshot& job, const std::string&, int64_t chunk, double, int64_t) {
-  if (dynamic_cast<ModelJob*>(job.payload.get()) == nullptr) return;
+void VideoEncoder::want(const JobSnapshot& snapshot) {
+  auto* job = dynamic_cast<ModelJob*>(snapshot.payload.get());
+  if (job == nullptr) return;
+  if (is_terminal(snapshot.state) && snapshot.state != JobState::Succeeded) {
+    job->set_video_error(std::string("the job ended ") + job_state_name(snapshot.state) + ": no MP4 is made for it");
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    tasks_.push_back({job.payload, chunk});
+    if (wanted_.count(job) || job->video_complete() || !job->video_error().empty()) return;
+    if (static_cast<int64_t>(wanted_.size()) >= max_jobs_) {
+      job->set_video_error("MP4 decoding is busy with " + std::to_string(wanted_.size()) +
+                           " jobs; download the latents, or try again later");
+      return;
+    }
+    Entry entry;
+    entry.job = snapshot.payload;
+    entry.available = job->chunks_available();
+    wanted_.emplace(job, std::move(entry));
+    spdlog::info("job={} event=video_wanted chunks_available={}", snapshot.id, job->chunks_available());
+    publish_locked();
+  }
+  cv_.notify_all();
+}
+
+void VideoEncoder::chunk_finished(const JobSnapshot& job, const std::string&, int64_t chunk, double, int64_t) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = wanted_.find(job.payload.get());
+    if (it == wanted_.end()) return;  // nobody asked for this job's MP4 (yet)
+    it->second.available = std::max(it->second.available, chunk + 1);
   }
   cv_.notify_all();  // the worker and drain waiters share this condition variable
 }
 
+void VideoEncoder::job_finished(const JobSnapshot& snapshot) {
+  if (snapshot.state == JobState::Succeeded) return;  // its wanted chunks are still encoded
+  auto* job = dynamic_cast<ModelJob*>(snapshot.payload.get());
+  if (job == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Drops the job's pending work and its decode cache (a chunk being encoded right now finishes on its own copy).
+    if (wanted_.erase(job) > 0) {
+      spdlog::info("job={} event=video_dropped state={}", snapshot.id, job_state_name(snapshot.state));
+    }
+    publish_locked();
+  }
+  job->set_video_error(std::string("the job ended ") + job_state_name(snapshot.state) + " before its MP4 was complete");
+  cv_.notify_all();
+}
+
+VideoEncoder::Entry* VideoEncoder::next_work_locked() {
+  // Round robin over the jobs with a chunk to encode, starting after the one served last.
+  Entry* first = nullptr;
+  for (auto& [key, entry] : wanted_) {
+    if (entry.next_chunk >= entry.available) continue;
+    if (std::less<const JobPayload*>()(last_served_, key)) return &entry;
+    if (first == nullptr) first = &entry;
+  }
+  return first;
+}
+
+void VideoEncoder::publish_locked() {
+  if (metrics_) metrics_->video_jobs_pending(static_cast<int64_t>(wanted_.size()));
+}
+
+int64_t VideoEncoder::pending_jobs() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int64_t>(wanted_.size());
+}
+
 void VideoEncoder::loop() {
   c10::InferenceMode inference;
+  std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    Task task;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stopping_ || !tasks_.empty(); });
-      if (stopping_) return;
-      task = std::move(tasks_.front());
-      tasks_.pop_front();
-      busy_ = true;
-    }
-    auto& job = static_cast<ModelJob&>(*task.job);
+    Entry* entry = nullptr;
+    cv_.wait(lock, [&] { return stopping_ || (entry = next_work_locked()) != nullptr; });
+    if (stopping_) return;
+    // Copies: the entry may be dropped (its job cancelled) while the chunk is encoded.
+    const std::shared_ptr<JobPayload> payload = entry->job;
+    std::shared_ptr<VideoState> state = entry->state;
+    const int64_t chunk = entry->next_chunk;
+    last_served_ = payload.get();
+    busy_ = true;
+    lock.unlock();
+    auto& job = static_cast<ModelJob&>(*payload);
+    std::string error;
     try {
-      encode(job, task.chunk);
+      encode(job, chunk, state);
     } catch (const std::exception& e) {
-      spdlog::error("event=video_encode_failed chunk={} error=\"{}\"", task.chunk, e.what());
-      job.set_video_error(std::string("video encoding failed at chunk ") + std::to_string(task.chunk) + ": " +
-                          e.what());
-      job.video_state().reset();
+      error = e.what();
     }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      busy_ = false;
+    lock.lock();
+    busy_ = false;
+    auto it = wanted_.find(payload.get());
+    if (!error.empty()) {
+      spdlog::error("event=video_encode_failed chunk={} error=\"{}\"", chunk, error);
+      job.set_video_error("video encoding failed at chunk " + std::to_string(chunk) + ": " + error);
+      if (it != wanted_.end()) wanted_.erase(it);
+    } else if (it != wanted_.end()) {
+      if (metrics_) metrics_->video_chunk_encoded();
+      it->second.state = state;
+      it->second.next_chunk = chunk + 1;
+      if (it->second.next_chunk == job.chunk_count()) wanted_.erase(it);  // complete: the decode cache goes
     }
+    publish_locked();
     cv_.notify_all();
   }
 }
 
 bool VideoEncoder::wait_idle(Clock::time_point until) {
   std::unique_lock<std::mutex> lock(mu_);
-  return cv_.wait_until(lock, until, [&] { return tasks_.empty() && !busy_; });
+  return cv_.wait_until(lock, until, [&] {
+    return !busy_ && std::none_of(wanted_.begin(), wanted_.end(),
+                                  [](const auto& e) { return e.second.next_chunk < e.second.available; });
+  });
 }
 
-void VideoEncoder::encode(ModelJob& job, int64_t chunk) {
+void VideoEncoder::encode(ModelJob& job, int64_t chunk, std::shared_ptr<VideoState>& state) {
   auto blob = job.chunk_result(chunk);
   if (!blob) throw std::logic_error("chunk latents missing");
   const F32View view = parse_f32_tensor(blob->bytes, "latents");
   const at::Tensor all = at::from_blob(const_cast<char*>(view.data), view.shape, at::kFloat);
   const at::Tensor latents = all.narrow(2, 0, all.size(2) - job.chunk_suffix_frames(chunk));  // no last_image frame
 
-  auto& slot = job.video_state();
   if (chunk == 0) {
-    auto state = std::make_shared<VideoState>();
+    state = std::make_shared<VideoState>();
     state->session = std::make_unique<model::WanVaeDecodeSession>(*vae_);
     video::Mp4Options options;
     options.fps = static_cast<int>(job.params().fps);
@@ -160,17 +232,14 @@ void VideoEncoder::encode(ModelJob& job, int64_t chunk) {
     state->writer = std::make_unique<video::Mp4Writer>(
         [raw](const uint8_t* data, size_t size) { raw->pending.append(reinterpret_cast<const char*>(data), size); },
         static_cast<int>(job.params().width), static_cast<int>(job.params().height), options);
-    slot = state;
   }
-  auto* state = static_cast<VideoState*>(slot.get());
-  if (state == nullptr) throw std::logic_error("no decode session (an earlier chunk failed)");
+  if (!state) throw std::logic_error("no decode session (an earlier chunk failed)");
   const at::Tensor frames = state->session->decode(vae_->denormalize(latents.to(vae_->device())));  // [1,3,T,H,W]
   state->writer->write_video(frames.select(0, 0).to(at::kCPU, at::kFloat));
   state->writer->end_segment();
   if (chunk + 1 == job.chunk_count()) state->writer->finish();
   job.set_chunk_video(chunk, std::move(state->pending));
   state->pending.clear();
-  if (chunk + 1 == job.chunk_count()) slot.reset();  // the job's video is complete
 }
 
 }  // namespace skyreels::server

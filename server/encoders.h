@@ -1,15 +1,17 @@
 // The optional model parts around the transformer: the text encoder (text prompts -> prompt embeddings, in the
-// submitting RPC) and the VAE (chunk latents -> MP4, on a worker thread, chunk after chunk in each job's order).
+// submitting RPC) and the VAE (chunk latents -> MP4 on demand, on a worker thread, chunk after chunk in each job's
+// order).
 #pragma once
 
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 
+#include "server/metrics.h"
 #include "server/model_job.h"
 #include "server/scheduler.h"
 
@@ -24,34 +26,52 @@ namespace skyreels::server {
 TextEncoderFn load_text_encoder(const std::string& path, const std::string& tokenizer, const std::string& device,
                                 const std::string& dtype, int64_t text_dim);
 
-// Decodes each finished chunk's latents with the Wan VAE (a decode session per job keeps the causal cache between
-// chunks) and encodes them into one fragmented MP4 per job: chunk 0's blob is the init segment plus its fragment,
-// later chunks' blobs are one fragment each, so the chunks joined in order are a playable MP4.
-// Hooked in as a SchedulerObserver (chunk_finished enqueues; the work happens on its own thread).
+// Decodes a job's chunk latents with the Wan VAE (a decode session per job keeps the causal cache between chunks)
+// and encodes them into one fragmented MP4 per job: chunk 0's blob is the init segment plus its fragment, later
+// chunks' blobs are one fragment each, so the chunks joined in order are a playable MP4.
+//
+// Only for jobs that want MP4 (issue 12, item 6): want() is called when a job asks for it at submit or on its first
+// MP4 download; from then on its chunks are decoded as they finish. The work list holds one entry per such job (not
+// one per chunk), so it is bounded by the jobs the scheduler keeps, and at most `max_jobs`. A job that ends without
+// succeeding (failed, cancelled, deadline) loses its entry and its decode cache at once.
 class VideoEncoder : public SchedulerObserver {
  public:
-  // `vae_path` "demo": a tiny random-weight VAE (for tests and the demo).
-  VideoEncoder(const std::string& vae_path, const std::string& device);
+  // `vae_path` "demo": a tiny random-weight VAE (for tests and the demo). `metrics` may be null.
+  VideoEncoder(const std::string& vae_path, const std::string& device, Metrics* metrics = nullptr,
+               int64_t max_jobs = 1024);
   ~VideoEncoder() override;
+  // Starts (or keeps) decoding this job's chunks: those done already and every later one. A job that ended without
+  // succeeding gets a video error instead; so does one beyond `max_jobs` pending jobs.
+  void want(const JobSnapshot& job);
   void chunk_finished(const JobSnapshot& job, const std::string& replica, int64_t chunk, double seconds,
                       int64_t frames) override;
-  // Blocks until every queued chunk is encoded, or `until`; true when idle (used by the drain).
+  void job_finished(const JobSnapshot& job) override;
+  // Blocks until no wanted chunk is left to encode, or `until`; true when idle (used by the drain).
   bool wait_idle(Clock::time_point until);
   // The loaded VAE, shared with jobs that encode image / video conditioning (its encode and decode may run
   // concurrently).
   std::shared_ptr<const model::WanVae> vae() const { return vae_; }
+  int64_t pending_jobs();  // jobs with MP4 work left
 
  private:
-  struct Task {
+  struct VideoState;
+  struct Entry {
     std::shared_ptr<JobPayload> job;
-    int64_t chunk;
+    int64_t next_chunk = 0;  // next chunk to encode
+    int64_t available = 0;   // chunks whose latents exist
+    std::shared_ptr<VideoState> state;
   };
   void loop();
-  void encode(ModelJob& job, int64_t chunk);
+  void encode(ModelJob& job, int64_t chunk, std::shared_ptr<VideoState>& state);
+  Entry* next_work_locked();
+  void publish_locked();
   std::shared_ptr<model::WanVae> vae_;
+  Metrics* metrics_;
+  int64_t max_jobs_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<Task> tasks_;
+  std::map<const JobPayload*, Entry> wanted_;
+  const JobPayload* last_served_ = nullptr;
   bool busy_ = false;
   bool stopping_ = false;
   std::thread thread_;
@@ -87,6 +107,9 @@ class ObserverList : public SchedulerObserver {
   }
   void replica_changed(const ReplicaStatus& r) override {
     for (auto* o : observers_) o->replica_changed(r);
+  }
+  void replica_recovered(const ReplicaStatus& r) override {
+    for (auto* o : observers_) o->replica_recovered(r);
   }
   void queue_changed(int64_t q, int64_t r) override {
     for (auto* o : observers_) o->queue_changed(q, r);

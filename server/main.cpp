@@ -32,6 +32,7 @@
 #include "server/auth.h"
 #include "server/demo_model.h"
 #include "server/encoders.h"
+#include "server/limits.h"
 #include "server/metrics.h"
 #include "server/replica.h"
 #include "server/scheduler.h"
@@ -54,8 +55,10 @@ device, with grpc.health.v1 (service "" = readiness, "liveness"), server reflect
 model:
   --model DIR                 transformer checkpoint (diffusers or original layout, single or sharded)
   --demo                      a tiny random-weight model written to a temp dir and loaded as usual (tests, demos)
-  --vae DIR                   Wan VAE (diffusers layout): results also as MP4, decoded chunk by chunk on the first
-                              replica's device; "demo": a tiny random VAE. Without it, results are latents only
+  --vae DIR                   Wan VAE (diffusers layout): results also as MP4, decoded chunk by chunk on demand (a
+                              job that asks for MP4 at submit, or its first MP4 download); "demo": a tiny random
+                              VAE. Without it, results are latents only
+  --vae-device DEV            where the VAE decodes (default: the first replica's device, next to its transformer)
   --text-encoder DIR          UMT5 encoder for text prompts; without it, text prompts answer FAILED_PRECONDITION
   --tokenizer DIR             its spiece.model (default: found next to the text encoder)
   --devices LIST              auto (default: every CUDA device, else one CPU replica), cpu, cuda:0,cuda:1;
@@ -70,27 +73,42 @@ limits:
   --max-queue N               jobs admitted and not finished (default 64); more: RESOURCE_EXHAUSTED + retry-after-ms
   --max-frames N              (default 1457)     --max-steps N (default 100)
   --max-height N              (default 1280)     --max-width N (default 1280)
+  --max-chunk-tokens N        transformer tokens of one chunk (default: derived from the model and the device
+                              memory, at most 131072); more: INVALID_ARGUMENT naming the flag
+  --max-job-work N            token-forwards of one job, tokens x rows x guidance passes summed over its chunks
+                              (default: 24 chunks of --max-chunk-tokens at --max-steps with guidance)
+  --max-chunks N              chunks of one job (default 64)
   --chunk-retries N           attempts after a failed chunk, on another replica when possible (default 2)
   --replica-failure-limit N   consecutive failed chunks before a replica is taken out (default 3)
+  --replica-retest-seconds S  a replica taken out is re-tested (one warm-up forward) after S seconds, then after
+                              twice as long each time it fails again (default 30)
+  --replica-retest-max-seconds S   cap of that back-off (default 600)
+  --liveness-grace-seconds N  liveness turns NOT_SERVING (the pod is restarted) once no replica has been healthy
+                              for N seconds (default 300)
   --handoff-cost-seconds S    what moving a job to another replica is assumed to cost (default 0.25)
   --drain-timeout-seconds N   on SIGTERM, how long accepted jobs may still run (default 600)
   --result-ttl-seconds N      how long finished jobs and their results are kept (default 3600)
   --max-retained-jobs N       finished jobs kept at most, oldest dropped first (default 256)
 test hooks:
-  --fault-inject SPEC         REPLICA@N[+],...: the N-th chunk run on REPLICA (e.g. cpu:1@2) throws after its first
-                              step ('+': and every later run); also $SKYREELS_FAULT_INJECT
+  --fault-inject SPEC         REPLICA@N[+][:KIND],...: the N-th chunk run on REPLICA (e.g. cpu:1@2) fails after its
+                              first step ('+': and every later run); KIND error (default), oom (an out-of-memory
+                              error: the job fails RESOURCE_EXHAUSTED) or dead (re-tests fail too); also
+                              $SKYREELS_FAULT_INJECT
   --step-delay-ms N           sleep N ms after every denoising step (slows the tiny model down for tests)
+  --block-delay-ms N          sleep N ms at every stop check, i.e. after every transformer block and before every
+                              step (a long forward, for tests)
 other:
   --log-level LEVEL           trace, debug, info (default), warn, error
   --help, --version
 
 SIGTERM/SIGINT drain: readiness turns NOT_SERVING and new jobs get UNAVAILABLE at once; accepted jobs (queued ones
-too) keep running until done or --drain-timeout-seconds, then the rest stop at their next step (FAILED, UNAVAILABLE);
-results stay downloadable for a short grace, then the process exits 0. A second signal stops at once.
+too) keep running until done or --drain-timeout-seconds, then the rest stop after their current transformer block
+(FAILED, UNAVAILABLE); results stay downloadable for a short grace, then the process exits 0. Chunks that have not
+stopped 5 s later are abandoned: the process logs event=exit forced=true and exits 0. A second signal stops at once.
 )";
 
 struct Options {
-  std::string model, vae, text_encoder, tokenizer;
+  std::string model, vae, vae_device, text_encoder, tokenizer;
   bool demo = false;
   std::string devices = "auto";
   std::string dtype = "auto";
@@ -98,13 +116,25 @@ struct Options {
   std::string metrics_listen = "0.0.0.0:9090";
   std::string tls_cert, tls_key, api_keys;
   int64_t max_queue = 64, max_frames = 1457, max_height = 1280, max_width = 1280, max_steps = 100;
+  int64_t max_chunk_tokens = 0, max_job_work = 0;  // 0: derived (server/limits.h)
+  int64_t max_chunks = kDefaultMaxChunks;
   int chunk_retries = 2, replica_failure_limit = 3;
   double handoff_cost_seconds = 0.25;
+  double replica_retest_seconds = 30, replica_retest_max_seconds = 600;
+  int64_t liveness_grace_seconds = 300;
+  int64_t block_delay_ms = 0;
   int64_t drain_timeout_seconds = 600, result_ttl_seconds = 3600, max_retained_jobs = 256;
   std::string fault_inject;
   int64_t step_delay_ms = 0;
   std::string log_level = "info";
 };
+
+// After the drain ends, how long running chunks get to stop (they check after every transformer block).
+constexpr auto kFinalWait = std::chrono::seconds(5);
+
+std::chrono::milliseconds to_millis(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
+}
 
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -125,6 +155,7 @@ Options parse(int argc, char** argv) {
   Options o;
   std::map<std::string, std::string*> strings = {{"--model", &o.model},
                                                  {"--vae", &o.vae},
+                                                 {"--vae-device", &o.vae_device},
                                                  {"--text-encoder", &o.text_encoder},
                                                  {"--tokenizer", &o.tokenizer},
                                                  {"--devices", &o.devices},
@@ -151,7 +182,15 @@ Options parse(int argc, char** argv) {
                                          {"--drain-timeout-seconds", {&o.drain_timeout_seconds, 0, 86400 * 7}},
                                          {"--result-ttl-seconds", {&o.result_ttl_seconds, 1, 86400 * 30}},
                                          {"--max-retained-jobs", {&o.max_retained_jobs, 0, 1000000}},
-                                         {"--step-delay-ms", {&o.step_delay_ms, 0, 600000}}};
+                                         {"--step-delay-ms", {&o.step_delay_ms, 0, 600000}},
+                                         {"--block-delay-ms", {&o.block_delay_ms, 0, 600000}},
+                                         {"--max-chunk-tokens", {&o.max_chunk_tokens, 1, int64_t{1} << 40}},
+                                         {"--max-job-work", {&o.max_job_work, 1, int64_t{1} << 60}},
+                                         {"--max-chunks", {&o.max_chunks, 1, 100000}},
+                                         {"--liveness-grace-seconds", {&o.liveness_grace_seconds, 1, 86400 * 7}}};
+  std::map<std::string, double*> doubles = {{"--handoff-cost-seconds", &o.handoff_cost_seconds},
+                                            {"--replica-retest-seconds", &o.replica_retest_seconds},
+                                            {"--replica-retest-max-seconds", &o.replica_retest_max_seconds}};
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
     std::string value;
@@ -174,12 +213,13 @@ Options parse(int argc, char** argv) {
       *s->second = take();
     } else if (auto n = ints.find(flag); n != ints.end()) {
       *n->second.target = to_int(flag, take(), n->second.lo, n->second.hi);
-    } else if (flag == "--handoff-cost-seconds") {
+    } else if (auto d = doubles.find(flag); d != doubles.end()) {
       try {
-        o.handoff_cost_seconds = std::stod(take());
+        *d->second = std::stod(take());
       } catch (const std::exception&) {
-        throw UsageError("--handoff-cost-seconds: not a number");
+        throw UsageError(flag + ": not a number");
       }
+      if (!(*d->second >= 0 && *d->second <= 86400 * 7)) throw UsageError(flag + ": outside [0, 604800]");
     } else {
       throw UsageError("unknown flag '" + flag + "'");
     }
@@ -259,6 +299,39 @@ int signal_count(Signals& signals) {
   return signals.count;
 }
 
+// --max-chunk-tokens and --max-job-work: the flags, else derived from the model and the smallest replica's share of
+// its device's memory (replicas on one device share it).
+void set_work_limits(const Options& o, const skyreels::model::TransformerConfig& config,
+                     const std::vector<ReplicaOptions>& plans, int64_t parameter_count, ServerLimits& limits) {
+  const bool bf16 = skyreels::runtime::resolve_dtype_name(o.dtype, plans.front().device) == "bfloat16";
+  ModelFootprint footprint;
+  footprint.dim = config.num_attention_heads * config.attention_head_dim;
+  footprint.ffn_dim = config.ffn_dim;
+  footprint.parameter_count = parameter_count;
+  footprint.weight_bytes = bf16 ? 2 : 4;
+  footprint.activation_bytes = bf16 ? 2 : 4;
+  uint64_t memory = 0;
+  bool known = true;
+  for (const auto& plan : plans) {
+    const auto sharing =
+        std::count_if(plans.begin(), plans.end(), [&](const auto& p) { return p.device == plan.device; });
+    const uint64_t share = device_memory_bytes(plan.device) / static_cast<uint64_t>(sharing);
+    if (share == 0) known = false;
+    if (memory == 0 || share < memory) memory = share;
+  }
+  const int64_t derived_tokens = default_max_chunk_tokens(footprint, known ? memory : 0);
+  limits.max_chunk_tokens = o.max_chunk_tokens > 0 ? o.max_chunk_tokens : derived_tokens;
+  limits.max_job_work =
+      o.max_job_work > 0 ? o.max_job_work : default_max_job_work(limits.max_chunk_tokens, o.max_steps);
+  limits.max_chunks = o.max_chunks;
+  spdlog::info(
+      "event=work_limits max_chunk_tokens={}{} max_job_work={}{} max_chunks={} device_memory_gb={:.1f} "
+      "activation_bytes_per_token={}",
+      limits.max_chunk_tokens, o.max_chunk_tokens > 0 ? "" : " (derived)", limits.max_job_work,
+      o.max_job_work > 0 ? "" : " (derived)", limits.max_chunks, known ? static_cast<double>(memory) / 1e9 : 0.0,
+      activation_bytes_per_token(footprint));
+}
+
 struct TempDir {
   std::string path;
   ~TempDir() {
@@ -294,6 +367,7 @@ int serve(const Options& o, Signals& signals) {
     plan.model_path = model_path;
     plan.faults = faults;
     plan.step_delay = std::chrono::milliseconds(o.step_delay_ms);
+    plan.block_delay = std::chrono::milliseconds(o.block_delay_ms);
     names.push_back(plan.name);
     descriptions.push_back({plan.name, plan.device, plan.threads});
     executors.push_back(std::make_unique<ModelReplica>(plan));
@@ -309,9 +383,11 @@ int serve(const Options& o, Signals& signals) {
   if (!o.text_encoder.empty()) {
     text_encoder = load_text_encoder(o.text_encoder, o.tokenizer, plans.front().device, o.dtype, config.text_dim);
   }
-  std::unique_ptr<VideoEncoder> video;
-  if (!o.vae.empty()) video = std::make_unique<VideoEncoder>(o.vae, plans.front().device);
   Metrics metrics(names, SKYREELS_VERSION);
+  std::unique_ptr<VideoEncoder> video;
+  if (!o.vae.empty()) {
+    video = std::make_unique<VideoEncoder>(o.vae, o.vae_device.empty() ? plans.front().device : o.vae_device, &metrics);
+  }
   metrics.serve(o.metrics_listen);
   ObserverList observers;
   observers.add(&metrics);
@@ -323,6 +399,9 @@ int serve(const Options& o, Signals& signals) {
   scheduling.handoff_cost_seconds = o.handoff_cost_seconds;
   scheduling.retention = std::chrono::seconds(o.result_ttl_seconds);
   scheduling.max_retained_jobs = o.max_retained_jobs;
+  scheduling.retest_backoff = to_millis(o.replica_retest_seconds);
+  scheduling.retest_backoff_max = std::max(scheduling.retest_backoff, to_millis(o.replica_retest_max_seconds));
+  scheduling.liveness_grace = std::chrono::seconds(o.liveness_grace_seconds);
   Scheduler scheduler(std::move(executors), scheduling, &observers);
   scheduler.start();
 
@@ -338,6 +417,8 @@ int serve(const Options& o, Signals& signals) {
   service_config.limits.max_height = o.max_height;
   service_config.limits.max_width = o.max_width;
   service_config.limits.max_steps = o.max_steps;
+  set_work_limits(o, config, plans, mapped.report.parameter_count, service_config.limits);
+  for (int i = 0; i < 3; ++i) service_config.model.patch_size[i] = config.patch_size[static_cast<size_t>(i)];
   service_config.model.text_dim = config.text_dim;
   service_config.model.num_frame_per_block = config.num_frame_per_block;
   service_config.model.latent_channels = config.out_channels;
@@ -360,6 +441,7 @@ int serve(const Options& o, Signals& signals) {
   service_config.text_encoder = text_encoder;
   service_config.vae_available = video != nullptr;
   if (video) service_config.vae = video->vae();  // image / video conditioning
+  if (video) service_config.want_video = [&video](const JobSnapshot& job) { video->want(job); };
   service_config.metrics = &metrics;
   auto service = make_video_service(scheduler, service_config);
 
@@ -389,6 +471,7 @@ int serve(const Options& o, Signals& signals) {
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
   health->SetServingStatus("", false);
   health->SetServingStatus("liveness", true);
+  bool live = true;
   spdlog::info("event=listening address={} port={} tls={} api_keys={} replicas={} version={}", o.listen, port,
                !o.tls_cert.empty(), keys.enabled(), names.size(), SKYREELS_VERSION);
 
@@ -406,6 +489,17 @@ int serve(const Options& o, Signals& signals) {
       health->SetServingStatus("", now_ready);
       spdlog::info("event=readiness serving={}", now_ready);
       ready = now_ready;
+    }
+    if (const bool now_live = scheduler.live(); now_live != live) {
+      health->SetServingStatus("liveness", now_live);
+      if (now_live) {
+        spdlog::info("event=liveness serving=true");
+      } else {
+        spdlog::error(
+            "event=liveness serving=false reason=\"no healthy replica for {} s\" (the pod should be restarted)",
+            o.liveness_grace_seconds);
+      }
+      live = now_live;
     }
     wait_for(signals, 1, std::chrono::milliseconds(100));
   }
@@ -425,7 +519,13 @@ int serve(const Options& o, Signals& signals) {
     spdlog::warn("event=drain_abort reason=\"{}\" queued={} running={}", reason, scheduler.queued_jobs(),
                  scheduler.running_jobs());
     scheduler.abort_all(reason);
-    scheduler.wait_idle(Clock::now() + std::chrono::seconds(60));
+    // Running chunks stop after their current transformer block; a block that does not end in time is abandoned.
+    if (!scheduler.wait_idle(Clock::now() + kFinalWait)) {
+      spdlog::error("event=exit forced=true reason=\"{} chunk(s) still running {} s after the drain ended\"",
+                    scheduler.running_jobs(), std::chrono::duration_cast<std::chrono::seconds>(kFinalWait).count());
+      spdlog::default_logger()->flush();
+      std::_Exit(0);  // the workers are inside a forward: destructors would wait for them
+    }
   } else if (signal_count(signals) < 2) {
     // MP4s trail the latents by one VAE decode; then let clients that follow a job fetch its result.
     if (video) video->wait_idle(drain_deadline);

@@ -86,7 +86,12 @@ Metrics::Metrics(const std::vector<std::string>& replica_names, const std::strin
   auto& busy = BuildGauge().Name("skyreels_replica_busy").Help("1 while the replica runs a chunk").Register(r);
   auto& healthy =
       BuildGauge().Name("skyreels_replica_healthy").Help("1 while the replica is loaded and not taken out").Register(r);
+  auto& recoveries = BuildCounter()
+                         .Name("skyreels_replica_recoveries_total")
+                         .Help("Times a replica taken out passed its re-test and came back")
+                         .Register(r);
   for (const auto& name : replica_names) {
+    recoveries_[name] = &recoveries.Add({{"replica", name}});
     chunk_seconds_[name] = &chunk.Add({{"replica", name}}, kChunk);
     step_seconds_[name] = &step.Add({{"replica", name}}, kStep);
     busy_[name] = &busy.Add({{"replica", name}});
@@ -106,6 +111,16 @@ Metrics::Metrics(const std::vector<std::string>& replica_names, const std::strin
                   .Add({});
   replicas_ready_ =
       &BuildGauge().Name("skyreels_replicas_ready").Help("Replicas loaded, warmed and healthy").Register(r).Add({});
+  video_chunks_ = &BuildCounter()
+                       .Name("skyreels_video_chunks_encoded_total")
+                       .Help("Chunks decoded by the VAE into MP4 (only for jobs that asked for MP4)")
+                       .Register(r)
+                       .Add({});
+  video_jobs_ = &BuildGauge()
+                     .Name("skyreels_video_jobs_pending")
+                     .Help("Jobs whose MP4 is wanted and not complete")
+                     .Register(r)
+                     .Add({});
   BuildGauge().Name("skyreels_build_info").Help("Build information").Register(r).Add({{"version", version}}).Set(1);
 }
 
@@ -155,6 +170,15 @@ void Metrics::replica_changed(const ReplicaStatus& replica) {
   for (const auto& [name, ok] : ready_) ready += ok ? 1 : 0;
   replicas_ready_->Set(ready);
 }
+
+void Metrics::replica_recovered(const ReplicaStatus& replica) {
+  auto it = recoveries_.find(replica.name);
+  if (it != recoveries_.end()) it->second->Increment();
+}
+
+void Metrics::video_chunk_encoded() { video_chunks_->Increment(); }
+
+void Metrics::video_jobs_pending(int64_t jobs) { video_jobs_->Set(static_cast<double>(jobs)); }
 
 void Metrics::queue_changed(int64_t queued, int64_t running) {
   queue_depth_->Set(static_cast<double>(queued));

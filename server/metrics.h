@@ -54,6 +54,10 @@ class Metrics : public SchedulerObserver {
   void step(const std::string& replica, double seconds) override;
   void handoff(const JobSnapshot&, const std::string& from, const std::string& to) override;
   void replica_changed(const ReplicaStatus& replica) override;
+  void replica_recovered(const ReplicaStatus& replica) override;
+  // The VAE worker (server/encoders.*): one chunk's MP4 made; jobs with MP4 work left.
+  void video_chunk_encoded();
+  void video_jobs_pending(int64_t jobs);
   void queue_changed(int64_t queued, int64_t running) override;
 
  private:
@@ -75,6 +79,9 @@ class Metrics : public SchedulerObserver {
   prometheus::Counter* handoffs_;
   prometheus::Counter* retries_;
   prometheus::Gauge* replicas_ready_;
+  std::map<std::string, prometheus::Counter*> recoveries_;
+  prometheus::Counter* video_chunks_;
+  prometheus::Gauge* video_jobs_;
   std::mutex ready_mu_;
   std::map<std::string, bool> ready_;
 

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
@@ -374,6 +375,7 @@ struct ModelJob::Impl {
   model::ChunkPlan plan;
   model::Conditioning conditioning;
   int64_t latent_channels = 16;
+  int64_t patch_size[3] = {1, 2, 2};
   uint64_t fingerprint = 0;
   at::Tensor tail;  // last overlap frames of the latent video so far, on the replica that made them
   // Image / video conditioning: the pixels until the first chunk encodes them with `vae` (once; the latents then
@@ -381,12 +383,13 @@ struct ModelJob::Impl {
   model::PixelConditioning pixels;
   std::shared_ptr<const model::WanVae> vae;
   void encode_conditioning_once();
+  // The job's random streams, positioned after the last chunk that succeeded (committed only on success).
+  std::unique_ptr<model::NoiseSource> noise;
   mutable std::mutex results_mu;
   std::vector<std::optional<ChunkBlob>> results;
   mutable std::condition_variable video_cv;
   std::vector<std::optional<std::string>> videos;
   std::string video_error;
-  std::shared_ptr<void> video_state;
 };
 
 // The VAE encode of the job's image / video, on the first chunk's replica thread. Chunks of one job never run
@@ -403,6 +406,35 @@ void ModelJob::Impl::encode_conditioning_once() {
   conditioning.last_image_latents = encoded.last_image_latents;
   pixels = {};
 }
+
+namespace {
+
+// Admission of the work itself (issue 12, item 4): a request within every field limit can still be one chunk of
+// millions of tokens (quadratic attention, gigabytes) or hundreds of chunks. Refused before it is queued.
+void check_work(const ModelJob& job, const ServerLimits& limits) {
+  const auto& p = job.params();
+  if (job.max_chunk_tokens() > limits.max_chunk_tokens) {
+    invalid("base_num_frames: a chunk of " + std::to_string(std::min(p.num_frames, p.base_num_frames)) + " frames at " +
+            std::to_string(p.width) + "x" + std::to_string(p.height) + " is " + std::to_string(job.max_chunk_tokens()) +
+            " transformer tokens, over --max-chunk-tokens " + std::to_string(limits.max_chunk_tokens) +
+            "; lower base_num_frames, height or width");
+  }
+  if (job.chunk_count() > limits.max_chunks) {
+    invalid("num_frames: " + std::to_string(p.num_frames) + " frames in chunks of base_num_frames " +
+            std::to_string(p.base_num_frames) + " with overlap_history " +
+            std::to_string(p.overlap_history.value_or(0)) + " make " + std::to_string(job.chunk_count()) +
+            " chunks, over --max-chunks " + std::to_string(limits.max_chunks) +
+            "; raise base_num_frames or lower overlap_history or num_frames");
+  }
+  if (job.total_work() > limits.max_job_work) {
+    invalid("num_frames: the job is " + std::to_string(job.total_work()) +
+            " token-forwards (tokens x denoising rows x guidance passes, over " + std::to_string(job.chunk_count()) +
+            " chunks), over --max-job-work " + std::to_string(limits.max_job_work) +
+            "; lower num_frames, num_inference_steps, ar_step, height or width");
+  }
+}
+
+}  // namespace
 
 ModelJob::ModelJob() : impl_(std::make_unique<Impl>()) {}
 ModelJob::~ModelJob() = default;
@@ -471,6 +503,7 @@ std::shared_ptr<ModelJob> ModelJob::create(const JobRequest& request, const Mode
     invalid(e.what());  // plan_chunks names the field first
   }
   d.latent_channels = model.latent_channels;
+  std::copy(std::begin(model.patch_size), std::end(model.patch_size), std::begin(d.patch_size));
   d.results.resize(d.plan.chunks.size());
   d.videos.resize(d.plan.chunks.size());
   d.fingerprint = fingerprint_of(request);
@@ -495,6 +528,7 @@ std::shared_ptr<ModelJob> ModelJob::create(const JobRequest& request, const Mode
   r.lower_order_final = p.scheduler.lower_order_final;
   r.disable_corrector = p.scheduler.disable_corrector;
   r.final_sigmas_type = p.scheduler.final_sigmas_type;
+  check_work(*job, limits);
   return job;
 }
 
@@ -503,6 +537,17 @@ const std::vector<std::string>& ModelJob::warnings() const { return impl_->plan.
 int64_t ModelJob::chunk_count() const { return static_cast<int64_t>(impl_->plan.chunks.size()); }
 uint64_t ModelJob::fingerprint() const { return impl_->fingerprint; }
 
+RawTensor ModelJob::prompt_embeddings(bool negative) const {
+  const auto& c = impl_->conditioning;
+  RawTensor raw;
+  raw.dtype = "F32";
+  if (negative && !c.negative_prompt_embeds) return raw;
+  const at::Tensor t = (negative ? *c.negative_prompt_embeds : c.prompt_embeds).to(at::kFloat).contiguous();
+  raw.shape = t.sizes().vec();
+  raw.data.assign(reinterpret_cast<const char*>(t.data_ptr<float>()), static_cast<size_t>(t.numel()) * sizeof(float));
+  return raw;
+}
+
 std::vector<double> ModelJob::chunk_work() const {
   const auto& plan = impl_->plan;
   const double passes = impl_->generation.guidance_scale > 1.0 ? 2.0 : 1.0;
@@ -510,6 +555,27 @@ std::vector<double> ModelJob::chunk_work() const {
   for (const auto& c : plan.chunks) {
     work.push_back(static_cast<double>(c.num_latent_frames * plan.latent_height * plan.latent_width) *
                    static_cast<double>(c.timestep_rows) * passes);
+  }
+  return work;
+}
+
+namespace {
+int64_t chunk_tokens(const model::ChunkPlan& plan, const model::ChunkSpec& chunk, const int64_t (&patch)[3]) {
+  return (chunk.num_latent_frames / patch[0]) * (plan.latent_height / patch[1]) * (plan.latent_width / patch[2]);
+}
+}  // namespace
+
+int64_t ModelJob::max_chunk_tokens() const {
+  int64_t most = 0;
+  for (const auto& c : impl_->plan.chunks) most = std::max(most, chunk_tokens(impl_->plan, c, impl_->patch_size));
+  return most;
+}
+
+int64_t ModelJob::total_work() const {
+  const int64_t passes = impl_->generation.guidance_scale > 1.0 ? 2 : 1;
+  int64_t work = 0;
+  for (const auto& c : impl_->plan.chunks) {
+    work += chunk_tokens(impl_->plan, c, impl_->patch_size) * c.timestep_rows * passes;
   }
   return work;
 }
@@ -544,9 +610,12 @@ void ModelJob::run_chunk(const model::SkyReelsV2Transformer& transformer, int64_
                          const model::StepHooks& hooks) {
   Impl& d = *impl_;
   const model::ChunkSpec& spec = d.plan.chunks.at(static_cast<size_t>(chunk));
-  // Chunk k's noise depends on (seed, k) only, never on where chunk k-1 ran (NoiseSource::begin_chunk skips ahead).
+  // Chunk k's noise depends on (seed, k) only, never on where chunk k-1 ran. The chunk draws from a copy of the
+  // job's committed streams (O(chunk) draws, not O(all chunks so far)); a failed chunk leaves them untouched, so its
+  // retry, on any replica, draws the same values.
   d.encode_conditioning_once();
-  auto noise = model::make_seeded_noise(d.resolved.seed);
+  if (!d.noise) d.noise = model::make_seeded_noise(d.resolved.seed);
+  std::unique_ptr<model::NoiseSource> noise = d.noise->clone();
   const at::Tensor latents =
       model::run_chunk(transformer, d.generation, d.plan, chunk, d.conditioning, d.tail, *noise, hooks);
 
@@ -574,6 +643,7 @@ void ModelJob::run_chunk(const model::SkyReelsV2Transformer& transformer, int64_
                                   {"latent_frame_end", std::to_string(spec.output_end)},
                                   {"seed", std::to_string(d.resolved.seed)}});
   d.tail = tail;
+  d.noise = std::move(noise);
   std::lock_guard<std::mutex> lock(d.results_mu);
   d.results[static_cast<size_t>(chunk)] = std::move(blob);
 }
@@ -622,6 +692,14 @@ ModelJob::VideoResult ModelJob::wait_chunk_video(int64_t chunk, Clock::time_poin
   return result;
 }
 
-std::shared_ptr<void>& ModelJob::video_state() { return impl_->video_state; }
+std::string ModelJob::video_error() const {
+  std::lock_guard<std::mutex> lock(impl_->results_mu);
+  return impl_->video_error;
+}
+
+bool ModelJob::video_complete() const {
+  std::lock_guard<std::mutex> lock(impl_->results_mu);
+  return std::all_of(impl_->videos.begin(), impl_->videos.end(), [](const auto& v) { return v.has_value(); });
+}
 
 }  // namespace skyreels::server

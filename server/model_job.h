@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "server/limits.h"
 #include "server/scheduler.h"
 
 namespace skyreels::model {
@@ -100,6 +101,11 @@ struct ServerLimits {
   int64_t max_width = 1280;
   int64_t max_steps = 100;
   int64_t max_text_tokens = 512;  // diffusers' max_sequence_length
+  // Work limits (server/limits.h derives the server's defaults from the model and the device memory): transformer
+  // tokens of one chunk, token-forwards of the whole job (tokens x rows x passes, summed), chunks of one job.
+  int64_t max_chunk_tokens = kAttentionTokenCeiling;
+  int64_t max_job_work = default_max_job_work(kAttentionTokenCeiling, 100);  // 100: max_steps' default
+  int64_t max_chunks = kDefaultMaxChunks;
 };
 
 // What validation needs to know about the loaded model.
@@ -107,6 +113,7 @@ struct ModelDescription {
   int64_t text_dim = 4096;
   int64_t num_frame_per_block = 1;
   int64_t latent_channels = 16;
+  int64_t patch_size[3] = {1, 2, 2};  // latent positions per transformer token (frames, height, width)
 };
 
 // Turns a text prompt into [1, T, text_dim] float32 embeddings (data as raw F32 bytes); unset: no text encoder.
@@ -133,6 +140,8 @@ class ModelJob : public JobPayload {
   const std::vector<std::string>& warnings() const;  // e.g. overlap frames dropped by the block size
   int64_t chunk_count() const;
   std::vector<double> chunk_work() const;     // latent positions x rows x model passes, per chunk
+  int64_t max_chunk_tokens() const;           // transformer tokens of the largest chunk
+  int64_t total_work() const;                 // token-forwards of the whole job (ServerLimits::max_job_work)
   std::vector<int64_t> chunk_rows() const;    // denoising rows per chunk
   std::vector<int64_t> latent_shape() const;  // [1, C, F, h, w] of the whole video
   std::pair<int64_t, int64_t> chunk_latent_range(int64_t chunk) const;
@@ -141,6 +150,8 @@ class ModelJob : public JobPayload {
   // decoding leaves them out, as diffusers does.
   int64_t chunk_suffix_frames(int64_t chunk) const;
   uint64_t fingerprint() const;  // of everything that determines the output (idempotency)
+  // The embeddings the job conditions on (F32 [1, T, text_dim]); the negative ones only with guidance.
+  RawTensor prompt_embeddings(bool negative = false) const;
 
   // Runs one chunk on `model` (on the calling replica's device). Reads the tail left by the previous chunk, wherever
   // it is; leaves the new tail on this device and stores the chunk's new frames on the CPU.
@@ -160,8 +171,8 @@ class ModelJob : public JobPayload {
   };
   // Blocks until chunk `chunk`'s MP4 exists, the encoder failed, or `until`.
   VideoResult wait_chunk_video(int64_t chunk, Clock::time_point until) const;
-  // The video encoder's per-job state (decode session, MP4 writer); owned here so that it ends with the job.
-  std::shared_ptr<void>& video_state();
+  std::string video_error() const;
+  bool video_complete() const;  // every chunk's MP4 exists
 
  private:
   ModelJob();

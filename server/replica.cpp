@@ -13,6 +13,10 @@
 #include <sstream>
 #include <stdexcept>
 #include <thread>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+#include <torch/version.h>
 
 #include "model/diffusion_forcing.h"
 #include "model/runtime.h"
@@ -26,6 +30,15 @@ namespace {
 struct InjectedFault : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+
+bool contains(const std::string& text, const char* part) { return text.find(part) != std::string::npos; }
+
+// Gives the allocator's free memory back to the system after a failed chunk (the tensors are gone by now).
+void release_memory() {
+#if defined(__GLIBC__)
+  ::malloc_trim(0);
+#endif
+}
 
 std::string trim(const std::string& s) {
   const auto b = s.find_first_not_of(" \t");
@@ -49,6 +62,19 @@ std::vector<FaultRule> parse_fault_rules(const std::string& text) {
     FaultRule rule;
     rule.replica = item.substr(0, at);
     std::string n = item.substr(at + 1);
+    if (const auto colon = n.find(':'); colon != std::string::npos) {
+      const std::string kind = n.substr(colon + 1);
+      n = n.substr(0, colon);
+      if (kind == "error") {
+        rule.kind = FaultKind::Error;
+      } else if (kind == "oom") {
+        rule.kind = FaultKind::OutOfMemory;
+      } else if (kind == "dead") {
+        rule.kind = FaultKind::Dead;
+      } else {
+        throw std::invalid_argument("--fault-inject: '" + item + "': kind '" + kind + "' is not error, oom or dead");
+      }
+    }
     if (!n.empty() && n.back() == '+') {
       rule.and_later = true;
       n.pop_back();
@@ -63,6 +89,16 @@ std::vector<FaultRule> parse_fault_rules(const std::string& text) {
     rules.push_back(rule);
   }
   return rules;
+}
+
+bool is_out_of_memory(const std::exception& e) {
+  if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr) return true;
+#if TORCH_VERSION_MAJOR >= 2
+  if (dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr) return true;
+#endif
+  if (dynamic_cast<const c10::Error*>(&e) == nullptr) return false;
+  const std::string what = e.what();
+  return contains(what, "DefaultCPUAllocator: can't allocate memory") || contains(what, "CUDA out of memory");
 }
 
 int cuda_device_count() { return static_cast<int>(torch::cuda::device_count()); }
@@ -128,10 +164,24 @@ void ModelReplica::start() {
                options_.dtype, options_.threads, options_.model_path);
   model::LoadedTransformer loaded = model::load_transformer(options_.model_path, load);
   model_ = std::move(loaded.model);
-
-  // Warm-up: one forward on the smallest input, so that the first real chunk does not pay for lazy initialisation.
-  const auto& config = model_->config();
   const auto t0 = std::chrono::steady_clock::now();
+  warm_up();
+  spdlog::info("replica={} event=ready load_seconds={:.3f} warmup_seconds={:.3f} parameters={}", options_.name,
+               loaded.report.seconds, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+               loaded.report.parameter_count);
+}
+
+void ModelReplica::probe() {
+  if (!model_) throw std::logic_error("replica " + options_.name + " has no model loaded");
+  if (dead_) throw InjectedFault("injected fault (--fault-inject ...:dead): re-test of replica " + options_.name);
+  c10::InferenceMode inference;
+  warm_up();
+}
+
+// One forward on the smallest input: the first real chunk does not pay for lazy initialisation, and a re-test shows
+// whether the device works again.
+void ModelReplica::warm_up() const {
+  const auto& config = model_->config();
   const auto device = model_->device();
   model::TransformerForwardArgs args;
   args.hidden_states =
@@ -142,17 +192,14 @@ void ModelReplica::start() {
       at::zeros({1, 1, config.text_dim}, at::TensorOptions().device(device).dtype(model_->compute_dtype()));
   if (config.inject_sample_info) args.fps = at::ones({1}, at::TensorOptions().device(device).dtype(at::kLong));
   model_->forward(args);
-  spdlog::info("replica={} event=ready load_seconds={:.3f} warmup_seconds={:.3f} parameters={}", options_.name,
-               loaded.report.seconds, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
-               loaded.report.parameter_count);
 }
 
-bool ModelReplica::fault_due(int64_t run) const {
+const FaultRule* ModelReplica::fault_due(int64_t run) const {
   for (const auto& rule : options_.faults) {
     if (rule.replica != options_.name) continue;
-    if (run == rule.nth || (rule.and_later && run > rule.nth)) return true;
+    if (run == rule.nth || (rule.and_later && run > rule.nth)) return &rule;
   }
-  return false;
+  return nullptr;
 }
 
 ChunkResult ModelReplica::run(const ChunkWork& work, const ChunkCallbacks& callbacks) {
@@ -160,16 +207,17 @@ ChunkResult ModelReplica::run(const ChunkWork& work, const ChunkCallbacks& callb
   auto* job = dynamic_cast<ModelJob*>(work.payload);
   if (job == nullptr) throw std::logic_error("replica " + options_.name + ": the job payload is not a ModelJob");
   const int64_t run_number = ++runs_;
-  const bool fault = fault_due(run_number);
+  const FaultRule* fault = fault_due(run_number);
 
   c10::InferenceMode inference;
   model::StepHooks hooks;
-  hooks.cancelled = callbacks.should_stop;
+  // Polled before every row and after every transformer block: a cancel, deadline or drain acts within one block.
+  hooks.cancelled = [this, &callbacks] {
+    if (options_.block_delay.count() > 0) std::this_thread::sleep_for(options_.block_delay);
+    return callbacks.should_stop();
+  };
   hooks.on_step = [&](int64_t, int64_t row, int64_t rows) {
-    if (fault) {
-      throw InjectedFault("injected fault (--fault-inject) on replica " + options_.name + ", chunk run " +
-                          std::to_string(run_number));
-    }
+    if (fault) throw_fault(*fault, run_number);
     if (options_.step_delay.count() > 0) std::this_thread::sleep_for(options_.step_delay);
     callbacks.on_step(row + 1, rows);
   };
@@ -180,8 +228,34 @@ ChunkResult ModelReplica::run(const ChunkWork& work, const ChunkCallbacks& callb
   } catch (const std::invalid_argument& e) {
     // The model refuses this request's inputs (validation missed a case): the job's fault, not the replica's.
     return {ChunkOutcome::Rejected, e.what(), 0};
+  } catch (const std::exception& e) {
+    if (!is_out_of_memory(e)) throw;  // counts against the replica
+    // Out of memory: this request is too large for the device. Its tensors are freed by now; hand the memory back.
+    release_memory();
+    return {
+        ChunkOutcome::ResourceExhausted,
+        std::string("out of memory on replica ") + options_.name + " (the request is too large for it): " + e.what(),
+        0};
   }
   return {ChunkOutcome::Succeeded, "", job->chunk_pixel_frames(work.chunk_index)};
+}
+
+void ModelReplica::throw_fault(const FaultRule& rule, int64_t run_number) {
+  const std::string where = "replica " + options_.name + ", chunk run " + std::to_string(run_number);
+  switch (rule.kind) {
+    case FaultKind::OutOfMemory:
+      // The message LibTorch 1.13's CPU allocator raises, so that the real classifier is exercised.
+      throw c10::Error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                       "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1099511627776 bytes "
+                       "(injected fault, --fault-inject ...:oom, " +
+                           where + ")");
+    case FaultKind::Dead:
+      dead_ = true;
+      throw InjectedFault("injected fault (--fault-inject ...:dead) on " + where);
+    case FaultKind::Error:
+      break;
+  }
+  throw InjectedFault("injected fault (--fault-inject) on " + where);
 }
 
 }  // namespace skyreels::server

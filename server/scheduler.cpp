@@ -93,8 +93,12 @@ struct Scheduler::Replica {
   int consecutive_failures = 0;
   int64_t chunks_run = 0;
   int64_t failures = 0;
+  int64_t recoveries = 0;
   std::string error;
   std::optional<Assignment> pending;
+  bool probe_pending = false;                  // a re-test is due on the worker thread
+  std::optional<Clock::time_point> retest_at;  // taken out: when to re-test it
+  Clock::duration backoff{};                   // the wait before the next re-test
   std::condition_variable cv;
   std::thread thread;
 };
@@ -145,6 +149,11 @@ bool Scheduler::all_loaded() const {
   return std::all_of(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->load_done; });
 }
 
+bool Scheduler::live() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !unhealthy_since_ || Clock::now() - *unhealthy_since_ < options_.liveness_grace;
+}
+
 bool Scheduler::ready() const {
   std::lock_guard<std::mutex> lock(mu_);
   const bool loaded = std::all_of(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->load_done; });
@@ -171,6 +180,7 @@ void Scheduler::worker(size_t index) {
     replica.healthy = replica.loaded;
     replica.error = load_error;
     if (!load_error.empty()) spdlog::error("replica={} event=load_failed error=\"{}\"", replica.name, load_error);
+    update_liveness_locked(Clock::now());
     if (observer_) observer_->replica_changed(replica_status_locked(replica));
     changed_.notify_all();
     dispatch_locked();
@@ -179,8 +189,12 @@ void Scheduler::worker(size_t index) {
 
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    replica.cv.wait(lock, [&] { return replica.pending.has_value() || stopping_; });
-    if (!replica.pending) break;
+    replica.cv.wait(lock, [&] { return replica.pending.has_value() || replica.probe_pending || stopping_; });
+    if (stopping_ && !replica.pending) break;
+    if (replica.probe_pending) {
+      run_probe(replica, lock);
+      continue;
+    }
     Assignment assignment = std::move(*replica.pending);
     replica.pending.reset();
     Job* job = jobs_.at(assignment.work.job_id).get();  // never collected while its chunk runs
@@ -231,10 +245,77 @@ void Scheduler::worker(size_t index) {
 void Scheduler::timer_loop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (!stopping_) {
-    timer_cv_.wait_for(lock, std::chrono::milliseconds(100));
+    // Every 100 ms, or sooner when a replica's re-test is due.
+    auto wake = Clock::now() + std::chrono::milliseconds(100);
+    for (const auto& r : replicas_) {
+      if (r->retest_at) wake = std::min(wake, *r->retest_at);
+    }
+    timer_cv_.wait_until(lock, wake);
     if (stopping_) break;
+    const auto now = Clock::now();
+    schedule_retests_locked(now);
+    update_liveness_locked(now);
     dispatch_locked();  // expires deadlines, refreshes queue positions and estimates
     gc_locked();
+  }
+}
+
+// ---- re-tests of replicas taken out -----------------------------------------------------------------------------
+
+void Scheduler::schedule_retests_locked(Clock::time_point now) {
+  for (auto& r : replicas_) {
+    if (r->loaded && !r->healthy && !r->busy && !r->probe_pending && r->retest_at && now >= *r->retest_at) {
+      r->probe_pending = true;
+      r->retest_at.reset();
+      r->cv.notify_one();
+    }
+  }
+}
+
+void Scheduler::run_probe(Replica& replica, std::unique_lock<std::mutex>& lock) {
+  lock.unlock();
+  std::string error;
+  try {
+    replica.exec->probe();
+  } catch (const std::exception& e) {
+    error = e.what();
+  } catch (...) {
+    error = "unknown exception";
+  }
+  lock.lock();
+  replica.probe_pending = false;
+  const auto now = Clock::now();
+  if (error.empty()) {
+    replica.healthy = true;
+    replica.consecutive_failures = 0;
+    replica.backoff = Clock::duration::zero();
+    ++replica.recoveries;
+    spdlog::info("replica={} event=recovered recoveries={}", replica.name, replica.recoveries);
+    if (observer_) observer_->replica_recovered(replica_status_locked(replica));
+  } else {
+    replica.backoff = std::min<Clock::duration>(replica.backoff * 2, options_.retest_backoff_max);
+    replica.retest_at = now + replica.backoff;
+    timer_cv_.notify_all();  // the timer wakes at the re-test time, not at its next 100 ms tick
+    replica.error = error;
+    spdlog::warn("replica={} event=retest_failed next_in_seconds={:.3f} error=\"{}\"", replica.name,
+                 std::chrono::duration<double>(replica.backoff).count(), error);
+  }
+  update_liveness_locked(now);
+  if (observer_) observer_->replica_changed(replica_status_locked(replica));
+  changed_.notify_all();
+  dispatch_locked();
+}
+
+void Scheduler::update_liveness_locked(Clock::time_point now) {
+  const bool all_done = std::all_of(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->load_done; });
+  const bool any_healthy = std::any_of(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->healthy; });
+  if (any_healthy || !all_done) {
+    if (unhealthy_since_) spdlog::info("event=replica_available_again");
+    unhealthy_since_.reset();
+  } else if (!unhealthy_since_) {
+    unhealthy_since_ = now;
+    spdlog::error("event=no_healthy_replica liveness_grace_seconds={:.1f}",
+                  std::chrono::duration<double>(options_.liveness_grace).count());
   }
 }
 
@@ -445,6 +526,11 @@ void Scheduler::complete_locked(size_t index, const ChunkResult& result, double 
     if (job.chunks_done == static_cast<int64_t>(job.spec.chunk_work.size())) {
       finish_locked(job, JobState::Succeeded, ErrorKind::None, "");
     }
+  } else if (outcome == ChunkOutcome::ResourceExhausted) {
+    // The request did not fit in the device's memory: its fault, not the replica's (which keeps its count).
+    spdlog::warn("job={} event=chunk_out_of_memory chunk={} replica={} error=\"{}\"", job.id, chunk, replica.name,
+                 error);
+    if (!stop) finish_locked(job, JobState::Failed, ErrorKind::ResourceExhausted, error);
   } else if (outcome == ChunkOutcome::Rejected) {
     replica.consecutive_failures = 0;  // the replica works; the request does not
     spdlog::warn("job={} event=chunk_rejected chunk={} replica={} error=\"{}\"", job.id, chunk, replica.name, error);
@@ -456,8 +542,13 @@ void Scheduler::complete_locked(size_t index, const ChunkResult& result, double 
     ++job.attempts;
     if (replica.healthy && replica.consecutive_failures >= options_.replica_failure_limit) {
       replica.healthy = false;
-      spdlog::error("replica={} event=taken_out consecutive_failures={} error=\"{}\"", replica.name,
-                    replica.consecutive_failures, error);
+      replica.backoff = std::chrono::duration_cast<Clock::duration>(options_.retest_backoff);
+      replica.retest_at = now + replica.backoff;
+      timer_cv_.notify_all();
+      spdlog::error("replica={} event=taken_out consecutive_failures={} retest_in_seconds={:.3f} error=\"{}\"",
+                    replica.name, replica.consecutive_failures, std::chrono::duration<double>(replica.backoff).count(),
+                    error);
+      update_liveness_locked(now);
     }
     const bool any_healthy = std::any_of(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->healthy; });
     const bool retry = !stop && job.attempts <= options_.chunk_retries && any_healthy;
@@ -639,6 +730,7 @@ ReplicaStatus Scheduler::replica_status_locked(const Replica& replica) const {
   s.busy = replica.busy;
   s.chunks_run = replica.chunks_run;
   s.failures = replica.failures;
+  s.recoveries = replica.recoveries;
   s.error = replica.error;
   return s;
 }

@@ -8,7 +8,10 @@
 //     text embeddings are already there) when it is idle; otherwise an idle replica, unless the holder is busy and
 //     will finish sooner than a handoff costs (then the job waits for it). Moving a job counts as a handoff.
 //  3. A chunk that fails on a replica is retried (bounded) on another replica when there is one; a replica whose
-//     chunks fail `replica_failure_limit` times in a row is taken out (unhealthy).
+//     chunks fail `replica_failure_limit` times in a row is taken out (unhealthy) and re-tested (ChunkExecutor::probe)
+//     after a back-off that doubles up to a cap; it comes back when a re-test passes. A chunk that runs out of
+//     memory (ResourceExhausted) fails its job, not the replica. When no replica has been healthy for
+//     `liveness_grace`, live() turns false so that the orchestrator restarts the process.
 //  4. Deadlines are checked before a chunk is dispatched and at every step; cancellation at every step.
 #pragma once
 
@@ -48,7 +51,9 @@ struct ChunkWork {
 
 // Failed: the replica could not run it (retried elsewhere, counts against the replica). Rejected: the request itself
 // cannot run (the job fails at once with ErrorKind::InvalidArgument; no retry, the replica is not blamed).
-enum class ChunkOutcome { Succeeded, Stopped, Failed, Rejected };
+// ResourceExhausted: the request was too large for the device's memory (the job fails with
+// ErrorKind::ResourceExhausted; no retry, the replica is not blamed).
+enum class ChunkOutcome { Succeeded, Stopped, Failed, Rejected, ResourceExhausted };
 
 struct ChunkResult {
   ChunkOutcome outcome = ChunkOutcome::Succeeded;
@@ -70,6 +75,9 @@ class ChunkExecutor {
   virtual void start() {}
   // Runs one chunk. Should return Stopped when callbacks.should_stop() turned true. Exceptions count as Failed.
   virtual ChunkResult run(const ChunkWork& work, const ChunkCallbacks& callbacks) = 0;
+  // Re-tests a replica that was taken out (e.g. one small warm-up forward), on the worker thread. Throws when the
+  // replica still does not work.
+  virtual void probe() {}
 };
 
 enum class JobState { Queued, Running, Succeeded, Failed, Cancelled, DeadlineExceeded };
@@ -77,7 +85,7 @@ const char* job_state_name(JobState state);
 bool is_terminal(JobState state);
 
 // Why a job ended unsuccessfully, as a gRPC-style category (the transport maps it to a status code).
-enum class ErrorKind { None, Internal, Unavailable, Cancelled, DeadlineExceeded, InvalidArgument };
+enum class ErrorKind { None, Internal, Unavailable, Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted };
 
 struct JobSpec {
   std::string owner;  // client identity; jobs are only visible to their owner
@@ -139,6 +147,7 @@ struct ReplicaStatus {
   bool busy = false;
   int64_t chunks_run = 0;
   int64_t failures = 0;
+  int64_t recoveries = 0;  // times a re-test brought it back
   std::string error;
 };
 
@@ -157,6 +166,7 @@ class SchedulerObserver {
   virtual void step(const std::string& /*replica*/, double /*seconds*/) {}
   virtual void handoff(const JobSnapshot&, const std::string& /*from*/, const std::string& /*to*/) {}
   virtual void replica_changed(const ReplicaStatus&) {}
+  virtual void replica_recovered(const ReplicaStatus&) {}
   virtual void queue_changed(int64_t /*queued*/, int64_t /*running*/) {}
 };
 
@@ -167,6 +177,11 @@ struct SchedulerOptions {
   double handoff_cost_seconds = 0.25;  // expected cost of moving a job's state to another replica
   int64_t max_retained_jobs = 256;     // finished jobs kept for Get/List/Download (oldest dropped first)
   std::chrono::seconds retention{3600};
+  // Re-test of a replica taken out: first after retest_backoff, then doubling up to retest_backoff_max.
+  std::chrono::milliseconds retest_backoff{30000};
+  std::chrono::milliseconds retest_backoff_max{600000};
+  // live() turns false once no replica has been healthy for this long (after loading).
+  std::chrono::milliseconds liveness_grace{300000};
 };
 
 // Submission refused: queue full (retry later) or draining.
@@ -208,6 +223,8 @@ class Scheduler {
   bool all_loaded() const;
   // Readiness: loaded, not draining, and at least one replica healthy.
   bool ready() const;
+  // Liveness: false once every replica has been unhealthy (loaded or failed to load) for options.liveness_grace.
+  bool live() const;
 
   // Throws AdmissionError. `spec.chunk_work` must not be empty.
   SubmitResult submit(JobSpec spec);
@@ -252,6 +269,9 @@ class Scheduler {
   void push_event_locked(Job& job, JobEvent event);
   void update_positions_locked(Clock::time_point now);
   void gc_locked();
+  void schedule_retests_locked(Clock::time_point now);
+  void run_probe(Replica& replica, std::unique_lock<std::mutex>& lock);
+  void update_liveness_locked(Clock::time_point now);
   void notify_queue_locked();
   int64_t count_locked(JobState state) const;
   JobSnapshot snapshot_locked(const Job& job) const;
@@ -272,6 +292,7 @@ class Scheduler {
   bool stopping_ = false;
   bool started_ = false;
   double seconds_per_work_ = 0;  // exponential moving average over all replicas; 0 = no measurement yet
+  std::optional<Clock::time_point> unhealthy_since_;  // every replica loaded and none healthy since then
   std::thread timer_;
   std::condition_variable timer_cv_;
   void timer_loop();

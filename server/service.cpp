@@ -64,6 +64,8 @@ StatusCode to_code(ErrorKind kind) {
       return StatusCode::DEADLINE_EXCEEDED;
     case ErrorKind::InvalidArgument:
       return StatusCode::INVALID_ARGUMENT;
+    case ErrorKind::ResourceExhausted:
+      return StatusCode::RESOURCE_EXHAUSTED;
   }
   return StatusCode::UNKNOWN;
 }
@@ -322,6 +324,7 @@ class VideoServiceImpl final : public pb::VideoService::Service {
     if (Status s = check_format(request->format()); !s.ok()) return s;
     SubmitResult submitted;
     if (Status s = submit(ctx, request->job(), owner, &submitted); !s.ok()) return s;
+    if (request->format() == pb::RESULT_FORMAT_MP4) want_video(submitted.job);
     const std::string id = submitted.job.id;
     uint64_t after = 0;
     int64_t sent_chunks = 0;
@@ -398,6 +401,9 @@ class VideoServiceImpl final : public pb::VideoService::Service {
     limits->set_max_text_tokens(config_.limits.max_text_tokens);
     limits->set_chunk_retries(scheduler_.options().chunk_retries);
     limits->set_max_request_bytes(config_.max_request_bytes);
+    limits->set_max_chunk_tokens(config_.limits.max_chunk_tokens);
+    limits->set_max_job_work(config_.limits.max_job_work);
+    limits->set_max_chunks(config_.limits.max_chunks);
     response->set_vae_available(config_.vae_available);
     response->set_text_encoder_available(static_cast<bool>(config_.text_encoder));
     response->set_ready(scheduler_.ready());
@@ -454,6 +460,9 @@ class VideoServiceImpl final : public pb::VideoService::Service {
     if (request.priority() < -10 || request.priority() > 10) {
       return reject(kRejectInvalidArgument, StatusCode::INVALID_ARGUMENT,
                     "priority: " + std::to_string(request.priority()) + " is outside [-10, 10]");
+    }
+    if (request.produce_mp4()) {
+      if (Status s = check_format(pb::RESULT_FORMAT_MP4); !s.ok()) return s;
     }
     if (request.idempotency_key().size() > 128) {
       return reject(kRejectInvalidArgument, StatusCode::INVALID_ARGUMENT,
@@ -517,6 +526,7 @@ class VideoServiceImpl final : public pb::VideoService::Service {
           return reject(nullptr, StatusCode::ALREADY_EXISTS, e.what());
       }
     }
+    if (request.produce_mp4()) want_video(result->job);
     if (!result->deduplicated) {
       const ResolvedParams& p = job->params();
       spdlog::info("job={} event=accepted frames={} size={}x{} steps={} guidance={} chunks={} seed={} priority={}",
@@ -664,6 +674,7 @@ class VideoServiceImpl final : public pb::VideoService::Service {
   Status wait_video(ServerContext* ctx, const JobSnapshot& job, int64_t chunk, std::string* bytes) {
     const ModelJob* m = model_job(job);
     if (m == nullptr) return Status(StatusCode::INTERNAL, "job has no model payload");
+    want_video(job);  // the first MP4 download starts the job's decode (no-op when it runs or ran already)
     while (!ctx->IsCancelled()) {
       auto video = m->wait_chunk_video(chunk, Clock::now() + kPoll);
       if (video.bytes) {
@@ -690,6 +701,11 @@ class VideoServiceImpl final : public pb::VideoService::Service {
       ++*sent;
     }
     return true;
+  }
+
+  // MP4 is made on demand only (issue 12, item 6): a job asks at submit, or its first MP4 download does.
+  void want_video(const JobSnapshot& job) {
+    if (config_.want_video && job.payload) config_.want_video(job);
   }
 
   Status gone(const std::string& id, const std::string& owner) {

@@ -254,6 +254,28 @@ TEST_P(SeedGolden, SeededLatentNoiseIsTorchsCpuGeneratorBitForBit) {
   EXPECT_TRUE(at::equal(fresh->latent_noise(0, latent_shape(c, plan, 0)), expected.front()));
 }
 
+// A server keeps one source per job and draws each chunk from a copy (committed when the chunk succeeds): chunk k
+// then costs one chunk of draws, not k, and gives the same bits as diffusers' one generator over the whole call.
+TEST_P(SeedGolden, AKeptSourceDrawsEachChunkOnceAndACopyReplaysIt) {
+  const PipelineCase c = load_case(GetParam());
+  const ChunkPlan plan = plan_chunks(c.params, c.model_block);
+  const auto expected = latent_draws(c);
+  std::unique_ptr<NoiseSource> kept = make_seeded_noise(*c.params.seed);
+  for (const ChunkSpec& chunk : plan.chunks) {
+    const auto shape = latent_shape(c, plan, chunk.index);
+    const int64_t before = kept->values_drawn();
+    auto failed_try = kept->clone();  // a try that fails after its draw leaves the kept source as it was
+    failed_try->begin_chunk(plan, chunk.index);
+    failed_try->latent_noise(chunk.index, shape);
+    auto attempt = kept->clone();
+    attempt->begin_chunk(plan, chunk.index);
+    EXPECT_TRUE(at::equal(attempt->latent_noise(chunk.index, shape), expected[static_cast<size_t>(chunk.index)]))
+        << "chunk " << chunk.index;
+    EXPECT_EQ(attempt->values_drawn() - before, at::zeros(shape).numel()) << "chunk " << chunk.index;
+    kept = std::move(attempt);  // commit
+  }
+}
+
 TEST_P(SeedGolden, LoopFromTheSeedAloneMatchesDiffusers) {
   const PipelineCase c = load_case(GetParam());
   auto noise = make_seeded_noise(*c.params.seed);
@@ -298,6 +320,36 @@ GenerationParams long_request() {
   p.addnoise_condition = 20.0;
   p.seed = 1234;
   return p;
+}
+
+// The server's way (item 9 of issue 12): one source kept per job, each chunk on a copy committed on success; a
+// chunk that failed halfway (condition noise drawn, then an exception) is retried from the committed state.
+TEST(ChunkByChunk, AKeptSourceCommittedPerChunkEqualsTheWholeVideoAndDrawsEachChunkOnce) {
+  const GenerationParams p = long_request();
+  const Conditioning cond = random_conditioning(1, 7);
+  DenoiserInfo info;
+  auto whole_noise = make_seeded_noise(*p.seed);
+  const at::Tensor whole = generate(synthetic_prediction, info, p, cond, *whole_noise);
+  const int64_t whole_draws = whole_noise->values_drawn();
+
+  const ChunkPlan plan = plan_chunks(p, info.num_frame_per_block);
+  std::unique_ptr<NoiseSource> kept = make_seeded_noise(*p.seed);
+  at::Tensor video;
+  for (const ChunkSpec& chunk : plan.chunks) {
+    auto failing = kept->clone();
+    StepHooks fail_at_row_1;
+    fail_at_row_1.on_step = [](int64_t, int64_t row, int64_t) {
+      if (row == 1) throw std::runtime_error("injected");
+    };
+    EXPECT_THROW(run_chunk(synthetic_prediction, info, p, plan, chunk.index, cond, video, *failing, fail_at_row_1),
+                 std::runtime_error);
+    auto attempt = kept->clone();
+    const at::Tensor latents = run_chunk(synthetic_prediction, info, p, plan, chunk.index, cond, video, *attempt);
+    kept = std::move(attempt);
+    video = accumulate(video, latents, chunk);
+  }
+  EXPECT_TRUE(at::equal(video, whole));
+  EXPECT_EQ(kept->values_drawn(), whole_draws);  // no chunk redrew an earlier one
 }
 
 TEST(ChunkByChunk, EachChunkOnItsOwnFreshSeededSourceEqualsTheWholeVideo) {
@@ -603,28 +655,11 @@ std::unique_ptr<SkyReelsV2Transformer> load_fixture_model(const std::string& cas
                                                  at::kFloat);
 }
 
-// The transformer port lands separately; until its forward exists these tests report themselves as skipped.
-bool forward_available(const SkyReelsV2Transformer& model, const PipelineCase& c) {
-  try {
-    TransformerForwardArgs args;
-    args.hidden_states = c.trace.at("c0_r000_model_input");
-    args.timestep = c.trace.at("c0_r000_model_timestep");
-    args.encoder_hidden_states = c.conditioning.prompt_embeds;
-    args.fps = at::ones({1}, at::kLong);
-    model.forward(args);
-  } catch (const std::logic_error& e) {
-    if (contains(e.what(), "not implemented")) return false;
-    throw;
-  }
-  return true;
-}
-
 class PipelineWithTransformer : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(PipelineWithTransformer, RecordedNoiseThroughRunChunkMatchesDiffusersWithin1e4) {
   const PipelineCase c = load_case(GetParam());
   const auto model = load_fixture_model(c.name);
-  if (!forward_available(*model, c)) GTEST_SKIP() << "SkyReelsV2Transformer::forward is not implemented yet";
   auto noise = make_recorded_noise(c.noise);
   const at::Tensor video = run_chunks(c, transformer_denoiser(*model, c.params), denoiser_info(*model), *noise, 1e-4);
   EXPECT_TRUE(all_close(video, c.output.at("latents"), 1e-4));
@@ -637,7 +672,6 @@ class SeedWithTransformer : public ::testing::TestWithParam<std::string> {};
 TEST_P(SeedWithTransformer, GenerateFromTheSeedAloneMatchesDiffusersWithin1e4) {
   const PipelineCase c = load_case(GetParam());
   const auto model = load_fixture_model(c.name);
-  if (!forward_available(*model, c)) GTEST_SKIP() << "SkyReelsV2Transformer::forward is not implemented yet";
   auto noise = make_seeded_noise(*c.params.seed);
   const at::Tensor video = generate(*model, c.params, c.conditioning, *noise);
   EXPECT_TRUE(all_close(video, c.output.at("latents"), 1e-4));
@@ -655,7 +689,6 @@ INSTANTIATE_TEST_SUITE_P(Golden, SeedWithTransformer,
 TEST(DiffusersBugBlockSizeLeak, AModelThatServedBlockSize2AnswersTheNextRequestLikeAFreshOne) {
   const PipelineCase c = load_case("p2_async_cbs2_ar2");
   const auto model = load_fixture_model(c.name);
-  if (!forward_available(*model, c)) GTEST_SKIP() << "SkyReelsV2Transformer::forward is not implemented yet";
   auto first_noise = make_recorded_noise(c.noise);
   const at::Tensor first = generate(*model, c.params, c.conditioning, *first_noise);
   EXPECT_TRUE(all_close(first, c.output.at("latents"), 1e-4));
@@ -672,6 +705,38 @@ TEST(DiffusersBugBlockSizeLeak, AModelThatServedBlockSize2AnswersTheNextRequestL
   auto noise_b = make_seeded_noise(99);
   const at::Tensor reference = generate(*fresh, plain, c.conditioning, *noise_b);
   EXPECT_TRUE(at::equal(after, reference));
+}
+
+// Issue 12, item 4: with the transformer, cancellation is polled after every block too, so a stop request acts
+// within one block instead of one whole forward (or two, with guidance).
+TEST(Progress, WithTheTransformerCancellationIsPolledAfterEveryBlock) {
+  const PipelineCase c = load_case("p1_sync_short");
+  const auto model = load_fixture_model(c.name);
+  const int64_t layers = model->config().num_layers;
+  const int64_t passes = c.params.guidance_scale > 1.0 ? 2 : 1;
+  int64_t polls = 0, rows = 0;
+  StepHooks hooks;
+  hooks.on_step = [&](int64_t, int64_t, int64_t) { ++rows; };
+  hooks.cancelled = [&] {
+    ++polls;
+    return false;
+  };
+  auto noise = make_seeded_noise(*c.params.seed);
+  generate(*model, c.params, c.conditioning, *noise, hooks);
+  ASSERT_GT(rows, 0);
+  EXPECT_EQ(polls, rows * (1 + passes * layers)) << "before each row, and after each block of each forward";
+
+  polls = rows = 0;
+  hooks.cancelled = [&] { return ++polls == 2; };  // poll 1: before row 0; poll 2: after the first block
+  auto again = make_seeded_noise(*c.params.seed);
+  try {
+    generate(*model, c.params, c.conditioning, *again, hooks);
+    FAIL() << "not cancelled";
+  } catch (const GenerationCancelled& e) {
+    EXPECT_NE(std::string(e.what()).find("inside a forward"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(polls, 2) << "no block ran after the stop request";
+  EXPECT_EQ(rows, 0);
 }
 
 // ---- the CLI ---------------------------------------------------------------------------------------------------
@@ -705,13 +770,11 @@ void expect_cli_output_matches(const PipelineCase& c, const std::string& extra) 
 
 TEST(GenerateCommand, ReproducesP2FromTheSeedAlone) {
   const PipelineCase c = load_case("p2_async_cbs2_ar2");
-  if (!forward_available(*load_fixture_model(c.name), c)) GTEST_SKIP() << "transformer forward not implemented yet";
   expect_cli_output_matches(c, " --seed " + std::to_string(*c.params.seed));
 }
 
 TEST(GenerateCommand, ReproducesP1WithRecordedNoise) {
   const PipelineCase c = load_case("p1_sync_short");
-  if (!forward_available(*load_fixture_model(c.name), c)) GTEST_SKIP() << "transformer forward not implemented yet";
   expect_cli_output_matches(c, " --noise " + golden_path("pipeline_df/" + c.name + "/noise.safetensors"));
 }
 

@@ -295,7 +295,7 @@ TEST(TransformerLoader, AutoDtypeResolvesAndUnknownDtypeOrDeviceIsRefused) {
   EXPECT_HAS(error_of([&] { load_transformer(path, {"tpu:0", "float32"}); }), "device 'tpu:0'");
 }
 
-// Same output as diffusers for every layout; skipped (not failed) only while the forward is not yet implemented.
+// Same output as diffusers for every layout (a forward that throws fails the test; nothing is skipped).
 TEST(TransformerLoader, EveryGoldenLayoutGivesTheFixtureForwardOutput) {
   for (const char* golden_case : kCases) {
     const std::string dir = golden_path(std::string("transformer_forward/") + golden_case);
@@ -309,13 +309,7 @@ TEST(TransformerLoader, EveryGoldenLayoutGivesTheFixtureForwardOutput) {
       args.timestep = inputs.at("timestep");
       args.encoder_hidden_states = inputs.at("encoder_hidden_states");
       args.fps = inputs.at("fps");
-      at::Tensor out;
-      try {
-        out = loaded.model->forward(args);
-      } catch (const std::logic_error& e) {
-        if (std::string(e.what()).find("not implemented") != std::string::npos) GTEST_SKIP() << e.what();
-        throw;
-      }
+      const at::Tensor out = loaded.model->forward(args);
       EXPECT_TRUE(skyreels::test::all_close(out, expected, 1e-4, 1e-4));
     }
   }

@@ -35,9 +35,18 @@ struct FakePayload : JobPayload {
 struct RunLog {
   std::mutex mu;
   std::vector<std::string> entries;  // "job:chunk@replica"
+  std::vector<Clock::time_point> probes;
   void add(const std::string& e) {
     std::lock_guard<std::mutex> lock(mu);
     entries.push_back(e);
+  }
+  void probed() {
+    std::lock_guard<std::mutex> lock(mu);
+    probes.push_back(Clock::now());
+  }
+  std::vector<Clock::time_point> probe_times() {
+    std::lock_guard<std::mutex> lock(mu);
+    return probes;
   }
   std::vector<std::string> snapshot() {
     std::lock_guard<std::mutex> lock(mu);
@@ -51,7 +60,9 @@ struct FakeBehaviour {
   std::set<int> fail_calls;  // 1-based runs of this replica that throw (after their first step)
   bool always_fail = false;
   bool fail_to_load = false;
-  bool reject = false;  // the request itself cannot run
+  bool reject = false;         // the request itself cannot run
+  bool out_of_memory = false;  // every run: the request did not fit (ResourceExhausted)
+  int probe_failures = 0;      // re-tests that fail before one passes
 };
 
 FakeBehaviour steps(std::chrono::milliseconds step, int64_t rows = 3) {
@@ -93,6 +104,7 @@ class FakeExecutor : public ChunkExecutor {
     const int call = ++calls_;
     log_->add(work.job_id + ":" + std::to_string(work.chunk_index) + "@" + name_);
     if (behaviour_.reject) return {ChunkOutcome::Rejected, "prompt_embeds: bad shape", 0};
+    if (behaviour_.out_of_memory) return {ChunkOutcome::ResourceExhausted, "out of memory (injected)", 0};
     for (int64_t row = 1; row <= behaviour_.rows; ++row) {
       if (callbacks.should_stop()) return {ChunkOutcome::Stopped, "", 0};
       std::this_thread::sleep_for(behaviour_.step);
@@ -108,12 +120,17 @@ class FakeExecutor : public ChunkExecutor {
                               static_cast<uint64_t>(work.chunk_index));
     return {ChunkOutcome::Succeeded, "", 4};
   }
+  void probe() override {
+    log_->probed();
+    if (probes_++ < behaviour_.probe_failures) throw std::runtime_error("still broken");
+  }
 
  private:
   std::string name_;
   FakeBehaviour behaviour_;
   std::shared_ptr<RunLog> log_;
   std::atomic<int> calls_{0};
+  int probes_ = 0;
 };
 
 struct Harness {
@@ -261,7 +278,16 @@ TEST(Scheduler, JobsInterleaveAtChunkBoundaries) {
 TEST(Scheduler, HigherPriorityJobsRunFirst) {
   Harness h({steps(10ms, 20)});
   const auto busy = h.submit(1);
-  std::this_thread::sleep_for(5ms);  // `busy` is on the only replica
+  // Event-based: `busy` has run a step on the only replica before the others arrive.
+  uint64_t seen = 0;
+  bool stepped = false;
+  const auto until = Clock::now() + 5s;
+  while (!stepped && Clock::now() < until) {
+    const EventBatch batch = h.scheduler->wait_events(busy, "", seen, until);
+    for (const auto& e : batch.events) stepped = stepped || e.type == EventType::Step;
+    if (!batch.events.empty()) seen = batch.events.back().sequence;
+  }
+  ASSERT_TRUE(stepped);
   const auto low_a = h.submit(1, 0);
   const auto low_b = h.submit(1, 0);
   const auto high = h.submit(1, 5);
@@ -518,6 +544,97 @@ TEST(Scheduler, QueuedJobsKnowTheirPositionAndAnEstimate) {
   }
   for (const auto& id : queued) h.wait(id);
   h.wait(busy);
+}
+
+}  // namespace
+}  // namespace skyreels::server
+
+namespace skyreels::server {
+namespace {
+
+// ---- issue 12, item 3: replicas heal, liveness means something ---------------------------------------------------
+
+TEST(SchedulerHealing, OutOfMemoryFailsTheJobResourceExhaustedWithoutRetriesOrBlamingTheReplica) {
+  FakeBehaviour oom;
+  oom.out_of_memory = true;
+  SchedulerOptions options;
+  options.replica_failure_limit = 1;
+  Harness h({oom}, options);
+  for (int i = 0; i < 3; ++i) {
+    const JobSnapshot job = h.wait(h.submit(2));
+    EXPECT_EQ(job.state, JobState::Failed);
+    EXPECT_EQ(job.error_kind, ErrorKind::ResourceExhausted);
+    EXPECT_EQ(job.retries, 0);
+  }
+  EXPECT_TRUE(h.scheduler->replicas()[0].healthy) << "three out-of-memory chunks in a row, limit 1: still healthy";
+  EXPECT_TRUE(h.scheduler->ready());
+  EXPECT_TRUE(h.scheduler->live());
+}
+
+TEST(SchedulerHealing, AReplicaTakenOutIsReTestedWithADoublingCappedBackOffAndComesBack) {
+  FakeBehaviour broken = failing_calls({1});
+  broken.probe_failures = 3;
+  SchedulerOptions options;
+  options.replica_failure_limit = 1;
+  options.chunk_retries = 0;
+  options.retest_backoff = 100ms;
+  options.retest_backoff_max = 250ms;
+  Harness h({broken}, options);
+  const auto taken_out = Clock::now();
+  EXPECT_EQ(h.wait(h.submit(1)).state, JobState::Failed);
+  EXPECT_FALSE(h.scheduler->replicas()[0].healthy);
+  EXPECT_FALSE(h.scheduler->ready());
+  EXPECT_THROW(h.submit(1), AdmissionError) << "no healthy replica: UNAVAILABLE";
+
+  const auto until = Clock::now() + 5s;
+  while (!h.scheduler->ready() && Clock::now() < until) std::this_thread::sleep_for(5ms);
+  ASSERT_TRUE(h.scheduler->ready()) << "the fourth re-test passes";
+  const auto probes = h.log->probe_times();
+  ASSERT_EQ(probes.size(), 4u);
+  auto ms = [](Clock::duration d) { return std::chrono::duration_cast<std::chrono::milliseconds>(d).count(); };
+  const std::vector<int64_t> waits = {ms(probes[0] - taken_out), ms(probes[1] - probes[0]), ms(probes[2] - probes[1]),
+                                      ms(probes[3] - probes[2])};
+  // Lower bounds are exact (never earlier than the back-off); upper bounds leave room for a loaded machine.
+  EXPECT_GE(waits[1], 200) << "doubled";
+  EXPECT_GE(waits[2], 250) << "capped at 250 ms, not 400";
+  EXPECT_LT(waits[2], 390) << "capped at 250 ms, not 400";
+  EXPECT_GE(waits[3], 250);
+  EXPECT_LT(waits[3], 390);
+  const ReplicaStatus replica = h.scheduler->replicas()[0];
+  EXPECT_TRUE(replica.healthy);
+  EXPECT_EQ(replica.recoveries, 1);
+  EXPECT_EQ(h.wait(h.submit(2)).state, JobState::Succeeded) << "it serves again";
+}
+
+TEST(SchedulerHealing, LivenessFailsOnlyAfterTheGraceWithoutAHealthyReplicaAndReturnsWithOne) {
+  SchedulerOptions options;
+  options.replica_failure_limit = 1;
+  options.chunk_retries = 0;
+  options.liveness_grace = 200ms;
+  options.retest_backoff = 1500ms;
+  Harness h({failing_calls({1})}, options);
+  const auto taken_out = Clock::now();
+  EXPECT_EQ(h.wait(h.submit(1)).state, JobState::Failed);
+  EXPECT_FALSE(h.scheduler->ready());
+  auto until = Clock::now() + 5s;
+  while (h.scheduler->live() && Clock::now() < until) std::this_thread::sleep_for(5ms);
+  EXPECT_FALSE(h.scheduler->live());
+  EXPECT_GE(Clock::now() - taken_out, 200ms) << "not before the grace";
+  until = Clock::now() + 5s;
+  while (!h.scheduler->live() && Clock::now() < until) std::this_thread::sleep_for(5ms);
+  EXPECT_TRUE(h.scheduler->live()) << "the re-test passed: a healthy replica again";
+  EXPECT_TRUE(h.scheduler->ready());
+}
+
+TEST(SchedulerHealing, AReplicaThatNeverLoadedCountsAgainstLivenessAndIsNotReTested) {
+  SchedulerOptions options;
+  options.liveness_grace = 100ms;
+  options.retest_backoff = 10ms;
+  Harness h({not_loading()}, options);
+  const auto until = Clock::now() + 5s;
+  while (h.scheduler->live() && Clock::now() < until) std::this_thread::sleep_for(5ms);
+  EXPECT_FALSE(h.scheduler->live());
+  EXPECT_TRUE(h.log->probe_times().empty());
 }
 
 }  // namespace

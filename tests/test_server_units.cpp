@@ -1,5 +1,6 @@
 // The server's small parts in isolation: replica planning, fault rules, API keys, addresses, result blobs, job
 // validation and planning, metrics exposition.
+#include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -8,6 +9,7 @@
 
 #include "server/auth.h"
 #include "server/blob.h"
+#include "server/limits.h"
 #include "server/metrics.h"
 #include "server/model_job.h"
 #include "server/replica.h"
@@ -212,27 +214,45 @@ TEST(ModelJob, LimitsAndTheModelBoundTheRequest) {
   EXPECT_THROW(ModelJob::create(text, tiny_model(), ServerLimits{}, 1), PreconditionError);
 }
 
+// Two tensors in one safetensors file, built by hand: header, then the first tensor's data, then the second's.
+std::string embeddings_file(const RawTensor& first, const char* first_name, const RawTensor& second,
+                            const char* second_name) {
+  const std::string header =
+      std::string("{\"") + first_name + "\":{\"dtype\":\"F32\",\"shape\":[1,8,32],\"data_offsets\":[0," +
+      std::to_string(first.data.size()) + "]},\"" + second_name +
+      "\":{\"dtype\":\"F32\",\"shape\":[1,8,32],\"data_offsets\":[" + std::to_string(first.data.size()) + "," +
+      std::to_string(first.data.size() + second.data.size()) + "]}}";
+  std::string file;
+  const uint64_t len = header.size();
+  for (int i = 0; i < 8; ++i) file.push_back(static_cast<char>((len >> (8 * i)) & 0xff));
+  return file + header + first.data + second.data;
+}
+
 TEST(ModelJob, EmbeddingsAlsoArriveAsASafetensorsFile) {
   JobRequest r = long_video();
-  std::string file;
-  {
-    // Two tensors in one file, built by hand: header, then prompt data, then negative data.
-    const RawTensor p = *r.prompt_embeds;
-    const RawTensor n = *r.negative_prompt_embeds;
-    std::string header = "{\"prompt_embeds\":{\"dtype\":\"F32\",\"shape\":[1,8,32],\"data_offsets\":[0," +
-                         std::to_string(p.data.size()) +
-                         "]},\"negative_prompt_embeds\":{\"dtype\":\"F32\",\"shape\":"
-                         "[1,8,32],\"data_offsets\":[" +
-                         std::to_string(p.data.size()) + "," + std::to_string(p.data.size() + n.data.size()) + "]}}";
-    const uint64_t len = header.size();
-    for (int i = 0; i < 8; ++i) file.push_back(static_cast<char>((len >> (8 * i)) & 0xff));
-    file += header + p.data + n.data;
-  }
+  const RawTensor p = *r.prompt_embeds;
+  const RawTensor n = *r.negative_prompt_embeds;
+  ASSERT_NE(p.data, n.data);
+  const std::string file = embeddings_file(p, "prompt_embeds", n, "negative_prompt_embeds");
   const uint64_t direct = ModelJob::create(r, tiny_model(), ServerLimits{}, 1)->chunk_count();
   r.prompt_embeds.reset();
   r.negative_prompt_embeds.reset();
   r.embeddings_safetensors = file;
-  EXPECT_EQ(static_cast<uint64_t>(ModelJob::create(r, tiny_model(), ServerLimits{}, 1)->chunk_count()), direct);
+  const auto from_file = ModelJob::create(r, tiny_model(), ServerLimits{}, 1);
+  EXPECT_EQ(static_cast<uint64_t>(from_file->chunk_count()), direct);
+  // The job conditions on exactly the file's tensors, each in its role.
+  EXPECT_EQ(from_file->prompt_embeddings().data, p.data);
+  EXPECT_EQ(from_file->prompt_embeddings().shape, (std::vector<int64_t>{1, 8, 32}));
+  EXPECT_EQ(from_file->prompt_embeddings(true).data, n.data);
+  // The roles follow the tensor names, not their order in the file.
+  r.embeddings_safetensors = embeddings_file(n, "negative_prompt_embeds", p, "prompt_embeds");
+  const auto reordered = ModelJob::create(r, tiny_model(), ServerLimits{}, 1);
+  EXPECT_EQ(reordered->prompt_embeddings().data, p.data);
+  EXPECT_EQ(reordered->prompt_embeddings(true).data, n.data);
+  // Swapped names: swapped roles (a server that mixed them up fails the checks above).
+  r.embeddings_safetensors = embeddings_file(n, "prompt_embeds", p, "negative_prompt_embeds");
+  EXPECT_EQ(ModelJob::create(r, tiny_model(), ServerLimits{}, 1)->prompt_embeddings().data, n.data);
+  r.embeddings_safetensors = file;
   r.embeddings_safetensors = file.substr(0, file.size() - 4);
   try {
     ModelJob::create(r, tiny_model(), ServerLimits{}, 1);
@@ -242,13 +262,94 @@ TEST(ModelJob, EmbeddingsAlsoArriveAsASafetensorsFile) {
   }
 }
 
+// ---- issue 12: work limits, out-of-memory classification, fault kinds ---------------------------------------------
+
+TEST(WorkLimits, ATokenHeavyChunkTooManyChunksOrTooMuchWorkAreRefusedNamingTheFlag) {
+  auto refused = [](const JobRequest& r, const ServerLimits& limits) -> std::string {
+    try {
+      ModelJob::create(r, tiny_model(), limits, 1);
+    } catch (const ValidationError& e) {
+      return e.what();
+    }
+    return "accepted";
+  };
+  // The issue's request: 1457 frames at 1280x1280 in one chunk, 365 x 80 x 80 = 2,336,000 tokens.
+  JobRequest huge = long_video();
+  huge.num_frames = 1457;
+  huge.base_num_frames = 1457;
+  huge.overlap_history.reset();
+  huge.height = 1280;
+  huge.width = 1280;
+  const std::string tokens = refused(huge, ServerLimits{});
+  EXPECT_NE(tokens.find("2336000 transformer tokens, over --max-chunk-tokens 131072"), std::string::npos) << tokens;
+  EXPECT_EQ(tokens.rfind("base_num_frames: ", 0), 0u) << tokens;
+
+  JobRequest many = long_video();  // 57 frames in chunks of 17 with overlap 9: 6 chunks
+  ServerLimits five_chunks;
+  five_chunks.max_chunks = 5;
+  EXPECT_NE(refused(many, five_chunks).find("6 chunks, over --max-chunks 5"), std::string::npos);
+
+  const auto job = ModelJob::create(many, tiny_model(), ServerLimits{}, 1);
+  // 6 chunks of 5 latent frames x (64/16) x (96/16) tokens, 4 rows each, 2 passes (guidance).
+  EXPECT_EQ(job->max_chunk_tokens(), 5 * 4 * 6);
+  EXPECT_EQ(job->total_work(), 6 * 120 * 4 * 2);
+  ServerLimits little_work;
+  little_work.max_job_work = job->total_work() - 1;
+  EXPECT_NE(refused(many, little_work).find("over --max-job-work " + std::to_string(job->total_work() - 1)),
+            std::string::npos);
+  little_work.max_job_work = job->total_work();
+  EXPECT_EQ(refused(many, little_work), "accepted");
+}
+
+TEST(WorkLimits, DefaultsComeFromTheDeviceMemoryAndTheModelUnderTheAttentionCeiling) {
+  ModelFootprint df14b;  // DF-14B in bf16 (docs/OPERATIONS.md section 3)
+  df14b.dim = 5120;
+  df14b.ffn_dim = 13824;
+  df14b.parameter_count = 14'290'000'000;
+  df14b.weight_bytes = df14b.activation_bytes = 2;
+  EXPECT_EQ(activation_bytes_per_token(df14b), 2 * 13824 * 2 + 4 * 5120 * 4);
+  EXPECT_EQ(default_max_chunk_tokens(df14b, 80'000'000'000ULL), kAttentionTokenCeiling) << "80 GB: room to spare";
+  const int64_t on_40gb = default_max_chunk_tokens(df14b, 40'000'000'000ULL);  // 32 - 28.6 - 1 GB left
+  EXPECT_LT(on_40gb, kAttentionTokenCeiling);
+  EXPECT_NEAR(static_cast<double>(on_40gb), (0.8 * 40e9 - 28.58e9 - 1e9) / 137216.0, 10.0);
+  EXPECT_EQ(default_max_chunk_tokens(df14b, 20'000'000'000ULL), 1024) << "weights do not fit: the floor";
+  EXPECT_EQ(default_max_chunk_tokens(df14b, 0), kAttentionTokenCeiling) << "unknown memory (CUDA): the ceiling";
+  EXPECT_EQ(default_max_job_work(131072, 100), 24LL * 131072 * 100 * 2);
+  EXPECT_GT(device_memory_bytes("cpu"), 0u);
+  EXPECT_EQ(device_memory_bytes("cuda:0"), 0u);
+}
+
+TEST(OutOfMemory, LibTorchsCpuAndCudaAllocatorErrorsAndBadAllocAreOutOfMemory) {
+  EXPECT_TRUE(is_out_of_memory(
+      c10::Error({"f", "file", 1}, "DefaultCPUAllocator: can't allocate memory: you tried to allocate 10 bytes")));
+  EXPECT_TRUE(is_out_of_memory(c10::Error({"f", "file", 1}, "CUDA out of memory. Tried to allocate 2.00 GiB")));
+  EXPECT_TRUE(is_out_of_memory(std::bad_alloc()));
+  EXPECT_FALSE(is_out_of_memory(c10::Error({"f", "file", 1}, "shape mismatch")));
+  EXPECT_FALSE(is_out_of_memory(std::runtime_error("CUDA out of memory")))
+      << "only LibTorch's own errors carry its allocator's message";
+  EXPECT_FALSE(is_out_of_memory(std::runtime_error("device lost")));
+}
+
+TEST(FaultRules, KindsAreErrorOomAndDead) {
+  const auto rules = parse_fault_rules("cpu:0@1:oom, cuda:0/1@2+:dead, cpu:1@3");
+  ASSERT_EQ(rules.size(), 3u);
+  EXPECT_EQ(rules[0].kind, FaultKind::OutOfMemory);
+  EXPECT_EQ(rules[1].replica, "cuda:0/1");
+  EXPECT_TRUE(rules[1].and_later);
+  EXPECT_EQ(rules[1].kind, FaultKind::Dead);
+  EXPECT_EQ(rules[2].kind, FaultKind::Error);
+  EXPECT_THROW(parse_fault_rules("cpu:0@1:melt"), std::invalid_argument);
+}
+
 TEST(Metrics, FreshExpositionHasEveryLabelValueAtZero) {
   Metrics metrics({"cpu:0", "cuda:1"}, "9.9.9");
   const std::string text = metrics.render();
   for (const char* sample :
        {"skyreels_jobs_rejected_total{reason=\"draining\"} 0", "skyreels_jobs_finished_total{outcome=\"cancelled\"} 0",
         "skyreels_replica_busy{replica=\"cuda:1\"} 0", "skyreels_build_info{version=\"9.9.9\"} 1",
-        "skyreels_chunk_duration_seconds_count{replica=\"cpu:0\"} 0"}) {
+        "skyreels_chunk_duration_seconds_count{replica=\"cpu:0\"} 0",
+        "skyreels_replica_recoveries_total{replica=\"cuda:1\"} 0", "skyreels_video_chunks_encoded_total 0",
+        "skyreels_video_jobs_pending 0"}) {
     EXPECT_NE(text.find(sample), std::string::npos) << sample;
   }
   ReplicaStatus replica;
