@@ -5,6 +5,7 @@
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <stdexcept>
@@ -18,6 +19,18 @@
 
 namespace skyreels::server {
 
+namespace {
+
+// A fresh directory only this process can have made (mkdtemp: random name, mode 0700), never a predictable path that
+// another local user could have created or linked first.
+std::string make_private_temp_dir(const std::string& prefix) {
+  std::string path = (std::filesystem::temp_directory_path() / (prefix + "-XXXXXX")).string();
+  if (::mkdtemp(path.data()) == nullptr) throw std::runtime_error("cannot create a temp directory for " + prefix);
+  return path;
+}
+
+}  // namespace
+
 TextEncoderFn load_text_encoder(const std::string& path, const std::string& tokenizer, const std::string& device,
                                 const std::string& dtype, int64_t text_dim) {
   model::TextEncoderOptions options;
@@ -29,7 +42,7 @@ TextEncoderFn load_text_encoder(const std::string& path, const std::string& toke
     if (tokenizer.empty()) {
       throw std::runtime_error("--text-encoder demo needs --tokenizer DIR (e.g. assets/demo/tokenizer)");
     }
-    demo_dir = (std::filesystem::temp_directory_path() / ("skyreels-demo-t5-" + std::to_string(::getpid()))).string();
+    demo_dir = make_private_temp_dir("skyreels-demo-t5");
     model::write_tiny_text_encoder(demo_dir, text_dim, 7);
     encoder_path = demo_dir;
   }
@@ -74,7 +87,7 @@ VideoEncoder::VideoEncoder(const std::string& vae_path, const std::string& devic
   std::string path = vae_path;
   std::string demo_dir;
   if (vae_path == "demo") {
-    demo_dir = (std::filesystem::temp_directory_path() / ("skyreels-demo-vae-" + std::to_string(::getpid()))).string();
+    demo_dir = make_private_temp_dir("skyreels-demo-vae");
     write_tiny_vae(demo_dir);
     path = demo_dir;
   }
