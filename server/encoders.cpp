@@ -83,7 +83,11 @@ struct VideoState {
 
 }  // namespace
 
-VideoEncoder::VideoEncoder(const std::string& vae_path, const std::string& device) {
+VideoEncoder::VideoEncoder(const std::string& vae_path, const std::string& device,
+                           const std::vector<FaultRule>& faults) {
+  for (const auto& rule : faults) {
+    if (rule.replica == kVideoEncoderFaultName) faults_.push_back(rule);
+  }
   std::string path = vae_path;
   std::string demo_dir;
   if (vae_path == "demo") {
@@ -156,6 +160,12 @@ bool VideoEncoder::wait_idle(Clock::time_point until) {
 }
 
 void VideoEncoder::encode(ModelJob& job, int64_t chunk) {
+  ++encodes_;
+  for (const auto& rule : faults_) {
+    if (encodes_ == rule.nth || (rule.and_later && encodes_ > rule.nth)) {
+      throw std::runtime_error("injected fault (--fault-inject vae@" + std::to_string(rule.nth) + ")");
+    }
+  }
   auto blob = job.chunk_result(chunk);
   if (!blob) throw std::logic_error("chunk latents missing");
   const F32View view = parse_f32_tensor(blob->bytes, "latents");

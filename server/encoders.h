@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "server/model_job.h"
+#include "server/replica.h"
 #include "server/scheduler.h"
 
 namespace skyreels::model {
@@ -28,10 +29,14 @@ TextEncoderFn load_text_encoder(const std::string& path, const std::string& toke
 // chunks) and encodes them into one fragmented MP4 per job: chunk 0's blob is the init segment plus its fragment,
 // later chunks' blobs are one fragment each, so the chunks joined in order are a playable MP4.
 // Hooked in as a SchedulerObserver (chunk_finished enqueues; the work happens on its own thread).
+// --fault-inject's name for the video encoder: "vae@N" makes the N-th chunk encode throw (tests).
+inline constexpr const char* kVideoEncoderFaultName = "vae";
+
 class VideoEncoder : public SchedulerObserver {
  public:
-  // `vae_path` "demo": a tiny random-weight VAE (for tests and the demo).
-  VideoEncoder(const std::string& vae_path, const std::string& device);
+  // `vae_path` "demo": a tiny random-weight VAE (for tests and the demo). Rules of `faults` named
+  // kVideoEncoderFaultName apply to the encodes (others are ignored).
+  VideoEncoder(const std::string& vae_path, const std::string& device, const std::vector<FaultRule>& faults = {});
   ~VideoEncoder() override;
   void chunk_finished(const JobSnapshot& job, const std::string& replica, int64_t chunk, double seconds,
                       int64_t frames) override;
@@ -51,6 +56,8 @@ class VideoEncoder : public SchedulerObserver {
   std::deque<Task> tasks_;
   bool busy_ = false;
   bool stopping_ = false;
+  std::vector<FaultRule> faults_;
+  int64_t encodes_ = 0;  // chunk encodes started, for faults_
   std::thread thread_;
 };
 

@@ -89,7 +89,8 @@ limits:
   --max-retained-jobs N       finished jobs kept at most, oldest dropped first (default 256)
 test hooks:
   --fault-inject SPEC         REPLICA@N[+],...: the N-th chunk run on REPLICA (e.g. cpu:1@2) throws after its first
-                              step ('+': and every later run); also $SKYREELS_FAULT_INJECT
+                              step ('+': and every later run); REPLICA "vae": the N-th chunk's MP4 encode throws;
+                              also $SKYREELS_FAULT_INJECT
   --step-delay-ms N           sleep N ms after every denoising step (slows the tiny model down for tests)
 other:
   --log-level LEVEL           trace, debug, info (default), warn, error
@@ -372,6 +373,7 @@ int serve(const Options& o, Signals& signals) {
     executors.push_back(std::make_unique<ModelReplica>(plan));
   }
   for (const auto& f : faults) {
+    if (f.replica == kVideoEncoderFaultName) continue;  // the VAE/MP4 worker's rules, given to VideoEncoder below
     if (std::find(names.begin(), names.end(), f.replica) == names.end()) {
       throw UsageError("--fault-inject: no replica named '" + f.replica + "'");
     }
@@ -383,7 +385,7 @@ int serve(const Options& o, Signals& signals) {
     text_encoder = load_text_encoder(o.text_encoder, o.tokenizer, plans.front().device, o.dtype, config.text_dim);
   }
   std::unique_ptr<VideoEncoder> video;
-  if (!o.vae.empty()) video = std::make_unique<VideoEncoder>(o.vae, plans.front().device);
+  if (!o.vae.empty()) video = std::make_unique<VideoEncoder>(o.vae, plans.front().device, faults);
   Metrics metrics(names, SKYREELS_VERSION);
   metrics.serve(o.metrics_listen);
   ObserverList observers;

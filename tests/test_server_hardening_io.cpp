@@ -649,6 +649,35 @@ TEST_F(IoServerTest, Item11_AnotherTimeoutUnderTheSameIdempotencyKeyIsAnotherReq
   EXPECT_EQ(conflict.error_code(), grpc::StatusCode::ALREADY_EXISTS) << conflict.error_message();
 }
 
+TEST(HardeningIo, Item11_AFailedMp4EndsGenerateWithInternalNotClientWentAway) {
+  ServerProcess server({"--demo", "--vae", "demo", "--devices", "cpu", "--fault-inject", "vae@1"});
+  pb::GenerateRequest generate;
+  *generate.mutable_job() = long_video_request(140, 1);
+  generate.mutable_job()->mutable_spec()->mutable_params()->set_height(64);
+  generate.mutable_job()->mutable_spec()->mutable_params()->set_width(64);
+  generate.set_format(pb::RESULT_FORMAT_MP4);
+  generate.set_skip_steps(true);
+  auto ctx = server.client().context(60);
+  auto reader = server.client().stub().Generate(ctx.get(), generate);
+  pb::GenerateResponse item;
+  std::string id;
+  while (reader->Read(&item)) {
+    if (item.has_event()) id = item.event().job_id();
+  }
+  const grpc::Status status = reader->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INTERNAL) << status.error_message();
+  EXPECT_NE(status.error_message().find("video encoding failed at chunk 0: injected fault"), std::string::npos)
+      << status.error_message();
+  EXPECT_EQ(status.error_message().find("client went away"), std::string::npos);
+  // DownloadResult says the same; the latents are still there.
+  ASSERT_FALSE(id.empty());
+  pb::DownloadResultRequest download;
+  download.set_job_id(id);
+  download.set_format(pb::RESULT_FORMAT_MP4);
+  const grpc::Status mp4 = server::download_chunks(server.client(), download, [](int32_t, int32_t, std::string) {});
+  EXPECT_EQ(mp4.error_code(), grpc::StatusCode::INTERNAL) << mp4.error_message();
+}
+
 TEST(HardeningIo, Item11_ShortApiKeysAreRefusedAtStart) {
   const std::string dir = temp_dir("short-keys");
   std::ofstream(dir + "/keys") << "only-twenty-chars-xx alice\n";
