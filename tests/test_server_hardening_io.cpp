@@ -712,5 +712,37 @@ TEST(HardeningIo, Item11_SighupReloadsTheApiKeyFile) {
   EXPECT_TRUE(server.running());
 }
 
+// The TLS key pair is re-read by gRPC's file watcher (every 10 s): a renewed certificate is served without a restart.
+TEST(HardeningIo, Item11_ARenewedTlsCertificateIsServedWithoutARestart) {
+  ASSERT_EQ(run_command("openssl version"), 0) << "openssl makes the test certificates";
+  const std::string dir = temp_dir("tls-reload");
+  auto make_cert = [&](const std::string& name) {
+    return run_command(
+        "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost -addext "
+        "subjectAltName=DNS:localhost,IP:127.0.0.1 -keyout " +
+        dir + "/" + name + ".key -out " + dir + "/" + name + ".pem 2>/dev/null");
+  };
+  ASSERT_EQ(make_cert("old"), 0);
+  ASSERT_EQ(make_cert("new"), 0);
+  ASSERT_EQ(run_command("cp " + dir + "/old.key " + dir + "/key.pem && cp " + dir + "/old.pem " + dir + "/cert.pem"),
+            0);
+  ServerProcess server({"--demo", "--devices", "cpu", "--tls-cert", dir + "/cert.pem", "--tls-key", dir + "/key.pem"},
+                       false);
+  auto client_trusting = [&](const std::string& ca) {
+    server::ConnectionOptions options;
+    options.server = server.address();
+    options.tls = true;
+    options.tls_ca = dir + "/" + ca + ".pem";
+    return std::make_unique<server::Client>(options);
+  };
+  std::string why;
+  ASSERT_TRUE(client_trusting("old")->wait_ready(60, &why)) << why << "\n" << server.log();
+  // Renew: the key first, then the certificate (as cert-manager and certbot write them).
+  ASSERT_EQ(run_command("cp " + dir + "/new.key " + dir + "/key.pem && cp " + dir + "/new.pem " + dir + "/cert.pem"),
+            0);
+  EXPECT_TRUE(client_trusting("new")->wait_ready(30, &why)) << "the new certificate was not served: " << why;
+  EXPECT_FALSE(client_trusting("old")->wait_ready(2, &why)) << "the old certificate is still served";
+}
+
 }  // namespace
 }  // namespace skyreels::test
