@@ -1,10 +1,14 @@
 // The server's small parts in isolation: replica planning, fault rules, API keys, addresses, result blobs, job
 // validation and planning, metrics exposition.
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <condition_variable>
 #include <fstream>
+#include <mutex>
 #include <random>
+#include <thread>
 
 #include "server/auth.h"
 #include "server/blob.h"
@@ -12,6 +16,8 @@
 #include "server/metrics.h"
 #include "server/model_job.h"
 #include "server/replica.h"
+#include "server/service.h"
+#include "skyreels/v1/video_service.grpc.pb.h"
 #include "tests/test_util.h"
 
 namespace skyreels::server {
@@ -398,6 +404,73 @@ TEST(Metrics, FreshExpositionHasEveryLabelValueAtZero) {
   EXPECT_NE(after.find("skyreels_replicas_ready 1"), std::string::npos);
   EXPECT_NE(after.find("skyreels_replica_busy{replica=\"cpu:0\"} 1"), std::string::npos);
   EXPECT_NE(after.find("skyreels_jobs_rejected_total{reason=\"queue_full\"} 1"), std::string::npos);
+}
+
+// ---- readiness follows whether unary calls are answered --------------------------------------------------------
+
+// A VideoService whose GetJob blocks until released: what a starved sync thread pool looks like from outside.
+class BlockingService final : public v1::VideoService::Service {
+ public:
+  grpc::Status GetJob(grpc::ServerContext*, const v1::GetJobRequest*, v1::Job*) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    ++blocked_;
+    cv_.notify_all();
+    cv_.wait(lock, [&] { return released_; });
+    return grpc::Status::OK;
+  }
+  grpc::Status GetServerInfo(grpc::ServerContext*, const v1::GetServerInfoRequest*, v1::ServerInfo*) override {
+    return grpc::Status::OK;
+  }
+  void wait_blocked(int n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, std::chrono::seconds(10), [&] { return blocked_ >= n; });
+  }
+  void release() {
+    std::lock_guard<std::mutex> lock(mu_);
+    released_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int blocked_ = 0;
+  bool released_ = false;
+};
+
+TEST(UnaryProbe, SaysNoWhileEveryServerThreadIsTakenAndYesAfterwards) {
+  BlockingService service;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  grpc::ResourceQuota quota("probe-test");
+  quota.SetMaxThreads(4);
+  builder.SetResourceQuota(quota);
+  auto server = builder.BuildAndStart();
+  ASSERT_TRUE(server);
+  UnaryProbe probe(*server, std::chrono::milliseconds(200));
+  EXPECT_TRUE(probe.answered());
+  // Occupy the pool with calls that do not return.
+  auto stub = v1::VideoService::NewStub(
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  std::vector<std::thread> callers;
+  for (int i = 0; i < 8; ++i) {
+    callers.emplace_back([&] {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+      v1::Job job;
+      stub->GetJob(&ctx, v1::GetJobRequest(), &job);
+    });
+  }
+  service.wait_blocked(1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the probe's period: it asks again
+  EXPECT_FALSE(probe.answered()) << "every thread is held: readiness must not say SERVING";
+  service.release();
+  for (auto& t : callers) t.join();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_TRUE(probe.answered());
+  server->Shutdown();
 }
 
 }  // namespace
