@@ -451,7 +451,7 @@ int serve(const Options& o, Signals& signals) {
   builder.SetMaxReceiveMessageSize(static_cast<int>(service_config.max_request_bytes));
   builder.SetMaxSendMessageSize(16 << 20);
   grpc::ResourceQuota quota("skyreels-server");
-  quota.SetMaxThreads(o.transport.max_threads());  // every open stream holds one; --max-streams leaves a reserve
+  quota.SetMaxThreads(o.transport.max_threads());  // streams never take the last 64 threads
   builder.SetResourceQuota(quota);
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
   interceptors.push_back(make_malformed_request_interceptor());

@@ -46,7 +46,8 @@ struct TransportLimits {
   int64_t max_jobs_per_client = 16;     // --max-jobs-per-client: unfinished jobs (API key line: max_jobs)
   int64_t max_concurrent_encodes = 2;   // --max-concurrent-encodes: text prompts encoded at once
   static constexpr int kUnaryThreadReserve = 64;  // server threads streams can never take
-  // The sync server's thread cap: every open stream holds a thread, unary calls keep the reserve.
+  // The sync server's thread cap: an open DownloadResult or Generate holds a thread (WatchJob, a callback stream, does
+  // not), so even --max-streams of them leave the reserve to unary calls and probes.
   int max_threads() const { return static_cast<int>(max_streams) + kUnaryThreadReserve; }
 };
 
