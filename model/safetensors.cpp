@@ -14,10 +14,10 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "model/safetensors_limits.h"
+
 namespace skyreels::safetensors {
 namespace {
-
-constexpr uint64_t kMaxHeaderBytes = 100ull << 20;  // the reference implementation's limit
 
 [[noreturn]] void fail(const std::string& path, const std::string& what) {
   throw FormatError("safetensors file '" + path + "': " + what);
@@ -167,6 +167,9 @@ void parse_header(const std::string& path, const std::string& text, uint64_t hea
                    std::to_string(file_size) + " bytes)");
   }
   const uint64_t data_size = file_size - 8 - header_len;
+  if (!json_nesting_within(text, kMaxJsonDepth)) {
+    fail(path, "header nests deeper than " + std::to_string(kMaxJsonDepth) + " levels (not a safetensors header)");
+  }
   nlohmann::json header;
   try {
     header = nlohmann::json::parse(text);
@@ -267,7 +270,10 @@ std::shared_ptr<File> File::open(const std::string& path) {
     fail(path, "header length " + std::to_string(header_len) + " is past the end of the file (" +
                    std::to_string(file->size_) + " bytes)");
   }
-  if (header_len > kMaxHeaderBytes) fail(path, "header length " + std::to_string(header_len) + " is too large");
+  if (header_len > kMaxFileHeaderBytes) {
+    fail(path, "header length " + std::to_string(header_len) + " is over the limit of " +
+                   std::to_string(kMaxFileHeaderBytes) + " bytes");
+  }
   const std::string text(reinterpret_cast<const char*>(bytes + 8), header_len);
   parse_header(path, text, header_len, file->size_, file->tensors_, file->metadata_);
   file->data_start_ = 8 + header_len;

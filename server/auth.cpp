@@ -1,6 +1,7 @@
 #include "server/auth.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <fstream>
 #include <sstream>
@@ -21,42 +22,84 @@ bool constant_time_equal(const std::string& a, const std::string& b) {
   return diff == 0;
 }
 
+// "name=value" with an integer value in [lo, hi] into *out; false when `word` is not "name=...".
+template <typename T>
+bool take_limit(const std::string& word, const std::string& name, int64_t lo, int64_t hi, std::optional<T>* out,
+                const std::string& where) {
+  if (word.rfind(name + "=", 0) != 0) return false;
+  const std::string value = word.substr(name.size() + 1);
+  try {
+    size_t used = 0;
+    const int64_t v = std::stoll(value, &used);
+    if (used == value.size() && v >= lo && v <= hi) {
+      *out = static_cast<T>(v);
+      return true;
+    }
+  } catch (const std::exception&) {
+  }
+  throw std::runtime_error(where + ": " + name + " must be an integer in [" + std::to_string(lo) + ", " +
+                           std::to_string(hi) + "], got '" + value + "'");
+}
+
 }  // namespace
 
-ApiKeys ApiKeys::load(const std::string& path) {
+std::shared_ptr<const ApiKeys::Table> ApiKeys::read(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw std::runtime_error("--api-keys: cannot read '" + path + "'");
-  ApiKeys keys;
+  auto table = std::make_shared<Table>();
   std::string line;
   int number = 0;
   while (std::getline(in, line)) {
     ++number;
+    const std::string where = "--api-keys: " + path + ":" + std::to_string(number);
     std::istringstream words(line);
-    std::string key, client, extra;
+    std::string key, word;
     if (!(words >> key) || key[0] == '#') continue;
-    words >> client;
-    if (words >> extra) {
-      throw std::runtime_error("--api-keys: " + path + ":" + std::to_string(number) +
-                               ": expected 'KEY [CLIENT_NAME]', found more words");
+    if (key.size() < kMinApiKeyLength) {
+      throw std::runtime_error(where + ": key is shorter than " + std::to_string(kMinApiKeyLength) + " characters");
     }
-    if (key.size() < 8) {
-      throw std::runtime_error("--api-keys: " + path + ":" + std::to_string(number) +
-                               ": key is shorter than 8 characters");
+    Entry entry{key, {}};
+    while (words >> word) {
+      ClientLimits& l = entry.client.limits;
+      if (take_limit(word, "max_priority", -10, 10, &l.max_priority, where) ||
+          take_limit(word, "max_jobs", 1, 1000000, &l.max_jobs, where) ||
+          take_limit(word, "max_streams", 1, 1000000, &l.max_streams, where)) {
+        continue;
+      }
+      if (!entry.client.name.empty() || word.find('=') != std::string::npos) {
+        throw std::runtime_error(where + ": expected 'KEY [CLIENT_NAME] [max_priority=N] [max_jobs=N] " +
+                                 "[max_streams=N]', found '" + word + "'");
+      }
+      entry.client.name = word;
     }
-    if (client.empty()) client = "client-" + std::to_string(number);
-    for (const auto& e : keys.entries_) {
-      if (e.key == key)
-        throw std::runtime_error("--api-keys: " + path + ":" + std::to_string(number) + ": duplicate key");
+    if (entry.client.name.empty()) entry.client.name = "client-" + std::to_string(number);
+    for (const auto& e : *table) {
+      if (e.key == key) throw std::runtime_error(where + ": duplicate key");
     }
-    keys.entries_.push_back({key, client});
+    table->push_back(std::move(entry));
   }
-  if (keys.entries_.empty()) throw std::runtime_error("--api-keys: '" + path + "' holds no key");
+  if (table->empty()) throw std::runtime_error("--api-keys: '" + path + "' holds no key");
+  return table;
+}
+
+ApiKeys ApiKeys::load(const std::string& path) {
+  ApiKeys keys;
+  keys.path_ = path;
+  keys.table_ = read(path);
   return keys;
 }
 
-std::optional<std::string> ApiKeys::identify(const std::string& key) const {
-  std::optional<std::string> found;
-  for (const auto& e : entries_) {  // no early exit: the time does not depend on which key matched
+void ApiKeys::reload() {
+  if (path_.empty()) return;
+  std::atomic_store(&table_, read(path_));
+}
+
+std::shared_ptr<const ApiKeys::Table> ApiKeys::table() const { return std::atomic_load(&table_); }
+
+std::optional<ClientIdentity> ApiKeys::identify(const std::string& key) const {
+  const auto entries = table();
+  std::optional<ClientIdentity> found;
+  for (const auto& e : *entries) {  // no early exit: the time does not depend on which key matched
     if (constant_time_equal(e.key, key) && !found) found = e.client;
   }
   return found;

@@ -1,29 +1,53 @@
-// API keys (--api-keys FILE). One key per line, optionally followed by whitespace and a client name; blank lines and
-// lines starting with '#' are ignored. A job belongs to the client whose key submitted it; other clients get
-// NOT_FOUND for it. Keys are compared in constant time.
+// API keys (--api-keys FILE). One key per line, optionally followed by a client name and per-client limits:
+//   KEY [CLIENT_NAME] [max_priority=N] [max_jobs=N] [max_streams=N]
+// Blank lines and lines starting with '#' are ignored; keys have at least kMinApiKeyLength characters. A job belongs
+// to the client whose key submitted it; other clients get NOT_FOUND for it. Keys are compared in constant time.
+// reload() (SIGHUP) swaps in the file's current content atomically; a broken file keeps the old keys.
 #pragma once
 
+#include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 namespace skyreels::server {
 
+inline constexpr size_t kMinApiKeyLength = 32;  // 32 random characters: not guessable online
+
+// Per-client caps from the key file; unset: the server-wide default (--max-jobs-per-client, ...).
+struct ClientLimits {
+  std::optional<int> max_priority;
+  std::optional<int64_t> max_jobs;
+  std::optional<int64_t> max_streams;
+};
+
+struct ClientIdentity {
+  std::string name;
+  ClientLimits limits;
+};
+
 class ApiKeys {
  public:
   ApiKeys() = default;                           // disabled: every call is anonymous and sees every job
   static ApiKeys load(const std::string& path);  // throws std::runtime_error naming the file and line
-  bool enabled() const { return !entries_.empty(); }
-  size_t size() const { return entries_.size(); }
-  // The client identity for a presented key; nullopt when the key is unknown.
-  std::optional<std::string> identify(const std::string& key) const;
+  // Reads the file again and replaces the keys (thread-safe); on error throws and keeps the current keys.
+  void reload();
+  bool enabled() const { return !table()->empty(); }
+  size_t size() const { return table()->size(); }
+  // The client for a presented key; nullopt when the key is unknown.
+  std::optional<ClientIdentity> identify(const std::string& key) const;
 
  private:
   struct Entry {
     std::string key;
-    std::string client;
+    ClientIdentity client;
   };
-  std::vector<Entry> entries_;
+  using Table = std::vector<Entry>;
+  static std::shared_ptr<const Table> read(const std::string& path);
+  std::shared_ptr<const Table> table() const;
+  std::string path_;
+  std::shared_ptr<const Table> table_ = std::make_shared<Table>();
 };
 
 // The key from request metadata values: "authorization: Bearer KEY" (scheme case-insensitive) or "x-api-key: KEY".

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <stdexcept>
@@ -19,6 +20,18 @@
 
 namespace skyreels::server {
 
+namespace {
+
+// A fresh directory only this process can have made (mkdtemp: random name, mode 0700), never a predictable path that
+// another local user could have created or linked first.
+std::string make_private_temp_dir(const std::string& prefix) {
+  std::string path = (std::filesystem::temp_directory_path() / (prefix + "-XXXXXX")).string();
+  if (::mkdtemp(path.data()) == nullptr) throw std::runtime_error("cannot create a temp directory for " + prefix);
+  return path;
+}
+
+}  // namespace
+
 TextEncoderFn load_text_encoder(const std::string& path, const std::string& tokenizer, const std::string& device,
                                 const std::string& dtype, int64_t text_dim) {
   model::TextEncoderOptions options;
@@ -30,7 +43,7 @@ TextEncoderFn load_text_encoder(const std::string& path, const std::string& toke
     if (tokenizer.empty()) {
       throw std::runtime_error("--text-encoder demo needs --tokenizer DIR (e.g. assets/demo/tokenizer)");
     }
-    demo_dir = (std::filesystem::temp_directory_path() / ("skyreels-demo-t5-" + std::to_string(::getpid()))).string();
+    demo_dir = make_private_temp_dir("skyreels-demo-t5");
     model::write_tiny_text_encoder(demo_dir, text_dim, 7);
     encoder_path = demo_dir;
   }
@@ -67,12 +80,16 @@ struct VideoEncoder::VideoState {
   std::string pending;  // bytes the writer emitted since the last chunk was stored
 };
 
-VideoEncoder::VideoEncoder(const std::string& vae_path, const std::string& device, Metrics* metrics, int64_t max_jobs)
+VideoEncoder::VideoEncoder(const std::string& vae_path, const std::string& device, Metrics* metrics, int64_t max_jobs,
+                           const std::vector<FaultRule>& faults)
     : metrics_(metrics), max_jobs_(max_jobs) {
+  for (const auto& rule : faults) {
+    if (rule.replica == kVideoEncoderFaultName) faults_.push_back(rule);
+  }
   std::string path = vae_path;
   std::string demo_dir;
   if (vae_path == "demo") {
-    demo_dir = (std::filesystem::temp_directory_path() / ("skyreels-demo-vae-" + std::to_string(::getpid()))).string();
+    demo_dir = make_private_temp_dir("skyreels-demo-vae");
     write_tiny_vae(demo_dir);
     path = demo_dir;
   }
@@ -216,6 +233,12 @@ bool VideoEncoder::wait_idle(Clock::time_point until) {
 }
 
 void VideoEncoder::encode(ModelJob& job, int64_t chunk, std::shared_ptr<VideoState>& state) {
+  ++encodes_;
+  for (const auto& rule : faults_) {
+    if (encodes_ == rule.nth || (rule.and_later && encodes_ > rule.nth)) {
+      throw std::runtime_error("injected fault (--fault-inject vae@" + std::to_string(rule.nth) + ")");
+    }
+  }
   auto blob = job.chunk_result(chunk);
   if (!blob) throw std::logic_error("chunk latents missing");
   const F32View view = parse_f32_tensor(blob->bytes, "latents");

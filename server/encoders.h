@@ -13,6 +13,7 @@
 
 #include "server/metrics.h"
 #include "server/model_job.h"
+#include "server/replica.h"
 #include "server/scheduler.h"
 
 namespace skyreels::model {
@@ -34,11 +35,15 @@ TextEncoderFn load_text_encoder(const std::string& path, const std::string& toke
 // MP4 download; from then on its chunks are decoded as they finish. The work list holds one entry per such job (not
 // one per chunk), so it is bounded by the jobs the scheduler keeps, and at most `max_jobs`. A job that ends without
 // succeeding (failed, cancelled, deadline) loses its entry and its decode cache at once.
+// --fault-inject's name for the video encoder: "vae@N" makes the N-th chunk encode throw (tests).
+inline constexpr const char* kVideoEncoderFaultName = "vae";
+
 class VideoEncoder : public SchedulerObserver {
  public:
-  // `vae_path` "demo": a tiny random-weight VAE (for tests and the demo). `metrics` may be null.
+  // `vae_path` "demo": a tiny random-weight VAE (for tests and the demo). `metrics` may be null. Rules of `faults`
+  // named kVideoEncoderFaultName apply to the encodes (others are ignored).
   VideoEncoder(const std::string& vae_path, const std::string& device, Metrics* metrics = nullptr,
-               int64_t max_jobs = 1024);
+               int64_t max_jobs = 1024, const std::vector<FaultRule>& faults = {});
   ~VideoEncoder() override;
   // Starts (or keeps) decoding this job's chunks: those done already and every later one. A job that ended without
   // succeeding gets a video error instead; so does one beyond `max_jobs` pending jobs.
@@ -74,6 +79,8 @@ class VideoEncoder : public SchedulerObserver {
   const JobPayload* last_served_ = nullptr;
   bool busy_ = false;
   bool stopping_ = false;
+  std::vector<FaultRule> faults_;
+  int64_t encodes_ = 0;  // chunk encodes started, for faults_
   std::thread thread_;
 };
 

@@ -10,6 +10,9 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/impl/service_type.h>
+#include <grpcpp/security/tls_certificate_provider.h>
+#include <grpcpp/security/tls_credentials_options.h>
+#include <grpcpp/support/server_interceptor.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
@@ -21,6 +24,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <mutex>
@@ -68,9 +72,16 @@ network:
   --listen HOST:PORT          gRPC (default 0.0.0.0:50051)
   --metrics-listen HOST:PORT  Prometheus /metrics (default 0.0.0.0:9090)
   --tls-cert FILE --tls-key FILE   serve TLS (both or neither)
-  --api-keys FILE             require a key per call: lines 'KEY [CLIENT_NAME]'; each client sees only its own jobs
+  --api-keys FILE             require a key per call: lines 'KEY [CLIENT_NAME] [max_priority=N] [max_jobs=N]
+                              [max_streams=N]' (keys >= 32 characters); each client sees only its own jobs;
+                              SIGHUP reloads the file (TLS certificate and key: re-read every 10 s)
 limits:
   --max-queue N               jobs admitted and not finished (default 64); more: RESOURCE_EXHAUSTED + retry-after-ms
+  --max-jobs-per-client N     of those, per client (API key, else peer address) (default 16); more: the same
+  --max-streams N             open WatchJob/DownloadResult/Generate streams in total (default 256); more:
+                              RESOURCE_EXHAUSTED for the new stream
+  --max-streams-per-client N  the same per client (default 16)
+  --max-concurrent-encodes N  text prompts encoded at once (default 2); more: RESOURCE_EXHAUSTED + retry-after-ms
   --max-frames N              (default 1457)     --max-steps N (default 100)
   --max-height N              (default 1280)     --max-width N (default 1280)
   --max-chunk-tokens N        transformer tokens of one chunk (default: derived from the model and the device
@@ -92,8 +103,8 @@ limits:
 test hooks:
   --fault-inject SPEC         REPLICA@N[+][:KIND],...: the N-th chunk run on REPLICA (e.g. cpu:1@2) fails after its
                               first step ('+': and every later run); KIND error (default), oom (an out-of-memory
-                              error: the job fails RESOURCE_EXHAUSTED) or dead (re-tests fail too); also
-                              $SKYREELS_FAULT_INJECT
+                              error: the job fails RESOURCE_EXHAUSTED) or dead (re-tests fail too); REPLICA "vae":
+                              the N-th chunk's MP4 encode throws; also $SKYREELS_FAULT_INJECT
   --step-delay-ms N           sleep N ms after every denoising step (slows the tiny model down for tests)
   --block-delay-ms N          sleep N ms at every stop check, i.e. after every transformer block and before every
                               step (a long forward, for tests)
@@ -127,6 +138,7 @@ struct Options {
   std::string fault_inject;
   int64_t step_delay_ms = 0;
   std::string log_level = "info";
+  TransportLimits transport;
 };
 
 // After the drain ends, how long running chunks get to stop (they check after every transformer block).
@@ -187,7 +199,11 @@ Options parse(int argc, char** argv) {
                                          {"--max-chunk-tokens", {&o.max_chunk_tokens, 1, int64_t{1} << 40}},
                                          {"--max-job-work", {&o.max_job_work, 1, int64_t{1} << 60}},
                                          {"--max-chunks", {&o.max_chunks, 1, 100000}},
-                                         {"--liveness-grace-seconds", {&o.liveness_grace_seconds, 1, 86400 * 7}}};
+                                         {"--liveness-grace-seconds", {&o.liveness_grace_seconds, 1, 86400 * 7}},
+                                         {"--max-jobs-per-client", {&o.transport.max_jobs_per_client, 1, 1000000}},
+                                         {"--max-streams", {&o.transport.max_streams, 1, 100000}},
+                                         {"--max-streams-per-client", {&o.transport.max_streams_per_client, 1, 100000}},
+                                         {"--max-concurrent-encodes", {&o.transport.max_concurrent_encodes, 1, 1024}}};
   std::map<std::string, double*> doubles = {{"--handoff-cost-seconds", &o.handoff_cost_seconds},
                                             {"--replica-retest-seconds", &o.replica_retest_seconds},
                                             {"--replica-retest-max-seconds", &o.replica_retest_max_seconds}};
@@ -243,13 +259,50 @@ std::string read_file(const std::string& path, const std::string& flag) {
   return os.str();
 }
 
-// SIGTERM / SIGINT, counted.
+// SIGTERM / SIGINT, counted; SIGHUP calls on_reload (re-reads the API key file).
 struct Signals {
   std::mutex mu;
   std::condition_variable cv;
   int count = 0;
   int last = 0;
+  std::function<void()> on_reload;  // set under mu
 };
+
+// The TLS certificate and key are re-read by gRPC's file watcher (a renewed certificate is served without a restart);
+// both files are read once here first so that a wrong path fails the start.
+constexpr unsigned kTlsRefreshSeconds = 10;
+
+std::shared_ptr<grpc::ServerCredentials> tls_credentials(const Options& o) {
+  read_file(o.tls_key, "--tls-key");
+  read_file(o.tls_cert, "--tls-cert");
+  auto provider =
+      std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(o.tls_key, o.tls_cert, kTlsRefreshSeconds);
+  grpc::experimental::TlsServerCredentialsOptions options(provider);
+  options.watch_identity_key_cert_pairs();
+  options.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  return grpc::experimental::TlsServerCredentials(options);
+}
+
+bool is_loopback(const std::string& listen) {
+  const std::string host = split_host_port(listen, "--listen").first;
+  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+}
+
+// Configurations that work but expose more than an operator may think.
+void warn_about_exposure(const Options& o) {
+  if (o.api_keys.empty() && !is_loopback(o.listen)) {
+    spdlog::warn(
+        "event=insecure_config listen={} problem=\"no --api-keys: any client that reaches this address can "
+        "submit, watch, cancel and download every job\"",
+        o.listen);
+  }
+  if (!o.api_keys.empty() && o.tls_cert.empty()) {
+    spdlog::warn(
+        "event=insecure_config listen={} problem=\"--api-keys without --tls-cert: keys travel in plaintext; "
+        "terminate TLS in front of this port or pass --tls-cert/--tls-key\"",
+        o.listen);
+  }
+}
 
 // A handler, not a blocked mask and sigwait: libraries start threads before main (LibTorch 2.x, OpenMP), and a
 // process signal may land on any thread that does not block it. The handler only writes the signal number into a
@@ -263,6 +316,21 @@ extern "C" void on_shutdown_signal(int sig) {
   errno = saved_errno;
 }
 
+void reload(Signals& signals) {
+  std::function<void()> on_reload;
+  {
+    std::lock_guard<std::mutex> lock(signals.mu);
+    on_reload = signals.on_reload;
+  }
+  if (!on_reload) return;
+  try {
+    on_reload();
+    spdlog::info("event=reloaded signal=SIGHUP");
+  } catch (const std::exception& e) {
+    spdlog::error("event=reload_failed error=\"{}\" (the previous keys stay in use)", e.what());
+  }
+}
+
 void watch_signals(Signals& signals) {
   if (::pipe2(g_signal_pipe, O_CLOEXEC) != 0) throw std::runtime_error("cannot create the signal pipe");
   struct sigaction action {};
@@ -271,6 +339,7 @@ void watch_signals(Signals& signals) {
   action.sa_flags = SA_RESTART;
   ::sigaction(SIGTERM, &action, nullptr);
   ::sigaction(SIGINT, &action, nullptr);
+  ::sigaction(SIGHUP, &action, nullptr);
   std::signal(SIGPIPE, SIG_IGN);
   std::thread([&signals] {
     while (true) {
@@ -278,6 +347,10 @@ void watch_signals(Signals& signals) {
       const ssize_t n = ::read(g_signal_pipe[0], &byte, 1);
       if (n < 0 && errno == EINTR) continue;
       if (n != 1) return;
+      if (byte == SIGHUP) {
+        reload(signals);
+        continue;
+      }
       {
         std::lock_guard<std::mutex> lock(signals.mu);
         ++signals.count;
@@ -373,6 +446,7 @@ int serve(const Options& o, Signals& signals) {
     executors.push_back(std::make_unique<ModelReplica>(plan));
   }
   for (const auto& f : faults) {
+    if (f.replica == kVideoEncoderFaultName) continue;  // the VAE/MP4 worker's rules, given to VideoEncoder below
     if (std::find(names.begin(), names.end(), f.replica) == names.end()) {
       throw UsageError("--fault-inject: no replica named '" + f.replica + "'");
     }
@@ -386,7 +460,8 @@ int serve(const Options& o, Signals& signals) {
   Metrics metrics(names, SKYREELS_VERSION);
   std::unique_ptr<VideoEncoder> video;
   if (!o.vae.empty()) {
-    video = std::make_unique<VideoEncoder>(o.vae, o.vae_device.empty() ? plans.front().device : o.vae_device, &metrics);
+    video = std::make_unique<VideoEncoder>(o.vae, o.vae_device.empty() ? plans.front().device : o.vae_device, &metrics,
+                                           1024, faults);
   }
   metrics.serve(o.metrics_listen);
   ObserverList observers;
@@ -394,6 +469,7 @@ int serve(const Options& o, Signals& signals) {
   if (video) observers.add(video.get());
   SchedulerOptions scheduling;
   scheduling.max_jobs = o.max_queue;
+  scheduling.max_jobs_per_client = o.transport.max_jobs_per_client;
   scheduling.chunk_retries = o.chunk_retries;
   scheduling.replica_failure_limit = o.replica_failure_limit;
   scheduling.handoff_cost_seconds = o.handoff_cost_seconds;
@@ -411,6 +487,7 @@ int serve(const Options& o, Signals& signals) {
     keys = ApiKeys::load(o.api_keys);
     spdlog::info("event=api_keys_loaded count={}", keys.size());
   }
+  warn_about_exposure(o);
   ServiceConfig service_config;
   service_config.version = SKYREELS_VERSION;
   service_config.limits.max_frames = o.max_frames;
@@ -443,16 +520,13 @@ int serve(const Options& o, Signals& signals) {
   if (video) service_config.vae = video->vae();  // image / video conditioning
   if (video) service_config.want_video = [&video](const JobSnapshot& job) { video->want(job); };
   service_config.metrics = &metrics;
+  service_config.transport = o.transport;
   auto service = make_video_service(scheduler, service_config);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
-  if (!o.tls_cert.empty()) {
-    grpc::SslServerCredentialsOptions ssl;
-    ssl.pem_key_cert_pairs.push_back({read_file(o.tls_key, "--tls-key"), read_file(o.tls_cert, "--tls-cert")});
-    credentials = grpc::SslServerCredentials(ssl);
-  }
+  if (!o.tls_cert.empty()) credentials = tls_credentials(o);
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(o.listen, credentials, &port);
@@ -460,8 +534,11 @@ int serve(const Options& o, Signals& signals) {
   builder.SetMaxReceiveMessageSize(static_cast<int>(service_config.max_request_bytes));
   builder.SetMaxSendMessageSize(16 << 20);
   grpc::ResourceQuota quota("skyreels-server");
-  quota.SetMaxThreads(512);  // every open Watch/Download/Generate stream holds one
+  quota.SetMaxThreads(o.transport.max_threads());  // streams never take the last 64 threads
   builder.SetResourceQuota(quota);
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(make_malformed_request_interceptor());
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 30000);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10000);
@@ -475,7 +552,15 @@ int serve(const Options& o, Signals& signals) {
   spdlog::info("event=listening address={} port={} tls={} api_keys={} replicas={} version={}", o.listen, port,
                !o.tls_cert.empty(), keys.enabled(), names.size(), SKYREELS_VERSION);
 
-  // ---- serve until a signal; readiness follows the scheduler ----
+  // ---- serve until a signal; readiness follows the scheduler and whether unary calls are answered ----
+  UnaryProbe unary(*server);
+  {
+    std::lock_guard<std::mutex> lock(signals.mu);
+    signals.on_reload = [&keys] {
+      keys.reload();
+      spdlog::info("event=api_keys_loaded count={}", keys.size());
+    };
+  }
   bool ready = false;
   while (signal_count(signals) == 0) {
     if (!demo_dir.path.empty() && scheduler.all_loaded()) {
@@ -484,7 +569,7 @@ int serve(const Options& o, Signals& signals) {
       std::filesystem::remove_all(demo_dir.path, ec);
       demo_dir.path.clear();
     }
-    const bool now_ready = scheduler.ready();
+    const bool now_ready = scheduler.ready() && unary.answered();
     if (now_ready != ready) {
       health->SetServingStatus("", now_ready);
       spdlog::info("event=readiness serving={}", now_ready);
@@ -530,6 +615,10 @@ int serve(const Options& o, Signals& signals) {
     // MP4s trail the latents by one VAE decode; then let clients that follow a job fetch its result.
     if (video) video->wait_idle(drain_deadline);
     wait_for(signals, 2, std::chrono::milliseconds(1500));
+  }
+  {
+    std::lock_guard<std::mutex> lock(signals.mu);
+    signals.on_reload = nullptr;  // `keys` goes out of scope with this function
   }
   spdlog::info("event=shutdown");
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));

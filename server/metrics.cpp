@@ -11,11 +11,12 @@
 #include <prometheus/text_serializer.h>
 #include <spdlog/spdlog.h>
 #include <sys/socket.h>
-#include <sys/time.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
+#include <functional>
 #include <stdexcept>
 
 namespace skyreels::server {
@@ -69,7 +70,8 @@ Metrics::Metrics(const std::vector<std::string>& replica_names, const std::strin
     finished_[o] = &finished.Add({{"outcome", o}});
   auto& rejected =
       BuildCounter().Name("skyreels_jobs_rejected_total").Help("Submissions refused, by reason").Register(r);
-  for (const char* reason : {kRejectInvalidArgument, kRejectQueueFull, kRejectUnauthenticated, kRejectDraining}) {
+  for (const char* reason : {kRejectInvalidArgument, kRejectQueueFull, kRejectUnauthenticated, kRejectDraining,
+                             kRejectClientLimit, kRejectEncoderBusy}) {
     rejected_[reason] = &rejected.Add({{"reason", reason}});
   }
   running_ =
@@ -121,6 +123,23 @@ Metrics::Metrics(const std::vector<std::string>& replica_names, const std::strin
                      .Help("Jobs whose MP4 is wanted and not complete")
                      .Register(r)
                      .Add({});
+  streams_open_ = &BuildGauge()
+                       .Name("skyreels_streams_open")
+                       .Help("Open WatchJob, DownloadResult and Generate streams")
+                       .Register(r)
+                       .Add({});
+  auto& streams_rejected = BuildCounter()
+                               .Name("skyreels_streams_rejected_total")
+                               .Help("Streams refused with RESOURCE_EXHAUSTED, by cap")
+                               .Register(r);
+  for (const char* reason : {kStreamRejectTotal, kStreamRejectPerClient}) {
+    streams_rejected_[reason] = &streams_rejected.Add({{"reason", reason}});
+  }
+  text_encode_seconds_ = &BuildHistogram()
+                              .Name("skyreels_text_encode_seconds")
+                              .Help("Text prompt encodes (UMT5), in the submitting call")
+                              .Register(r)
+                              .Add({}, kStep);
   BuildGauge().Name("skyreels_build_info").Help("Build information").Register(r).Add({{"version", version}}).Set(1);
 }
 
@@ -134,6 +153,15 @@ std::string Metrics::render() const {
 void Metrics::rejected(const std::string& reason) {
   auto it = rejected_.find(reason);
   if (it != rejected_.end()) it->second->Increment();
+}
+
+void Metrics::set_streams_open(int64_t open) { streams_open_->Set(static_cast<double>(open)); }
+
+void Metrics::text_encoded(double seconds) { text_encode_seconds_->Observe(seconds); }
+
+void Metrics::stream_rejected(const std::string& reason) {
+  auto it = streams_rejected_.find(reason);
+  if (it != streams_rejected_.end()) it->second->Increment();
 }
 
 void Metrics::job_submitted(const JobSnapshot&) { submitted_->Increment(); }
@@ -224,54 +252,99 @@ void Metrics::serve(const std::string& host_port) {
 
 void Metrics::stop() {
   stopping_ = true;
-  if (thread_.joinable()) thread_.join();
+  if (thread_.joinable()) thread_.join();  // the loop closes every client connection on its way out
   if (listen_fd_ >= 0) ::close(listen_fd_);
   listen_fd_ = -1;
 }
 
-void Metrics::accept_loop() {
-  while (!stopping_) {
-    pollfd p{listen_fd_, POLLIN, 0};
-    if (::poll(&p, 1, 100) <= 0) continue;
-    const int connection = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (connection < 0) continue;
-    handle(connection);  // one scrape at a time: scrapes are rare and cheap
-    ::close(connection);
-  }
-}
+namespace {
 
-void Metrics::handle(int connection) const {
-  timeval timeout{2, 0};
-  ::setsockopt(connection, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
-  ::setsockopt(connection, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
+using MonoClock = std::chrono::steady_clock;
+
+// One scrape connection: the request read so far, then the response left to send; closed at its deadline whatever
+// the client does (a client sending one byte a second cannot hold it).
+struct ScrapeConnection {
+  int fd = -1;
+  MonoClock::time_point deadline;
   std::string request;
-  char buffer[2048];
-  while (request.find("\r\n\r\n") == std::string::npos && request.size() < 16384) {
-    const ssize_t n = ::recv(connection, buffer, sizeof buffer, 0);
-    if (n <= 0) break;
-    request.append(buffer, static_cast<size_t>(n));
-  }
-  const std::string line = request.substr(0, request.find("\r\n"));
+  std::string response;
+  size_t sent = 0;
+  bool responding = false;
+};
+
+std::string http_response(const std::string& request_line, const std::function<std::string()>& render) {
   std::string status = "404 Not Found";
   std::string body = "not found: only GET /metrics is served here\n";
   std::string type = "text/plain; charset=utf-8";
-  if (line.rfind("GET /metrics ", 0) == 0 || line.rfind("GET /metrics?", 0) == 0) {
+  if (request_line.rfind("GET /metrics ", 0) == 0 || request_line.rfind("GET /metrics?", 0) == 0) {
     status = "200 OK";
     body = render();
     type = "text/plain; version=0.0.4; charset=utf-8";
-  } else if (line.rfind("GET ", 0) != 0) {
+  } else if (request_line.rfind("GET ", 0) != 0) {
     status = "405 Method Not Allowed";
     body = "only GET\n";
   }
-  const std::string response = "HTTP/1.1 " + status + "\r\nContent-Type: " + type +
-                               "\r\nContent-Length: " + std::to_string(body.size()) + "\r\nConnection: close\r\n\r\n" +
-                               body;
-  size_t sent = 0;
-  while (sent < response.size()) {
-    const ssize_t n = ::send(connection, response.data() + sent, response.size() - sent, MSG_NOSIGNAL);
-    if (n <= 0) break;
-    sent += static_cast<size_t>(n);
+  return "HTTP/1.1 " + status + "\r\nContent-Type: " + type + "\r\nContent-Length: " + std::to_string(body.size()) +
+         "\r\nConnection: close\r\n\r\n" + body;
+}
+
+// Reads what is there; true when the connection should stay open.
+bool read_request(ScrapeConnection& c, const std::function<std::string()>& render) {
+  char buffer[2048];
+  const ssize_t n = ::recv(c.fd, buffer, sizeof buffer, MSG_DONTWAIT);
+  if (n == 0) return false;
+  if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+  c.request.append(buffer, static_cast<size_t>(n));
+  const bool complete = c.request.find("\r\n\r\n") != std::string::npos;
+  if (!complete && c.request.size() < kMaxScrapeRequestBytes) return true;
+  c.response = http_response(c.request.substr(0, c.request.find("\r\n")), render);
+  c.responding = true;
+  return true;
+}
+
+// Sends what the socket takes; true while there is more to send.
+bool write_response(ScrapeConnection& c) {
+  const ssize_t n = ::send(c.fd, c.response.data() + c.sent, c.response.size() - c.sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+  if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+  c.sent += static_cast<size_t>(n);
+  return c.sent < c.response.size();
+}
+
+}  // namespace
+
+// One thread, many connections: poll() over the listener and every open scrape, each with its own total deadline.
+// Scrapes never wait for each other, and at most kMaxScrapeConnections are open (further ones are closed at once).
+void Metrics::accept_loop() {
+  std::vector<ScrapeConnection> open;
+  const std::function<std::string()> render_fn = [this] { return render(); };
+  auto close_at = [&](size_t i) {
+    ::close(open[i].fd);
+    open.erase(open.begin() + static_cast<std::ptrdiff_t>(i));
+  };
+  while (!stopping_) {
+    std::vector<pollfd> fds{{listen_fd_, POLLIN, 0}};
+    for (const auto& c : open) fds.push_back({c.fd, static_cast<short>(c.responding ? POLLOUT : POLLIN), 0});
+    if (::poll(fds.data(), fds.size(), 100) < 0 && errno != EINTR) break;
+    const auto now = MonoClock::now();
+    for (size_t i = open.size(); i-- > 0;) {
+      ScrapeConnection& c = open[i];
+      const short revents = fds[i + 1].revents;
+      bool keep = now < c.deadline;
+      if (keep && (revents & (POLLERR | POLLHUP | POLLNVAL)) && !(revents & POLLIN)) keep = false;
+      if (keep && !c.responding && (revents & POLLIN)) keep = read_request(c, render_fn);
+      if (keep && c.responding && (revents & POLLOUT)) keep = write_response(c);
+      if (!keep) close_at(i);
+    }
+    if (fds[0].revents & POLLIN) {
+      const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd >= 0 && open.size() >= kMaxScrapeConnections) {
+        ::close(fd);  // a scraper retries; a flood does not grow this list
+      } else if (fd >= 0) {
+        open.push_back({fd, now + kScrapeDeadline, {}, {}, 0, false});
+      }
+    }
   }
+  for (size_t i = open.size(); i-- > 0;) close_at(i);
 }
 
 }  // namespace skyreels::server

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -29,6 +30,17 @@ inline constexpr const char* kRejectInvalidArgument = "invalid_argument";
 inline constexpr const char* kRejectQueueFull = "queue_full";
 inline constexpr const char* kRejectUnauthenticated = "unauthenticated";
 inline constexpr const char* kRejectDraining = "draining";
+inline constexpr const char* kRejectClientLimit = "client_limit";  // per-client job cap or max_priority
+inline constexpr const char* kRejectEncoderBusy = "encoder_busy";  // --max-concurrent-encodes reached
+// Reasons of skyreels_streams_rejected_total.
+inline constexpr const char* kStreamRejectTotal = "total";
+inline constexpr const char* kStreamRejectPerClient = "per_client";
+
+// The /metrics listener's bounds: every connection is closed this long after it was accepted, whatever the client
+// sends; at most this many are open at once; a request (line and headers) may be this long.
+inline constexpr std::chrono::seconds kScrapeDeadline{5};
+inline constexpr size_t kMaxScrapeConnections = 64;
+inline constexpr size_t kMaxScrapeRequestBytes = 16384;
 
 class Metrics : public SchedulerObserver {
  public:
@@ -42,6 +54,9 @@ class Metrics : public SchedulerObserver {
   std::string render() const;
 
   void rejected(const std::string& reason);
+  void set_streams_open(int64_t open);
+  void text_encoded(double seconds);
+  void stream_rejected(const std::string& reason);
 
   // SchedulerObserver
   void job_submitted(const JobSnapshot&) override;
@@ -62,7 +77,6 @@ class Metrics : public SchedulerObserver {
 
  private:
   void accept_loop();
-  void handle(int connection) const;
 
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Counter* submitted_;
@@ -82,6 +96,9 @@ class Metrics : public SchedulerObserver {
   std::map<std::string, prometheus::Counter*> recoveries_;
   prometheus::Counter* video_chunks_;
   prometheus::Gauge* video_jobs_;
+  prometheus::Gauge* streams_open_;
+  prometheus::Histogram* text_encode_seconds_;
+  std::map<std::string, prometheus::Counter*> streams_rejected_;
   std::mutex ready_mu_;
   std::map<std::string, bool> ready_;
 

@@ -14,6 +14,7 @@
 #include "model/pixel_conditioning.h"
 #include "model/safetensors.h"
 #include "model/vae_wan.h"
+#include "model/safetensors_limits.h"
 #include "server/blob.h"
 
 namespace skyreels::server {
@@ -105,6 +106,9 @@ model::GenerationParams resolve_params(const JobRequest& r, const ServerLimits& 
   if (static_cast<int64_t>(r.disable_corrector.size()) > p.num_inference_steps) {
     invalid("scheduler.disable_corrector: more entries than num_inference_steps");
   }
+  for (int64_t step : r.disable_corrector) {
+    check_range("scheduler.disable_corrector", step, 0, p.num_inference_steps - 1, "a step index");
+  }
   sc.disable_corrector = r.disable_corrector;
   check_range("scheduler.num_train_timesteps", sc.num_train_timesteps, 1, 100000);
   try {
@@ -172,6 +176,11 @@ void parse_embeddings_file(const std::string& bytes, std::optional<RawTensor>& p
   if (header_len > bytes.size() - 8) {
     invalid(field + ": header length " + std::to_string(header_len) + " is past the end (" +
             std::to_string(bytes.size()) + " bytes)");
+  }
+  // Checked before the header is copied or parsed: a huge nested header costs seconds and gigabytes to parse.
+  if (header_len > safetensors::kMaxBlobHeaderBytes) {
+    invalid(field + ": header of " + std::to_string(header_len) + " bytes is over the limit of " +
+            std::to_string(safetensors::kMaxBlobHeaderBytes) + " bytes");
   }
   std::vector<safetensors::TensorInfo> infos;
   std::map<std::string, std::string> metadata;

@@ -67,6 +67,10 @@ struct Scheduler::Job {
   int64_t rows_total = 0;
   int64_t rows_before_chunk = 0;  // rows of the chunks already done
   int64_t rows_in_chunk = 0;      // rows done in the running chunk
+  // Woken on each of this job's events and when it is dropped; shared so that a waiter keeps it alive if the job is
+  // garbage-collected while it waits.
+  std::shared_ptr<std::condition_variable> watchers = std::make_shared<std::condition_variable>();
+  std::map<uint64_t, std::function<void()>> listeners;  // subscribe(): watchers that hold no thread
 
   int64_t fair_key() const { return vbase + chunks_done; }
   bool active() const { return !is_terminal(state); }
@@ -615,7 +619,12 @@ void Scheduler::push_event_locked(Job& job, JobEvent event) {
   event.sequence = job.events.size() + 1;
   event.time = WallClock::now();
   job.events.push_back(std::move(event));
-  changed_.notify_all();
+  wake_watchers_locked(job);
+}
+
+void Scheduler::wake_watchers_locked(Job& job) {
+  job.watchers->notify_all();
+  for (const auto& [token, notify] : job.listeners) notify();
 }
 
 void Scheduler::update_positions_locked(Clock::time_point now) {
@@ -684,6 +693,7 @@ void Scheduler::gc_locked() {
     const bool expired = now - *job->finished_mono > options_.retention;
     if (static_cast<int64_t>(i) >= excess && !expired) continue;
     if (!job->spec.idempotency_key.empty()) idempotency_.erase({job->spec.owner, job->spec.idempotency_key});
+    wake_watchers_locked(*job);  // they find the job gone
     jobs_.erase(job->id);
   }
 }
@@ -741,6 +751,50 @@ Scheduler::Job* Scheduler::find_locked(const std::string& id, const std::string&
   return it->second.get();
 }
 
+void Scheduler::check_admission(const JobSpec& spec) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!spec.idempotency_key.empty() && !draining_ && idempotency_.count({spec.owner, spec.idempotency_key})) return;
+  check_admission_locked(spec.client, spec.client_max_jobs);
+}
+
+void Scheduler::check_admission_locked(const std::string& client, int64_t client_max_jobs) const {
+  if (draining_ || stopping_) {
+    throw AdmissionError(AdmissionError::Reason::Draining, "server is draining: no new jobs are accepted");
+  }
+  const bool all_done = std::all_of(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->load_done; });
+  const bool any_healthy = std::any_of(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->healthy; });
+  if (all_done && !any_healthy) {
+    throw AdmissionError(AdmissionError::Reason::Unavailable, "no healthy replica");
+  }
+  int64_t active = 0, mine = 0;
+  double work = 0;  // of the chunks next in line, for the retry hint
+  for (const auto& [id, job] : jobs_) {
+    if (!job->active()) continue;
+    ++active;
+    if (job->spec.client == client) ++mine;
+    work += job->spec.chunk_work[static_cast<size_t>(job->chunks_done)];
+  }
+  // Hint: about when the next job should end (each healthy replica ends roughly one chunk per estimate).
+  auto retry_after = [&] {
+    if (seconds_per_work_ <= 0) return 1.0;
+    const auto healthy = std::count_if(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->healthy; });
+    return std::max(1.0, estimate_seconds_locked(work) / static_cast<double>(std::max<int64_t>(1, healthy)));
+  };
+  if (active >= options_.max_jobs) {
+    throw AdmissionError(AdmissionError::Reason::QueueFull,
+                         "queue full: " + std::to_string(active) + " jobs admitted (--max-queue " +
+                             std::to_string(options_.max_jobs) + ")",
+                         retry_after());
+  }
+  const int64_t cap = client_max_jobs > 0 ? client_max_jobs : options_.max_jobs_per_client;
+  if (cap > 0 && mine >= cap) {
+    throw AdmissionError(AdmissionError::Reason::ClientQueueFull,
+                         "client queue full: this client has " + std::to_string(mine) +
+                             " unfinished jobs (per-client cap " + std::to_string(cap) + ")",
+                         retry_after());
+  }
+}
+
 SubmitResult Scheduler::submit(JobSpec spec) {
   if (spec.chunk_work.empty()) throw std::invalid_argument("scheduler: a job needs at least one chunk");
   if (!spec.chunk_rows.empty() && spec.chunk_rows.size() != spec.chunk_work.size()) {
@@ -749,11 +803,6 @@ SubmitResult Scheduler::submit(JobSpec spec) {
   std::lock_guard<std::mutex> lock(mu_);
   if (draining_ || stopping_) {
     throw AdmissionError(AdmissionError::Reason::Draining, "server is draining: no new jobs are accepted");
-  }
-  const bool all_done = std::all_of(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->load_done; });
-  const bool any_healthy = std::any_of(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->healthy; });
-  if (all_done && !any_healthy) {
-    throw AdmissionError(AdmissionError::Reason::Unavailable, "no healthy replica");
   }
   if (!spec.idempotency_key.empty()) {
     auto it = idempotency_.find({spec.owner, spec.idempotency_key});
@@ -768,23 +817,7 @@ SubmitResult Scheduler::submit(JobSpec spec) {
       }
     }
   }
-  const int64_t active = count_locked(JobState::Queued) + count_locked(JobState::Running);
-  if (active >= options_.max_jobs) {
-    // Hint: about when the next job should end (each healthy replica ends roughly one chunk per estimate).
-    double retry_after = 1.0;
-    if (seconds_per_work_ > 0) {
-      double work = 0;
-      for (const auto& [id, job] : jobs_) {
-        if (job->active()) work += job->spec.chunk_work[static_cast<size_t>(job->chunks_done)];
-      }
-      const auto healthy = std::count_if(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->healthy; });
-      retry_after = std::max(1.0, estimate_seconds_locked(work) / static_cast<double>(std::max<int64_t>(1, healthy)));
-    }
-    throw AdmissionError(AdmissionError::Reason::QueueFull,
-                         "queue full: " + std::to_string(active) + " jobs admitted (--max-queue " +
-                             std::to_string(options_.max_jobs) + ")",
-                         retry_after);
-  }
+  check_admission_locked(spec.client, spec.client_max_jobs);
 
   auto job = std::make_unique<Job>();
   job->id = new_job_id();
@@ -858,8 +891,24 @@ EventBatch Scheduler::wait_events(const std::string& id, const std::string& owne
     for (size_t i = after_sequence; i < job->events.size(); ++i) batch.events.push_back(job->events[i]);
     batch.finished = !job->active();
     if (!batch.events.empty() || batch.finished) return batch;
-    if (changed_.wait_until(lock, until) == std::cv_status::timeout) return batch;
+    const auto watchers = job->watchers;  // the job may be dropped while we wait
+    if (watchers->wait_until(lock, until) == std::cv_status::timeout) return batch;
   }
+}
+
+uint64_t Scheduler::subscribe(const std::string& id, const std::string& owner, std::function<void()> notify) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Job* job = find_locked(id, owner);
+  if (job == nullptr) return 0;
+  const uint64_t token = next_listener_++;
+  job->listeners[token] = std::move(notify);
+  return token;
+}
+
+void Scheduler::unsubscribe(const std::string& id, uint64_t token) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = jobs_.find(id);
+  if (it != jobs_.end()) it->second->listeners.erase(token);
 }
 
 std::optional<JobSnapshot> Scheduler::wait_chunks(const std::string& id, const std::string& owner, int64_t chunks_seen,
@@ -869,7 +918,8 @@ std::optional<JobSnapshot> Scheduler::wait_chunks(const std::string& id, const s
     const Job* job = find_locked(id, owner);
     if (job == nullptr) return std::nullopt;
     if (job->chunks_done > chunks_seen || !job->active()) return snapshot_locked(*job);
-    if (changed_.wait_until(lock, until) == std::cv_status::timeout) return snapshot_locked(*job);
+    const auto watchers = job->watchers;  // a chunk's end and the job's end are events of the job
+    if (watchers->wait_until(lock, until) == std::cv_status::timeout) return snapshot_locked(*job);
   }
 }
 

@@ -88,7 +88,9 @@ bool is_terminal(JobState state);
 enum class ErrorKind { None, Internal, Unavailable, Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted };
 
 struct JobSpec {
-  std::string owner;  // client identity; jobs are only visible to their owner
+  std::string owner;            // client identity; jobs are only visible to their owner
+  std::string client;           // who the per-client cap counts against: the owner, or the peer address when anonymous
+  int64_t client_max_jobs = 0;  // this client's cap on unfinished jobs; 0: SchedulerOptions::max_jobs_per_client
   int priority = 0;
   std::optional<Clock::time_point> deadline;
   std::vector<double> chunk_work;   // relative cost of each chunk (e.g. tokens x rows); size = number of chunks
@@ -171,7 +173,9 @@ class SchedulerObserver {
 };
 
 struct SchedulerOptions {
-  int64_t max_jobs = 64;               // admitted, unfinished jobs (queued or running)
+  int64_t max_jobs = 64;            // admitted, unfinished jobs (queued or running)
+  int64_t max_jobs_per_client = 0;  // of those, per JobSpec::client (0: no cap); the server sets one
+
   int chunk_retries = 2;               // extra attempts per chunk after a failure
   int replica_failure_limit = 3;       // consecutive failed chunks before a replica is taken out
   double handoff_cost_seconds = 0.25;  // expected cost of moving a job's state to another replica
@@ -184,10 +188,10 @@ struct SchedulerOptions {
   std::chrono::milliseconds liveness_grace{300000};
 };
 
-// Submission refused: queue full (retry later) or draining.
+// Submission refused: queue full or this client's share of it full (retry later), or draining.
 class AdmissionError : public std::runtime_error {
  public:
-  enum class Reason { QueueFull, Draining, Unavailable, IdempotencyConflict };
+  enum class Reason { QueueFull, ClientQueueFull, Draining, Unavailable, IdempotencyConflict };
   AdmissionError(Reason reason, const std::string& message, double retry_after_seconds = 0)
       : std::runtime_error(message), reason_(reason), retry_after_seconds_(retry_after_seconds) {}
   Reason reason() const { return reason_; }
@@ -228,6 +232,11 @@ class Scheduler {
 
   // Throws AdmissionError. `spec.chunk_work` must not be empty.
   SubmitResult submit(JobSpec spec);
+  // The checks submit() makes before a job exists (draining, no healthy replica, queue or client share full), so that
+  // expensive request preparation (text encoding) is skipped when the job would be refused anyway. Reads owner,
+  // client, client_max_jobs and idempotency_key (a key naming an existing job passes: submit() deduplicates it).
+  // Throws AdmissionError; a later submit() may still refuse.
+  void check_admission(const JobSpec& spec) const;
   // nullopt when unknown or owned by another client (`owner` must match; empty matches only unowned jobs).
   std::optional<JobSnapshot> get(const std::string& id, const std::string& owner) const;
   std::vector<JobSnapshot> list(const std::string& owner) const;
@@ -237,6 +246,11 @@ class Scheduler {
   // Events with sequence > after_sequence; blocks until there is one, the job ended, or `until`.
   EventBatch wait_events(const std::string& id, const std::string& owner, uint64_t after_sequence,
                          Clock::time_point until) const;
+  // For watchers that hold no thread (gRPC callback streams): `notify` runs after each of the job's events and when
+  // the job is dropped, with the scheduler's lock held, so it must only schedule work (then read with
+  // wait_events(..., Clock::now())). Returns a token for unsubscribe(), 0 when the job is unknown.
+  uint64_t subscribe(const std::string& id, const std::string& owner, std::function<void()> notify);
+  void unsubscribe(const std::string& id, uint64_t token);
   // Blocks until the job has more than `chunks_seen` chunks done, ended, or `until`; returns the snapshot.
   std::optional<JobSnapshot> wait_chunks(const std::string& id, const std::string& owner, int64_t chunks_seen,
                                          Clock::time_point until) const;
@@ -267,6 +281,7 @@ class Scheduler {
   void complete_locked(size_t replica, const ChunkResult& result, double seconds);
   void finish_locked(Job& job, JobState state, ErrorKind kind, const std::string& error);
   void push_event_locked(Job& job, JobEvent event);
+  void wake_watchers_locked(Job& job);
   void update_positions_locked(Clock::time_point now);
   void gc_locked();
   void schedule_retests_locked(Clock::time_point now);
@@ -274,6 +289,7 @@ class Scheduler {
   void update_liveness_locked(Clock::time_point now);
   void notify_queue_locked();
   int64_t count_locked(JobState state) const;
+  void check_admission_locked(const std::string& client, int64_t client_max_jobs) const;
   JobSnapshot snapshot_locked(const Job& job) const;
   ReplicaStatus replica_status_locked(const Replica& replica) const;
   double estimate_seconds_locked(double work) const;
@@ -283,11 +299,13 @@ class Scheduler {
   SchedulerOptions options_;
   SchedulerObserver* observer_;
   mutable std::mutex mu_;
-  mutable std::condition_variable changed_;  // any job event, chunk done, job end
+  mutable std::condition_variable changed_;  // job ends, chunks done, drain (wait_idle); job events wake only the job's
+                                             // own watchers (Job::watchers), not every watcher of every job
   std::vector<std::unique_ptr<Replica>> replicas_;
   std::map<std::string, std::unique_ptr<Job>> jobs_;
   std::map<std::pair<std::string, std::string>, std::string> idempotency_;  // (owner, key) -> id
   uint64_t next_seq_ = 0;
+  uint64_t next_listener_ = 1;
   bool draining_ = false;
   bool stopping_ = false;
   bool started_ = false;

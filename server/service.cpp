@@ -1,13 +1,22 @@
 #include "server/service.h"
 
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/support/server_interceptor.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <optional>
 #include <random>
 #include <set>
+#include <thread>
 
+#include "server/guards.h"
 #include "skyreels/v1/video_service.grpc.pb.h"
 
 namespace skyreels::server {
@@ -21,6 +30,13 @@ using grpc::StatusCode;
 
 constexpr size_t kPartBytes = 1 << 20;                  // result messages stay small whatever the chunk size
 constexpr auto kPoll = std::chrono::milliseconds(500);  // how often long streams look for a gone client
+constexpr size_t kMaxJobIdBytes = 64;                   // ours are 18 ("j-" + 16 hex digits)
+constexpr size_t kMaxIdempotencyKeyBytes = 128;
+// Deadlines and timeouts further out than this are refused: no job should wait in a queue for a month.
+constexpr std::chrono::hours kMaxJobTimeout{24 * 30};
+// google.protobuf.Timestamp's valid range: 0001-01-01T00:00:00Z .. 9999-12-31T23:59:59Z.
+constexpr int64_t kMinTimestampSeconds = -62135596800;
+constexpr int64_t kMaxTimestampSeconds = 253402300799;
 
 // ---- conversions --------------------------------------------------------------------------------------------------
 
@@ -189,7 +205,88 @@ void params_to_proto(const ResolvedParams& r, pb::GenerationParams* p) {
 
 ModelJob* model_job(const JobSnapshot& s) { return dynamic_cast<ModelJob*>(s.payload.get()); }
 
-Status not_found(const std::string& id) { return Status(StatusCode::NOT_FOUND, "job '" + id + "' not found"); }
+// Ids are checked against kMaxJobIdBytes before any lookup, and echoed escaped.
+Status not_found(const std::string& id) {
+  return Status(StatusCode::NOT_FOUND, "job '" + log_escape(id, kMaxJobIdBytes) + "' not found");
+}
+
+Status check_job_id(const std::string& id) {
+  if (id.size() > kMaxJobIdBytes) {
+    return Status(StatusCode::INVALID_ARGUMENT, "job_id: longer than " + std::to_string(kMaxJobIdBytes) + " bytes");
+  }
+  return Status::OK;
+}
+
+Status check_format(pb::ResultFormat format, bool vae_available) {
+  if (!pb::ResultFormat_IsValid(format)) {
+    return Status(StatusCode::INVALID_ARGUMENT, "format: " + std::to_string(static_cast<int>(format)) +
+                                                    " is not a ResultFormat (0 latents, 1 latents, 2 MP4)");
+  }
+  if (format == pb::RESULT_FORMAT_MP4 && !vae_available) {
+    return Status(StatusCode::FAILED_PRECONDITION, "format: MP4 needs a server started with --vae; ask for latents");
+  }
+  return Status::OK;
+}
+
+// A client's deadline or timeout as a point on our monotonic clock, range-checked before any arithmetic (chrono
+// overflows on values protobuf itself calls invalid, e.g. a timeout of 1e10 s or negative nanos).
+Status job_deadline(const pb::SubmitJobRequest& request, std::optional<Clock::time_point>* out) {
+  out->reset();
+  if (request.has_deadline()) {
+    const auto& d = request.deadline();
+    if (d.seconds() < kMinTimestampSeconds || d.seconds() > kMaxTimestampSeconds || d.nanos() < 0 ||
+        d.nanos() > 999999999) {
+      return Status(StatusCode::INVALID_ARGUMENT, "deadline: not a valid google.protobuf.Timestamp");
+    }
+    const auto now_seconds = std::chrono::duration_cast<std::chrono::seconds>(WallClock::now().time_since_epoch());
+    if (d.seconds() > now_seconds.count() + std::chrono::seconds(kMaxJobTimeout).count()) {
+      return Status(StatusCode::INVALID_ARGUMENT,
+                    "deadline: more than " + std::to_string(std::chrono::seconds(kMaxJobTimeout).count()) + " s ahead");
+    }
+    const auto wall = WallClock::time_point(std::chrono::duration_cast<WallClock::duration>(
+        std::chrono::seconds(d.seconds()) + std::chrono::nanoseconds(d.nanos())));
+    const auto left = wall - WallClock::now();
+    if (left <= WallClock::duration::zero()) return Status(StatusCode::INVALID_ARGUMENT, "deadline: already passed");
+    *out = Clock::now() + std::chrono::duration_cast<Clock::duration>(left);
+  } else if (request.has_timeout()) {
+    const auto& t = request.timeout();
+    const bool same_sign = (t.seconds() >= 0 && t.nanos() >= 0) || (t.seconds() <= 0 && t.nanos() <= 0);
+    if (t.nanos() < -999999999 || t.nanos() > 999999999 || !same_sign) {
+      return Status(StatusCode::INVALID_ARGUMENT, "timeout: not a valid google.protobuf.Duration");
+    }
+    if (t.seconds() < 0 || (t.seconds() == 0 && t.nanos() <= 0)) {
+      return Status(StatusCode::INVALID_ARGUMENT, "timeout: must be positive");
+    }
+    if (t.seconds() > std::chrono::seconds(kMaxJobTimeout).count()) {
+      return Status(StatusCode::INVALID_ARGUMENT,
+                    "timeout: longer than " + std::to_string(std::chrono::seconds(kMaxJobTimeout).count()) + " s");
+    }
+    *out = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::seconds(t.seconds()) +
+                                                                      std::chrono::nanoseconds(t.nanos()));
+  }
+  return Status::OK;
+}
+
+// What the deadline fields contribute to the idempotency fingerprint: the same key with another deadline or timeout
+// is another request.
+uint64_t deadline_fingerprint(const pb::SubmitJobRequest& request) {
+  uint64_t h = static_cast<uint64_t>(request.deadline_kind_case()) * 0xC2B2AE3D27D4EB4FULL;
+  if (request.has_deadline()) {
+    h ^= static_cast<uint64_t>(request.deadline().seconds()) * 0x9E3779B97F4A7C15ULL;
+    h ^= static_cast<uint64_t>(request.deadline().nanos()) * 0x165667B19E3779F9ULL;
+  } else if (request.has_timeout()) {
+    h ^= static_cast<uint64_t>(request.timeout().seconds()) * 0x9E3779B97F4A7C15ULL;
+    h ^= static_cast<uint64_t>(request.timeout().nanos()) * 0x165667B19E3779F9ULL;
+  }
+  return h;
+}
+
+// A page token is the decimal offset ListJobs returned, nothing else (no sign, no spaces, no overflow).
+bool parse_page_token(const std::string& token, size_t* offset) {
+  if (token.empty() || token.size() > 18 || token.find_first_not_of("0123456789") != std::string::npos) return false;
+  *offset = static_cast<size_t>(std::stoull(token));
+  return true;
+}
 
 uint64_t random_seed() {
   static std::mutex mu;
@@ -198,79 +295,153 @@ uint64_t random_seed() {
   return rng() >> 1;  // 63 bits: also fits signed 64-bit consumers
 }
 
-class VideoServiceImpl final : public pb::VideoService::Service {
+// Who is calling: `owner` decides which jobs they see ("" without API keys); `client` is what per-client caps count
+// (the key's client name, or the peer's address for anonymous callers).
+struct Caller {
+  std::string owner;
+  std::string client;
+  ClientLimits limits;
+};
+
+// A stream refused before it started: finishes at once with `status`.
+template <typename Message>
+class FinishedWriter final : public grpc::ServerWriteReactor<Message> {
  public:
-  VideoServiceImpl(Scheduler& scheduler, ServiceConfig config) : scheduler_(scheduler), config_(std::move(config)) {}
+  explicit FinishedWriter(const Status& status) { this->Finish(status); }
+  void OnDone() override { delete this; }
+};
+
+// Runs the work that scheduler notifications ask for on one thread of its own: notifications arrive with the
+// scheduler's lock held, and the work takes that lock again.
+class StreamPump {
+ public:
+  StreamPump() : thread_([this] { loop(); }) {}
+  ~StreamPump() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void post(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      tasks_.push_back(std::move(task));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      cv_.wait(lock, [&] { return stopping_ || !tasks_.empty(); });
+      if (stopping_) return;
+      auto task = std::move(tasks_.front());
+      tasks_.pop_front();
+      lock.unlock();
+      task();
+      lock.lock();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+class VideoServiceImpl;
+
+// WatchJob without a thread: replays the job's events, then writes each new one when the scheduler says there is one
+// (subscribe), one write in flight at a time. The reactor is deleted by gRPC in OnDone; what the scheduler and the
+// pump may still reach after that is the shared Core, which never touches the reactor once it has called Finish.
+class WatchReactor final : public grpc::ServerWriteReactor<pb::JobEvent> {
+ public:
+  static WatchReactor* start(VideoServiceImpl& service, const pb::WatchJobRequest& request, const std::string& owner,
+                             std::unique_ptr<StreamLimiter::Slot> slot);
+  void OnWriteDone(bool ok) override;
+  void OnCancel() override;
+  void OnDone() override;
+
+ private:
+  struct Core;
+  explicit WatchReactor(std::shared_ptr<Core> core) : core_(std::move(core)) {}
+  std::shared_ptr<Core> core_;
+};
+
+class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_WatchJob<pb::VideoService::Service> {
+ public:
+  friend class WatchReactor;
+
+  VideoServiceImpl(Scheduler& scheduler, ServiceConfig config)
+      : scheduler_(scheduler),
+        config_(std::move(config)),
+        streams_(config_.transport.max_streams, config_.transport.max_streams_per_client),
+        encodes_(config_.transport.max_concurrent_encodes) {
+    if (config_.metrics)
+      streams_.on_change([metrics = config_.metrics](int64_t open) { metrics->set_streams_open(open); });
+  }
 
   Status SubmitJob(ServerContext* ctx, const pb::SubmitJobRequest* request, pb::SubmitJobResponse* response) override {
-    std::string owner;
-    if (Status s = authenticate(ctx, &owner, true); !s.ok()) return s;
+    Caller caller;
+    if (Status s = authenticate(ctx, &caller, true); !s.ok()) return s;
     SubmitResult result;
-    if (Status s = submit(ctx, *request, owner, &result); !s.ok()) return s;
+    if (Status s = submit(ctx, *request, caller, &result); !s.ok()) return s;
     job_to_proto(result.job, response->mutable_job());
     response->set_deduplicated(result.deduplicated);
     return Status::OK;
   }
 
   Status GetJob(ServerContext* ctx, const pb::GetJobRequest* request, pb::Job* response) override {
-    std::string owner;
-    if (Status s = authenticate(ctx, &owner, false); !s.ok()) return s;
-    auto job = scheduler_.get(request->job_id(), owner);
+    Caller caller;
+    if (Status s = authenticate(ctx, &caller, false); !s.ok()) return s;
+    if (Status s = check_job_id(request->job_id()); !s.ok()) return s;
+    auto job = scheduler_.get(request->job_id(), caller.owner);
     if (!job) return not_found(request->job_id());
     job_to_proto(*job, response);
     return Status::OK;
   }
 
-  Status WatchJob(ServerContext* ctx, const pb::WatchJobRequest* request,
-                  grpc::ServerWriter<pb::JobEvent>* writer) override {
-    std::string owner;
-    if (Status s = authenticate(ctx, &owner, false); !s.ok()) return s;
-    if (!scheduler_.get(request->job_id(), owner)) return not_found(request->job_id());
-    uint64_t after = request->after_sequence();
-    while (!ctx->IsCancelled()) {
-      const EventBatch batch = scheduler_.wait_events(request->job_id(), owner, after, Clock::now() + kPoll);
-      if (!batch.found) return not_found(request->job_id());
-      for (const auto& event : batch.events) {
-        after = event.sequence;
-        if (request->skip_steps() && event.type == EventType::Step) continue;
-        pb::JobEvent message;
-        event_to_proto(request->job_id(), owner, event, &message);
-        if (!writer->Write(message)) return Status(StatusCode::CANCELLED, "client went away");
-      }
-      if (batch.finished) return Status::OK;
+  // A callback stream: an open watch holds no server thread, only its reactor (WatchReactor below).
+  grpc::ServerWriteReactor<pb::JobEvent>* WatchJob(grpc::CallbackServerContext* ctx,
+                                                   const pb::WatchJobRequest* request) override {
+    Caller caller;
+    if (Status s = authenticate(ctx, &caller, false); !s.ok()) return new FinishedWriter<pb::JobEvent>(s);
+    if (Status s = check_job_id(request->job_id()); !s.ok()) return new FinishedWriter<pb::JobEvent>(s);
+    std::unique_ptr<StreamLimiter::Slot> slot;
+    if (Status s = open_stream(caller, &slot); !s.ok()) return new FinishedWriter<pb::JobEvent>(s);
+    if (!scheduler_.get(request->job_id(), caller.owner)) {
+      return new FinishedWriter<pb::JobEvent>(not_found(request->job_id()));
     }
-    return Status(StatusCode::CANCELLED, "client cancelled the watch");
+    return WatchReactor::start(*this, *request, caller.owner, std::move(slot));
   }
 
   Status CancelJob(ServerContext* ctx, const pb::CancelJobRequest* request, pb::Job* response) override {
-    std::string owner;
-    if (Status s = authenticate(ctx, &owner, false); !s.ok()) return s;
-    auto job = scheduler_.cancel(request->job_id(), owner);
+    Caller caller;
+    if (Status s = authenticate(ctx, &caller, false); !s.ok()) return s;
+    if (Status s = check_job_id(request->job_id()); !s.ok()) return s;
+    auto job = scheduler_.cancel(request->job_id(), caller.owner);
     if (!job) return not_found(request->job_id());
     job_to_proto(*job, response);
     return Status::OK;
   }
 
   Status ListJobs(ServerContext* ctx, const pb::ListJobsRequest* request, pb::ListJobsResponse* response) override {
-    std::string owner;
-    if (Status s = authenticate(ctx, &owner, false); !s.ok()) return s;
+    Caller caller;
+    if (Status s = authenticate(ctx, &caller, false); !s.ok()) return s;
     if (request->page_size() < 0 || request->page_size() > 1000) {
       return Status(StatusCode::INVALID_ARGUMENT, "page_size: must be in [0, 1000]");
     }
     const size_t page_size = request->page_size() == 0 ? 100 : static_cast<size_t>(request->page_size());
     size_t offset = 0;
-    if (!request->page_token().empty()) {
-      try {
-        size_t used = 0;
-        offset = std::stoull(request->page_token(), &used);
-        if (used != request->page_token().size()) throw std::invalid_argument("trailing characters");
-      } catch (const std::exception&) {
-        return Status(StatusCode::INVALID_ARGUMENT, "page_token: not a token returned by ListJobs");
-      }
+    if (!request->page_token().empty() && !parse_page_token(request->page_token(), &offset)) {
+      return Status(StatusCode::INVALID_ARGUMENT, "page_token: not a token returned by ListJobs");
     }
     std::set<int> states(request->states().begin(), request->states().end());
     std::vector<JobSnapshot> matching;
-    for (auto& job : scheduler_.list(owner)) {
+    for (auto& job : scheduler_.list(caller.owner)) {
       if (states.empty() || states.count(to_proto(job.state))) matching.push_back(std::move(job));
     }
     for (size_t i = offset; i < matching.size() && i < offset + page_size; ++i) {
@@ -282,11 +453,15 @@ class VideoServiceImpl final : public pb::VideoService::Service {
 
   Status DownloadResult(ServerContext* ctx, const pb::DownloadResultRequest* request,
                         grpc::ServerWriter<pb::ResultPart>* writer) override {
-    std::string owner;
-    if (Status s = authenticate(ctx, &owner, false); !s.ok()) return s;
+    Caller caller;
+    if (Status s = authenticate(ctx, &caller, false); !s.ok()) return s;
+    if (Status s = check_job_id(request->job_id()); !s.ok()) return s;
+    if (Status s = check_format(request->format(), config_.vae_available); !s.ok()) return s;
+    std::unique_ptr<StreamLimiter::Slot> slot;
+    if (Status s = open_stream(caller, &slot); !s.ok()) return s;
+    const std::string& owner = caller.owner;
     auto job = scheduler_.get(request->job_id(), owner);
     if (!job) return not_found(request->job_id());
-    if (Status s = check_format(request->format()); !s.ok()) return s;
     if (request->from_chunk() < 0 || request->from_chunk() >= job->chunk_count) {
       return Status(StatusCode::INVALID_ARGUMENT, "from_chunk: " + std::to_string(request->from_chunk()) +
                                                       " is outside [0, " + std::to_string(job->chunk_count) + ")");
@@ -319,11 +494,14 @@ class VideoServiceImpl final : public pb::VideoService::Service {
 
   Status Generate(ServerContext* ctx, const pb::GenerateRequest* request,
                   grpc::ServerWriter<pb::GenerateResponse>* writer) override {
-    std::string owner;
-    if (Status s = authenticate(ctx, &owner, true); !s.ok()) return s;
-    if (Status s = check_format(request->format()); !s.ok()) return s;
+    Caller caller;
+    if (Status s = authenticate(ctx, &caller, true); !s.ok()) return s;
+    if (Status s = check_format(request->format(), config_.vae_available); !s.ok()) return s;
+    std::unique_ptr<StreamLimiter::Slot> slot;
+    if (Status s = open_stream(caller, &slot); !s.ok()) return s;
+    const std::string& owner = caller.owner;
     SubmitResult submitted;
-    if (Status s = submit(ctx, request->job(), owner, &submitted); !s.ok()) return s;
+    if (Status s = submit(ctx, request->job(), caller, &submitted); !s.ok()) return s;
     if (request->format() == pb::RESULT_FORMAT_MP4) want_video(submitted.job);
     const std::string id = submitted.job.id;
     uint64_t after = 0;
@@ -340,14 +518,17 @@ class VideoServiceImpl final : public pb::VideoService::Service {
         if (request->skip_steps() && event.type == EventType::Step) continue;
         if (event.type == EventType::Finished) {
           // Every chunk's result goes out before the final event.
-          if (!flush_results(ctx, id, owner, request->format(), &sent_chunks, writer)) return gone(id, owner);
+          if (Status s = flush_results(ctx, id, owner, request->format(), &sent_chunks, writer); !s.ok()) {
+            return stop_generate(id, owner, s);
+          }
         }
         pb::GenerateResponse message;
         event_to_proto(id, owner, event, message.mutable_event());
         if (!writer->Write(message)) return gone(id, owner);
-        if (event.type == EventType::ChunkFinished &&
-            !flush_results(ctx, id, owner, request->format(), &sent_chunks, writer)) {
-          return gone(id, owner);
+        if (event.type == EventType::ChunkFinished) {
+          if (Status s = flush_results(ctx, id, owner, request->format(), &sent_chunks, writer); !s.ok()) {
+            return stop_generate(id, owner, s);
+          }
         }
       }
       if (batch.finished) {
@@ -359,8 +540,8 @@ class VideoServiceImpl final : public pb::VideoService::Service {
   }
 
   Status GetServerInfo(ServerContext* ctx, const pb::GetServerInfoRequest*, pb::ServerInfo* response) override {
-    std::string owner;
-    if (Status s = authenticate(ctx, &owner, false); !s.ok()) return s;
+    Caller caller;
+    if (Status s = authenticate(ctx, &caller, false); !s.ok()) return s;
     response->set_version(config_.version);
     const ModelSummary& m = config_.summary;
     auto* model = response->mutable_model();
@@ -421,9 +602,12 @@ class VideoServiceImpl final : public pb::VideoService::Service {
 
  private:
   // With API keys configured every call needs one; the job owner is the key's client name.
-  Status authenticate(ServerContext* ctx, std::string* owner, bool submission) {
-    owner->clear();
-    if (config_.api_keys == nullptr || !config_.api_keys->enabled()) return Status::OK;
+  Status authenticate(grpc::ServerContextBase* ctx, Caller* caller, bool submission) {
+    *caller = Caller{};
+    if (config_.api_keys == nullptr || !config_.api_keys->enabled()) {
+      caller->client = peer_host(ctx->peer());
+      return Status::OK;
+    }
     const auto& metadata = ctx->client_metadata();
     auto value = [&](const char* name) -> std::optional<std::string> {
       auto it = metadata.find(name);
@@ -431,100 +615,159 @@ class VideoServiceImpl final : public pb::VideoService::Service {
       return std::string(it->second.data(), it->second.size());
     };
     const std::string key = presented_key(value("authorization"), value("x-api-key"));
-    std::optional<std::string> client;
-    if (!key.empty()) client = config_.api_keys->identify(key);
-    if (!client) {
+    std::optional<ClientIdentity> identity;
+    if (!key.empty()) identity = config_.api_keys->identify(key);
+    if (!identity) {
       if (submission && config_.metrics) config_.metrics->rejected(kRejectUnauthenticated);
-      spdlog::warn("event=unauthenticated peer={} key_present={}", ctx->peer(), !key.empty());
+      const bool own_probe = ctx->peer().rfind("inproc", 0) == 0;  // UnaryProbe: only this process can call inproc
+      if (!own_probe) {
+        spdlog::warn("event=unauthenticated peer={} key_present={}", log_escape(ctx->peer()), !key.empty());
+      }
       return Status(StatusCode::UNAUTHENTICATED,
                     key.empty() ? "missing API key: send metadata 'authorization: Bearer KEY' or 'x-api-key: KEY'"
                                 : "invalid API key");
     }
-    *owner = *client;
+    caller->owner = identity->name;
+    caller->client = identity->name;
+    caller->limits = identity->limits;
     return Status::OK;
+  }
+
+  // A place for one more long stream, or RESOURCE_EXHAUSTED for this stream only.
+  Status open_stream(const Caller& caller, std::unique_ptr<StreamLimiter::Slot>* slot) {
+    StreamLimiter::Refusal why = StreamLimiter::Refusal::None;
+    *slot = streams_.acquire(caller.client, caller.limits.max_streams, &why);
+    if (*slot) return Status::OK;
+    const bool total = why == StreamLimiter::Refusal::Total;
+    if (config_.metrics) config_.metrics->stream_rejected(total ? kStreamRejectTotal : kStreamRejectPerClient);
+    const std::string message =
+        total ? "too many open streams on this server (--max-streams " + std::to_string(streams_.max_total()) + ")"
+              : "too many open streams for this client (cap " +
+                    std::to_string(caller.limits.max_streams.value_or(streams_.max_per_client())) +
+                    "): close a WatchJob, DownloadResult or Generate stream first";
+    spdlog::info("event=stream_rejected client={} reason={}", log_escape(caller.client),
+                 total ? kStreamRejectTotal : kStreamRejectPerClient);
+    return Status(StatusCode::RESOURCE_EXHAUSTED, message);
   }
 
   Status reject(const char* reason, StatusCode code, const std::string& message) {
     if (config_.metrics && reason != nullptr) config_.metrics->rejected(reason);
     spdlog::info("event=rejected reason={} code={} message=\"{}\"", reason ? reason : "-", static_cast<int>(code),
-                 message);
+                 log_escape(message));
     return Status(code, message);
   }
 
-  Status submit(ServerContext* ctx, const pb::SubmitJobRequest& request, const std::string& owner,
-                SubmitResult* result) {
-    if (scheduler_.draining()) {
-      return reject(kRejectDraining, StatusCode::UNAVAILABLE,
-                    "server is draining (shutting down): submit to another replica");
+  Status reject_with_retry_hint(ServerContext* ctx, const char* reason, const std::string& what, double seconds) {
+    const auto ms = static_cast<int64_t>(seconds * 1000.0);
+    ctx->AddTrailingMetadata("retry-after-ms", std::to_string(ms));
+    return reject(reason, StatusCode::RESOURCE_EXHAUSTED, what + "; retry after " + std::to_string(ms) + " ms");
+  }
+
+  Status admission_refused(ServerContext* ctx, const AdmissionError& e) {
+    switch (e.reason()) {
+      case AdmissionError::Reason::QueueFull:
+        return reject_with_retry_hint(ctx, kRejectQueueFull, e.what(), e.retry_after_seconds());
+      case AdmissionError::Reason::ClientQueueFull:
+        return reject_with_retry_hint(ctx, kRejectClientLimit, e.what(), e.retry_after_seconds());
+      case AdmissionError::Reason::Draining:
+        return reject(kRejectDraining, StatusCode::UNAVAILABLE, e.what());
+      case AdmissionError::Reason::Unavailable:
+        return reject(nullptr, StatusCode::UNAVAILABLE, e.what());
+      case AdmissionError::Reason::IdempotencyConflict:
+        return reject(nullptr, StatusCode::ALREADY_EXISTS, e.what());
     }
+    return Status(StatusCode::INTERNAL, e.what());
+  }
+
+  // The request's fields the transport owns (the model's fields are ModelJob::create's).
+  Status check_submission(const pb::SubmitJobRequest& request, const Caller& caller) {
     if (request.priority() < -10 || request.priority() > 10) {
       return reject(kRejectInvalidArgument, StatusCode::INVALID_ARGUMENT,
                     "priority: " + std::to_string(request.priority()) + " is outside [-10, 10]");
     }
     if (request.produce_mp4()) {
-      if (Status s = check_format(pb::RESULT_FORMAT_MP4); !s.ok()) return s;
+      if (Status s = check_format(pb::RESULT_FORMAT_MP4, config_.vae_available); !s.ok()) return s;
     }
-    if (request.idempotency_key().size() > 128) {
+    if (caller.limits.max_priority && request.priority() > *caller.limits.max_priority) {
+      return reject(kRejectClientLimit, StatusCode::PERMISSION_DENIED,
+                    "priority: " + std::to_string(request.priority()) + " is above this client's max_priority " +
+                        std::to_string(*caller.limits.max_priority));
+    }
+    if (request.idempotency_key().size() > kMaxIdempotencyKeyBytes) {
       return reject(kRejectInvalidArgument, StatusCode::INVALID_ARGUMENT,
-                    "idempotency_key: longer than 128 characters");
+                    "idempotency_key: longer than " + std::to_string(kMaxIdempotencyKeyBytes) + " bytes");
     }
+    return Status::OK;
+  }
+
+  // The text encoder behind the concurrency gate: over --max-concurrent-encodes, the submission is refused at once
+  // (RESOURCE_EXHAUSTED with a retry hint) instead of queueing with a server thread held.
+  struct EncoderBusy : std::runtime_error {
+    using std::runtime_error::runtime_error;
+  };
+  TextEncoderFn gated_text_encoder() {
+    if (!config_.text_encoder) return {};
+    return [this](const std::string& text) {
+      auto pass = encodes_.try_enter();
+      if (!pass) {
+        throw EncoderBusy("text encoder busy: " + std::to_string(encodes_.limit()) +
+                          " prompts being encoded (--max-concurrent-encodes)");
+      }
+      const auto start = Clock::now();
+      RawTensor out = config_.text_encoder(text);
+      const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+      last_encode_seconds_ = seconds;
+      if (config_.metrics) config_.metrics->text_encoded(seconds);
+      return out;
+    };
+  }
+
+  Status submit(ServerContext* ctx, const pb::SubmitJobRequest& request, const Caller& caller, SubmitResult* result) {
+    if (scheduler_.draining()) {
+      return reject(kRejectDraining, StatusCode::UNAVAILABLE,
+                    "server is draining (shutting down): submit to another replica");
+    }
+    if (Status s = check_submission(request, caller); !s.ok()) return s;
     std::optional<Clock::time_point> deadline;
-    if (request.has_deadline()) {
-      const auto wall = std::chrono::system_clock::time_point(std::chrono::seconds(request.deadline().seconds()) +
-                                                              std::chrono::nanoseconds(request.deadline().nanos()));
-      const auto left = wall - WallClock::now();
-      if (left <= WallClock::duration::zero()) {
-        return reject(kRejectInvalidArgument, StatusCode::INVALID_ARGUMENT, "deadline: already passed");
-      }
-      deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(left);
-    } else if (request.has_timeout()) {
-      const auto timeout =
-          std::chrono::seconds(request.timeout().seconds()) + std::chrono::nanoseconds(request.timeout().nanos());
-      if (timeout <= std::chrono::nanoseconds::zero()) {
-        return reject(kRejectInvalidArgument, StatusCode::INVALID_ARGUMENT, "timeout: must be positive");
-      }
-      deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(timeout);
+    if (Status s = job_deadline(request, &deadline); !s.ok()) {
+      return reject(kRejectInvalidArgument, s.error_code(), s.error_message());
     }
 
+    JobSpec spec;
+    spec.owner = caller.owner;
+    spec.client = caller.client;
+    spec.client_max_jobs = caller.limits.max_jobs.value_or(0);
+    spec.priority = request.priority();
+    spec.deadline = deadline;
+    spec.idempotency_key = request.idempotency_key();
     std::shared_ptr<ModelJob> job;
     try {
+      // Admission first: a job that would be refused costs no text encoding.
+      scheduler_.check_admission(spec);
       job = ModelJob::create(request_from_proto(request.spec()), config_.model, config_.limits, random_seed(),
-                             config_.text_encoder, config_.vae);
+                             gated_text_encoder(), config_.vae);
+    } catch (const AdmissionError& e) {
+      return admission_refused(ctx, e);
+    } catch (const EncoderBusy& e) {
+      return reject_with_retry_hint(ctx, kRejectEncoderBusy, e.what(), std::max(0.1, last_encode_seconds_.load()));
     } catch (const ValidationError& e) {
       return reject(kRejectInvalidArgument, StatusCode::INVALID_ARGUMENT, e.what());
     } catch (const PreconditionError& e) {
       return reject(nullptr, StatusCode::FAILED_PRECONDITION, e.what());
     } catch (const std::exception& e) {
-      spdlog::error("event=submit_failed error=\"{}\"", e.what());
+      spdlog::error("event=submit_failed error=\"{}\"", log_escape(e.what()));
       return Status(StatusCode::INTERNAL, std::string("could not prepare the job: ") + e.what());
     }
 
-    JobSpec spec;
-    spec.owner = owner;
-    spec.priority = request.priority();
-    spec.deadline = deadline;
     spec.chunk_work = job->chunk_work();
     spec.chunk_rows = job->chunk_rows();
-    spec.idempotency_key = request.idempotency_key();
-    spec.fingerprint = job->fingerprint() ^ (static_cast<uint64_t>(request.priority() + 11) * 0x9E3779B97F4A7C15ULL);
+    spec.fingerprint = job->fingerprint() ^ (static_cast<uint64_t>(request.priority() + 11) * 0x9E3779B97F4A7C15ULL) ^
+                       deadline_fingerprint(request);
     spec.payload = job;
     try {
       *result = scheduler_.submit(std::move(spec));
     } catch (const AdmissionError& e) {
-      switch (e.reason()) {
-        case AdmissionError::Reason::QueueFull: {
-          const auto ms = static_cast<int64_t>(e.retry_after_seconds() * 1000.0);
-          ctx->AddTrailingMetadata("retry-after-ms", std::to_string(ms));
-          return reject(kRejectQueueFull, StatusCode::RESOURCE_EXHAUSTED,
-                        std::string(e.what()) + "; retry after " + std::to_string(ms) + " ms");
-        }
-        case AdmissionError::Reason::Draining:
-          return reject(kRejectDraining, StatusCode::UNAVAILABLE, e.what());
-        case AdmissionError::Reason::Unavailable:
-          return reject(nullptr, StatusCode::UNAVAILABLE, e.what());
-        case AdmissionError::Reason::IdempotencyConflict:
-          return reject(nullptr, StatusCode::ALREADY_EXISTS, e.what());
-      }
+      return admission_refused(ctx, e);
     }
     if (request.produce_mp4()) want_video(result->job);
     if (!result->deduplicated) {
@@ -532,14 +775,9 @@ class VideoServiceImpl final : public pb::VideoService::Service {
       spdlog::info("job={} event=accepted frames={} size={}x{} steps={} guidance={} chunks={} seed={} priority={}",
                    result->job.id, p.num_frames, p.width, p.height, p.num_inference_steps, p.guidance_scale,
                    job->chunk_count(), p.seed, request.priority());
-      for (const auto& warning : job->warnings()) spdlog::warn("job={} event=plan_warning {}", result->job.id, warning);
-    }
-    return Status::OK;
-  }
-
-  Status check_format(pb::ResultFormat format) const {
-    if (format == pb::RESULT_FORMAT_MP4 && !config_.vae_available) {
-      return Status(StatusCode::FAILED_PRECONDITION, "format: MP4 needs a server started with --vae; ask for latents");
+      for (const auto& warning : job->warnings()) {
+        spdlog::warn("job={} event=plan_warning {}", result->job.id, log_escape(warning, 500));
+      }
     }
     return Status::OK;
   }
@@ -686,21 +924,35 @@ class VideoServiceImpl final : public pb::VideoService::Service {
     return Status(StatusCode::CANCELLED, "client cancelled the download");
   }
 
-  bool flush_results(ServerContext* ctx, const std::string& id, const std::string& owner, pb::ResultFormat format,
-                     int64_t* sent, grpc::ServerWriter<pb::GenerateResponse>* writer) {
+  // Sends every chunk result not sent yet. CANCELLED: the client went away; INTERNAL: a chunk's MP4 could not be
+  // made (a server fault, not the client's doing).
+  Status flush_results(ServerContext* ctx, const std::string& id, const std::string& owner, pb::ResultFormat format,
+                       int64_t* sent, grpc::ServerWriter<pb::GenerateResponse>* writer) {
+    const Status client_gone(StatusCode::CANCELLED, "client went away");
     const auto job = scheduler_.get(id, owner);
-    if (!job) return true;
+    if (!job) return Status::OK;
     while (*sent < job->chunks_done) {
       if (format == pb::RESULT_FORMAT_MP4) {
         std::string bytes;
-        if (!wait_video(ctx, *job, *sent, &bytes).ok()) return false;
-        if (!write_blob(*job, *sent, pb::RESULT_FORMAT_MP4, bytes, writer, generate_slot)) return false;
+        if (Status s = wait_video(ctx, *job, *sent, &bytes); !s.ok()) return s;
+        if (!write_blob(*job, *sent, pb::RESULT_FORMAT_MP4, bytes, writer, generate_slot)) return client_gone;
       } else if (!write_latents(*job, *sent, writer, generate_slot)) {
-        return false;
+        return client_gone;
       }
       ++*sent;
     }
-    return true;
+    return Status::OK;
+  }
+
+  // Generate ends early: nobody will read the job's results, so it is cancelled; the status says why.
+  Status stop_generate(const std::string& id, const std::string& owner, const Status& why) {
+    scheduler_.cancel(id, owner);
+    if (why.error_code() == StatusCode::CANCELLED) {
+      return Status(StatusCode::CANCELLED, "client went away: job " + id + " cancelled");
+    }
+    spdlog::error("job={} event=generate_failed code={} error=\"{}\"", id, static_cast<int>(why.error_code()),
+                  log_escape(why.error_message()));
+    return Status(why.error_code(), "job " + id + ": " + why.error_message());
   }
 
   // MP4 is made on demand only (issue 12, item 6): a job asks at submit, or its first MP4 download does.
@@ -709,18 +961,192 @@ class VideoServiceImpl final : public pb::VideoService::Service {
   }
 
   Status gone(const std::string& id, const std::string& owner) {
-    scheduler_.cancel(id, owner);
-    return Status(StatusCode::CANCELLED, "client went away: job " + id + " cancelled");
+    return stop_generate(id, owner, Status(StatusCode::CANCELLED, ""));
   }
 
   Scheduler& scheduler_;
   ServiceConfig config_;
+  StreamLimiter streams_;
+  ConcurrencyGate encodes_;
+  std::atomic<double> last_encode_seconds_{0.5};
+  StreamPump pump_;  // last: stopped first, before what its tasks use
 };
+
+struct WatchReactor::Core : std::enable_shared_from_this<WatchReactor::Core> {
+  VideoServiceImpl& service;
+  WatchReactor* reactor = nullptr;  // valid until `finished`
+  std::string id, owner;
+  bool skip_steps = false;
+  std::unique_ptr<StreamLimiter::Slot> slot;
+  uint64_t token = 0;
+  std::atomic<bool> queued{false};  // a pump task is pending: notifications in between need no other
+
+  std::mutex mu;  // guards what follows
+  uint64_t after = 0;
+  std::deque<pb::JobEvent> pending;
+  pb::JobEvent writing;  // the message of the write in flight
+  bool in_flight = false, cancelled = false, job_done = false, finished = false;
+
+  Core(VideoServiceImpl& s, const pb::WatchJobRequest& request, std::string job_owner)
+      : service(s),
+        id(request.job_id()),
+        owner(std::move(job_owner)),
+        skip_steps(request.skip_steps()),
+        after(request.after_sequence()) {}
+
+  // From the scheduler, its lock held: only schedules a pump.
+  void notify() {
+    if (queued.exchange(true)) return;
+    service.pump_.post([self = shared_from_this()] {
+      self->queued = false;
+      self->pump();
+    });
+  }
+
+  // Reads new events when nothing is queued, then starts the next write or the finish. Never holds `mu` while
+  // calling into gRPC (a reaction may run inline).
+  void pump() {
+    std::optional<Status> finish;
+    bool write = false;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (finished || in_flight) return;
+      if (cancelled) {
+        finish = Status(StatusCode::CANCELLED, "client cancelled the watch");
+      } else {
+        if (pending.empty() && !job_done) read_events_locked(&finish);
+        if (!finish && !pending.empty()) {
+          writing = std::move(pending.front());
+          pending.pop_front();
+          in_flight = write = true;
+        } else if (!finish && job_done) {
+          finish = Status::OK;
+        }
+      }
+      if (finish) finished = true;
+    }
+    if (write) reactor->StartWrite(&writing);
+    if (finish) reactor->Finish(*finish);
+  }
+
+  void read_events_locked(std::optional<Status>* finish) {
+    const EventBatch batch = service.scheduler_.wait_events(id, owner, after, Clock::now());
+    if (!batch.found) {
+      *finish = not_found(id);
+      return;
+    }
+    for (const auto& event : batch.events) {
+      after = event.sequence;
+      if (skip_steps && event.type == EventType::Step) continue;
+      pending.emplace_back();
+      service.event_to_proto(id, owner, event, &pending.back());
+    }
+    job_done = batch.finished;
+  }
+};
+
+WatchReactor* WatchReactor::start(VideoServiceImpl& service, const pb::WatchJobRequest& request,
+                                  const std::string& owner, std::unique_ptr<StreamLimiter::Slot> slot) {
+  auto core = std::make_shared<Core>(service, request, owner);
+  core->slot = std::move(slot);
+  auto* reactor = new WatchReactor(core);
+  core->reactor = reactor;
+  core->token = service.scheduler_.subscribe(core->id, owner, [weak = std::weak_ptr<Core>(core)] {
+    if (auto c = weak.lock()) c->notify();
+  });
+  core->pump();  // the replay (or NOT_FOUND when the job went away meanwhile)
+  return reactor;
+}
+
+void WatchReactor::OnWriteDone(bool ok) {
+  {
+    std::lock_guard<std::mutex> lock(core_->mu);
+    core_->in_flight = false;
+    if (!ok) core_->cancelled = true;  // the client went away
+  }
+  core_->pump();
+}
+
+void WatchReactor::OnCancel() {
+  {
+    std::lock_guard<std::mutex> lock(core_->mu);
+    core_->cancelled = true;
+  }
+  core_->pump();
+}
+
+void WatchReactor::OnDone() {
+  core_->service.scheduler_.unsubscribe(core_->id, core_->token);
+  core_->slot.reset();  // the stream's place is free again
+  delete this;
+}
 
 }  // namespace
 
 std::unique_ptr<grpc::Service> make_video_service(Scheduler& scheduler, ServiceConfig config) {
   return std::make_unique<VideoServiceImpl>(scheduler, std::move(config));
+}
+
+namespace {
+
+// gRPC answers a request message it cannot deserialize with INTERNAL and the parser's (empty, for proto3) error
+// string before any handler runs. Our handlers never send INTERNAL without a message, so that pair means "bad input".
+class MalformedRequestInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
+      const Status status = methods->GetSendStatus();
+      if (status.error_code() == StatusCode::INTERNAL && status.error_message().empty()) {
+        methods->ModifySendStatus(Status(StatusCode::INVALID_ARGUMENT,
+                                         "request: not a valid message of this method (malformed protobuf, or a "
+                                         "string field that is not UTF-8)"));
+      }
+    }
+    methods->Proceed();
+  }
+};
+
+class MalformedRequestInterceptorFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo*) override {
+    return new MalformedRequestInterceptor();
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> make_malformed_request_interceptor() {
+  return std::make_unique<MalformedRequestInterceptorFactory>();
+}
+
+struct UnaryProbe::Impl {
+  std::unique_ptr<pb::VideoService::Stub> stub;
+  std::chrono::milliseconds period;
+  Clock::time_point next{};
+  bool answered = true;
+};
+
+UnaryProbe::UnaryProbe(grpc::Server& server, std::chrono::milliseconds period) : impl_(std::make_unique<Impl>()) {
+  impl_->stub = pb::VideoService::NewStub(server.InProcessChannel(grpc::ChannelArguments()));
+  impl_->period = period;
+}
+
+UnaryProbe::~UnaryProbe() = default;
+
+bool UnaryProbe::answered() {
+  const auto now = Clock::now();
+  if (now < impl_->next) return impl_->answered;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + impl_->period);
+  pb::ServerInfo info;
+  const Status status = impl_->stub->GetServerInfo(&ctx, pb::GetServerInfoRequest(), &info);
+  const bool answered = status.ok() || status.error_code() == StatusCode::UNAUTHENTICATED;
+  if (answered != impl_->answered) {
+    spdlog::warn("event=unary_probe answered={} status=\"{}\"", answered, log_escape(status.error_message()));
+  }
+  impl_->answered = answered;
+  impl_->next = Clock::now() + impl_->period;
+  return answered;
 }
 
 }  // namespace skyreels::server

@@ -2,6 +2,7 @@
 // errors to status codes; no policy and no model code here.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -13,7 +14,11 @@
 
 namespace grpc {
 class Service;
+class Server;
+namespace experimental {
+class ServerInterceptorFactoryInterface;
 }
+}  // namespace grpc
 
 namespace skyreels::server {
 
@@ -34,6 +39,18 @@ struct ModelSummary {
   int64_t num_frame_per_block = 1;
 };
 
+// Caps that keep one client from starving the others or the server (flags of the same names; defaults here only).
+struct TransportLimits {
+  int64_t max_streams = 256;            // --max-streams: open WatchJob/DownloadResult/Generate streams in total
+  int64_t max_streams_per_client = 16;  // --max-streams-per-client (an API key line's max_streams overrides)
+  int64_t max_jobs_per_client = 16;     // --max-jobs-per-client: unfinished jobs (API key line: max_jobs)
+  int64_t max_concurrent_encodes = 2;   // --max-concurrent-encodes: text prompts encoded at once
+  static constexpr int kUnaryThreadReserve = 64;  // server threads streams can never take
+  // The sync server's thread cap: an open DownloadResult or Generate holds a thread (WatchJob, a callback stream, does
+  // not), so even --max-streams of them leave the reserve to unary calls and probes.
+  int max_threads() const { return static_cast<int>(max_streams) + kUnaryThreadReserve; }
+};
+
 struct ServiceConfig {
   std::string version;
   ServerLimits limits;
@@ -50,9 +67,28 @@ struct ServiceConfig {
       vae;  // encodes image / video conditioning; null: they answer FAILED_PRECONDITION
   const ApiKeys* api_keys = nullptr;
   Metrics* metrics = nullptr;
+  TransportLimits transport;
 };
 
 // The skyreels.v1.VideoService implementation, to register with a grpc::ServerBuilder. `scheduler` must outlive it.
 std::unique_ptr<grpc::Service> make_video_service(Scheduler& scheduler, ServiceConfig config);
+
+// A server interceptor that turns gRPC's answer to a request it could not parse (INTERNAL with an empty message: a
+// malformed protobuf, or a string field that is not UTF-8) into INVALID_ARGUMENT saying so.
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> make_malformed_request_interceptor();
+
+// Readiness must not say SERVING while unary calls cannot be answered (e.g. every server thread taken). Calls
+// GetServerInfo through the server's in-process channel, which shares the server's threads, at most once a `period`;
+// answered() is true when the last call came back (OK or UNAUTHENTICATED both prove a thread took it).
+class UnaryProbe {
+ public:
+  explicit UnaryProbe(grpc::Server& server, std::chrono::milliseconds period = std::chrono::milliseconds(1000));
+  ~UnaryProbe();
+  bool answered();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 }  // namespace skyreels::server

@@ -2,9 +2,11 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <fstream>
 
 #include "model/safetensors.h"
+#include "model/safetensors_limits.h"
 #include "tests/test_util.h"
 
 namespace st = skyreels::safetensors;
@@ -129,6 +131,20 @@ TEST(SafetensorsDamage, ShapeWhoseByteSizeOverflowsIsAnErrorNotAWrapAround) {
   const std::string header = R"({"w":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,0]}})";
   const std::string msg = error_of(write_raw(dir, "big.safetensors", header, ""));
   EXPECT_NE(msg.find("tensor 'w': shape is too large"), std::string::npos) << msg;
+}
+
+TEST(SafetensorsDamage, DeeplyNestedHeaderIsRefusedBeforeParsing) {
+  // 4 MB of "[[[[...": nlohmann::json would take seconds and gigabytes; the nesting check answers at once.
+  const std::string dir = temp_dir("st");
+  const std::string header = "{\"w\":" + std::string(4u << 20, '[');
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string msg = error_of(write_raw(dir, "deep.safetensors", header, ""));
+  EXPECT_NE(msg.find("header nests deeper than 8 levels"), std::string::npos) << msg;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
+  // Brackets inside strings are not nesting.
+  EXPECT_TRUE(st::json_nesting_within(R"({"__metadata__":{"note":"[[[[[[[[[[[[[[[["}})", st::kMaxJsonDepth));
+  EXPECT_FALSE(st::json_nesting_within("[[[[[[[[[]]]]]]]]]", 8));
+  EXPECT_TRUE(st::json_nesting_within("[[[[[[[[]]]]]]]]", 8));
 }
 
 TEST(SafetensorsDamage, ParseHeaderRejectsALengthPastTheFile) {

@@ -546,6 +546,69 @@ TEST(Scheduler, QueuedJobsKnowTheirPositionAndAnEstimate) {
   h.wait(busy);
 }
 
+// ---- issue 12: per-client admission and per-job wake-ups ------------------------------------------------------------
+
+JobSpec client_job(const std::string& client, int64_t client_max_jobs = 0, const std::string& key = "") {
+  JobSpec spec;
+  spec.owner = client;
+  spec.client = client;
+  spec.client_max_jobs = client_max_jobs;
+  spec.idempotency_key = key;
+  spec.chunk_work = {1.0};
+  spec.chunk_rows = {3};
+  spec.payload = std::make_shared<FakePayload>(1);
+  return spec;
+}
+
+TEST(Scheduler, OneClientCannotFillTheQueueAndAKeysCapOverridesTheDefault) {
+  SchedulerOptions options;
+  options.max_jobs = 10;
+  options.max_jobs_per_client = 2;
+  Harness h({steps(20ms, 50)}, options);
+  h.scheduler->submit(client_job("alice"));
+  h.scheduler->submit(client_job("alice", 0, "k"));
+  try {
+    h.scheduler->submit(client_job("alice"));
+    FAIL() << "expected AdmissionError";
+  } catch (const AdmissionError& e) {
+    EXPECT_EQ(e.reason(), AdmissionError::Reason::ClientQueueFull);
+    EXPECT_GE(e.retry_after_seconds(), 1.0);
+  }
+  EXPECT_THROW(h.scheduler->check_admission(client_job("alice")), AdmissionError) << "checked before the work";
+  EXPECT_NO_THROW(h.scheduler->check_admission(client_job("alice", 0, "k"))) << "a known key is deduplicated";
+  EXPECT_NO_THROW(h.scheduler->submit(client_job("bob"))) << "other clients are not affected";
+  EXPECT_NO_THROW(h.scheduler->submit(client_job("carol", 3)));
+  EXPECT_NO_THROW(h.scheduler->submit(client_job("carol", 3)));
+  EXPECT_NO_THROW(h.scheduler->submit(client_job("carol", 3))) << "carol's key allows 3";
+  h.scheduler->abort_all("test over");
+}
+
+TEST(Scheduler, AWatcherIsToldAboutItsOwnJobOnlyAndWhenTheJobIsDropped) {
+  SchedulerOptions options;
+  options.max_retained_jobs = 0;  // finished jobs are dropped at once
+  Harness h({steps(20ms, 10)}, options);
+  const std::string running = h.submit(1);
+  const std::string queued = h.submit(1);  // behind `running` on the only replica: no event of its own meanwhile
+  std::atomic<int> told{0};
+  const uint64_t token = h.scheduler->subscribe(queued, "", [&] { ++told; });
+  ASSERT_NE(token, 0u);
+  EXPECT_EQ(h.scheduler->subscribe("j-unknown", "", [] {}), 0u);
+  // Five step events of the other job: the watcher of `queued` is not woken by them.
+  uint64_t seen = 0;
+  while (seen < 6) {
+    const EventBatch batch = h.scheduler->wait_events(running, "", seen, Clock::now() + 5s);
+    ASSERT_FALSE(batch.events.empty());
+    seen = batch.events.back().sequence;
+  }
+  EXPECT_EQ(told.load(), 0);
+  // Its own events, and its end and removal, do reach it.
+  const auto until = Clock::now() + 5s;
+  while (h.scheduler->get(queued, "") && Clock::now() < until) std::this_thread::sleep_for(1ms);
+  EXPECT_FALSE(h.scheduler->get(queued, "").has_value()) << "dropped after it finished";
+  EXPECT_GE(told.load(), 4) << "queued, chunk started, steps, chunk finished, finished, dropped";
+  h.scheduler->unsubscribe(queued, token);  // a dropped job: nothing to do, no error
+}
+
 }  // namespace
 }  // namespace skyreels::server
 

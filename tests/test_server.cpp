@@ -555,15 +555,16 @@ class AuthServerTest : public SharedServerSuite<AuthServerTest> {
  public:
   static std::unique_ptr<ServerProcess> start() {
     const std::string dir = temp_dir("api-keys");
-    std::ofstream(dir + "/keys") << "# test keys\nalice-key-123456 alice\nbob-key-1234567 bob\n";
+    std::ofstream(dir + "/keys")
+        << "# test keys\nalice-key-0123456789abcdef0123456789 alice\nbob-key-0123456789abcdef0123456789ab bob\n";
     return std::make_unique<ServerProcess>(
         std::vector<std::string>{"--demo", "--devices", "cpu,cpu", "--api-keys", dir + "/keys"}, true,
-        "alice-key-123456");
+        "alice-key-0123456789abcdef0123456789");
   }
 };
 
 TEST_F(AuthServerTest, MissingOrWrongKeyIsUnauthenticated) {
-  for (const std::string key : {"", "wrong-key-000000"}) {
+  for (const std::string key : {"", "wrong-key-0123456789abcdef0123456789"}) {
     auto client = server_->client_with_key(key);
     const grpc::Status status = submit_status(*client, long_video_request(500, 1));
     EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << "key '" << key << "'";
@@ -581,7 +582,7 @@ TEST_F(AuthServerTest, MissingOrWrongKeyIsUnauthenticated) {
 
 TEST_F(AuthServerTest, AnotherClientsJobIsNotFoundForEveryCall) {
   const pb::Job job = submit(server_->client(), long_video_request(501, 1));  // alice's
-  auto bob = server_->client_with_key("bob-key-1234567");
+  auto bob = server_->client_with_key("bob-key-0123456789abcdef0123456789ab");
   pb::Job out;
   {
     auto ctx = bob->context(10);

@@ -29,6 +29,7 @@ class ServerProcess {
 
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
   int metrics_port() const { return metrics_port_; }
+  pid_t pid() const { return pid_; }
   server::Client& client() { return *client_; }
   // A client with another API key (or none).
   std::unique_ptr<server::Client> client_with_key(const std::string& key) const;

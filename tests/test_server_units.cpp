@@ -1,18 +1,25 @@
 // The server's small parts in isolation: replica planning, fault rules, API keys, addresses, result blobs, job
 // validation and planning, metrics exposition.
 #include <c10/util/Exception.h>
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <condition_variable>
 #include <fstream>
+#include <mutex>
 #include <random>
+#include <thread>
 
 #include "server/auth.h"
 #include "server/blob.h"
 #include "server/limits.h"
+#include "server/guards.h"
 #include "server/metrics.h"
 #include "server/model_job.h"
 #include "server/replica.h"
+#include "server/service.h"
+#include "skyreels/v1/video_service.grpc.pb.h"
 #include "tests/test_util.h"
 
 namespace skyreels::server {
@@ -70,28 +77,48 @@ TEST(FaultRules, ParseReplicaRunAndRepeat) {
   EXPECT_THROW(parse_fault_rules("cpu:1@two"), std::invalid_argument);
 }
 
-TEST(ApiKeys, FileLinesAreKeysWithOptionalClientNames) {
+TEST(ApiKeys, FileLinesAreKeysWithOptionalClientNamesAndLimits) {
   const std::string path = test::temp_dir("keys") + "/keys";
-  std::ofstream(path) << "# comment\n\nalice-key-0001 alice\n  bob-key-00002  \n";
+  const std::string alice(32, 'a'), bob(40, 'b'), carol(32, 'c');
+  std::ofstream(path) << "# comment\n\n"
+                      << alice << " alice max_priority=2 max_jobs=3 max_streams=4\n  " << bob << "  \n"
+                      << carol << " max_jobs=5\n";
   const ApiKeys keys = ApiKeys::load(path);
   EXPECT_TRUE(keys.enabled());
-  EXPECT_EQ(keys.size(), 2u);
-  EXPECT_EQ(keys.identify("alice-key-0001"), std::optional<std::string>("alice"));
-  EXPECT_EQ(keys.identify("bob-key-00002"), std::optional<std::string>("client-4"));
-  EXPECT_FALSE(keys.identify("alice-key-000").has_value());
+  EXPECT_EQ(keys.size(), 3u);
+  const auto a = keys.identify(alice);
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->name, "alice");
+  EXPECT_EQ(a->limits.max_priority, std::optional<int>(2));
+  EXPECT_EQ(a->limits.max_jobs, std::optional<int64_t>(3));
+  EXPECT_EQ(a->limits.max_streams, std::optional<int64_t>(4));
+  const auto b = keys.identify(bob);
+  ASSERT_TRUE(b.has_value());
+  EXPECT_EQ(b->name, "client-4");
+  EXPECT_FALSE(b->limits.max_priority.has_value());
+  EXPECT_EQ(keys.identify(carol)->limits.max_jobs, std::optional<int64_t>(5));
+  EXPECT_FALSE(keys.identify(alice.substr(1)).has_value());
   EXPECT_FALSE(keys.identify("").has_value());
   EXPECT_FALSE(ApiKeys().enabled());
 }
 
 TEST(ApiKeys, BadFilesAreRefusedNamingTheLine) {
   const std::string dir = test::temp_dir("bad-keys");
-  std::ofstream(dir + "/short") << "abc\n";
-  std::ofstream(dir + "/dup") << "same-key-123\nsame-key-123\n";
+  const std::string key(32, 'k');
+  std::ofstream(dir + "/short") << std::string(31, 's') << "\n";
+  std::ofstream(dir + "/dup") << key << "\n" << key << "\n";
   std::ofstream(dir + "/empty") << "# nothing\n";
-  for (const auto& [file, needle] : std::vector<std::pair<std::string, std::string>>{{"short", ":1: key is shorter"},
-                                                                                     {"dup", ":2: duplicate"},
-                                                                                     {"empty", "no key"},
-                                                                                     {"missing", "cannot read"}}) {
+  std::ofstream(dir + "/limit") << key << " x max_priority=11\n";
+  std::ofstream(dir + "/words") << key << " x y\n";
+  std::ofstream(dir + "/unknown") << key << " x max_things=1\n";
+  for (const auto& [file, needle] :
+       std::vector<std::pair<std::string, std::string>>{{"short", ":1: key is shorter than 32"},
+                                                        {"dup", ":2: duplicate"},
+                                                        {"empty", "no key"},
+                                                        {"missing", "cannot read"},
+                                                        {"limit", ":1: max_priority must be an integer in [-10, 10]"},
+                                                        {"words", ":1: expected 'KEY [CLIENT_NAME]"},
+                                                        {"unknown", ":1: expected 'KEY [CLIENT_NAME]"}}) {
     try {
       ApiKeys::load(dir + "/" + file);
       ADD_FAILURE() << file << " accepted";
@@ -99,6 +126,20 @@ TEST(ApiKeys, BadFilesAreRefusedNamingTheLine) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
     }
   }
+}
+
+TEST(ApiKeys, ReloadSwapsInTheFilesKeysAndKeepsTheOldOnesWhenTheFileIsBroken) {
+  const std::string path = test::temp_dir("reload-keys") + "/keys";
+  const std::string first(32, '1'), second(32, '2');
+  std::ofstream(path) << first << " one\n";
+  ApiKeys keys = ApiKeys::load(path);
+  std::ofstream(path) << second << " two\n";
+  keys.reload();
+  EXPECT_FALSE(keys.identify(first).has_value());
+  EXPECT_EQ(keys.identify(second)->name, "two");
+  std::ofstream(path) << "short\n";
+  EXPECT_THROW(keys.reload(), std::runtime_error);
+  EXPECT_EQ(keys.identify(second)->name, "two") << "a broken file keeps the keys in use";
 }
 
 TEST(ApiKeys, KeyComesFromBearerAuthorizationOrXApiKey) {
@@ -132,6 +173,85 @@ TEST(ResultBlobs, ChunksJoinAlongTheFrameAxisChannelByChannel) {
   EXPECT_EQ(view.metadata.at("job_id"), "j-1");
   EXPECT_THROW(parse_f32_tensor("short", "latents"), std::runtime_error);
   EXPECT_THROW(parse_f32_tensor(joined, "other"), std::runtime_error);
+}
+
+// A safetensors blob from a raw header (what a hostile server or client could send).
+std::string raw_blob(const std::string& header, const std::string& data = "", int64_t announced = -1) {
+  const uint64_t len = announced >= 0 ? static_cast<uint64_t>(announced) : header.size();
+  std::string out;
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((len >> (8 * i)) & 0xff));
+  return out + header + data;
+}
+
+std::string result_error(const std::string& blob) {
+  try {
+    parse_f32_tensor(blob, "latents");
+  } catch (const std::runtime_error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(ResultBlobs, HostileHeadersAreRefusedBeforeParsingAndProductsDoNotWrap) {
+  // Over the header limit (checked before parsing), and deeply nested under it.
+  EXPECT_NE(result_error(raw_blob(std::string(70000, '['))).find("over the limit of 65536"), std::string::npos);
+  EXPECT_NE(result_error(raw_blob("{\"latents\":" + std::string(1000, '['))).find("nests too deep"), std::string::npos);
+  // A shape whose byte size wraps around 64 bits to the 0 bytes it announces.
+  EXPECT_NE(
+      result_error(raw_blob(R"({"latents":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,0]}})"))
+          .find("overflows"),
+      std::string::npos);
+  // Offsets past the data, a negative dimension, wrong JSON types: errors, never a crash or a read past the end.
+  EXPECT_NE(result_error(raw_blob(R"({"latents":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", ""))
+                .find("inconsistent data offsets"),
+            std::string::npos);
+  EXPECT_NE(result_error(raw_blob(R"({"latents":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", "abcd"))
+                .find("negative dimension"),
+            std::string::npos);
+  EXPECT_NE(result_error(raw_blob(R"({"latents":{"dtype":"F32","shape":"x","data_offsets":[0,4]}})", "abcd"))
+                .find("malformed"),
+            std::string::npos);
+  EXPECT_NE(result_error(raw_blob(R"([1,2])")).find("not an object"), std::string::npos);
+}
+
+TEST(Guards, StreamCapsCountPerClientAndInTotalAndFreeOnRelease) {
+  StreamLimiter limiter(3, 2);
+  int64_t observed = -1;
+  limiter.on_change([&](int64_t open) { observed = open; });
+  StreamLimiter::Refusal why = StreamLimiter::Refusal::None;
+  auto a1 = limiter.acquire("a", std::nullopt, &why);
+  auto a2 = limiter.acquire("a", std::nullopt, &why);
+  ASSERT_TRUE(a1 && a2);
+  EXPECT_EQ(limiter.acquire("a", std::nullopt, &why), nullptr);
+  EXPECT_EQ(why, StreamLimiter::Refusal::PerClient);
+  EXPECT_TRUE(limiter.acquire("a", 3, &why)) << "a per-key cap overrides the default";  // released at once
+  auto b1 = limiter.acquire("b", std::nullopt, &why);
+  ASSERT_TRUE(b1);
+  EXPECT_EQ(observed, 3);
+  EXPECT_EQ(limiter.acquire("c", std::nullopt, &why), nullptr);
+  EXPECT_EQ(why, StreamLimiter::Refusal::Total);
+  a1.reset();
+  EXPECT_EQ(limiter.open(), 2);
+  EXPECT_TRUE(limiter.acquire("c", std::nullopt, &why));
+}
+
+TEST(Guards, ConcurrencyGateNeverWaits) {
+  ConcurrencyGate gate(2);
+  auto p1 = gate.try_enter();
+  auto p2 = gate.try_enter();
+  EXPECT_TRUE(p1 && p2);
+  EXPECT_EQ(gate.try_enter(), nullptr);
+  p1.reset();
+  EXPECT_EQ(gate.inside(), 1);
+  EXPECT_TRUE(gate.try_enter());
+}
+
+TEST(Guards, ClientTextIsEscapedForOneLogLineAndCut) {
+  EXPECT_EQ(log_escape("bh2\nevent=forged \"x\"\\"), "bh2\\nevent=forged \\\"x\\\"\\\\");
+  EXPECT_EQ(log_escape(std::string("\x01\xff", 2)), "\\x01\\xff");
+  EXPECT_EQ(log_escape(std::string(300, 'a'), 10), std::string(10, 'a') + "...(300 bytes)");
+  EXPECT_EQ(peer_host("ipv4:127.0.0.1:50000"), "ipv4:127.0.0.1");
+  EXPECT_EQ(peer_host("ipv6:[::1]:50000"), "ipv6:[::1]");
 }
 
 RawTensor embeddings(int64_t tokens, int64_t dim, uint64_t seed) {
@@ -212,6 +332,16 @@ TEST(ModelJob, LimitsAndTheModelBoundTheRequest) {
   text.prompt_embeds.reset();
   text.prompt = "a cat";
   EXPECT_THROW(ModelJob::create(text, tiny_model(), ServerLimits{}, 1), PreconditionError);
+  for (int64_t step : {int64_t{-1}, int64_t{1} << 40}) {
+    JobRequest corrector = long_video();
+    corrector.disable_corrector = {step};
+    try {
+      ModelJob::create(corrector, tiny_model(), ServerLimits{}, 1);
+      FAIL() << "disable_corrector " << step << " accepted";
+    } catch (const ValidationError& e) {
+      EXPECT_EQ(std::string(e.what()).rfind("scheduler.disable_corrector: ", 0), 0u) << e.what();
+    }
+  }
 }
 
 // Two tensors in one safetensors file, built by hand: header, then the first tensor's data, then the second's.
@@ -253,6 +383,20 @@ TEST(ModelJob, EmbeddingsAlsoArriveAsASafetensorsFile) {
   r.embeddings_safetensors = embeddings_file(n, "prompt_embeds", p, "negative_prompt_embeds");
   EXPECT_EQ(ModelJob::create(r, tiny_model(), ServerLimits{}, 1)->prompt_embeddings().data, n.data);
   r.embeddings_safetensors = file;
+  // A header announcing more than 64 KiB is refused before it is copied or parsed.
+  std::string huge = file.substr(0, 8) + std::string(70000, '[');
+  huge[0] = static_cast<char>(70000 & 0xff);
+  huge[1] = static_cast<char>((70000 >> 8) & 0xff);
+  huge[2] = static_cast<char>(70000 >> 16);
+  for (int i = 3; i < 8; ++i) huge[static_cast<size_t>(i)] = 0;
+  r.embeddings_safetensors = huge;
+  try {
+    ModelJob::create(r, tiny_model(), ServerLimits{}, 1);
+    FAIL() << "huge header accepted";
+  } catch (const ValidationError& e) {
+    EXPECT_NE(std::string(e.what()).find("header of 70000 bytes is over the limit of 65536"), std::string::npos)
+        << e.what();
+  }
   r.embeddings_safetensors = file.substr(0, file.size() - 4);
   try {
     ModelJob::create(r, tiny_model(), ServerLimits{}, 1);
@@ -361,6 +505,73 @@ TEST(Metrics, FreshExpositionHasEveryLabelValueAtZero) {
   EXPECT_NE(after.find("skyreels_replicas_ready 1"), std::string::npos);
   EXPECT_NE(after.find("skyreels_replica_busy{replica=\"cpu:0\"} 1"), std::string::npos);
   EXPECT_NE(after.find("skyreels_jobs_rejected_total{reason=\"queue_full\"} 1"), std::string::npos);
+}
+
+// ---- readiness follows whether unary calls are answered --------------------------------------------------------
+
+// A VideoService whose GetJob blocks until released: what a starved sync thread pool looks like from outside.
+class BlockingService final : public v1::VideoService::Service {
+ public:
+  grpc::Status GetJob(grpc::ServerContext*, const v1::GetJobRequest*, v1::Job*) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    ++blocked_;
+    cv_.notify_all();
+    cv_.wait(lock, [&] { return released_; });
+    return grpc::Status::OK;
+  }
+  grpc::Status GetServerInfo(grpc::ServerContext*, const v1::GetServerInfoRequest*, v1::ServerInfo*) override {
+    return grpc::Status::OK;
+  }
+  void wait_blocked(int n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, std::chrono::seconds(10), [&] { return blocked_ >= n; });
+  }
+  void release() {
+    std::lock_guard<std::mutex> lock(mu_);
+    released_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int blocked_ = 0;
+  bool released_ = false;
+};
+
+TEST(UnaryProbe, SaysNoWhileEveryServerThreadIsTakenAndYesAfterwards) {
+  BlockingService service;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  grpc::ResourceQuota quota("probe-test");
+  quota.SetMaxThreads(4);
+  builder.SetResourceQuota(quota);
+  auto server = builder.BuildAndStart();
+  ASSERT_TRUE(server);
+  UnaryProbe probe(*server, std::chrono::milliseconds(200));
+  EXPECT_TRUE(probe.answered());
+  // Occupy the pool with calls that do not return.
+  auto stub = v1::VideoService::NewStub(
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  std::vector<std::thread> callers;
+  for (int i = 0; i < 8; ++i) {
+    callers.emplace_back([&] {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+      v1::Job job;
+      stub->GetJob(&ctx, v1::GetJobRequest(), &job);
+    });
+  }
+  service.wait_blocked(1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the probe's period: it asks again
+  EXPECT_FALSE(probe.answered()) << "every thread is held: readiness must not say SERVING";
+  service.release();
+  for (auto& t : callers) t.join();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_TRUE(probe.answered());
+  server->Shutdown();
 }
 
 }  // namespace
