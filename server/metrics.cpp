@@ -292,10 +292,11 @@ std::string http_response(const std::string& request_line, const std::function<s
 bool read_request(ScrapeConnection& c, const std::function<std::string()>& render) {
   char buffer[2048];
   const ssize_t n = ::recv(c.fd, buffer, sizeof buffer, MSG_DONTWAIT);
-  if (n == 0) return false;
   if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+  if (n == 0 && c.request.empty()) return false;
   c.request.append(buffer, static_cast<size_t>(n));
-  const bool complete = c.request.find("\r\n\r\n") != std::string::npos;
+  // Complete: the blank line, the size limit, or the client closed its side after its request (answered anyway).
+  const bool complete = c.request.find("\r\n\r\n") != std::string::npos || n == 0;
   if (!complete && c.request.size() < kMaxScrapeRequestBytes) return true;
   c.response = http_response(c.request.substr(0, c.request.find("\r\n")), render);
   c.responding = true;

@@ -474,6 +474,19 @@ TEST(HardeningIo, Item8_SlowAndIdleScrapeConnectionsNeitherBlockScrapesNorShutdo
     EXPECT_LT(Steady::now() - t0, 1s) << "scrape " << i << " waited for the slow connection";
     std::this_thread::sleep_for(300ms);
   }
+  // A client that closes its sending side after the request (nc -N, some probes) still gets its answer.
+  {
+    const int fd = connect_loopback(server.metrics_port());
+    const std::string request = "GET /metrics HTTP/1.0\r\n";  // no blank line: the half-close ends it
+    ASSERT_EQ(::send(fd, request.data(), request.size(), MSG_NOSIGNAL), static_cast<ssize_t>(request.size()));
+    ::shutdown(fd, SHUT_WR);
+    std::string response;
+    char buffer[4096];
+    ssize_t got = 0;
+    while ((got = ::recv(fd, buffer, sizeof buffer, 0)) > 0) response.append(buffer, static_cast<size_t>(got));
+    ::close(fd);
+    EXPECT_EQ(response.rfind("HTTP/1.1 200 OK", 0), 0u) << response.substr(0, 80);
+  }
   // The slow connection is closed at its total deadline (5 s), not kept alive byte by byte.
   char byte = 0;
   timeval timeout{8, 0};
