@@ -22,6 +22,7 @@
 #include "model/transformer_skyreels_v2.h"
 #include "model/vae_wan.h"
 #include "model/video_mp4.h"
+#include "tests/pipeline_case.h"
 #include "tests/test_util.h"
 
 namespace skyreels::model {
@@ -46,68 +47,25 @@ bool contains(const std::string& s, const std::string& part) { return s.find(par
 
 // ---- a fixture case ---------------------------------------------------------------------------------------------
 
-struct Case {
-  std::string name;  // e.g. pipeline_df_i2v/i1_sync_1chunk_last_image
-  std::string dir;
-  Json json;
-  GenerationParams params;
-  Conditioning conditioning;  // prompts only; the condition latents come from the VAE or condition.safetensors
+// A pipeline fixture plus its pixels and condition.safetensors. Its conditioning holds the prompts only; the
+// condition latents come from the VAE (use_encoded_condition) or condition.safetensors (use_recorded_condition).
+struct Case : test::PipelineCase {
   PixelConditioning pixels;
-  std::vector<at::Tensor> noise;
   std::map<std::string, at::Tensor> condition;
-  std::map<std::string, at::Tensor> trace;
-  std::map<std::string, at::Tensor> output;
 };
 
 Case load_case(const std::string& name) {
   Case c;
-  c.name = name;
-  c.dir = golden_path(name);
-  c.json = Json::parse(std::ifstream(c.dir + "/case.json"));
-  Json kwargs = c.json.at("call_defaults_in_effect");
-  for (const auto& item : c.json.at("call_kwargs").items()) kwargs[item.key()] = item.value();
-  GenerationParams& p = c.params;
-  p.num_frames = kwargs.at("num_frames").get<int64_t>();
-  p.height = kwargs.at("height").get<int64_t>();
-  p.width = kwargs.at("width").get<int64_t>();
-  p.num_inference_steps = kwargs.at("num_inference_steps").get<int64_t>();
-  p.guidance_scale = kwargs.at("guidance_scale").get<double>();
-  p.fps = kwargs.at("fps").get<int64_t>();
-  if (kwargs.contains("base_num_frames")) p.base_num_frames = kwargs.at("base_num_frames").get<int64_t>();
-  if (kwargs.contains("ar_step")) p.ar_step = kwargs.at("ar_step").get<int64_t>();
-  if (kwargs.contains("addnoise_condition")) p.addnoise_condition = kwargs.at("addnoise_condition").get<double>();
-  if (kwargs.contains("overlap_history") && !kwargs.at("overlap_history").is_null()) {
-    p.overlap_history = kwargs.at("overlap_history").get<int64_t>();
-  }
-  if (kwargs.contains("causal_block_size") && !kwargs.at("causal_block_size").is_null()) {
-    p.causal_block_size = kwargs.at("causal_block_size").get<int64_t>();
-  }
-  const std::string generator = kwargs.at("generator").get<std::string>();
-  p.seed = std::stoull(generator.substr(generator.find("manual_seed(") + 12));
-  p.scheduler = FlowUniPCConfig::from_file(c.dir + "/scheduler/scheduler_config.json");
-  p.flow_shift = p.scheduler.flow_shift;
-
-  const auto inputs = load_tensors(c.dir + "/inputs.safetensors");
-  c.conditioning.prompt_embeds = inputs.at("prompt_embeds");
-  if (inputs.count("negative_prompt_embeds")) {
-    c.conditioning.negative_prompt_embeds = inputs.at("negative_prompt_embeds");
-  }
-  if (inputs.count("image")) c.pixels.image = inputs.at("image");
-  if (inputs.count("last_image")) c.pixels.last_image = inputs.at("last_image");
-  if (inputs.count("video")) c.pixels.video = inputs.at("video");
+  static_cast<test::PipelineCase&>(c) = test::load_pipeline_case(name, golden_path(name));
+  if (c.inputs.count("image")) c.pixels.image = c.inputs.at("image");
+  if (c.inputs.count("last_image")) c.pixels.last_image = c.inputs.at("last_image");
+  if (c.inputs.count("video")) c.pixels.video = c.inputs.at("video");
   describe_conditioning(c.pixels, c.conditioning.prompt_embeds.size(0), c.params);
-
-  const auto noise = load_tensors(c.dir + "/noise.safetensors");
-  for (const auto& draw : c.json.at("noise_draws_in_order")) c.noise.push_back(noise.at(draw.at("name")));
   c.condition = load_tensors(c.dir + "/condition.safetensors");
-  c.trace = load_tensors(c.dir + "/trace.safetensors");
-  c.output = load_tensors(c.dir + "/output.safetensors");
   return c;
 }
 
-int64_t model_block(const Case& c) {
-  return c.json.at("transformer_config_before_call").at("num_frame_per_block").get<int64_t>();
-}
+int64_t model_block(const Case& c) { return c.model_block; }
 
 // condition.safetensors' condition_latents, split as the pipeline splits them (image | last_image).
 void use_recorded_condition(Case& c) {
@@ -140,43 +98,10 @@ void use_encoded_condition(Case& c) {
   c.conditioning.last_image_latents = encoded.last_image_latents;
 }
 
-std::string row_key(int64_t chunk, int64_t row, const char* what) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "c%lld_r%03lld_%s", static_cast<long long>(chunk), static_cast<long long>(row), what);
-  return buf;
-}
-
-// The recorded transformer outputs, checking that the loop feeds the model what diffusers fed it.
-Denoiser trace_denoiser(const Case& c, int* calls) {
-  return [&c, calls](const DenoiseCall& call) {
-    ++*calls;
-    EXPECT_TRUE(all_close(call.latent_model_input, c.trace.at(row_key(call.chunk, call.row, "model_input")), 1e-6))
-        << "model input of chunk " << call.chunk << " row " << call.row;
-    EXPECT_TRUE(at::equal(call.timestep, c.trace.at(row_key(call.chunk, call.row, "model_timestep"))))
-        << "timestep of chunk " << call.chunk << " row " << call.row;
-    return c.trace.at(row_key(call.chunk, call.row, call.unconditional ? "noise_pred_uncond" : "noise_pred_cond"));
-  };
-}
-
-DenoiserInfo fixture_info(const Case& c) {
-  DenoiserInfo info;
-  info.num_frame_per_block = model_block(c);
-  return info;
-}
-
-// Chunk after chunk through run_chunk, as the server runs them; checks each chunk's end latents.
-at::Tensor run_chunks(const Case& c, const Denoiser& denoiser, const DenoiserInfo& info, NoiseSource& noise,
-                      double atol) {
-  const ChunkPlan plan = plan_chunks(c.params, info.num_frame_per_block);
-  at::Tensor video;
-  for (const ChunkSpec& chunk : plan.chunks) {
-    const at::Tensor latents = run_chunk(denoiser, info, c.params, plan, chunk.index, c.conditioning, video, noise);
-    const at::Tensor& expected = c.output.at("chunk" + std::to_string(chunk.index) + "_latents_end");
-    EXPECT_TRUE(all_close(latents, expected, atol)) << c.name << " chunk " << chunk.index;
-    video = accumulate(video, latents, chunk);
-  }
-  return video;
-}
+using test::fixture_info;
+using test::row_key;
+using test::run_chunks;
+using test::trace_denoiser;
 
 const std::vector<std::string> kAllCases = {"pipeline_df_i2v/i1_sync_1chunk_last_image",
                                             "pipeline_df_i2v/i2_long_3chunks_overlap9",

@@ -23,6 +23,7 @@
 #include "model/diffusion_forcing.h"
 #include "model/transformer_loader.h"
 #include "model/transformer_skyreels_v2.h"
+#include "tests/pipeline_case.h"
 #include "tests/test_util.h"
 
 namespace skyreels::model {
@@ -98,89 +99,14 @@ TEST(TimestepMatrix, ArStepTooSmallForASlidingWindowIsAnErrorAsInDiffusers) {
 
 // ---- pipeline fixtures -----------------------------------------------------------------------------------------
 
-struct PipelineCase {
-  std::string name;
-  Json json;
-  GenerationParams params;
-  int64_t model_block = 1;
-  Conditioning conditioning;
-  std::vector<at::Tensor> noise;  // noise_000, noise_001, ... in draw order
-  std::map<std::string, at::Tensor> trace;
-  std::map<std::string, at::Tensor> output;
-};
+using test::fixture_info;
+using test::PipelineCase;
+using test::row_key;
+using test::run_chunks;
+using test::trace_denoiser;
 
 PipelineCase load_case(const std::string& name) {
-  PipelineCase c;
-  c.name = name;
-  const std::string dir = golden_path("pipeline_df/" + name);
-  c.json = read_json(dir + "/case.json");
-  Json kwargs = c.json.at("call_defaults_in_effect");
-  for (const auto& item : c.json.at("call_kwargs").items()) kwargs[item.key()] = item.value();
-  GenerationParams& p = c.params;
-  p.num_frames = kwargs.at("num_frames").get<int64_t>();
-  p.height = kwargs.at("height").get<int64_t>();
-  p.width = kwargs.at("width").get<int64_t>();
-  p.num_inference_steps = kwargs.at("num_inference_steps").get<int64_t>();
-  p.guidance_scale = kwargs.at("guidance_scale").get<double>();
-  p.fps = kwargs.at("fps").get<int64_t>();
-  p.base_num_frames = kwargs.at("base_num_frames").get<int64_t>();
-  p.ar_step = kwargs.at("ar_step").get<int64_t>();
-  p.addnoise_condition = kwargs.at("addnoise_condition").get<double>();
-  if (!kwargs.at("overlap_history").is_null()) p.overlap_history = kwargs.at("overlap_history").get<int64_t>();
-  if (!kwargs.at("causal_block_size").is_null()) p.causal_block_size = kwargs.at("causal_block_size").get<int64_t>();
-  const std::string generator = kwargs.at("generator").get<std::string>();  // "torch.Generator().manual_seed(N)"
-  p.seed = std::stoull(generator.substr(generator.find("manual_seed(") + 12));
-  p.scheduler = FlowUniPCConfig::from_file(dir + "/scheduler/scheduler_config.json");
-  p.flow_shift = p.scheduler.flow_shift;
-  c.model_block = c.json.at("transformer_config_before_call").at("num_frame_per_block").get<int64_t>();
-
-  const auto inputs = load_tensors(dir + "/inputs.safetensors");
-  c.conditioning.prompt_embeds = inputs.at("prompt_embeds");
-  if (inputs.count("negative_prompt_embeds"))
-    c.conditioning.negative_prompt_embeds = inputs.at("negative_prompt_embeds");
-  const auto noise = load_tensors(dir + "/noise.safetensors");
-  for (const auto& draw : c.json.at("noise_draws_in_order")) c.noise.push_back(noise.at(draw.at("name")));
-  c.trace = load_tensors(dir + "/trace.safetensors");
-  c.output = load_tensors(dir + "/output.safetensors");
-  return c;
-}
-
-std::string row_key(int64_t chunk, int64_t row, const char* what) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "c%lld_r%03lld_%s", static_cast<long long>(chunk), static_cast<long long>(row), what);
-  return buf;
-}
-
-// The recorded transformer outputs, checking on the way that the loop feeds the model what diffusers fed it.
-Denoiser trace_denoiser(const PipelineCase& c, int* calls) {
-  return [&c, calls](const DenoiseCall& call) {
-    ++*calls;
-    EXPECT_TRUE(all_close(call.latent_model_input, c.trace.at(row_key(call.chunk, call.row, "model_input")), 1e-6))
-        << "model input of chunk " << call.chunk << " row " << call.row;
-    EXPECT_TRUE(at::equal(call.timestep, c.trace.at(row_key(call.chunk, call.row, "model_timestep"))))
-        << "timestep of chunk " << call.chunk << " row " << call.row;
-    return c.trace.at(row_key(call.chunk, call.row, call.unconditional ? "noise_pred_uncond" : "noise_pred_cond"));
-  };
-}
-
-DenoiserInfo fixture_info(const PipelineCase& c) {
-  DenoiserInfo info;
-  info.num_frame_per_block = c.model_block;
-  return info;
-}
-
-// Chunk after chunk through run_chunk, as the server runs them; checks each chunk's end latents.
-at::Tensor run_chunks(const PipelineCase& c, const Denoiser& denoiser, const DenoiserInfo& info, NoiseSource& noise,
-                      double atol) {
-  const ChunkPlan plan = plan_chunks(c.params, info.num_frame_per_block);
-  at::Tensor video;
-  for (const ChunkSpec& chunk : plan.chunks) {
-    const at::Tensor latents = run_chunk(denoiser, info, c.params, plan, chunk.index, c.conditioning, video, noise);
-    EXPECT_TRUE(all_close(latents, c.output.at("chunk" + std::to_string(chunk.index) + "_latents_end"), atol))
-        << c.name << " chunk " << chunk.index;
-    video = accumulate(video, latents, chunk);
-  }
-  return video;
+  return test::load_pipeline_case(name, golden_path("pipeline_df/" + name));
 }
 
 class PipelineGolden : public ::testing::TestWithParam<std::string> {};

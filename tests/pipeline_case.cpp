@@ -1,0 +1,98 @@
+#include "tests/pipeline_case.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include "tests/test_util.h"
+
+namespace skyreels::test {
+
+using Json = nlohmann::json;
+
+namespace {
+
+model::GenerationParams call_params(const Json& case_json, const std::string& dir) {
+  Json kwargs = case_json.at("call_defaults_in_effect");
+  for (const auto& item : case_json.at("call_kwargs").items()) kwargs[item.key()] = item.value();
+  const auto given = [&](const char* key) { return kwargs.contains(key) && !kwargs.at(key).is_null(); };
+  model::GenerationParams p;
+  p.num_frames = kwargs.at("num_frames").get<int64_t>();
+  p.height = kwargs.at("height").get<int64_t>();
+  p.width = kwargs.at("width").get<int64_t>();
+  p.num_inference_steps = kwargs.at("num_inference_steps").get<int64_t>();
+  p.guidance_scale = kwargs.at("guidance_scale").get<double>();
+  p.fps = kwargs.at("fps").get<int64_t>();
+  if (given("base_num_frames")) p.base_num_frames = kwargs.at("base_num_frames").get<int64_t>();
+  if (given("ar_step")) p.ar_step = kwargs.at("ar_step").get<int64_t>();
+  if (given("addnoise_condition")) p.addnoise_condition = kwargs.at("addnoise_condition").get<double>();
+  if (given("overlap_history")) p.overlap_history = kwargs.at("overlap_history").get<int64_t>();
+  if (given("causal_block_size")) p.causal_block_size = kwargs.at("causal_block_size").get<int64_t>();
+  const std::string generator = kwargs.at("generator").get<std::string>();  // "torch.Generator().manual_seed(N)"
+  p.seed = std::stoull(generator.substr(generator.find("manual_seed(") + 12));
+  p.scheduler = model::FlowUniPCConfig::from_file(dir + "/scheduler/scheduler_config.json");
+  p.flow_shift = p.scheduler.flow_shift;
+  return p;
+}
+
+}  // namespace
+
+PipelineCase load_pipeline_case(const std::string& name, const std::string& dir) {
+  PipelineCase c;
+  c.name = name;
+  c.dir = dir;
+  c.json = Json::parse(std::ifstream(dir + "/case.json"));
+  c.params = call_params(c.json, dir);
+  c.model_block = c.json.at("transformer_config_before_call").at("num_frame_per_block").get<int64_t>();
+  c.inputs = load_tensors(dir + "/inputs.safetensors");
+  c.conditioning.prompt_embeds = c.inputs.at("prompt_embeds");
+  if (c.inputs.count("negative_prompt_embeds")) {
+    c.conditioning.negative_prompt_embeds = c.inputs.at("negative_prompt_embeds");
+  }
+  const auto noise = load_tensors(dir + "/noise.safetensors");
+  for (const auto& draw : c.json.at("noise_draws_in_order")) c.noise.push_back(noise.at(draw.at("name")));
+  c.trace = load_tensors(dir + "/trace.safetensors");
+  c.output = load_tensors(dir + "/output.safetensors");
+  return c;
+}
+
+std::string row_key(int64_t chunk, int64_t row, const char* what) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "c%lld_r%03lld_%s", static_cast<long long>(chunk), static_cast<long long>(row), what);
+  return buf;
+}
+
+model::Denoiser trace_denoiser(const PipelineCase& c, int* calls) {
+  return [&c, calls](const model::DenoiseCall& call) {
+    ++*calls;
+    EXPECT_TRUE(all_close(call.latent_model_input, c.trace.at(row_key(call.chunk, call.row, "model_input")), 1e-6))
+        << "model input of chunk " << call.chunk << " row " << call.row;
+    EXPECT_TRUE(at::equal(call.timestep, c.trace.at(row_key(call.chunk, call.row, "model_timestep"))))
+        << "timestep of chunk " << call.chunk << " row " << call.row;
+    return c.trace.at(row_key(call.chunk, call.row, call.unconditional ? "noise_pred_uncond" : "noise_pred_cond"));
+  };
+}
+
+model::DenoiserInfo fixture_info(const PipelineCase& c) {
+  model::DenoiserInfo info;
+  info.num_frame_per_block = c.model_block;
+  return info;
+}
+
+at::Tensor run_chunks(const PipelineCase& c, const model::Denoiser& denoiser, const model::DenoiserInfo& info,
+                      model::NoiseSource& noise, double atol) {
+  const model::ChunkPlan plan = model::plan_chunks(c.params, info.num_frame_per_block);
+  at::Tensor video;
+  for (const model::ChunkSpec& chunk : plan.chunks) {
+    const at::Tensor latents =
+        model::run_chunk(denoiser, info, c.params, plan, chunk.index, c.conditioning, video, noise);
+    EXPECT_TRUE(all_close(latents, c.output.at("chunk" + std::to_string(chunk.index) + "_latents_end"), atol))
+        << c.name << " chunk " << chunk.index;
+    video = model::accumulate(video, latents, chunk);
+  }
+  return video;
+}
+
+}  // namespace skyreels::test

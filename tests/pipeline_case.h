@@ -1,0 +1,41 @@
+// A diffusers diffusion-forcing pipeline fixture (tests/data/golden/pipeline_df*, case.json + tensors) and the
+// helpers that replay it: shared by the text-to-video and the image / video conditioning suites.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "model/diffusion_forcing.h"
+
+namespace skyreels::test {
+
+struct PipelineCase {
+  std::string name;  // as the suite names it (for messages and its own lookups)
+  std::string dir;   // the fixture folder
+  nlohmann::json json;
+  model::GenerationParams params;  // the call's arguments (defaults in effect, then call_kwargs)
+  int64_t model_block = 1;         // the transformer config's num_frame_per_block before the call
+  model::Conditioning conditioning;
+  std::vector<at::Tensor> noise;  // noise_000, noise_001, ... in draw order
+  std::map<std::string, at::Tensor> inputs, trace, output;
+};
+
+PipelineCase load_pipeline_case(const std::string& name, const std::string& dir);
+
+// trace.safetensors' key of one denoising row, e.g. c1_r004_model_input.
+std::string row_key(int64_t chunk, int64_t row, const char* what);
+
+// The recorded transformer outputs, checking on the way that the loop feeds the model what diffusers fed it.
+model::Denoiser trace_denoiser(const PipelineCase& c, int* calls);
+model::DenoiserInfo fixture_info(const PipelineCase& c);
+
+// Chunk after chunk through run_chunk, as the server runs them; checks each chunk's end latents within `atol`.
+at::Tensor run_chunks(const PipelineCase& c, const model::Denoiser& denoiser, const model::DenoiserInfo& info,
+                      model::NoiseSource& noise, double atol);
+
+}  // namespace skyreels::test
