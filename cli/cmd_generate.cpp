@@ -23,6 +23,7 @@
 namespace {
 
 using skyreels::cli::Args;
+using skyreels::cli::frame_and_value;
 using skyreels::cli::UsageError;
 using skyreels::cli::with_generation_flags;
 namespace model = skyreels::model;
@@ -147,19 +148,6 @@ model::Conditioning conditioning_from_text(model::TextEncoder& encoder, const Ar
     c.negative_prompt_embeds = encoder.encode({args.get("negative-prompt", "")}, max_len).to(at::kFloat);
   }
   return c;
-}
-
-std::pair<int64_t, std::string> frame_and_value(const std::string& flag, const std::string& text) {
-  const size_t colon = text.find(':');
-  try {
-    if (colon == std::string::npos || colon == 0) throw std::invalid_argument(text);
-    size_t used = 0;
-    const long long frame = std::stoll(text.substr(0, colon), &used);
-    if (used != colon || frame < 0) throw std::invalid_argument(text);
-    return {frame, text.substr(colon + 1)};
-  } catch (const std::exception&) {
-    throw UsageError("flag --" + flag + " expects FRAME:VALUE with FRAME a pixel frame >= 0, got '" + text + "'");
-  }
 }
 
 // --prompt-at and --inputs-at, sorted by frame; `encode` turns a text into [prompt, negative] embeddings.

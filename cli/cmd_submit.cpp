@@ -18,6 +18,7 @@
 namespace {
 
 using skyreels::cli::Args;
+using skyreels::cli::frame_and_value;
 using skyreels::cli::UsageError;
 using skyreels::cli::with_generation_flags;
 namespace pb = skyreels::v1;
@@ -124,19 +125,6 @@ void fill_pixels(const Args& args, const std::string& flag, const std::string& t
     *input->mutable_tensor() = wire_tensor(path, tensor_name);
   } else {
     input->set_encoded(server::read_binary_file(path));
-  }
-}
-
-std::pair<int64_t, std::string> frame_and_value(const std::string& flag, const std::string& text) {
-  const size_t colon = text.find(':');
-  try {
-    if (colon == std::string::npos || colon == 0) throw std::invalid_argument(text);
-    size_t used = 0;
-    const long long frame = std::stoll(text.substr(0, colon), &used);
-    if (used != colon || frame < 0) throw std::invalid_argument(text);
-    return {frame, text.substr(colon + 1)};
-  } catch (const std::exception&) {
-    throw UsageError("flag --" + flag + " expects FRAME:VALUE with FRAME a pixel frame >= 0, got '" + text + "'");
   }
 }
 

@@ -115,4 +115,17 @@ std::vector<std::string> with_generation_flags(std::vector<std::string> known) {
   return known;
 }
 
+std::pair<int64_t, std::string> frame_and_value(const std::string& flag, const std::string& text) {
+  const size_t colon = text.find(':');
+  try {
+    if (colon == std::string::npos || colon == 0) throw std::invalid_argument(text);
+    size_t used = 0;
+    const long long frame = std::stoll(text.substr(0, colon), &used);
+    if (used != colon || frame < 0) throw std::invalid_argument(text);
+    return {frame, text.substr(colon + 1)};
+  } catch (const std::exception&) {
+    throw UsageError("flag --" + flag + " expects FRAME:VALUE with FRAME a pixel frame >= 0, got '" + text + "'");
+  }
+}
+
 }  // namespace skyreels::cli

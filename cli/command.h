@@ -1,10 +1,12 @@
 // Subcommands of the `skyreels` tool. Each cmd_*.cpp registers one with SKYREELS_COMMAND; main.cpp dispatches.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace skyreels::cli {
@@ -47,6 +49,10 @@ std::vector<std::string> with_generation_flags(std::vector<std::string> known);
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+
+// A --prompt-at / --inputs-at value: FRAME:VALUE, FRAME a pixel frame (>= 0) of the output video. Throws UsageError
+// naming `flag`.
+std::pair<int64_t, std::string> frame_and_value(const std::string& flag, const std::string& text);
 
 }  // namespace skyreels::cli
 
