@@ -4,7 +4,10 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cmath>
 #include <fstream>
+#include <limits>
+#include <sstream>
 
 #include "tests/test_util.h"
 
@@ -93,6 +96,38 @@ at::Tensor run_chunks(const PipelineCase& c, const model::Denoiser& denoiser, co
     video = model::accumulate(video, latents, chunk);
   }
   return video;
+}
+
+std::string generate_flags(const PipelineCase& c) {
+  const model::GenerationParams& p = c.params;
+  std::ostringstream os;
+  os << " --model " << c.dir << "/weights/diffusers --inputs " << c.dir << "/inputs.safetensors --num-frames "
+     << p.num_frames << " --height " << p.height << " --width " << p.width << " --num-inference-steps "
+     << p.num_inference_steps << " --guidance-scale " << p.guidance_scale << " --scheduler-config " << c.dir
+     << "/scheduler/scheduler_config.json --base-num-frames " << p.base_num_frames << " --ar-step " << p.ar_step
+     << " --addnoise-condition " << p.addnoise_condition;
+  if (p.overlap_history) os << " --overlap-history " << *p.overlap_history;
+  if (p.causal_block_size) os << " --causal-block-size " << *p.causal_block_size;
+  return os.str();
+}
+
+double expect_generate_matches(const PipelineCase& c, const std::string& extra_flags) {
+  const std::string out = temp_dir("generate") + "/out.safetensors";
+  std::string log;
+  const int status =
+      run_command(bin_path("skyreels") + " generate" + generate_flags(c) + extra_flags + " --out " + out, &log);
+  EXPECT_EQ(status, 0) << log;
+  if (status != 0) return std::numeric_limits<double>::quiet_NaN();
+  const auto produced = load_tensors(out);
+  for (const auto& [name, expected] : c.output) {
+    if (!produced.count(name)) {
+      ADD_FAILURE() << "skyreels generate wrote no " << name;
+      continue;
+    }
+    EXPECT_TRUE(all_close(produced.at(name), expected, 1e-4)) << name;
+  }
+  return produced.count("latents") ? max_abs_diff(produced.at("latents"), c.output.at("latents"))
+                                   : std::numeric_limits<double>::quiet_NaN();
 }
 
 }  // namespace skyreels::test

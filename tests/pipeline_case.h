@@ -38,4 +38,10 @@ model::DenoiserInfo fixture_info(const PipelineCase& c);
 at::Tensor run_chunks(const PipelineCase& c, const model::Denoiser& denoiser, const model::DenoiserInfo& info,
                       model::NoiseSource& noise, double atol);
 
+// `skyreels generate` flags that make the fixture's call (model, prompts, every argument), without the noise source.
+std::string generate_flags(const PipelineCase& c);
+// Runs `skyreels generate <generate_flags(c)> <extra_flags>` and checks every tensor of output.safetensors within
+// 1e-4; returns max |diff| of the latents (NaN when the command failed).
+double expect_generate_matches(const PipelineCase& c, const std::string& extra_flags);
+
 }  // namespace skyreels::test

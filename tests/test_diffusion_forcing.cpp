@@ -667,31 +667,8 @@ TEST(Progress, WithTheTransformerCancellationIsPolledAfterEveryBlock) {
 
 // ---- the CLI ---------------------------------------------------------------------------------------------------
 
-std::string cli_flags(const PipelineCase& c) {
-  const std::string dir = golden_path("pipeline_df/" + c.name);
-  const GenerationParams& p = c.params;
-  std::ostringstream os;
-  os << " --model " << dir << "/weights/diffusers --inputs " << dir << "/inputs.safetensors --num-frames "
-     << p.num_frames << " --height " << p.height << " --width " << p.width << " --num-inference-steps "
-     << p.num_inference_steps << " --guidance-scale " << p.guidance_scale << " --scheduler-config " << dir
-     << "/scheduler/scheduler_config.json --base-num-frames " << p.base_num_frames << " --ar-step " << p.ar_step
-     << " --addnoise-condition " << p.addnoise_condition;
-  if (p.overlap_history) os << " --overlap-history " << *p.overlap_history;
-  if (p.causal_block_size) os << " --causal-block-size " << *p.causal_block_size;
-  return os.str();
-}
-
 void expect_cli_output_matches(const PipelineCase& c, const std::string& extra) {
-  const std::string out = test::temp_dir("generate") + "/out.safetensors";
-  std::string log;
-  ASSERT_EQ(test::run_command(test::bin_path("skyreels") + " generate" + cli_flags(c) + extra + " --out " + out, &log),
-            0)
-      << log;
-  const auto produced = load_tensors(out);
-  for (const auto& [name, expected] : c.output) {
-    ASSERT_TRUE(produced.count(name)) << name;
-    EXPECT_TRUE(all_close(produced.at(name), expected, 1e-4)) << name;
-  }
+  test::expect_generate_matches(c, extra);
 }
 
 TEST(GenerateCommand, ReproducesP2FromTheSeedAlone) {

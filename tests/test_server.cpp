@@ -31,36 +31,6 @@ using namespace std::chrono_literals;
 
 constexpr double kAtol = 1e-5;  // same math, other thread counts: float32 reductions may round differently
 
-pb::JobEvent first_event_of_type(server::Client& client, const std::string& id, pb::JobEvent::EventCase type) {
-  auto ctx = client.context(30);
-  pb::WatchJobRequest request;
-  request.set_job_id(id);
-  auto reader = client.stub().WatchJob(ctx.get(), request);
-  pb::JobEvent event;
-  while (reader->Read(&event)) {
-    if (event.event_case() == type) {
-      ctx->TryCancel();
-      break;
-    }
-  }
-  reader->Finish();
-  return event;
-}
-
-grpc::Status submit_status(server::Client& client, const pb::SubmitJobRequest& request,
-                           pb::SubmitJobResponse* out = nullptr, std::string* retry_after_ms = nullptr) {
-  auto ctx = client.context(30);
-  pb::SubmitJobResponse response;
-  const grpc::Status status = client.stub().SubmitJob(ctx.get(), request, &response);
-  if (out) *out = response;
-  if (retry_after_ms) {
-    for (const auto& [key, value] : ctx->GetServerTrailingMetadata()) {
-      if (key == "retry-after-ms") *retry_after_ms = std::string(value.data(), value.size());
-    }
-  }
-  return status;
-}
-
 // ---- two CPU replicas, the demo model, float32 ------------------------------------------------------------------
 
 class ServerTest : public SharedServerSuite<ServerTest> {

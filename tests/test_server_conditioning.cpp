@@ -183,12 +183,6 @@ TEST_F(ConditioningServerTest, TheMp4OfAnImageToVideoWithALastImageLeavesTheLast
   EXPECT_EQ(video::read_video_bytes(std::vector<uint8_t>(mp4.begin(), mp4.end())).info.frames, 33);
 }
 
-grpc::Status submit_status(ServerProcess& server, const pb::SubmitJobRequest& request) {
-  auto ctx = server.client().context(30);
-  pb::SubmitJobResponse response;
-  return server.client().stub().SubmitJob(ctx.get(), request, &response);
-}
-
 std::string mp4_bytes(int64_t frames, int64_t size) {
   const at::Tensor video = at::rand({3, frames, size, size}) * 2 - 1;
   const std::vector<uint8_t> bytes = video::encode_mp4_segment(video);
@@ -248,7 +242,7 @@ TEST_F(ConditioningServerTest, BadImagesAndVideosAreInvalidArgumentAndTheServerK
   cases.push_back({"image and video", both, "exclusive"});
 
   for (const Bad& bad : cases) {
-    const grpc::Status status = submit_status(*server_, bad.request);
+    const grpc::Status status = submit_status(server_->client(), bad.request);
     EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << bad.what << ": " << status.error_message();
     EXPECT_NE(status.error_message().find(bad.message_part), std::string::npos)
         << bad.what << ": " << status.error_message();

@@ -28,32 +28,6 @@ using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 using Health = grpc::health::v1::HealthCheckResponse;
 
-// Follows WatchJob until the first event of `type` (or the job's end); returns it.
-pb::JobEvent first_event_of_type(server::Client& client, const std::string& id, pb::JobEvent::EventCase type) {
-  auto ctx = client.context(120);
-  pb::WatchJobRequest request;
-  request.set_job_id(id);
-  auto reader = client.stub().WatchJob(ctx.get(), request);
-  pb::JobEvent event;
-  while (reader->Read(&event)) {
-    if (event.event_case() == type) {
-      ctx->TryCancel();
-      break;
-    }
-  }
-  reader->Finish();
-  return event;
-}
-
-grpc::Status submit_status(server::Client& client, const pb::SubmitJobRequest& request,
-                           pb::SubmitJobResponse* out = nullptr) {
-  auto ctx = client.context(30);
-  pb::SubmitJobResponse response;
-  const grpc::Status status = client.stub().SubmitJob(ctx.get(), request, &response);
-  if (out) *out = response;
-  return status;
-}
-
 bool cancel(server::Client& client, const std::string& id) {
   pb::CancelJobRequest request;
   request.set_job_id(id);

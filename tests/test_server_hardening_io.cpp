@@ -45,20 +45,6 @@ int64_t proc_status(pid_t pid, const std::string& field) {
   return -1;
 }
 
-grpc::Status submit_status(server::Client& client, const pb::SubmitJobRequest& request,
-                           pb::SubmitJobResponse* out = nullptr, std::string* retry_after_ms = nullptr) {
-  auto ctx = client.context(30);
-  pb::SubmitJobResponse response;
-  const grpc::Status status = client.stub().SubmitJob(ctx.get(), request, &response);
-  if (out) *out = response;
-  if (retry_after_ms) {
-    for (const auto& [key, value] : ctx->GetServerTrailingMetadata()) {
-      if (key == "retry-after-ms") *retry_after_ms = std::string(value.data(), value.size());
-    }
-  }
-  return status;
-}
-
 grpc::Status get_job(server::Client& client, const std::string& id, pb::Job* out = nullptr) {
   auto ctx = client.context(10);
   pb::GetJobRequest request;
@@ -436,19 +422,6 @@ TEST_F(TextServerIoTest, Item7_ConcurrentEncodesAreBoundedAndTheRestToldWhenToRe
 }
 
 // ---- 8. /metrics cannot be held -------------------------------------------------------------------------------------
-
-int connect_loopback(int port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    ::close(fd);
-    return -1;
-  }
-  return fd;
-}
 
 TEST(HardeningIo, Item8_SlowAndIdleScrapeConnectionsNeitherBlockScrapesNorShutdown) {
   ServerProcess server({"--demo", "--devices", "cpu"});

@@ -126,17 +126,24 @@ std::string ServerProcess::log() const {
   return os.str();
 }
 
-std::string http_get(int port, const std::string& path, int* status) {
-  if (status) *status = 0;
+int connect_loopback(int port) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   addr.sin_port = htons(static_cast<uint16_t>(port));
   if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
     ::close(fd);
-    return "";
+    return -1;
   }
+  return fd;
+}
+
+std::string http_get(int port, const std::string& path, int* status) {
+  if (status) *status = 0;
+  const int fd = connect_loopback(port);
+  if (fd < 0) return "";
   const std::string request = "GET " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
   ::send(fd, request.data(), request.size(), MSG_NOSIGNAL);
   std::string response;
@@ -194,6 +201,37 @@ std::pair<at::Tensor, at::Tensor> request_embeddings(const pb::SubmitJobRequest&
   };
   const auto& e = request.spec().embeddings();
   return {tensor(e.prompt_embeds()), tensor(e.negative_prompt_embeds())};
+}
+
+grpc::Status submit_status(server::Client& client, const pb::SubmitJobRequest& request,
+                           pb::SubmitJobResponse* out, std::string* retry_after_ms) {
+  auto ctx = client.context(30);
+  pb::SubmitJobResponse response;
+  const grpc::Status status = client.stub().SubmitJob(ctx.get(), request, &response);
+  if (out) *out = response;
+  if (retry_after_ms) {
+    for (const auto& [key, value] : ctx->GetServerTrailingMetadata()) {
+      if (key == "retry-after-ms") *retry_after_ms = std::string(value.data(), value.size());
+    }
+  }
+  return status;
+}
+
+pb::JobEvent first_event_of_type(server::Client& client, const std::string& id, pb::JobEvent::EventCase type,
+                                 int timeout_seconds) {
+  auto ctx = client.context(timeout_seconds);
+  pb::WatchJobRequest request;
+  request.set_job_id(id);
+  auto reader = client.stub().WatchJob(ctx.get(), request);
+  pb::JobEvent event;
+  while (reader->Read(&event)) {
+    if (event.event_case() == type) {
+      ctx->TryCancel();
+      break;
+    }
+  }
+  reader->Finish();
+  return event;
 }
 
 pb::Job submit(server::Client& client, const pb::SubmitJobRequest& request) {

@@ -62,6 +62,8 @@ class SharedServerSuite : public ::testing::Test {
   static inline ServerProcess* server_ = nullptr;
 };
 
+// A TCP connection to 127.0.0.1:port (a blocking socket), or -1.
+int connect_loopback(int port);
 // GET http://127.0.0.1:port/path; returns the body ("" on failure), status code into *status.
 std::string http_get(int port, const std::string& path, int* status = nullptr);
 // The value of one sample line "name{labels} value" of a Prometheus exposition (NaN when absent).
@@ -75,6 +77,13 @@ v1::SubmitJobRequest long_video_request(uint64_t seed, int64_t steps = 3, double
 // The request's prompt embeddings as CPU float tensors (prompt, negative).
 std::pair<at::Tensor, at::Tensor> request_embeddings(const v1::SubmitJobRequest& request);
 
+// Submits and returns the status as is (for the refusals); the response into *out, the trailing `retry-after-ms`
+// into *retry_after_ms when given.
+grpc::Status submit_status(server::Client& client, const v1::SubmitJobRequest& request,
+                           v1::SubmitJobResponse* out = nullptr, std::string* retry_after_ms = nullptr);
+// Follows WatchJob until the first event of `type` (or the job's end); returns it.
+v1::JobEvent first_event_of_type(server::Client& client, const std::string& id, v1::JobEvent::EventCase type,
+                                 int timeout_seconds = 120);
 // Submits; fails the test on a non-OK status.
 v1::Job submit(server::Client& client, const v1::SubmitJobRequest& request);
 // Follows the job to its end (WatchJob); returns the final job.
