@@ -1,5 +1,7 @@
 #include "server/service.h"
 
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/support/server_interceptor.h>
 #include <spdlog/spdlog.h>
@@ -201,6 +203,38 @@ void params_to_proto(const ResolvedParams& r, pb::GenerationParams* p) {
   c->set_lower_order_final(r.lower_order_final);
   for (int64_t step : r.disable_corrector) c->add_disable_corrector(step);
   c->set_final_sigmas_type(r.final_sigmas_type);
+}
+
+// What the job store keeps of a request: the request with the values actually used filled in (the resolved seed;
+// text prompts replaced by the embeddings they were encoded to, so that a resume never re-encodes), serialised
+// deterministically. Deadlines are not part of it: the store keeps the absolute deadline of the job.
+std::string durable_request(const pb::SubmitJobRequest& request, const ModelJob& job) {
+  pb::SubmitJobRequest kept;
+  *kept.mutable_spec() = request.spec();
+  kept.set_priority(request.priority());
+  kept.set_produce_mp4(request.produce_mp4());
+  pb::JobSpec& spec = *kept.mutable_spec();
+  spec.mutable_params()->set_seed(job.params().seed);
+  if (spec.conditioning_case() == pb::JobSpec::kText) {
+    auto to_proto_tensor = [](const RawTensor& raw, pb::Tensor* out) {
+      out->set_dtype(pb::DTYPE_FLOAT32);
+      for (int64_t d : raw.shape) out->add_shape(d);
+      out->set_data(raw.data);
+    };
+    pb::PromptEmbeddings embeddings;
+    to_proto_tensor(job.prompt_embeddings(false), embeddings.mutable_prompt_embeds());
+    const RawTensor negative = job.prompt_embeddings(true);
+    if (!negative.shape.empty()) to_proto_tensor(negative, embeddings.mutable_negative_prompt_embeds());
+    *spec.mutable_embeddings() = std::move(embeddings);  // clears the text (one of the conditioning oneof)
+  }
+  std::string bytes;
+  {
+    google::protobuf::io::StringOutputStream stream(&bytes);
+    google::protobuf::io::CodedOutputStream coded(&stream);
+    coded.SetSerializationDeterministic(true);
+    kept.SerializeToCodedStream(&coded);
+  }
+  return bytes;
 }
 
 ModelJob* model_job(const JobSnapshot& s) { return dynamic_cast<ModelJob*>(s.payload.get()); }
@@ -764,6 +798,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
     spec.fingerprint = job->fingerprint() ^ (static_cast<uint64_t>(request.priority() + 11) * 0x9E3779B97F4A7C15ULL) ^
                        deadline_fingerprint(request);
     spec.payload = job;
+    spec.durable_request = durable_request(request, *job);
     try {
       *result = scheduler_.submit(std::move(spec));
     } catch (const AdmissionError& e) {
@@ -1082,6 +1117,41 @@ void WatchReactor::OnDone() {
 }
 
 }  // namespace
+
+std::vector<RestoredJob> restore_jobs(const JobStore& store, const ServiceConfig& config) {
+  std::vector<RestoredJob> out;
+  for (StoredJob& stored : store.load_jobs()) {
+    RestoredJob r;
+    r.stored = std::move(stored);
+    const std::string& id = r.stored.id;
+    r.events = store.load_events(id);
+    r.chunks = store.load_chunks(id);
+    try {
+      pb::SubmitJobRequest request;
+      if (!request.ParseFromString(r.stored.request)) throw std::runtime_error("the stored request is unreadable");
+      // Embeddings are stored, not text; prompt changes given as text are encoded again (same encoder, same values).
+      auto job = ModelJob::create(request_from_proto(request.spec()), config.model, config.limits, 0,
+                                  config.text_encoder, config.vae);
+      std::vector<std::string> bytes;
+      for (auto& chunk : r.chunks) bytes.push_back(std::move(chunk.bytes));
+      job->restore_results(std::move(bytes));
+      r.chunk_work = job->chunk_work();
+      r.chunk_rows = job->chunk_rows();
+      if (static_cast<int64_t>(r.chunk_work.size()) != r.stored.chunk_count) {
+        throw std::runtime_error("the request now plans " + std::to_string(r.chunk_work.size()) +
+                                 " chunks, it had " + std::to_string(r.stored.chunk_count));
+      }
+      r.payload = std::move(job);
+    } catch (const std::exception& e) {
+      r.error = e.what();
+      r.payload.reset();
+      spdlog::error("job={} event=restore_failed error=\"{}\"", id, log_escape(e.what()));
+    }
+    r.stored.request.clear();
+    out.push_back(std::move(r));
+  }
+  return out;
+}
 
 std::unique_ptr<grpc::Service> make_video_service(Scheduler& scheduler, ServiceConfig config) {
   return std::make_unique<VideoServiceImpl>(scheduler, std::move(config));
