@@ -59,14 +59,18 @@ class JobStore {
   virtual bool durable() const = 0;          // false: nothing survives a restart (no resume)
 
   // Each call is one transaction; StoreError when it could not be committed (nothing of it is then stored).
-  virtual void insert_job(const StoredJob& job) = 0;
+  virtual void insert_job(StoredJob job) = 0;  // by value: the request may be megabytes
   // State, times, error, retries, handoffs (not chunks_done: see commit_chunk).
   virtual void update_job(const StoredJob& job) = 0;
   // The chunk's result and chunks_done = chunk.index + 1, atomically.
   virtual void commit_chunk(const std::string& job_id, const StoredChunk& chunk) = 0;
   virtual void append_event(const std::string& job_id, const StoredEvent& event) = 0;
-  // The job, its chunks and its events (retention).
-  virtual void remove_job(const std::string& job_id) = 0;
+  // Retention: the job, its chunks and its events go; a tombstone (owner, reason) stays, so that the id answers
+  // "dropped" rather than "never existed". Tombstones are bounded (kMaxTombstones, oldest dropped first).
+  virtual void drop_job(const std::string& job_id, const std::string& reason) = 0;
+  // The reason `job_id` (owned by `owner`) was dropped, nullopt when the store has no tombstone for it.
+  virtual std::optional<std::string> dropped_reason(const std::string& job_id, const std::string& owner) const = 0;
+  static constexpr int64_t kMaxTombstones = 100000;
 
   virtual std::vector<StoredJob> load_jobs() const = 0;  // in submission order
   virtual std::vector<StoredChunk> load_chunks(const std::string& job_id) const = 0;

@@ -4,11 +4,11 @@
 
 namespace skyreels::server {
 
-void MemoryJobStore::insert_job(const StoredJob& job) {
+void MemoryJobStore::insert_job(StoredJob job) {
   std::lock_guard<std::mutex> lock(mu_);
   Entry& entry = jobs_[job.id];
-  entry.job = job;
-  entry.job.request.clear();  // never read back: nothing is resumed from memory
+  job.request.clear();  // never read back: nothing is resumed from memory
+  entry.job = std::move(job);
 }
 
 void MemoryJobStore::update_job(const StoredJob& job) {
@@ -26,9 +26,7 @@ void MemoryJobStore::commit_chunk(const std::string& job_id, const StoredChunk& 
   std::lock_guard<std::mutex> lock(mu_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return;
-  StoredChunk meta = chunk;
-  meta.bytes.clear();
-  it->second.chunks.push_back(std::move(meta));
+  it->second.chunks.push_back({chunk.index, chunk.replica, chunk.attempts, {}});  // the payload holds the bytes
   it->second.job.chunks_done = chunk.index + 1;
 }
 
@@ -38,9 +36,24 @@ void MemoryJobStore::append_event(const std::string& job_id, const StoredEvent& 
   if (it != jobs_.end()) it->second.events.push_back(event);
 }
 
-void MemoryJobStore::remove_job(const std::string& job_id) {
+void MemoryJobStore::drop_job(const std::string& job_id, const std::string& reason) {
   std::lock_guard<std::mutex> lock(mu_);
-  jobs_.erase(job_id);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return;
+  tombstones_[job_id] = {it->second.job.owner, reason};
+  tombstone_order_.push_back(job_id);
+  jobs_.erase(it);
+  while (static_cast<int64_t>(tombstone_order_.size()) > kMaxTombstones) {
+    tombstones_.erase(tombstone_order_.front());
+    tombstone_order_.pop_front();
+  }
+}
+
+std::optional<std::string> MemoryJobStore::dropped_reason(const std::string& job_id, const std::string& owner) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = tombstones_.find(job_id);
+  if (it == tombstones_.end() || it->second.first != owner) return std::nullopt;
+  return it->second.second;
 }
 
 std::vector<StoredJob> MemoryJobStore::load_jobs() const {

@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <chrono>
 #include <filesystem>
 
 #include "server/job_store_memory.h"
@@ -24,6 +25,9 @@ const std::vector<std::string>& migrations() {
       "CREATE TABLE chunks(job_id TEXT NOT NULL, idx INTEGER NOT NULL, replica TEXT NOT NULL,"
       " attempts INTEGER NOT NULL, bytes BLOB NOT NULL, PRIMARY KEY(job_id, idx));"
       "CREATE TABLE events(job_id TEXT NOT NULL, seq INTEGER NOT NULL, data TEXT NOT NULL, PRIMARY KEY(job_id, seq));",
+      // 1 -> 2: tombstones of jobs dropped by retention
+      "CREATE TABLE dropped(id TEXT PRIMARY KEY, owner TEXT NOT NULL, reason TEXT NOT NULL,"
+      " dropped_ms INTEGER NOT NULL);",
   };
   return list;
 }
@@ -93,7 +97,7 @@ void SqliteJobStore::migrate() {
   }
 }
 
-void SqliteJobStore::insert_job(const StoredJob& j) {
+void SqliteJobStore::insert_job(StoredJob j) {
   std::lock_guard<std::mutex> lock(mu_);
   sqlite::Statement s(
       *db_, std::string("INSERT INTO jobs(") + kJobColumns + ") VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)");
@@ -138,14 +142,37 @@ void SqliteJobStore::append_event(const std::string& job_id, const StoredEvent& 
       .run();
 }
 
-void SqliteJobStore::remove_job(const std::string& job_id) {
+void SqliteJobStore::drop_job(const std::string& job_id, const std::string& reason) {
   std::lock_guard<std::mutex> lock(mu_);
   sqlite::Transaction tx(*db_);
+  const auto now_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                          std::chrono::system_clock::now().time_since_epoch())
+                          .count();
+  sqlite::Statement(*db_,
+                    "INSERT OR REPLACE INTO dropped(id, owner, reason, dropped_ms)"
+                    " SELECT id, owner, ?, ? FROM jobs WHERE id=?")
+      .bind(1, reason)
+      .bind(2, int64_t{now_ms})
+      .bind(3, job_id)
+      .run();
+  sqlite::Statement(*db_,
+                    "DELETE FROM dropped WHERE id IN (SELECT id FROM dropped ORDER BY dropped_ms DESC LIMIT -1"
+                    " OFFSET ?)")
+      .bind(1, kMaxTombstones)
+      .run();
   for (const char* table : {"chunks", "events"}) {
     sqlite::Statement(*db_, std::string("DELETE FROM ") + table + " WHERE job_id=?").bind(1, job_id).run();
   }
   sqlite::Statement(*db_, "DELETE FROM jobs WHERE id=?").bind(1, job_id).run();
   tx.commit();
+}
+
+std::optional<std::string> SqliteJobStore::dropped_reason(const std::string& job_id, const std::string& owner) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  sqlite::Statement s(*db_, "SELECT reason FROM dropped WHERE id=? AND owner=?");
+  s.bind(1, job_id).bind(2, owner);
+  if (!s.step()) return std::nullopt;
+  return s.text(0);
 }
 
 std::vector<StoredJob> SqliteJobStore::load_jobs() const {

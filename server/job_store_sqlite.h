@@ -16,17 +16,18 @@ class Database;
 
 class SqliteJobStore final : public JobStore {
  public:
-  static constexpr int kSchemaVersion = 1;
+  static constexpr int kSchemaVersion = 2;
   explicit SqliteJobStore(const std::string& path);  // throws StoreError naming the file
   ~SqliteJobStore() override;
 
   std::string describe() const override { return "sqlite:" + path_; }
   bool durable() const override { return true; }
-  void insert_job(const StoredJob& job) override;
+  void insert_job(StoredJob job) override;
   void update_job(const StoredJob& job) override;
   void commit_chunk(const std::string& job_id, const StoredChunk& chunk) override;
   void append_event(const std::string& job_id, const StoredEvent& event) override;
-  void remove_job(const std::string& job_id) override;
+  void drop_job(const std::string& job_id, const std::string& reason) override;
+  std::optional<std::string> dropped_reason(const std::string& job_id, const std::string& owner) const override;
   std::vector<StoredJob> load_jobs() const override;
   std::vector<StoredChunk> load_chunks(const std::string& job_id) const override;
   std::vector<StoredEvent> load_events(const std::string& job_id) const override;

@@ -8,6 +8,8 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "server/dispatch_policy.h"
+
 namespace skyreels::server {
 
 const char* job_state_name(JobState state) {
@@ -148,6 +150,7 @@ struct Scheduler::Job {
   std::map<uint64_t, std::function<void()>> listeners;  // subscribe(): watchers that hold no thread
 
   int64_t fair_key() const { return vbase + chunks_done; }
+  policy::JobKey key() const { return {spec.priority, fair_key(), order}; }
   bool active() const { return !is_terminal(state); }
 };
 
@@ -452,11 +455,8 @@ void Scheduler::dispatch_locked() {
     for (auto& [id, job] : jobs_) {
       if (job->active() && !job->chunk_running && !job->cancel_requested && !job->aborted) ready.push_back(job.get());
     }
-    std::sort(ready.begin(), ready.end(), [](const Job* a, const Job* b) {
-      if (a->spec.priority != b->spec.priority) return a->spec.priority > b->spec.priority;
-      if (a->fair_key() != b->fair_key()) return a->fair_key() < b->fair_key();
-      return a->order < b->order;
-    });
+    std::sort(ready.begin(), ready.end(),
+              [](const Job* a, const Job* b) { return policy::dispatch_before(a->key(), b->key()); });
     for (Job* job : ready) {
       if (idle.empty()) break;
       const int chosen = choose_replica_locked(*job, idle, now);
@@ -470,48 +470,23 @@ void Scheduler::dispatch_locked() {
 }
 
 int Scheduler::choose_replica_locked(Job& job, const std::vector<size_t>& idle, Clock::time_point now) const {
-  auto is_idle = [&](int r) {
-    return r >= 0 && std::find(idle.begin(), idle.end(), static_cast<size_t>(r)) != idle.end();
-  };
-  // Affinity: the replica that ran the previous chunk, unless it just failed this one.
-  if (job.holder >= 0 && job.holder != job.avoid && is_idle(job.holder)) return job.holder;
-
-  std::vector<size_t> candidates;
-  for (size_t r : idle) {
-    if (static_cast<int>(r) != job.avoid) candidates.push_back(r);
-  }
-  if (candidates.empty()) {
-    // Retry on the replica that failed only when no other healthy replica exists at all.
-    if (!is_idle(job.avoid)) return -1;
-    for (size_t r = 0; r < replicas_.size(); ++r) {
-      if (static_cast<int>(r) != job.avoid && replicas_[r]->healthy) return -1;
-    }
-    return job.avoid;
-  }
-
-  // The holder is busy: wait for it when it will be free sooner than a handoff costs.
-  if (job.holder >= 0 && job.holder != job.avoid) {
-    const Replica& holder = *replicas_[static_cast<size_t>(job.holder)];
-    if (holder.healthy && holder.busy && seconds_per_work_ > 0) {
-      const double elapsed = std::chrono::duration<double>(now - holder.chunk_started).count();
-      const double remaining = std::max(0.0, holder.expected_seconds - elapsed);
-      if (remaining < options_.handoff_cost_seconds) return -1;  // cost 0: never wait
+  std::vector<policy::ReplicaView> views(replicas_.size());
+  for (size_t r = 0; r < replicas_.size(); ++r) {
+    const Replica& replica = *replicas_[r];
+    policy::ReplicaView& v = views[r];
+    v.healthy = replica.healthy;
+    v.idle = std::find(idle.begin(), idle.end(), r) != idle.end();
+    if (replica.busy) {
+      const double elapsed = std::chrono::duration<double>(now - replica.chunk_started).count();
+      v.remaining_seconds = std::max(0.0, replica.expected_seconds - elapsed);
     }
   }
-
-  // Prefer an idle replica that no other waiting job has affinity to.
-  auto holds_other = [&](size_t r) {
-    for (const auto& [id, other] : jobs_) {
-      if (other.get() != &job && other->active() && !other->chunk_running && other->holder == static_cast<int>(r)) {
-        return true;
-      }
+  for (const auto& [id, other] : jobs_) {
+    if (other.get() != &job && other->active() && !other->chunk_running && other->holder >= 0) {
+      views[static_cast<size_t>(other->holder)].held_by_other_job = true;
     }
-    return false;
-  };
-  for (size_t r : candidates) {
-    if (!holds_other(r)) return static_cast<int>(r);
   }
-  return static_cast<int>(candidates.front());
+  return policy::choose_replica({job.holder, job.avoid}, views, options_.handoff_cost_seconds, seconds_per_work_ > 0);
 }
 
 void Scheduler::assign_locked(Job& job, size_t index, Clock::time_point now) {
@@ -775,11 +750,8 @@ void Scheduler::update_positions_locked(Clock::time_point now) {
   for (auto& [id, job] : jobs_) {
     if (job->active() && !job->chunk_running) waiting.push_back(job.get());
   }
-  std::sort(waiting.begin(), waiting.end(), [](const Job* a, const Job* b) {
-    if (a->spec.priority != b->spec.priority) return a->spec.priority > b->spec.priority;
-    if (a->fair_key() != b->fair_key()) return a->fair_key() < b->fair_key();
-    return a->order < b->order;
-  });
+  std::sort(waiting.begin(), waiting.end(),
+            [](const Job* a, const Job* b) { return policy::dispatch_before(a->key(), b->key()); });
   int64_t healthy = 0;
   double soonest_free = std::numeric_limits<double>::infinity();
   for (const auto& r : replicas_) {
@@ -795,10 +767,8 @@ void Scheduler::update_positions_locked(Clock::time_point now) {
   for (Job* job : waiting) {
     if (job->state == JobState::Queued) {
       ++position;
-      double eta = -1;
-      if (seconds_per_work_ > 0 && healthy > 0) {
-        eta = soonest_free + estimate_seconds_locked(work_ahead) / static_cast<double>(healthy);
-      }
+      const double eta =
+          policy::queue_eta(soonest_free, estimate_seconds_locked(work_ahead), healthy, seconds_per_work_ > 0);
       const bool moved = position != job->position;
       job->position = position;
       job->eta = eta;
@@ -838,7 +808,10 @@ void Scheduler::gc_locked() {
     if (!job->spec.idempotency_key.empty()) idempotency_.erase({job->spec.owner, job->spec.idempotency_key});
     if (store_ != nullptr) {
       try {
-        store_->remove_job(job->id);
+        store_->drop_job(job->id, expired ? "its results were kept --result-ttl-seconds " +
+                                                std::to_string(options_.retention.count())
+                                          : "more than --max-retained-jobs " +
+                                                std::to_string(options_.max_retained_jobs) + " finished jobs");
       } catch (const StoreError& e) {
         spdlog::error("job={} event=store_remove_failed error=\"{}\"", job->id, e.what());
       }
@@ -989,7 +962,7 @@ SubmitResult Scheduler::submit(JobSpec spec) {
     stored.request = std::move(ref.spec.durable_request);
     ref.spec.durable_request.clear();
     try {
-      store_->insert_job(stored);
+      store_->insert_job(std::move(stored));
     } catch (const StoreError& e) {
       spdlog::error("job={} event=store_insert_failed error=\"{}\"", ref.id, e.what());
       throw AdmissionError(AdmissionError::Reason::Unavailable, std::string("the job could not be stored: ") + e.what(),
@@ -1097,6 +1070,16 @@ std::optional<JobSnapshot> Scheduler::get(const std::string& id, const std::stri
   const Job* job = find_locked(id, owner);
   if (job == nullptr) return std::nullopt;
   return snapshot_locked(*job);
+}
+
+std::optional<std::string> Scheduler::dropped(const std::string& id, const std::string& owner) const {
+  if (store_ == nullptr) return std::nullopt;
+  try {
+    return store_->dropped_reason(id, owner);
+  } catch (const StoreError& e) {
+    spdlog::warn("event=store_read_failed error=\"{}\"", e.what());
+    return std::nullopt;
+  }
 }
 
 std::vector<JobSnapshot> Scheduler::list(const std::string& owner) const {

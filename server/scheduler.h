@@ -265,6 +265,8 @@ class Scheduler {
   // nullopt when unknown or owned by another client (`owner` must match; empty matches only unowned jobs).
   std::optional<JobSnapshot> get(const std::string& id, const std::string& owner) const;
   std::vector<JobSnapshot> list(const std::string& owner) const;
+  // Why a job the store once had is gone (dropped by retention), nullopt when the id is unknown to the store.
+  std::optional<std::string> dropped(const std::string& id, const std::string& owner) const;
   // Cancels at the next step boundary (queued or between chunks: at once). Returns the snapshot, nullopt if unknown.
   std::optional<JobSnapshot> cancel(const std::string& id, const std::string& owner);
 

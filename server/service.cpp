@@ -433,7 +433,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
     if (Status s = authenticate(ctx, &caller, false); !s.ok()) return s;
     if (Status s = check_job_id(request->job_id()); !s.ok()) return s;
     auto job = scheduler_.get(request->job_id(), caller.owner);
-    if (!job) return not_found(request->job_id());
+    if (!job) return job_not_found(request->job_id(), caller.owner);
     job_to_proto(*job, response);
     return Status::OK;
   }
@@ -447,7 +447,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
     std::unique_ptr<StreamLimiter::Slot> slot;
     if (Status s = open_stream(caller, &slot); !s.ok()) return new FinishedWriter<pb::JobEvent>(s);
     if (!scheduler_.get(request->job_id(), caller.owner)) {
-      return new FinishedWriter<pb::JobEvent>(not_found(request->job_id()));
+      return new FinishedWriter<pb::JobEvent>(job_not_found(request->job_id(), caller.owner));
     }
     return WatchReactor::start(*this, *request, caller.owner, std::move(slot));
   }
@@ -457,7 +457,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
     if (Status s = authenticate(ctx, &caller, false); !s.ok()) return s;
     if (Status s = check_job_id(request->job_id()); !s.ok()) return s;
     auto job = scheduler_.cancel(request->job_id(), caller.owner);
-    if (!job) return not_found(request->job_id());
+    if (!job) return job_not_found(request->job_id(), caller.owner);
     job_to_proto(*job, response);
     return Status::OK;
   }
@@ -495,7 +495,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
     if (Status s = open_stream(caller, &slot); !s.ok()) return s;
     const std::string& owner = caller.owner;
     auto job = scheduler_.get(request->job_id(), owner);
-    if (!job) return not_found(request->job_id());
+    if (!job) return job_not_found(request->job_id(), caller.owner);
     if (request->from_chunk() < 0 || request->from_chunk() >= job->chunk_count) {
       return Status(StatusCode::INVALID_ARGUMENT, "from_chunk: " + std::to_string(request->from_chunk()) +
                                                       " is outside [0, " + std::to_string(job->chunk_count) + ")");
@@ -504,7 +504,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
       while (true) {
         if (ctx->IsCancelled()) return Status(StatusCode::CANCELLED, "client cancelled the download");
         job = scheduler_.wait_chunks(request->job_id(), owner, chunk, Clock::now() + kPoll);
-        if (!job) return not_found(request->job_id());
+        if (!job) return job_not_found(request->job_id(), caller.owner);
         if (job->chunks_done > chunk) break;
         if (is_terminal(job->state)) {
           return Status(StatusCode::FAILED_PRECONDITION,
@@ -546,7 +546,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
         return Status(StatusCode::CANCELLED, "client cancelled: job " + id + " cancelled");
       }
       const EventBatch batch = scheduler_.wait_events(id, owner, after, Clock::now() + kPoll);
-      if (!batch.found) return not_found(id);
+      if (!batch.found) return job_not_found(id, owner);
       for (const auto& event : batch.events) {
         after = event.sequence;
         if (request->skip_steps() && event.type == EventType::Step) continue;
@@ -711,6 +711,15 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
         return reject(nullptr, StatusCode::ALREADY_EXISTS, e.what());
     }
     return Status(StatusCode::INTERNAL, e.what());
+  }
+
+  // NOT_FOUND, saying so when the job existed and retention dropped it.
+  Status job_not_found(const std::string& id, const std::string& owner) const {
+    if (auto reason = scheduler_.dropped(id, owner)) {
+      return Status(StatusCode::NOT_FOUND, "job '" + log_escape(id, kMaxJobIdBytes) +
+                                               "' was dropped by retention (" + *reason + ")");
+    }
+    return not_found(id);
   }
 
   // The request's fields the transport owns (the model's fields are ModelJob::create's).
@@ -1067,7 +1076,7 @@ struct WatchReactor::Core : std::enable_shared_from_this<WatchReactor::Core> {
   void read_events_locked(std::optional<Status>* finish) {
     const EventBatch batch = service.scheduler_.wait_events(id, owner, after, Clock::now());
     if (!batch.found) {
-      *finish = not_found(id);
+      *finish = service.job_not_found(id, owner);
       return;
     }
     for (const auto& event : batch.events) {

@@ -201,6 +201,38 @@ TEST(JobStore, ADeadlineThatPassedWhileDownEndsTheJob) {
   EXPECT_EQ(done.error().code(), static_cast<int>(grpc::StatusCode::DEADLINE_EXCEEDED));
 }
 
+TEST(JobStore, AJobDroppedByRetentionSaysSoAcrossARestart) {
+  const std::string store = new_store();
+  std::vector<std::string> args = store_args(store, 0);
+  args.insert(args.end(), {"--result-ttl-seconds", "1"});
+  pb::SubmitJobRequest request = long_video_request(1330);
+  request.mutable_spec()->mutable_params()->set_num_frames(17);  // one chunk
+  std::string id;
+  {
+    ServerProcess server(args);
+    id = submit(server.client(), request).job_id();
+    EXPECT_EQ(wait_job(server.client(), id).state(), pb::JOB_STATE_SUCCEEDED);
+    grpc::Status status;
+    const auto until = std::chrono::steady_clock::now() + 30s;  // retention runs on the scheduler's 100 ms timer
+    while (std::chrono::steady_clock::now() < until) {
+      get_job(server.client(), id, &status);
+      if (!status.ok()) break;
+      std::this_thread::sleep_for(100ms);
+    }
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
+    EXPECT_NE(status.error_message().find("dropped by retention"), std::string::npos) << status.error_message();
+    kill_server(server);
+  }
+  ServerProcess restarted(args);
+  grpc::Status status;
+  get_job(restarted.client(), id, &status);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_NE(status.error_message().find("--result-ttl-seconds"), std::string::npos) << status.error_message();
+  get_job(restarted.client(), "j-00000000000000ff", &status);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(status.error_message().find("dropped"), std::string::npos) << status.error_message();
+}
+
 // Starts the server on `store` expecting it to refuse: exit code != 0 and a message naming the file and `why`.
 void expect_refused(const std::string& store, const std::string& why) {
   ServerProcess server(store_args(store), false);
