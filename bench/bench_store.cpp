@@ -47,7 +47,7 @@ int main(int argc, char** argv) {
   }
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
-  const std::string request(size_t{2} * 512 * 4096 * 4 + 4096, '\x3f');  // two embeddings + the rest of a request
+  const std::string request(size_t{2} * 512 * 4096 * 4 + 4096, '\x3f');   // two embeddings + the rest of a request
   const std::string chunk(size_t{16} * 25 * 68 * 120 * 4 + 512, '\x3f');  // safetensors latents of one chunk
   const double compute_s = chunk_flops() / (tflops * 1e12);
 

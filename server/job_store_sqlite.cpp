@@ -145,9 +145,9 @@ void SqliteJobStore::append_event(const std::string& job_id, const StoredEvent& 
 void SqliteJobStore::drop_job(const std::string& job_id, const std::string& reason) {
   std::lock_guard<std::mutex> lock(mu_);
   sqlite::Transaction tx(*db_);
-  const auto now_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-                          std::chrono::system_clock::now().time_since_epoch())
-                          .count();
+  const auto now_ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count();
   sqlite::Statement(*db_,
                     "INSERT OR REPLACE INTO dropped(id, owner, reason, dropped_ms)"
                     " SELECT id, owner, ?, ? FROM jobs WHERE id=?")

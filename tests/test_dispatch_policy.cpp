@@ -1,10 +1,10 @@
 // The scheduler's decisions as plain functions (server/dispatch_policy.h): no threads, no clocks, no executors.
-#include "server/dispatch_policy.h"
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <vector>
+
+#include "server/dispatch_policy.h"
 
 namespace skyreels::server::policy {
 namespace {
