@@ -2,7 +2,9 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 
 #include "server/job_store_memory.h"
@@ -56,10 +58,23 @@ SqliteJobStore::SqliteJobStore(const std::string& path) : path_(path) {
     }
   }
   migrate();
+  cap_growth_for_tests();
   spdlog::info("event=job_store_opened store=sqlite path={} schema_version={}", path, kSchemaVersion);
 }
 
 SqliteJobStore::~SqliteJobStore() = default;
+
+// Test hook, like --fault-inject: SKYREELS_JOB_STORE_MAX_GROWTH_PAGES=N lets the file grow by N pages at most, so that
+// tests see what a full disk does (SQLITE_FULL on the write that needs more) without filling one.
+void SqliteJobStore::cap_growth_for_tests() {
+  const char* growth = std::getenv("SKYREELS_JOB_STORE_MAX_GROWTH_PAGES");
+  if (growth == nullptr) return;
+  sqlite::Statement count(*db_, "PRAGMA page_count");
+  const int64_t pages = count.step() ? count.int64(0) : 0;
+  const int64_t cap = pages + std::max<int64_t>(0, std::atoll(growth));
+  sqlite::Statement(*db_, "PRAGMA max_page_count = " + std::to_string(cap)).step();
+  spdlog::warn("event=job_store_capped_for_tests path={} max_pages={}", path_, cap);
+}
 
 void SqliteJobStore::migrate() {
   int64_t tables = 0;

@@ -34,6 +34,7 @@ class SqliteJobStore final : public JobStore {
 
  private:
   void migrate();
+  void cap_growth_for_tests();
   std::string path_;
   mutable std::mutex mu_;
   std::unique_ptr<sqlite::Database> db_;

@@ -8,6 +8,7 @@
 #include <signal.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -15,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "server/sqlite_db.h"
 #include "tests/test_server_harness.h"
 #include "tests/test_util.h"
@@ -231,6 +233,43 @@ TEST(JobStore, AJobDroppedByRetentionSaysSoAcrossARestart) {
   get_job(restarted.client(), "j-00000000000000ff", &status);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_EQ(status.error_message().find("dropped"), std::string::npos) << status.error_message();
+}
+
+// A full disk (the store capped by SKYREELS_JOB_STORE_MAX_GROWTH_PAGES, so SQLite answers SQLITE_FULL): a job whose
+// chunk cannot be committed fails INTERNAL naming the reason, a submission that cannot be stored is refused with
+// UNAVAILABLE, and the process keeps serving.
+TEST(JobStore, AFullDiskFailsTheJobOrTheSubmitNeverTheProcess) {
+  const std::string store = new_store();
+  ::setenv("SKYREELS_JOB_STORE_MAX_GROWTH_PAGES", "24", 1);  // a small job fits; its 320 KiB chunk does not
+  ServerProcess server(store_args(store, 0));
+  ::unsetenv("SKYREELS_JOB_STORE_MAX_GROWTH_PAGES");
+  pb::SubmitJobRequest request = long_video_request(1340);
+  auto* p = request.mutable_spec()->mutable_params();
+  p->set_num_frames(17);
+  p->set_height(256);
+  p->set_width(256);
+  const pb::Job job = submit(server.client(), request);
+  const pb::Job done = wait_job(server.client(), job.job_id());
+  EXPECT_EQ(done.state(), pb::JOB_STATE_FAILED);
+  EXPECT_EQ(done.error().code(), static_cast<int>(grpc::StatusCode::INTERNAL));
+  EXPECT_NE(done.error().message().find("could not be stored"), std::string::npos) << done.error().message();
+  EXPECT_NE(done.error().message().find("full"), std::string::npos) << done.error().message();
+
+  // Fill what is left, then a submission is refused and the server still answers.
+  grpc::Status status = grpc::Status::OK;
+  for (int i = 0; i < 64 && status.ok(); ++i) {
+    auto ctx = server.client().context(30);
+    pb::SubmitJobResponse response;
+    pb::SubmitJobRequest big = long_video_request(1341 + static_cast<uint64_t>(i));
+    big.mutable_spec()->mutable_params()->set_num_frames(17);
+    status = server.client().stub().SubmitJob(ctx.get(), big, &response);
+    if (status.ok()) wait_job(server.client(), response.job().job_id());
+  }
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << server::describe(status);
+  EXPECT_NE(status.error_message().find("could not be stored"), std::string::npos) << status.error_message();
+  std::cout << "job: " << done.error().message() << "\nsubmit: " << status.error_message() << "\n";
+  EXPECT_TRUE(server.running());
+  EXPECT_EQ(health_status(server.address(), ""), grpc::health::v1::HealthCheckResponse::SERVING);
 }
 
 // Starts the server on `store` expecting it to refuse: exit code != 0 and a message naming the file and `why`.
