@@ -307,5 +307,41 @@ TEST(JobStore, ANewerSchemaOrALockedStoreStopsTheStart) {
   expect_refused(store, "schema version 99 is newer");
 }
 
+// A store written by schema version 1 (before tombstones) is migrated forward in place, and keeps its jobs' rows.
+TEST(JobStore, AnOlderSchemaIsMigratedForward) {
+  const std::string store = new_store();
+  {
+    server::sqlite::Database db(store, true);
+    db.exec(
+        "CREATE TABLE schema_version(version INTEGER NOT NULL); INSERT INTO schema_version VALUES(1);"
+        "CREATE TABLE jobs(id TEXT PRIMARY KEY, ord INTEGER NOT NULL, vbase INTEGER NOT NULL, owner TEXT NOT NULL,"
+        " client TEXT NOT NULL, priority INTEGER NOT NULL, deadline_ms INTEGER, idempotency_key TEXT NOT NULL,"
+        " fingerprint INTEGER NOT NULL, state TEXT NOT NULL, error_kind TEXT NOT NULL, error TEXT NOT NULL,"
+        " created_ms INTEGER NOT NULL, started_ms INTEGER NOT NULL, finished_ms INTEGER NOT NULL,"
+        " chunk_count INTEGER NOT NULL, chunks_done INTEGER NOT NULL, retries INTEGER NOT NULL,"
+        " handoffs INTEGER NOT NULL, request BLOB NOT NULL);"
+        "CREATE TABLE chunks(job_id TEXT NOT NULL, idx INTEGER NOT NULL, replica TEXT NOT NULL,"
+        " attempts INTEGER NOT NULL, bytes BLOB NOT NULL, PRIMARY KEY(job_id, idx));"
+        "CREATE TABLE events(job_id TEXT NOT NULL, seq INTEGER NOT NULL, data TEXT NOT NULL,"
+        " PRIMARY KEY(job_id, seq));");
+  }
+  {
+    ServerProcess server(store_args(store, 0));
+    EXPECT_NE(server.log().find("event=job_store_migrated path=" + store + " from=1 to=2"), std::string::npos)
+        << server.log();
+    const std::string id = submit(server.client(), long_video_request(1350)).job_id();
+    EXPECT_EQ(wait_job(server.client(), id).state(), pb::JOB_STATE_SUCCEEDED);
+    server.signal(SIGTERM);
+    ASSERT_EQ(server.wait_exit(30s), 0) << server.log();
+  }
+  server::sqlite::Database db(store, false);
+  server::sqlite::Statement version(db, "SELECT version FROM schema_version");
+  ASSERT_TRUE(version.step());
+  EXPECT_EQ(version.int64(0), 2);
+  server::sqlite::Statement jobs(db, "SELECT count(*) FROM jobs");
+  ASSERT_TRUE(jobs.step());
+  EXPECT_EQ(jobs.int64(0), 1);
+}
+
 }  // namespace
 }  // namespace skyreels::test
