@@ -34,10 +34,12 @@ METRICS_PORT=${METRICS_PORT:-$(free_port)}
 SERVER="127.0.0.1:$PORT"
 mkdir -p "$OUT"
 LOG="$OUT/server.log"
+# A fresh data dir (the job store) per run: a demo never resumes an earlier run's jobs.
+DATA_DIR=$(mktemp -d "${TMPDIR:-/tmp}/skyreels-demo-data-XXXXXX")
 
 echo "demo: starting skyreels-server --demo on $SERVER (2 CPU replicas), metrics on 127.0.0.1:$METRICS_PORT"
 "$BIN/skyreels-server" --demo --vae demo --text-encoder demo --tokenizer assets/demo/tokenizer \
-  --devices cpu,cpu --listen "$SERVER" \
+  --devices cpu,cpu --listen "$SERVER" --data-dir "$DATA_DIR" \
   --metrics-listen "127.0.0.1:$METRICS_PORT" \
   >"$LOG" 2>&1 &
 SERVER_PID=$!
@@ -46,6 +48,7 @@ stop_server() {
     kill -TERM "$SERVER_PID"
     wait "$SERVER_PID" || true
   fi
+  rm -rf "$DATA_DIR"
 }
 trap stop_server EXIT
 
@@ -77,6 +80,7 @@ trap - EXIT
 kill -TERM "$SERVER_PID"
 STATUS=0
 wait "$SERVER_PID" || STATUS=$?
+rm -rf "$DATA_DIR"
 if [ "$STATUS" -ne 0 ]; then
   echo "demo: server exited with $STATUS; log in $LOG" >&2
   exit 1

@@ -10,7 +10,7 @@ PACKAGES=(
   build-essential cmake ninja-build pkg-config ccache git
   libtorch-dev libopenblas0-openmp
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
-  libspdlog-dev libfmt-dev prometheus-cpp-dev nlohmann-json3-dev
+  libspdlog-dev libfmt-dev prometheus-cpp-dev nlohmann-json3-dev libsqlite3-dev
   libgtest-dev libgmock-dev libyaml-dev
   libavcodec-dev libavformat-dev libswscale-dev libavutil-dev
   openssl

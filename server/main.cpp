@@ -100,6 +100,13 @@ limits:
   --drain-timeout-seconds N   on SIGTERM, how long accepted jobs may still run (default 600)
   --result-ttl-seconds N      how long finished jobs and their results are kept (default 3600)
   --max-retained-jobs N       finished jobs kept at most, oldest dropped first (default 256)
+jobs that survive a restart:
+  --data-dir DIR              where the server keeps its state (default ./skyreels-data; the container uses
+                              /var/lib/skyreels)
+  --job-store memory|sqlite:PATH   where jobs, their chunk results and chunk events are kept (default
+                              sqlite:<--data-dir>/jobs.sqlite): on start, unfinished jobs resume at their last
+                              finished chunk; memory keeps today's behaviour (nothing survives a restart). A corrupt,
+                              newer-schema or locked (another server's) store file is a startup error
 test hooks:
   --fault-inject SPEC         REPLICA@N[+][:KIND],...: the N-th chunk run on REPLICA (e.g. cpu:1@2) fails after its
                               first step ('+': and every later run); KIND error (default), oom (an out-of-memory
@@ -138,6 +145,8 @@ struct Options {
   std::string fault_inject;
   int64_t step_delay_ms = 0;
   std::string log_level = "info";
+  std::string data_dir = "./skyreels-data";
+  std::string job_store;  // empty: sqlite:<data_dir>/jobs.sqlite
   TransportLimits transport;
 };
 
@@ -178,7 +187,9 @@ Options parse(int argc, char** argv) {
                                                  {"--tls-key", &o.tls_key},
                                                  {"--api-keys", &o.api_keys},
                                                  {"--fault-inject", &o.fault_inject},
-                                                 {"--log-level", &o.log_level}};
+                                                 {"--log-level", &o.log_level},
+                                                 {"--data-dir", &o.data_dir},
+                                                 {"--job-store", &o.job_store}};
   struct IntFlag {
     int64_t* target;
     int64_t lo, hi;
@@ -414,6 +425,12 @@ struct TempDir {
 };
 
 int serve(const Options& o, Signals& signals) {
+  // ---- the job store first: a store that cannot be used stops the start before a model is loaded ----
+  const std::string store_spec =
+      o.job_store.empty() ? "sqlite:" + (std::filesystem::path(o.data_dir) / "jobs.sqlite").string() : o.job_store;
+  std::unique_ptr<JobStore> store = open_job_store(store_spec);
+  spdlog::info("event=job_store store={} durable={}", store->describe(), store->durable());
+
   // ---- model ----
   TempDir demo_dir;
   std::string model_path = o.model;
@@ -478,8 +495,7 @@ int serve(const Options& o, Signals& signals) {
   scheduling.retest_backoff = to_millis(o.replica_retest_seconds);
   scheduling.retest_backoff_max = std::max(scheduling.retest_backoff, to_millis(o.replica_retest_max_seconds));
   scheduling.liveness_grace = std::chrono::seconds(o.liveness_grace_seconds);
-  Scheduler scheduler(std::move(executors), scheduling, &observers);
-  scheduler.start();
+  Scheduler scheduler(std::move(executors), scheduling, &observers, store.get());
 
   // ---- gRPC ----
   ApiKeys keys;
@@ -521,6 +537,9 @@ int serve(const Options& o, Signals& signals) {
   if (video) service_config.want_video = [&video](const JobSnapshot& job) { video->want(job); };
   service_config.metrics = &metrics;
   service_config.transport = o.transport;
+  // Jobs of an earlier run (a kill, a drain that ran out, a rolling update) resume before anything is dispatched.
+  scheduler.restore(restore_jobs(*store, service_config));
+  scheduler.start();
   auto service = make_video_service(scheduler, service_config);
 
   grpc::EnableDefaultHealthCheckService(true);

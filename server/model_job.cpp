@@ -657,6 +657,42 @@ void ModelJob::run_chunk(const model::SkyReelsV2Transformer& transformer, int64_
   d.results[static_cast<size_t>(chunk)] = std::move(blob);
 }
 
+void ModelJob::restore_results(std::vector<std::string> chunk_bytes) {
+  Impl& d = *impl_;
+  const auto n = static_cast<int64_t>(chunk_bytes.size());
+  if (n > chunk_count()) throw std::runtime_error("more stored chunks than the plan has");
+  // The accumulated video is chunk 0's whole output (keep_from is 0) then every later chunk's new frames; the next
+  // chunk reads its last overlap frames.
+  const int64_t overlap = d.plan.overlap_latent_frames;
+  const bool need_tail = overlap > 0 && n > 0 && n < chunk_count();
+  std::vector<at::Tensor> video;
+  for (int64_t k = 0; k < n; ++k) {
+    const model::ChunkSpec& spec = d.plan.chunks[static_cast<size_t>(k)];
+    const F32View view = parse_f32_tensor(chunk_bytes[static_cast<size_t>(k)], "latents");
+    if (view.shape.size() != 5 || view.shape[2] != spec.output_end - spec.output_begin) {
+      throw std::runtime_error("stored chunk " + std::to_string(k) + " does not match the job's plan");
+    }
+    if (need_tail) {
+      at::Tensor t = at::empty(view.shape, at::kFloat);
+      std::memcpy(t.data_ptr<float>(), view.data, view.bytes);
+      video.push_back(std::move(t));
+    }
+  }
+  if (need_tail) {
+    const at::Tensor joined = at::cat(video, 2);
+    if (joined.size(2) < overlap) {
+      throw std::runtime_error("the stored chunks hold fewer latent frames than the next chunk's overlap");
+    }
+    d.tail = joined.narrow(2, joined.size(2) - overlap, overlap).clone();
+  }
+  std::lock_guard<std::mutex> lock(d.results_mu);
+  for (int64_t k = 0; k < n; ++k) {
+    const model::ChunkSpec& spec = d.plan.chunks[static_cast<size_t>(k)];
+    d.results[static_cast<size_t>(k)] =
+        ChunkBlob{std::move(chunk_bytes[static_cast<size_t>(k)]), spec.output_begin, spec.output_end};
+  }
+}
+
 std::optional<ChunkBlob> ModelJob::chunk_result(int64_t chunk) const {
   std::lock_guard<std::mutex> lock(impl_->results_mu);
   if (chunk < 0 || chunk >= static_cast<int64_t>(impl_->results.size())) return std::nullopt;

@@ -158,6 +158,12 @@ class ModelJob : public JobPayload {
   // Throws model::GenerationCancelled when hooks.cancelled() turns true.
   void run_chunk(const model::SkyReelsV2Transformer& model, int64_t chunk, const model::StepHooks& hooks);
 
+  // After a restart: the results of the chunks that were committed (chunk 0, 1, ... in order, safetensors bytes as
+  // run_chunk made them). The next chunk continues from their tail; its noise is re-derived from the seed (a fresh
+  // seeded source skips ahead to any chunk), so the video is bit-identical to an uninterrupted run. Throws
+  // std::runtime_error when a result does not fit the plan.
+  void restore_results(std::vector<std::string> chunk_bytes);
+
   // The chunk's result, nullopt until it exists.
   std::optional<ChunkBlob> chunk_result(int64_t chunk) const;
   int64_t chunks_available() const;

@@ -224,10 +224,10 @@ ChunkResult ModelReplica::run(const ChunkWork& work, const ChunkCallbacks& callb
   try {
     job->run_chunk(*model_, work.chunk_index, hooks);
   } catch (const model::GenerationCancelled&) {
-    return {ChunkOutcome::Stopped, "", 0};
+    return {ChunkOutcome::Stopped, "", 0, {}};
   } catch (const std::invalid_argument& e) {
     // The model refuses this request's inputs (validation missed a case): the job's fault, not the replica's.
-    return {ChunkOutcome::Rejected, e.what(), 0};
+    return {ChunkOutcome::Rejected, e.what(), 0, {}};
   } catch (const std::exception& e) {
     if (!is_out_of_memory(e)) throw;  // counts against the replica
     // Out of memory: this request is too large for the device. Its tensors are freed by now; hand the memory back.
@@ -235,9 +235,11 @@ ChunkResult ModelReplica::run(const ChunkWork& work, const ChunkCallbacks& callb
     return {
         ChunkOutcome::ResourceExhausted,
         std::string("out of memory on replica ") + options_.name + " (the request is too large for it): " + e.what(),
-        0};
+        0, {}};
   }
-  return {ChunkOutcome::Succeeded, "", job->chunk_pixel_frames(work.chunk_index)};
+  ChunkResult result{ChunkOutcome::Succeeded, "", job->chunk_pixel_frames(work.chunk_index), {}};
+  if (auto blob = job->chunk_result(work.chunk_index)) result.bytes = std::move(blob->bytes);  // for the job store
+  return result;
 }
 
 void ModelReplica::throw_fault(const FaultRule& rule, int64_t run_number) {

@@ -5,7 +5,10 @@
 #include <algorithm>
 #include <cstdio>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <random>
+
+#include "server/dispatch_policy.h"
 
 namespace skyreels::server {
 
@@ -28,6 +31,79 @@ const char* job_state_name(JobState state) {
 }
 
 bool is_terminal(JobState state) { return state != JobState::Queued && state != JobState::Running; }
+
+const char* error_kind_name(ErrorKind kind) {
+  switch (kind) {
+    case ErrorKind::None:
+      return "";
+    case ErrorKind::Internal:
+      return "internal";
+    case ErrorKind::Unavailable:
+      return "unavailable";
+    case ErrorKind::Cancelled:
+      return "cancelled";
+    case ErrorKind::DeadlineExceeded:
+      return "deadline_exceeded";
+    case ErrorKind::InvalidArgument:
+      return "invalid_argument";
+    case ErrorKind::ResourceExhausted:
+      return "resource_exhausted";
+  }
+  return "";
+}
+
+namespace {
+
+JobState parse_state(const std::string& name) {
+  for (JobState s : {JobState::Queued, JobState::Running, JobState::Succeeded, JobState::Failed, JobState::Cancelled,
+                     JobState::DeadlineExceeded}) {
+    if (name == job_state_name(s)) return s;
+  }
+  return JobState::Failed;
+}
+
+ErrorKind parse_error_kind(const std::string& name) {
+  for (ErrorKind k : {ErrorKind::Internal, ErrorKind::Unavailable, ErrorKind::Cancelled, ErrorKind::DeadlineExceeded,
+                      ErrorKind::InvalidArgument, ErrorKind::ResourceExhausted}) {
+    if (name == error_kind_name(k)) return k;
+  }
+  return ErrorKind::None;
+}
+
+int64_t to_ms(WallClock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(t.time_since_epoch()).count();
+}
+int64_t to_ms(const std::optional<WallClock::time_point>& t) { return t ? to_ms(*t) : 0; }
+WallClock::time_point from_ms(int64_t ms) { return WallClock::time_point(std::chrono::milliseconds(ms)); }
+
+// Chunk-level events as the store keeps them (step events stay in memory).
+std::string encode_event(const JobEvent& e) {
+  nlohmann::json j = {{"type", static_cast<int>(e.type)}, {"time_ms", to_ms(e.time)}, {"chunk", e.chunk},
+                      {"chunk_count", e.chunk_count},     {"replica", e.replica},     {"attempt", e.attempt},
+                      {"handoff", e.handoff},             {"seconds", e.seconds},     {"position", e.position},
+                      {"eta_seconds", e.eta_seconds},     {"message", e.message}};
+  return j.dump();
+}
+
+JobEvent decode_event(const StoredEvent& stored) {
+  const auto j = nlohmann::json::parse(stored.data);
+  JobEvent e;
+  e.sequence = stored.sequence;
+  e.type = static_cast<EventType>(j.at("type").get<int>());
+  e.time = from_ms(j.at("time_ms").get<int64_t>());
+  e.chunk = j.at("chunk").get<int64_t>();
+  e.chunk_count = j.at("chunk_count").get<int64_t>();
+  e.replica = j.at("replica").get<std::string>();
+  e.attempt = j.at("attempt").get<int>();
+  e.handoff = j.at("handoff").get<bool>();
+  e.seconds = j.at("seconds").get<double>();
+  e.position = j.at("position").get<int64_t>();
+  e.eta_seconds = j.at("eta_seconds").get<double>();
+  e.message = j.at("message").get<std::string>();
+  return e;
+}
+
+}  // namespace
 
 std::string new_job_id() {
   static std::mutex mu;
@@ -61,7 +137,8 @@ struct Scheduler::Job {
   std::string abort_reason;
   ErrorKind error_kind = ErrorKind::None;
   std::string error;
-  std::vector<JobEvent> events;
+  std::vector<JobEvent> events;  // ascending sequence; after a restart only the stored (chunk-level) ones
+  uint64_t next_sequence = 1;
   int64_t position = 0;
   double eta = -1;
   int64_t rows_total = 0;
@@ -73,6 +150,7 @@ struct Scheduler::Job {
   std::map<uint64_t, std::function<void()>> listeners;  // subscribe(): watchers that hold no thread
 
   int64_t fair_key() const { return vbase + chunks_done; }
+  policy::JobKey key() const { return {spec.priority, fair_key(), order}; }
   bool active() const { return !is_terminal(state); }
 };
 
@@ -108,8 +186,8 @@ struct Scheduler::Replica {
 };
 
 Scheduler::Scheduler(std::vector<std::unique_ptr<ChunkExecutor>> replicas, SchedulerOptions options,
-                     SchedulerObserver* observer)
-    : options_(options), observer_(observer) {
+                     SchedulerObserver* observer, JobStore* store)
+    : options_(options), observer_(observer), store_(store) {
   if (replicas.empty()) throw std::invalid_argument("scheduler: at least one replica is required");
   for (auto& exec : replicas) {
     auto replica = std::make_unique<Replica>();
@@ -122,7 +200,7 @@ Scheduler::Scheduler(std::vector<std::unique_ptr<ChunkExecutor>> replicas, Sched
 Scheduler::~Scheduler() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    stopping_ = true;
+    stopping_ = true;  // from here on a durable store keeps unfinished jobs as they are (persisting_locked)
     for (auto& [id, job] : jobs_) {
       if (job->active() && !job->chunk_running) {
         finish_locked(*job, JobState::Failed, ErrorKind::Unavailable, "server stopped");
@@ -239,6 +317,18 @@ void Scheduler::worker(size_t index) {
       result.outcome = ChunkOutcome::Failed;
       result.error = "unknown exception";
     }
+    if (result.outcome == ChunkOutcome::Succeeded && store_ != nullptr && !result.bytes.empty()) {
+      // Outside the lock: a chunk's result is megabytes. Chunks of one job never run concurrently and the job's
+      // other rows do not hold chunks_done, so nothing races this commit.
+      try {
+        store_->commit_chunk(assignment.work.job_id, {assignment.work.chunk_index, replica.name,
+                                                      assignment.work.attempt + 1, std::move(result.bytes)});
+      } catch (const StoreError& e) {
+        result.outcome = ChunkOutcome::NotStored;
+        result.error = e.what();
+      }
+    }
+    result.bytes.clear();
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     lock.lock();
     complete_locked(index, result, seconds);
@@ -365,11 +455,8 @@ void Scheduler::dispatch_locked() {
     for (auto& [id, job] : jobs_) {
       if (job->active() && !job->chunk_running && !job->cancel_requested && !job->aborted) ready.push_back(job.get());
     }
-    std::sort(ready.begin(), ready.end(), [](const Job* a, const Job* b) {
-      if (a->spec.priority != b->spec.priority) return a->spec.priority > b->spec.priority;
-      if (a->fair_key() != b->fair_key()) return a->fair_key() < b->fair_key();
-      return a->order < b->order;
-    });
+    std::sort(ready.begin(), ready.end(),
+              [](const Job* a, const Job* b) { return policy::dispatch_before(a->key(), b->key()); });
     for (Job* job : ready) {
       if (idle.empty()) break;
       const int chosen = choose_replica_locked(*job, idle, now);
@@ -383,48 +470,23 @@ void Scheduler::dispatch_locked() {
 }
 
 int Scheduler::choose_replica_locked(Job& job, const std::vector<size_t>& idle, Clock::time_point now) const {
-  auto is_idle = [&](int r) {
-    return r >= 0 && std::find(idle.begin(), idle.end(), static_cast<size_t>(r)) != idle.end();
-  };
-  // Affinity: the replica that ran the previous chunk, unless it just failed this one.
-  if (job.holder >= 0 && job.holder != job.avoid && is_idle(job.holder)) return job.holder;
-
-  std::vector<size_t> candidates;
-  for (size_t r : idle) {
-    if (static_cast<int>(r) != job.avoid) candidates.push_back(r);
-  }
-  if (candidates.empty()) {
-    // Retry on the replica that failed only when no other healthy replica exists at all.
-    if (!is_idle(job.avoid)) return -1;
-    for (size_t r = 0; r < replicas_.size(); ++r) {
-      if (static_cast<int>(r) != job.avoid && replicas_[r]->healthy) return -1;
-    }
-    return job.avoid;
-  }
-
-  // The holder is busy: wait for it when it will be free sooner than a handoff costs.
-  if (job.holder >= 0 && job.holder != job.avoid) {
-    const Replica& holder = *replicas_[static_cast<size_t>(job.holder)];
-    if (holder.healthy && holder.busy && seconds_per_work_ > 0) {
-      const double elapsed = std::chrono::duration<double>(now - holder.chunk_started).count();
-      const double remaining = std::max(0.0, holder.expected_seconds - elapsed);
-      if (remaining < options_.handoff_cost_seconds) return -1;  // cost 0: never wait
+  std::vector<policy::ReplicaView> views(replicas_.size());
+  for (size_t r = 0; r < replicas_.size(); ++r) {
+    const Replica& replica = *replicas_[r];
+    policy::ReplicaView& v = views[r];
+    v.healthy = replica.healthy;
+    v.idle = std::find(idle.begin(), idle.end(), r) != idle.end();
+    if (replica.busy) {
+      const double elapsed = std::chrono::duration<double>(now - replica.chunk_started).count();
+      v.remaining_seconds = std::max(0.0, replica.expected_seconds - elapsed);
     }
   }
-
-  // Prefer an idle replica that no other waiting job has affinity to.
-  auto holds_other = [&](size_t r) {
-    for (const auto& [id, other] : jobs_) {
-      if (other.get() != &job && other->active() && !other->chunk_running && other->holder == static_cast<int>(r)) {
-        return true;
-      }
+  for (const auto& [id, other] : jobs_) {
+    if (other.get() != &job && other->active() && !other->chunk_running && other->holder >= 0) {
+      views[static_cast<size_t>(other->holder)].held_by_other_job = true;
     }
-    return false;
-  };
-  for (size_t r : candidates) {
-    if (!holds_other(r)) return static_cast<int>(r);
   }
-  return static_cast<int>(candidates.front());
+  return policy::choose_replica({job.holder, job.avoid}, views, options_.handoff_cost_seconds, seconds_per_work_ > 0);
 }
 
 void Scheduler::assign_locked(Job& job, size_t index, Clock::time_point now) {
@@ -452,6 +514,9 @@ void Scheduler::assign_locked(Job& job, size_t index, Clock::time_point now) {
     job.started = WallClock::now();
     const double waited = std::chrono::duration<double>(now - job.created_mono).count();
     if (observer_) observer_->job_started(snapshot_locked(job), waited);
+    persist_update_locked(job);
+  } else if (handoff) {
+    persist_update_locked(job);
   }
   job.chunk_running = true;
   job.rows_in_chunk = 0;
@@ -535,6 +600,11 @@ void Scheduler::complete_locked(size_t index, const ChunkResult& result, double 
     spdlog::warn("job={} event=chunk_out_of_memory chunk={} replica={} error=\"{}\"", job.id, chunk, replica.name,
                  error);
     if (!stop) finish_locked(job, JobState::Failed, ErrorKind::ResourceExhausted, error);
+  } else if (outcome == ChunkOutcome::NotStored) {
+    replica.consecutive_failures = 0;  // the replica worked; the store did not
+    spdlog::error("job={} event=chunk_not_stored chunk={} error=\"{}\"", job.id, chunk, error);
+    if (!stop) finish_locked(job, JobState::Failed, ErrorKind::Internal, "chunk " + std::to_string(chunk) +
+                                                                             " could not be stored: " + error);
   } else if (outcome == ChunkOutcome::Rejected) {
     replica.consecutive_failures = 0;  // the replica works; the request does not
     spdlog::warn("job={} event=chunk_rejected chunk={} replica={} error=\"{}\"", job.id, chunk, replica.name, error);
@@ -570,6 +640,7 @@ void Scheduler::complete_locked(size_t index, const ChunkResult& result, double 
       event.attempt = job.attempts - 1;
       event.message = error;
       push_event_locked(job, std::move(event));
+      persist_update_locked(job);
     } else if (!stop) {
       finish_locked(job, JobState::Failed, ErrorKind::Internal,
                     "chunk " + std::to_string(chunk) + " failed " + std::to_string(job.attempts) +
@@ -600,6 +671,7 @@ void Scheduler::finish_locked(Job& job, JobState state, ErrorKind kind, const st
   job.finished_mono = Clock::now();
   job.position = 0;
   job.eta = -1;
+  persist_update_locked(job);
   JobEvent event;
   event.type = EventType::Finished;
   event.message = error;
@@ -616,10 +688,56 @@ void Scheduler::finish_locked(Job& job, JobState state, ErrorKind kind, const st
 }
 
 void Scheduler::push_event_locked(Job& job, JobEvent event) {
-  event.sequence = job.events.size() + 1;
+  event.sequence = job.next_sequence++;
   event.time = WallClock::now();
+  if (event.type != EventType::Step && persisting_locked()) {
+    try {
+      store_->append_event(job.id, {event.sequence, encode_event(event)});
+    } catch (const StoreError& e) {
+      spdlog::error("job={} event=store_event_failed sequence={} error=\"{}\"", job.id, event.sequence, e.what());
+    }
+  }
   job.events.push_back(std::move(event));
   wake_watchers_locked(job);
+}
+
+bool Scheduler::persisting_locked() const {
+  // A stop of a durable server leaves unfinished jobs as they are stored: the next start resumes them.
+  return store_ != nullptr && !((stopping_ || keep_unfinished_) && store_->durable());
+}
+
+StoredJob Scheduler::stored_locked(const Job& job) const {
+  StoredJob s;
+  s.id = job.id;
+  s.order = job.order;
+  s.vbase = job.vbase;
+  s.owner = job.spec.owner;
+  s.client = job.spec.client;
+  s.priority = job.spec.priority;
+  const JobSnapshot snap = snapshot_locked(job);
+  if (snap.deadline) s.deadline_ms = to_ms(*snap.deadline);
+  s.idempotency_key = job.spec.idempotency_key;
+  s.fingerprint = job.spec.fingerprint;
+  s.state = job_state_name(job.state);
+  s.error_kind = error_kind_name(job.error_kind);
+  s.error = job.error;
+  s.created_ms = to_ms(job.created);
+  s.started_ms = to_ms(job.started);
+  s.finished_ms = to_ms(job.finished);
+  s.chunk_count = static_cast<int64_t>(job.spec.chunk_work.size());
+  s.chunks_done = job.chunks_done;
+  s.retries = job.retries;
+  s.handoffs = job.handoffs;
+  return s;
+}
+
+void Scheduler::persist_update_locked(const Job& job) {
+  if (!persisting_locked()) return;
+  try {
+    store_->update_job(stored_locked(job));
+  } catch (const StoreError& e) {
+    spdlog::error("job={} event=store_update_failed error=\"{}\"", job.id, e.what());
+  }
 }
 
 void Scheduler::wake_watchers_locked(Job& job) {
@@ -632,11 +750,8 @@ void Scheduler::update_positions_locked(Clock::time_point now) {
   for (auto& [id, job] : jobs_) {
     if (job->active() && !job->chunk_running) waiting.push_back(job.get());
   }
-  std::sort(waiting.begin(), waiting.end(), [](const Job* a, const Job* b) {
-    if (a->spec.priority != b->spec.priority) return a->spec.priority > b->spec.priority;
-    if (a->fair_key() != b->fair_key()) return a->fair_key() < b->fair_key();
-    return a->order < b->order;
-  });
+  std::sort(waiting.begin(), waiting.end(),
+            [](const Job* a, const Job* b) { return policy::dispatch_before(a->key(), b->key()); });
   int64_t healthy = 0;
   double soonest_free = std::numeric_limits<double>::infinity();
   for (const auto& r : replicas_) {
@@ -652,10 +767,8 @@ void Scheduler::update_positions_locked(Clock::time_point now) {
   for (Job* job : waiting) {
     if (job->state == JobState::Queued) {
       ++position;
-      double eta = -1;
-      if (seconds_per_work_ > 0 && healthy > 0) {
-        eta = soonest_free + estimate_seconds_locked(work_ahead) / static_cast<double>(healthy);
-      }
+      const double eta =
+          policy::queue_eta(soonest_free, estimate_seconds_locked(work_ahead), healthy, seconds_per_work_ > 0);
       const bool moved = position != job->position;
       job->position = position;
       job->eta = eta;
@@ -693,6 +806,16 @@ void Scheduler::gc_locked() {
     const bool expired = now - *job->finished_mono > options_.retention;
     if (static_cast<int64_t>(i) >= excess && !expired) continue;
     if (!job->spec.idempotency_key.empty()) idempotency_.erase({job->spec.owner, job->spec.idempotency_key});
+    if (store_ != nullptr) {
+      try {
+        store_->drop_job(job->id, expired ? "its results were kept --result-ttl-seconds " +
+                                                std::to_string(options_.retention.count())
+                                          : "more than --max-retained-jobs " +
+                                                std::to_string(options_.max_retained_jobs) + " finished jobs");
+      } catch (const StoreError& e) {
+        spdlog::error("job={} event=store_remove_failed error=\"{}\"", job->id, e.what());
+      }
+    }
     wake_watchers_locked(*job);  // they find the job gone
     jobs_.erase(job->id);
   }
@@ -727,7 +850,7 @@ JobSnapshot Scheduler::snapshot_locked(const Job& job) const {
   s.retries = job.retries;
   s.error_kind = job.error_kind;
   s.error = job.error;
-  s.last_sequence = job.events.size();
+  s.last_sequence = job.next_sequence - 1;
   s.payload = job.spec.payload;
   return s;
 }
@@ -833,6 +956,19 @@ SubmitResult Scheduler::submit(JobSpec spec) {
   for (int64_t rows : spec.chunk_rows) job->rows_total += rows;
   job->spec = std::move(spec);
   Job& ref = *job;
+  if (store_ != nullptr) {
+    // Acknowledged only once committed: a SIGKILL after this answer cannot lose the job.
+    StoredJob stored = stored_locked(ref);
+    stored.request = std::move(ref.spec.durable_request);
+    ref.spec.durable_request.clear();
+    try {
+      store_->insert_job(std::move(stored));
+    } catch (const StoreError& e) {
+      spdlog::error("job={} event=store_insert_failed error=\"{}\"", ref.id, e.what());
+      throw AdmissionError(AdmissionError::Reason::Unavailable, std::string("the job could not be stored: ") + e.what(),
+                           1.0);
+    }
+  }
   jobs_[ref.id] = std::move(job);
   if (!ref.spec.idempotency_key.empty()) idempotency_[{ref.spec.owner, ref.spec.idempotency_key}] = ref.id;
   spdlog::info("job={} event=submitted chunks={} priority={} owner={}", ref.id, ref.spec.chunk_work.size(),
@@ -843,11 +979,107 @@ SubmitResult Scheduler::submit(JobSpec spec) {
   return {snapshot_locked(ref), false};
 }
 
+void Scheduler::restore(std::vector<RestoredJob> restored) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto wall_now = WallClock::now();
+  const auto mono_now = Clock::now();
+  auto mono = [&](WallClock::time_point t) {
+    return mono_now + std::chrono::duration_cast<Clock::duration>(t - wall_now);
+  };
+  for (RestoredJob& r : restored) {
+    const StoredJob& s = r.stored;
+    auto job = std::make_unique<Job>();
+    job->id = s.id;
+    job->order = s.order;
+    next_seq_ = std::max(next_seq_, s.order + 1);
+    job->vbase = s.vbase;
+    job->spec.owner = s.owner;
+    job->spec.client = s.client;
+    job->spec.priority = s.priority;
+    if (s.deadline_ms) job->spec.deadline = mono(from_ms(*s.deadline_ms));
+    job->spec.idempotency_key = s.idempotency_key;
+    job->spec.fingerprint = s.fingerprint;
+    job->spec.payload = r.payload;
+    job->spec.chunk_work = r.chunk_work.empty() ? std::vector<double>(static_cast<size_t>(s.chunk_count), 1.0)
+                                                : r.chunk_work;
+    job->spec.chunk_rows = r.chunk_rows;
+    job->created = from_ms(s.created_ms);
+    job->created_mono = mono(job->created);
+    if (s.started_ms) job->started = from_ms(s.started_ms);
+    job->state = parse_state(s.state);
+    job->error_kind = parse_error_kind(s.error_kind);
+    job->error = s.error;
+    job->chunks_done = std::min<int64_t>(s.chunks_done, static_cast<int64_t>(job->spec.chunk_work.size()));
+    job->retries = s.retries;
+    job->handoffs = s.handoffs;
+    for (const auto& c : r.chunks) job->chunk_replicas.push_back(c.replica);
+    int64_t most_rows = 0;
+    for (size_t i = 0; i < job->spec.chunk_rows.size(); ++i) {
+      job->rows_total += job->spec.chunk_rows[i];
+      if (static_cast<int64_t>(i) < job->chunks_done) job->rows_before_chunk += job->spec.chunk_rows[i];
+      most_rows = std::max(most_rows, job->spec.chunk_rows[i]);
+    }
+    for (const auto& stored_event : r.events) {
+      try {
+        job->events.push_back(decode_event(stored_event));
+      } catch (const std::exception& e) {
+        spdlog::warn("job={} event=stored_event_unreadable sequence={} error=\"{}\"", s.id, stored_event.sequence,
+                     e.what());
+      }
+      job->next_sequence = std::max(job->next_sequence, stored_event.sequence + 1);
+    }
+    if (job->active()) {
+      // Step events were never stored: the numbers they took before the restart (at most one chunk's rows after
+      // the last stored event) are skipped, so that a client resuming with after_sequence misses nothing.
+      job->next_sequence += static_cast<uint64_t>(most_rows) + 1;
+      const bool in_flight = !job->events.empty() && job->events.back().type == EventType::ChunkStarted &&
+                             job->events.back().chunk == job->chunks_done;
+      const bool all_done = job->chunks_done == static_cast<int64_t>(job->spec.chunk_work.size());
+      Job& ref = *job;
+      jobs_[s.id] = std::move(job);
+      if (all_done) {
+        finish_locked(ref, JobState::Succeeded, ErrorKind::None, "");  // killed between its last commit and its end
+      } else if (!r.payload) {
+        finish_locked(ref, JobState::Failed, ErrorKind::Internal, "could not resume after a restart: " + r.error);
+      } else if (in_flight) {
+        ++ref.retries;
+        ++ref.attempts;
+        JobEvent event;
+        event.type = EventType::ChunkRetry;
+        event.chunk = ref.chunks_done;
+        event.replica = ref.events.back().replica;
+        event.attempt = ref.attempts - 1;
+        event.message = "the server restarted while the chunk ran";
+        push_event_locked(ref, std::move(event));
+        persist_update_locked(ref);
+      }
+      spdlog::info("job={} event=restored state={} chunks_done={}/{} in_flight={}", s.id, job_state_name(ref.state),
+                   ref.chunks_done, ref.spec.chunk_work.size(), in_flight);
+    } else {
+      job->finished = from_ms(s.finished_ms);
+      job->finished_mono = mono(*job->finished);
+      jobs_[s.id] = std::move(job);
+    }
+    if (!s.idempotency_key.empty()) idempotency_[{s.owner, s.idempotency_key}] = s.id;
+  }
+  notify_queue_locked();
+}
+
 std::optional<JobSnapshot> Scheduler::get(const std::string& id, const std::string& owner) const {
   std::lock_guard<std::mutex> lock(mu_);
   const Job* job = find_locked(id, owner);
   if (job == nullptr) return std::nullopt;
   return snapshot_locked(*job);
+}
+
+std::optional<std::string> Scheduler::dropped(const std::string& id, const std::string& owner) const {
+  if (store_ == nullptr) return std::nullopt;
+  try {
+    return store_->dropped_reason(id, owner);
+  } catch (const StoreError& e) {
+    spdlog::warn("event=store_read_failed error=\"{}\"", e.what());
+    return std::nullopt;
+  }
 }
 
 std::vector<JobSnapshot> Scheduler::list(const std::string& owner) const {
@@ -888,7 +1120,9 @@ EventBatch Scheduler::wait_events(const std::string& id, const std::string& owne
       batch.found = false;
       return batch;
     }
-    for (size_t i = after_sequence; i < job->events.size(); ++i) batch.events.push_back(job->events[i]);
+    const auto first = std::upper_bound(job->events.begin(), job->events.end(), after_sequence,
+                                        [](uint64_t seq, const JobEvent& e) { return seq < e.sequence; });
+    batch.events.insert(batch.events.end(), first, job->events.end());
     batch.finished = !job->active();
     if (!batch.events.empty() || batch.finished) return batch;
     const auto watchers = job->watchers;  // the job may be dropped while we wait
@@ -947,6 +1181,10 @@ bool Scheduler::wait_idle(Clock::time_point until) const {
 
 void Scheduler::abort_all(const std::string& reason) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (store_ != nullptr && store_->durable()) {
+    keep_unfinished_ = true;  // the jobs end here, and stay unfinished in the store: the next start resumes them
+    spdlog::info("event=abort_keeps_stored_jobs store={}", store_->describe());
+  }
   for (auto& [id, job] : jobs_) {
     if (!job->active()) continue;
     job->aborted = true;

@@ -28,6 +28,8 @@
 #include <thread>
 #include <vector>
 
+#include "server/job_store.h"
+
 namespace skyreels::server {
 
 using Clock = std::chrono::steady_clock;
@@ -52,13 +54,15 @@ struct ChunkWork {
 // Failed: the replica could not run it (retried elsewhere, counts against the replica). Rejected: the request itself
 // cannot run (the job fails at once with ErrorKind::InvalidArgument; no retry, the replica is not blamed).
 // ResourceExhausted: the request was too large for the device's memory (the job fails with
-// ErrorKind::ResourceExhausted; no retry, the replica is not blamed).
-enum class ChunkOutcome { Succeeded, Stopped, Failed, Rejected, ResourceExhausted };
+// ErrorKind::ResourceExhausted; no retry, the replica is not blamed). NotStored: the chunk ran but the job store could
+// not commit its result (full disk, I/O error): the job fails with ErrorKind::Internal naming the reason.
+enum class ChunkOutcome { Succeeded, Stopped, Failed, Rejected, ResourceExhausted, NotStored };
 
 struct ChunkResult {
   ChunkOutcome outcome = ChunkOutcome::Succeeded;
   std::string error;             // when Failed
   int64_t frames_generated = 0;  // pixel frames this chunk added to the video
+  std::string bytes;             // the chunk's result, committed to the job store with chunks_done (empty: none)
 };
 
 struct ChunkCallbacks {
@@ -86,6 +90,7 @@ bool is_terminal(JobState state);
 
 // Why a job ended unsuccessfully, as a gRPC-style category (the transport maps it to a status code).
 enum class ErrorKind { None, Internal, Unavailable, Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted };
+const char* error_kind_name(ErrorKind kind);
 
 struct JobSpec {
   std::string owner;            // client identity; jobs are only visible to their owner
@@ -98,6 +103,18 @@ struct JobSpec {
   std::string idempotency_key;
   uint64_t fingerprint = 0;  // of the request, to detect a reused idempotency key
   std::shared_ptr<JobPayload> payload;
+  std::string durable_request;  // what the job store keeps to re-create the payload after a restart (opaque here)
+};
+
+// A job read back from the store at startup, with its payload re-created by the layer that owns the request.
+struct RestoredJob {
+  StoredJob stored;
+  std::vector<StoredChunk> chunks;  // committed chunks (bytes may be dropped once the payload holds them)
+  std::vector<StoredEvent> events;
+  std::shared_ptr<JobPayload> payload;  // null: the job cannot be resumed (see error)
+  std::vector<double> chunk_work;
+  std::vector<int64_t> chunk_rows;
+  std::string error;  // why the payload could not be re-created: the job, if unfinished, fails with it
 };
 
 enum class EventType { Queued, ChunkStarted, Step, ChunkFinished, ChunkRetry, Finished };
@@ -215,12 +232,20 @@ struct EventBatch {
 
 class Scheduler {
  public:
+  // `store` (may be null: nothing is written) keeps jobs, chunk results and chunk-level events; it must outlive the
+  // scheduler. With a durable store, jobs left unfinished by a stop (destructor, abort_all) stay unfinished in the
+  // store, so that the next start resumes them.
   Scheduler(std::vector<std::unique_ptr<ChunkExecutor>> replicas, SchedulerOptions options,
-            SchedulerObserver* observer = nullptr);
+            SchedulerObserver* observer = nullptr, JobStore* store = nullptr);
   ~Scheduler();  // hard stop: running chunks are asked to stop, threads joined
   Scheduler(const Scheduler&) = delete;
   Scheduler& operator=(const Scheduler&) = delete;
 
+  // Before start(): takes over jobs read back from the store. Queued jobs queue again in their order; a job whose
+  // chunk was running restarts that chunk (counted as a retry); finished jobs stay readable until retention drops
+  // them; deadlines that passed meanwhile end their jobs at the first dispatch. Event sequence numbers continue
+  // above every number handed out before the restart.
+  void restore(std::vector<RestoredJob> jobs);
   // Starts one worker thread per replica; each loads its model (ChunkExecutor::start) in parallel.
   void start();
   // True once every replica finished loading (successfully or not).
@@ -240,6 +265,8 @@ class Scheduler {
   // nullopt when unknown or owned by another client (`owner` must match; empty matches only unowned jobs).
   std::optional<JobSnapshot> get(const std::string& id, const std::string& owner) const;
   std::vector<JobSnapshot> list(const std::string& owner) const;
+  // Why a job the store once had is gone (dropped by retention), nullopt when the id is unknown to the store.
+  std::optional<std::string> dropped(const std::string& id, const std::string& owner) const;
   // Cancels at the next step boundary (queued or between chunks: at once). Returns the snapshot, nullopt if unknown.
   std::optional<JobSnapshot> cancel(const std::string& id, const std::string& owner);
 
@@ -281,6 +308,10 @@ class Scheduler {
   void complete_locked(size_t replica, const ChunkResult& result, double seconds);
   void finish_locked(Job& job, JobState state, ErrorKind kind, const std::string& error);
   void push_event_locked(Job& job, JobEvent event);
+  // Write-through to the store (no-ops without one). A failed job or event write is logged; submit() fails instead.
+  StoredJob stored_locked(const Job& job) const;
+  void persist_update_locked(const Job& job);
+  bool persisting_locked() const;
   void wake_watchers_locked(Job& job);
   void update_positions_locked(Clock::time_point now);
   void gc_locked();
@@ -298,6 +329,7 @@ class Scheduler {
 
   SchedulerOptions options_;
   SchedulerObserver* observer_;
+  JobStore* store_;
   mutable std::mutex mu_;
   mutable std::condition_variable changed_;  // job ends, chunks done, drain (wait_idle); job events wake only the job's
                                              // own watchers (Job::watchers), not every watcher of every job
@@ -308,6 +340,7 @@ class Scheduler {
   uint64_t next_listener_ = 1;
   bool draining_ = false;
   bool stopping_ = false;
+  bool keep_unfinished_ = false;  // abort_all() with a durable store: unfinished jobs stay so in the store
   bool started_ = false;
   double seconds_per_work_ = 0;  // exponential moving average over all replicas; 0 = no measurement yet
   std::optional<Clock::time_point> unhealthy_since_;  // every replica loaded and none healthy since then

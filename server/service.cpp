@@ -1,5 +1,7 @@
 #include "server/service.h"
 
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/support/server_interceptor.h>
 #include <spdlog/spdlog.h>
@@ -203,6 +205,38 @@ void params_to_proto(const ResolvedParams& r, pb::GenerationParams* p) {
   c->set_final_sigmas_type(r.final_sigmas_type);
 }
 
+// What the job store keeps of a request: the request with the values actually used filled in (the resolved seed;
+// text prompts replaced by the embeddings they were encoded to, so that a resume never re-encodes), serialised
+// deterministically. Deadlines are not part of it: the store keeps the absolute deadline of the job.
+std::string durable_request(const pb::SubmitJobRequest& request, const ModelJob& job) {
+  pb::SubmitJobRequest kept;
+  *kept.mutable_spec() = request.spec();
+  kept.set_priority(request.priority());
+  kept.set_produce_mp4(request.produce_mp4());
+  pb::JobSpec& spec = *kept.mutable_spec();
+  spec.mutable_params()->set_seed(job.params().seed);
+  if (spec.conditioning_case() == pb::JobSpec::kText) {
+    auto to_proto_tensor = [](const RawTensor& raw, pb::Tensor* out) {
+      out->set_dtype(pb::DTYPE_FLOAT32);
+      for (int64_t d : raw.shape) out->add_shape(d);
+      out->set_data(raw.data);
+    };
+    pb::PromptEmbeddings embeddings;
+    to_proto_tensor(job.prompt_embeddings(false), embeddings.mutable_prompt_embeds());
+    const RawTensor negative = job.prompt_embeddings(true);
+    if (!negative.shape.empty()) to_proto_tensor(negative, embeddings.mutable_negative_prompt_embeds());
+    *spec.mutable_embeddings() = std::move(embeddings);  // clears the text (one of the conditioning oneof)
+  }
+  std::string bytes;
+  {
+    google::protobuf::io::StringOutputStream stream(&bytes);
+    google::protobuf::io::CodedOutputStream coded(&stream);
+    coded.SetSerializationDeterministic(true);
+    kept.SerializeToCodedStream(&coded);
+  }
+  return bytes;
+}
+
 ModelJob* model_job(const JobSnapshot& s) { return dynamic_cast<ModelJob*>(s.payload.get()); }
 
 // Ids are checked against kMaxJobIdBytes before any lookup, and echoed escaped.
@@ -399,7 +433,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
     if (Status s = authenticate(ctx, &caller, false); !s.ok()) return s;
     if (Status s = check_job_id(request->job_id()); !s.ok()) return s;
     auto job = scheduler_.get(request->job_id(), caller.owner);
-    if (!job) return not_found(request->job_id());
+    if (!job) return job_not_found(request->job_id(), caller.owner);
     job_to_proto(*job, response);
     return Status::OK;
   }
@@ -413,7 +447,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
     std::unique_ptr<StreamLimiter::Slot> slot;
     if (Status s = open_stream(caller, &slot); !s.ok()) return new FinishedWriter<pb::JobEvent>(s);
     if (!scheduler_.get(request->job_id(), caller.owner)) {
-      return new FinishedWriter<pb::JobEvent>(not_found(request->job_id()));
+      return new FinishedWriter<pb::JobEvent>(job_not_found(request->job_id(), caller.owner));
     }
     return WatchReactor::start(*this, *request, caller.owner, std::move(slot));
   }
@@ -423,7 +457,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
     if (Status s = authenticate(ctx, &caller, false); !s.ok()) return s;
     if (Status s = check_job_id(request->job_id()); !s.ok()) return s;
     auto job = scheduler_.cancel(request->job_id(), caller.owner);
-    if (!job) return not_found(request->job_id());
+    if (!job) return job_not_found(request->job_id(), caller.owner);
     job_to_proto(*job, response);
     return Status::OK;
   }
@@ -461,7 +495,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
     if (Status s = open_stream(caller, &slot); !s.ok()) return s;
     const std::string& owner = caller.owner;
     auto job = scheduler_.get(request->job_id(), owner);
-    if (!job) return not_found(request->job_id());
+    if (!job) return job_not_found(request->job_id(), caller.owner);
     if (request->from_chunk() < 0 || request->from_chunk() >= job->chunk_count) {
       return Status(StatusCode::INVALID_ARGUMENT, "from_chunk: " + std::to_string(request->from_chunk()) +
                                                       " is outside [0, " + std::to_string(job->chunk_count) + ")");
@@ -470,7 +504,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
       while (true) {
         if (ctx->IsCancelled()) return Status(StatusCode::CANCELLED, "client cancelled the download");
         job = scheduler_.wait_chunks(request->job_id(), owner, chunk, Clock::now() + kPoll);
-        if (!job) return not_found(request->job_id());
+        if (!job) return job_not_found(request->job_id(), caller.owner);
         if (job->chunks_done > chunk) break;
         if (is_terminal(job->state)) {
           return Status(StatusCode::FAILED_PRECONDITION,
@@ -512,7 +546,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
         return Status(StatusCode::CANCELLED, "client cancelled: job " + id + " cancelled");
       }
       const EventBatch batch = scheduler_.wait_events(id, owner, after, Clock::now() + kPoll);
-      if (!batch.found) return not_found(id);
+      if (!batch.found) return job_not_found(id, owner);
       for (const auto& event : batch.events) {
         after = event.sequence;
         if (request->skip_steps() && event.type == EventType::Step) continue;
@@ -679,6 +713,15 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
     return Status(StatusCode::INTERNAL, e.what());
   }
 
+  // NOT_FOUND, saying so when the job existed and retention dropped it.
+  Status job_not_found(const std::string& id, const std::string& owner) const {
+    if (auto reason = scheduler_.dropped(id, owner)) {
+      return Status(StatusCode::NOT_FOUND, "job '" + log_escape(id, kMaxJobIdBytes) +
+                                               "' was dropped by retention (" + *reason + ")");
+    }
+    return not_found(id);
+  }
+
   // The request's fields the transport owns (the model's fields are ModelJob::create's).
   Status check_submission(const pb::SubmitJobRequest& request, const Caller& caller) {
     if (request.priority() < -10 || request.priority() > 10) {
@@ -764,6 +807,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
     spec.fingerprint = job->fingerprint() ^ (static_cast<uint64_t>(request.priority() + 11) * 0x9E3779B97F4A7C15ULL) ^
                        deadline_fingerprint(request);
     spec.payload = job;
+    spec.durable_request = durable_request(request, *job);
     try {
       *result = scheduler_.submit(std::move(spec));
     } catch (const AdmissionError& e) {
@@ -1032,7 +1076,7 @@ struct WatchReactor::Core : std::enable_shared_from_this<WatchReactor::Core> {
   void read_events_locked(std::optional<Status>* finish) {
     const EventBatch batch = service.scheduler_.wait_events(id, owner, after, Clock::now());
     if (!batch.found) {
-      *finish = not_found(id);
+      *finish = service.job_not_found(id, owner);
       return;
     }
     for (const auto& event : batch.events) {
@@ -1082,6 +1126,41 @@ void WatchReactor::OnDone() {
 }
 
 }  // namespace
+
+std::vector<RestoredJob> restore_jobs(const JobStore& store, const ServiceConfig& config) {
+  std::vector<RestoredJob> out;
+  for (StoredJob& stored : store.load_jobs()) {
+    RestoredJob r;
+    r.stored = std::move(stored);
+    const std::string& id = r.stored.id;
+    r.events = store.load_events(id);
+    r.chunks = store.load_chunks(id);
+    try {
+      pb::SubmitJobRequest request;
+      if (!request.ParseFromString(r.stored.request)) throw std::runtime_error("the stored request is unreadable");
+      // Embeddings are stored, not text; prompt changes given as text are encoded again (same encoder, same values).
+      auto job = ModelJob::create(request_from_proto(request.spec()), config.model, config.limits, 0,
+                                  config.text_encoder, config.vae);
+      std::vector<std::string> bytes;
+      for (auto& chunk : r.chunks) bytes.push_back(std::move(chunk.bytes));
+      job->restore_results(std::move(bytes));
+      r.chunk_work = job->chunk_work();
+      r.chunk_rows = job->chunk_rows();
+      if (static_cast<int64_t>(r.chunk_work.size()) != r.stored.chunk_count) {
+        throw std::runtime_error("the request now plans " + std::to_string(r.chunk_work.size()) +
+                                 " chunks, it had " + std::to_string(r.stored.chunk_count));
+      }
+      r.payload = std::move(job);
+    } catch (const std::exception& e) {
+      r.error = e.what();
+      r.payload.reset();
+      spdlog::error("job={} event=restore_failed error=\"{}\"", id, log_escape(e.what()));
+    }
+    r.stored.request.clear();
+    out.push_back(std::move(r));
+  }
+  return out;
+}
 
 std::unique_ptr<grpc::Service> make_video_service(Scheduler& scheduler, ServiceConfig config) {
   return std::make_unique<VideoServiceImpl>(scheduler, std::move(config));

@@ -73,6 +73,10 @@ struct ServiceConfig {
 // The skyreels.v1.VideoService implementation, to register with a grpc::ServerBuilder. `scheduler` must outlive it.
 std::unique_ptr<grpc::Service> make_video_service(Scheduler& scheduler, ServiceConfig config);
 
+// Reads every job back from `store` and re-creates its payload from the stored request and chunk results, for
+// Scheduler::restore(). A job whose payload cannot be re-created carries the reason (RestoredJob::error).
+std::vector<RestoredJob> restore_jobs(const JobStore& store, const ServiceConfig& config);
+
 // A server interceptor that turns gRPC's answer to a request it could not parse (INTERNAL with an empty message: a
 // malformed protobuf, or a string field that is not UTF-8) into INVALID_ARGUMENT saying so.
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> make_malformed_request_interceptor();

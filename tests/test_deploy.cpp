@@ -650,9 +650,11 @@ std::vector<std::string> demo_args(int grpc_port, int metrics_port, const std::s
     if (flag == "--listen") value = "127.0.0.1:" + std::to_string(grpc_port);
     if (flag == "--metrics-listen") value = "127.0.0.1:" + std::to_string(metrics_port);
     if (flag == "--drain-timeout-seconds" && !drain_seconds.empty()) value = drain_seconds;
+    if (flag == "--data-dir") continue;  // the container's volume; each test server gets a temp dir below
     args.push_back(flag);
     if (has_value) args.push_back(value);
   }
+  args.insert(args.end(), {"--data-dir", temp_dir("server-data")});
   args.push_back("--demo");
   return args;
 }

@@ -341,7 +341,7 @@ TEST_F(CappedServerTest, Item11_ApiKeysWithoutTlsAreWarnedAbout) {
 TEST(HardeningIo, Item10_NoApiKeysBeyondLoopbackIsWarnedAbout) {
   const std::string log = temp_dir("open-server") + "/server.log";
   const std::string command = "timeout -s KILL 60 " + bin_path("skyreels-server") +
-                              " --demo --devices cpu --listen 0.0.0.0:" + std::to_string(free_port()) +
+                              " --demo --devices cpu --job-store memory --listen 0.0.0.0:" + std::to_string(free_port()) +
                               " --metrics-listen 127.0.0.1:" + std::to_string(free_port()) + " > " + log +
                               " 2>&1 & echo $!";
   std::string pid_text;

@@ -10,7 +10,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <limits>
 #include <mutex>
@@ -48,6 +50,18 @@ ServerProcess::ServerProcess(std::vector<std::string> args, bool wait_ready, std
   port_ = free_port();
   metrics_port_ = free_port();
   log_path_ = temp_dir("server-log") + "/server.log";
+  // Every server gets its own store: the default SQLite one in a fresh temp data dir (never ./skyreels-data), or
+  // memory when SKYREELS_TEST_JOB_STORE=memory (the suites run on both backends). A test that names a store keeps it.
+  const bool names_store = std::find(args.begin(), args.end(), "--job-store") != args.end() ||
+                           std::find(args.begin(), args.end(), "--data-dir") != args.end();
+  if (!names_store) {
+    const char* backend = std::getenv("SKYREELS_TEST_JOB_STORE");
+    if (backend != nullptr && std::string(backend) == "memory") {
+      args.insert(args.end(), {"--job-store", "memory"});
+    } else {
+      args.insert(args.end(), {"--data-dir", temp_dir("server-data")});
+    }
+  }
   args.insert(args.begin(), bin_path("skyreels-server"));
   args.push_back("--listen");
   args.push_back(address());

@@ -1,0 +1,83 @@
+// Job store cost (issue 13): what durability adds per submit and per chunk commit, for DF-1.3B-540P-sized data, as
+// a ratio to that chunk's compute. A submit stores the request with its encoded prompt embeddings (two [1, 512, 4096]
+// fp32 tensors, 16 MiB); a chunk commit stores the chunk's new latents ([1, 16, 25, 68, 120] fp32, 12.5 MiB) with
+// chunks_done in one transaction, plus its ChunkFinished event.
+//
+//   bench_store [--dir DIR] [--repeats N] [--tflops T]
+//
+// The compute estimate counts the DF-1.3B transformer's FLOPs for one chunk (tokens L = 25 x 34 x 60 = 51,000; 30
+// layers, D 1536, FFN 8960, 512 text rows; 30 denoising rows x 2 CFG passes) at T TFLOP/s sustained (default 400, a
+// modern data-centre GPU in bf16); the ratio is store seconds / compute seconds.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "server/job_store.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+double chunk_flops() {
+  const double L = 25.0 * 34 * 60, D = 1536, Dff = 8960, T = 512, layers = 30, rows = 30, passes = 2;
+  const double block = 8 * L * D * D + 4 * L * L * D + 4 * L * D * D + 4 * T * D * D + 4 * L * T * D + 4 * L * D * Dff;
+  return block * layers * rows * passes;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string dir = (std::filesystem::temp_directory_path() / "skyreels-bench-store").string();
+  int repeats = 10;
+  double tflops = 400;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i];
+    if (flag == "--dir") dir = argv[i + 1];
+    if (flag == "--repeats") repeats = std::max(1, std::atoi(argv[i + 1]));
+    if (flag == "--tflops") tflops = std::atof(argv[i + 1]);
+  }
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string request(size_t{2} * 512 * 4096 * 4 + 4096, '\x3f');   // two embeddings + the rest of a request
+  const std::string chunk(size_t{16} * 25 * 68 * 120 * 4 + 512, '\x3f');  // safetensors latents of one chunk
+  const double compute_s = chunk_flops() / (tflops * 1e12);
+
+  std::printf("store,operation,bytes,median_ms,ratio_to_chunk_compute\n");
+  for (const std::string& spec : {std::string("memory"), "sqlite:" + dir + "/jobs.sqlite"}) {
+    auto store = skyreels::server::open_job_store(spec);
+    std::vector<double> submit_s, commit_s;
+    for (int r = 0; r < repeats; ++r) {
+      skyreels::server::StoredJob job;
+      job.id = "j-bench-" + std::to_string(r);
+      job.order = static_cast<uint64_t>(r);
+      job.state = "queued";
+      job.chunk_count = 8;
+      job.request = request;
+      auto t0 = Clock::now();
+      store->insert_job(std::move(job));
+      submit_s.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+      const skyreels::server::StoredChunk result{0, "cuda:0", 1, chunk};  // built before timing, as the replica does
+      t0 = Clock::now();
+      store->commit_chunk("j-bench-" + std::to_string(r), result);
+      store->append_event(job.id, {1, R"({"type":3})"});
+      commit_s.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+    const double submit = median(submit_s), commit = median(commit_s);
+    std::printf("%s,submit,%zu,%.2f,%.2e\n", store->describe().c_str(), request.size(), submit * 1e3,
+                submit / compute_s);
+    std::printf("%s,chunk_commit,%zu,%.2f,%.2e\n", store->describe().c_str(), chunk.size(), commit * 1e3,
+                commit / compute_s);
+  }
+  std::printf("# chunk compute estimate: %.3g FLOP at %.0f TFLOP/s = %.1f s\n", chunk_flops(), tflops, compute_s);
+  std::filesystem::remove_all(dir);
+  return 0;
+}

@@ -1,0 +1,84 @@
+// The durable side of jobs: what must survive a SIGKILL (the request, its state, its chunk results and its chunk-level
+// events), behind one seam with two backends: `memory` (nothing survives a restart) and SQLite (the default; WAL).
+// No LibTorch, no gRPC: the request and events are opaque bytes owned by the layers above. No threads either; every
+// method is safe to call from any thread (the SQLite backend serialises on its own mutex).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace skyreels::server {
+
+// A store operation failed (full disk, I/O error, corrupt file). `what()` names the file and the cause.
+class StoreError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// One job as stored. Times are wall-clock milliseconds since the Unix epoch (0: not yet).
+struct StoredJob {
+  std::string id;
+  uint64_t order = 0;  // submission order across restarts
+  int64_t vbase = 0;   // fair-share start (scheduler policy)
+  std::string owner, client;
+  int priority = 0;
+  std::optional<int64_t> deadline_ms;
+  std::string idempotency_key;
+  uint64_t fingerprint = 0;
+  std::string state;       // job_state_name()
+  std::string error_kind;  // error_kind_name()
+  std::string error;
+  int64_t created_ms = 0, started_ms = 0, finished_ms = 0;
+  int64_t chunk_count = 0;
+  int64_t chunks_done = 0;  // written only by commit_chunk(), atomically with the chunk's result
+  int retries = 0;
+  int handoffs = 0;
+  std::string request;  // the canonical request with the conditioning actually used (the service's encoding)
+};
+
+struct StoredChunk {
+  int64_t index = 0;
+  std::string replica;
+  int attempts = 0;
+  std::string bytes;  // the chunk's result (safetensors latents, fp32)
+};
+
+struct StoredEvent {
+  uint64_t sequence = 0;
+  std::string data;  // the scheduler's encoding
+};
+
+class JobStore {
+ public:
+  virtual ~JobStore() = default;
+  virtual std::string describe() const = 0;  // "memory" or "sqlite:PATH"
+  virtual bool durable() const = 0;          // false: nothing survives a restart (no resume)
+
+  // Each call is one transaction; StoreError when it could not be committed (nothing of it is then stored).
+  virtual void insert_job(StoredJob job) = 0;  // by value: the request may be megabytes
+  // State, times, error, retries, handoffs (not chunks_done: see commit_chunk).
+  virtual void update_job(const StoredJob& job) = 0;
+  // The chunk's result and chunks_done = chunk.index + 1, atomically.
+  virtual void commit_chunk(const std::string& job_id, const StoredChunk& chunk) = 0;
+  virtual void append_event(const std::string& job_id, const StoredEvent& event) = 0;
+  // Retention: the job, its chunks and its events go; a tombstone (owner, reason) stays, so that the id answers
+  // "dropped" rather than "never existed". Tombstones are bounded (kMaxTombstones, oldest dropped first).
+  virtual void drop_job(const std::string& job_id, const std::string& reason) = 0;
+  // The reason `job_id` (owned by `owner`) was dropped, nullopt when the store has no tombstone for it.
+  virtual std::optional<std::string> dropped_reason(const std::string& job_id, const std::string& owner) const = 0;
+  static constexpr int64_t kMaxTombstones = 100000;
+
+  virtual std::vector<StoredJob> load_jobs() const = 0;  // in submission order
+  virtual std::vector<StoredChunk> load_chunks(const std::string& job_id) const = 0;
+  virtual std::vector<StoredEvent> load_events(const std::string& job_id) const = 0;
+};
+
+// "memory" or "sqlite:PATH". SQLite: creates the file (and its directory) when missing; a file that is corrupt, of
+// a newer schema, not a store, or held by another server is a StoreError naming the file (never re-initialised).
+std::unique_ptr<JobStore> open_job_store(const std::string& spec);
+
+}  // namespace skyreels::server

@@ -1,0 +1,79 @@
+#include "server/job_store_memory.h"
+
+#include <algorithm>
+
+namespace skyreels::server {
+
+void MemoryJobStore::insert_job(StoredJob job) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Entry& entry = jobs_[job.id];
+  job.request.clear();  // never read back: nothing is resumed from memory
+  entry.job = std::move(job);
+}
+
+void MemoryJobStore::update_job(const StoredJob& job) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = jobs_.find(job.id);
+  if (it == jobs_.end()) return;
+  const int64_t done = it->second.job.chunks_done;
+  std::string request = std::move(it->second.job.request);
+  it->second.job = job;
+  it->second.job.chunks_done = done;
+  it->second.job.request = std::move(request);
+}
+
+void MemoryJobStore::commit_chunk(const std::string& job_id, const StoredChunk& chunk) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return;
+  it->second.chunks.push_back({chunk.index, chunk.replica, chunk.attempts, {}});  // the payload holds the bytes
+  it->second.job.chunks_done = chunk.index + 1;
+}
+
+void MemoryJobStore::append_event(const std::string& job_id, const StoredEvent& event) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = jobs_.find(job_id);
+  if (it != jobs_.end()) it->second.events.push_back(event);
+}
+
+void MemoryJobStore::drop_job(const std::string& job_id, const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return;
+  tombstones_[job_id] = {it->second.job.owner, reason};
+  tombstone_order_.push_back(job_id);
+  jobs_.erase(it);
+  while (static_cast<int64_t>(tombstone_order_.size()) > kMaxTombstones) {
+    tombstones_.erase(tombstone_order_.front());
+    tombstone_order_.pop_front();
+  }
+}
+
+std::optional<std::string> MemoryJobStore::dropped_reason(const std::string& job_id, const std::string& owner) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = tombstones_.find(job_id);
+  if (it == tombstones_.end() || it->second.first != owner) return std::nullopt;
+  return it->second.second;
+}
+
+std::vector<StoredJob> MemoryJobStore::load_jobs() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<StoredJob> out;
+  for (const auto& [id, entry] : jobs_) out.push_back(entry.job);
+  std::sort(out.begin(), out.end(), [](const StoredJob& a, const StoredJob& b) { return a.order < b.order; });
+  return out;
+}
+
+std::vector<StoredChunk> MemoryJobStore::load_chunks(const std::string& job_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = jobs_.find(job_id);
+  return it == jobs_.end() ? std::vector<StoredChunk>{} : it->second.chunks;
+}
+
+std::vector<StoredEvent> MemoryJobStore::load_events(const std::string& job_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = jobs_.find(job_id);
+  return it == jobs_.end() ? std::vector<StoredEvent>{} : it->second.events;
+}
+
+}  // namespace skyreels::server

@@ -1,0 +1,39 @@
+// `--job-store memory`: today's behaviour, nothing survives a restart. Keeps job rows and events (so that the store
+// seam is exercised the same way as SQLite) but not chunk bytes: the process holds those in the job's payload anyway.
+#pragma once
+
+#include <deque>
+#include <map>
+#include <mutex>
+
+#include "server/job_store.h"
+
+namespace skyreels::server {
+
+class MemoryJobStore final : public JobStore {
+ public:
+  std::string describe() const override { return "memory"; }
+  bool durable() const override { return false; }
+  void insert_job(StoredJob job) override;
+  void update_job(const StoredJob& job) override;
+  void commit_chunk(const std::string& job_id, const StoredChunk& chunk) override;
+  void append_event(const std::string& job_id, const StoredEvent& event) override;
+  void drop_job(const std::string& job_id, const std::string& reason) override;
+  std::optional<std::string> dropped_reason(const std::string& job_id, const std::string& owner) const override;
+  std::vector<StoredJob> load_jobs() const override;
+  std::vector<StoredChunk> load_chunks(const std::string& job_id) const override;
+  std::vector<StoredEvent> load_events(const std::string& job_id) const override;
+
+ private:
+  struct Entry {
+    StoredJob job;
+    std::vector<StoredChunk> chunks;  // without bytes
+    std::vector<StoredEvent> events;
+  };
+  mutable std::mutex mu_;
+  std::map<std::string, Entry> jobs_;
+  std::map<std::string, std::pair<std::string, std::string>> tombstones_;  // id -> (owner, reason)
+  std::deque<std::string> tombstone_order_;
+};
+
+}  // namespace skyreels::server

@@ -1,0 +1,43 @@
+// `--job-store sqlite:PATH`: the embedded default. One file, WAL journal, held exclusively by one server (a second
+// server on the same file fails to start). synchronous=NORMAL: a commit survives the process being killed (SIGKILL,
+// OOM kill) at any moment; a power loss may lose the last commits. Schema versions with forward migrations.
+#pragma once
+
+#include <memory>
+#include <mutex>
+
+#include "server/job_store.h"
+
+namespace skyreels::server {
+
+namespace sqlite {
+class Database;
+}
+
+class SqliteJobStore final : public JobStore {
+ public:
+  static constexpr int kSchemaVersion = 2;
+  explicit SqliteJobStore(const std::string& path);  // throws StoreError naming the file
+  ~SqliteJobStore() override;
+
+  std::string describe() const override { return "sqlite:" + path_; }
+  bool durable() const override { return true; }
+  void insert_job(StoredJob job) override;
+  void update_job(const StoredJob& job) override;
+  void commit_chunk(const std::string& job_id, const StoredChunk& chunk) override;
+  void append_event(const std::string& job_id, const StoredEvent& event) override;
+  void drop_job(const std::string& job_id, const std::string& reason) override;
+  std::optional<std::string> dropped_reason(const std::string& job_id, const std::string& owner) const override;
+  std::vector<StoredJob> load_jobs() const override;
+  std::vector<StoredChunk> load_chunks(const std::string& job_id) const override;
+  std::vector<StoredEvent> load_events(const std::string& job_id) const override;
+
+ private:
+  void migrate();
+  void cap_growth_for_tests();
+  std::string path_;
+  mutable std::mutex mu_;
+  std::unique_ptr<sqlite::Database> db_;
+};
+
+}  // namespace skyreels::server
