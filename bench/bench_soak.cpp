@@ -31,6 +31,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "server/client.h"
 
 namespace {
@@ -61,23 +62,13 @@ int free_port() {
   return port;
 }
 
-int64_t proc_status(pid_t pid, const char* field) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  const std::string key = std::string(field) + ":";
-  while (std::getline(in, line)) {
-    if (line.rfind(key, 0) == 0) return std::stoll(line.substr(key.size()));
-  }
-  return -1;
-}
-
 struct Sample {
   double rss_mb = 0;
   int64_t threads = 0;
 };
 
 Sample sample(pid_t pid) {
-  return {static_cast<double>(proc_status(pid, "VmRSS")) / 1024.0, proc_status(pid, "Threads")};
+  return {static_cast<double>(skyreels::bench::proc_status(std::to_string(pid), "VmRSS")) / 1024.0, skyreels::bench::proc_status(std::to_string(pid), "Threads")};
 }
 
 pb::SubmitJobRequest tiny_job(uint64_t seed) {
@@ -268,11 +259,12 @@ class HeldStreams {
   std::vector<Stream> streams_;
 };
 
-// A job that keeps running for minutes on the demo model (cancelled at the end of the soak).
+// A job that keeps running for minutes on the demo model (cancelled at the end of the soak): 64 chunks of 50 steps,
+// the most chunks the default --max-chunks admits.
 pb::SubmitJobRequest anchor_job() {
   pb::SubmitJobRequest request = tiny_job(7);
   auto* p = request.mutable_spec()->mutable_params();
-  p->set_num_frames(1457);
+  p->set_num_frames(521);
   p->set_base_num_frames(17);
   p->set_overlap_history(9);
   p->set_num_inference_steps(50);
@@ -333,6 +325,8 @@ int main(int argc, char** argv) {
                                    streams,
                                    "--max-streams-per-client",
                                    streams,
+                                   "--job-store",
+                                   "memory",  // measured before the durable store existed; nothing left on disk
                                    "--log-level",
                                    "warn"};
   const pid_t pid = ::fork();

@@ -4,6 +4,7 @@
 
 #include <sys/resource.h>
 
+#include <cstdint>
 #include <fstream>
 #include <string>
 
@@ -17,15 +18,21 @@ inline double process_cpu_seconds() {
   return sec(usage.ru_utime) + sec(usage.ru_stime);
 }
 
-// A /proc/self/status field in MiB, e.g. "VmHWM" (peak RSS) or "VmRSS"; 0 when absent.
-inline double status_mb(const char* field) {
-  std::ifstream in("/proc/self/status");
+// The number of a /proc/<process>/status field ("self" or a pid), e.g. "VmRSS" (kB) or "Threads"; -1 when absent.
+inline int64_t proc_status(const std::string& process, const char* field) {
+  std::ifstream in("/proc/" + process + "/status");
   std::string line;
   const std::string key = std::string(field) + ":";
   while (std::getline(in, line)) {
-    if (line.rfind(key, 0) == 0) return std::stod(line.substr(key.size())) / 1024.0;  // kB -> MiB
+    if (line.rfind(key, 0) == 0) return std::stoll(line.substr(key.size()));
   }
-  return 0.0;
+  return -1;
+}
+
+// A /proc/self/status field in MiB, e.g. "VmHWM" (peak RSS) or "VmRSS"; 0 when absent.
+inline double status_mb(const char* field) {
+  const int64_t kb = proc_status("self", field);
+  return kb < 0 ? 0.0 : static_cast<double>(kb) / 1024.0;
 }
 
 }  // namespace skyreels::bench

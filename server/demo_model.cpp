@@ -2,11 +2,13 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <stdlib.h>
 
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <stdexcept>
+#include <string>
 
 #include "model/safetensors.h"
 #include "model/transformer_skyreels_v2.h"
@@ -75,6 +77,12 @@ void write_tiny_model(const std::string& dir, const TinyModelOptions& options) {
   }
   safetensors::save(dir + "/diffusion_pytorch_model.safetensors", tensors,
                     {{"format", "pt"}, {"skyreels_tiny_seed", std::to_string(options.seed)}});
+}
+
+std::string make_private_temp_dir(const std::string& prefix) {
+  std::string path = (std::filesystem::temp_directory_path() / (prefix + "-XXXXXX")).string();
+  if (::mkdtemp(path.data()) == nullptr) throw std::runtime_error("cannot create a temp directory for " + prefix);
+  return path;
 }
 
 }  // namespace skyreels::server

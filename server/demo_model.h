@@ -26,4 +26,8 @@ void write_tiny_model(const std::string& dir, const TinyModelOptions& options = 
 // one) with random weights, in the diffusers layout: `--vae demo`.
 void write_tiny_vae(const std::string& dir, uint64_t seed = 20250102);
 
+// A fresh directory only this process can have made (mkdtemp: random name, mode 0700) under the system temp dir,
+// never a predictable path that another local user could have created or linked first. Where demo weights go.
+std::string make_private_temp_dir(const std::string& prefix);
+
 }  // namespace skyreels::server

@@ -20,18 +20,6 @@
 
 namespace skyreels::server {
 
-namespace {
-
-// A fresh directory only this process can have made (mkdtemp: random name, mode 0700), never a predictable path that
-// another local user could have created or linked first.
-std::string make_private_temp_dir(const std::string& prefix) {
-  std::string path = (std::filesystem::temp_directory_path() / (prefix + "-XXXXXX")).string();
-  if (::mkdtemp(path.data()) == nullptr) throw std::runtime_error("cannot create a temp directory for " + prefix);
-  return path;
-}
-
-}  // namespace
-
 TextEncoderFn load_text_encoder(const std::string& path, const std::string& tokenizer, const std::string& device,
                                 const std::string& dtype, int64_t text_dim) {
   model::TextEncoderOptions options;

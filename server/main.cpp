@@ -435,9 +435,7 @@ int serve(const Options& o, Signals& signals) {
   TempDir demo_dir;
   std::string model_path = o.model;
   if (o.demo) {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "skyreels-demo-XXXXXX").string();
-    if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("--demo: cannot create a temp directory");
-    demo_dir.path = tmpl;
+    demo_dir.path = make_private_temp_dir("skyreels-demo");
     write_tiny_model(demo_dir.path);
     model_path = demo_dir.path;
     spdlog::info("event=demo_model path={} (random weights, fixed seed)", model_path);
