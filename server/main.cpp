@@ -81,7 +81,8 @@ limits:
   --max-streams N             open WatchJob/DownloadResult/Generate streams in total (default 256); more:
                               RESOURCE_EXHAUSTED for the new stream
   --max-streams-per-client N  the same per client (default 16)
-  --max-concurrent-encodes N  text prompts encoded at once (default 2); more: RESOURCE_EXHAUSTED + retry-after-ms
+  --max-concurrent-encodes N  text prompts encoded at once, and image / video inputs decoded at once (default 2
+                              each); more: RESOURCE_EXHAUSTED + retry-after-ms
   --max-frames N              (default 1457)     --max-steps N (default 100)
   --max-height N              (default 1280)     --max-width N (default 1280)
   --max-chunk-tokens N        transformer tokens of one chunk (default: derived from the model and the device

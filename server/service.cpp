@@ -413,7 +413,8 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
       : scheduler_(scheduler),
         config_(std::move(config)),
         streams_(config_.transport.max_streams, config_.transport.max_streams_per_client),
-        encodes_(config_.transport.max_concurrent_encodes) {
+        encodes_(config_.transport.max_concurrent_encodes),
+        decodes_(config_.transport.max_concurrent_encodes) {
     if (config_.metrics)
       streams_.on_change([metrics = config_.metrics](int64_t open) { metrics->set_streams_open(open); });
   }
@@ -785,8 +786,20 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
     spec.idempotency_key = request.idempotency_key();
     std::shared_ptr<ModelJob> job;
     try {
-      // Admission first: a job that would be refused costs no text encoding.
+      // Admission first: a job that would be refused costs no text encoding and no image / video decoding.
       scheduler_.check_admission(spec);
+      // Decoding pixels holds up to --max-frames frames per request: bounded like text encodes, refused when full.
+      const pb::JobSpec& wanted = request.spec();
+      std::unique_ptr<ConcurrencyGate::Pass> decode_pass;
+      if (wanted.has_image() || wanted.has_last_image() || wanted.has_video()) {
+        decode_pass = decodes_.try_enter();
+        if (!decode_pass) {
+          return reject_with_retry_hint(ctx, kRejectEncoderBusy,
+                                        "pixel decoder busy: " + std::to_string(decodes_.limit()) +
+                                            " images / videos being decoded (--max-concurrent-encodes)",
+                                        0.1);
+        }
+      }
       job = ModelJob::create(request_from_proto(request.spec()), config_.model, config_.limits, random_seed(),
                              gated_text_encoder(), config_.vae);
     } catch (const AdmissionError& e) {
@@ -1011,7 +1024,8 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
   Scheduler& scheduler_;
   ServiceConfig config_;
   StreamLimiter streams_;
-  ConcurrencyGate encodes_;
+  ConcurrencyGate encodes_;  // text prompts being encoded
+  ConcurrencyGate decodes_;  // request images / videos being decoded
   std::atomic<double> last_encode_seconds_{0.5};
   StreamPump pump_;  // last: stopped first, before what its tasks use
 };
