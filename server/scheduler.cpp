@@ -696,6 +696,7 @@ void Scheduler::check_admission_locked(const std::string& client, int64_t client
     work += job.spec.chunk_work[static_cast<size_t>(job.chunks_done)];
   };
   for (const auto& [id, job] : jobs_) count(*job);
+  for (const auto& [id, job] : reserving_) count(*job);  // admitted already, being stored
   auto retry_after = [&] {
     const auto statuses = pool_.status();
     const auto healthy = std::count_if(statuses.begin(), statuses.end(), [](const auto& r) { return r.healthy; });
@@ -721,28 +722,60 @@ SubmitResult Scheduler::submit(JobSpec spec) {
   if (!spec.chunk_rows.empty() && spec.chunk_rows.size() != spec.chunk_work.size()) {
     throw std::invalid_argument("scheduler: chunk_rows and chunk_work differ in size");
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  if (draining_ || stopping_) {
-    throw AdmissionError(AdmissionError::Reason::Draining, "server is draining: no new jobs are accepted");
-  }
-  if (!spec.idempotency_key.empty()) {
-    auto it = idempotency_.find({spec.owner, spec.idempotency_key});
-    if (it != idempotency_.end()) {
-      Job* existing = find_locked(it->second, spec.owner);
-      if (existing != nullptr) {
-        if (existing->spec.fingerprint != spec.fingerprint) {
-          throw AdmissionError(AdmissionError::Reason::IdempotencyConflict,
-                               "idempotency_key: already used by job " + existing->id + " with a different request");
-        }
-        return {snapshot_locked(*existing), true};
-      }
-    }
-  }
+  std::unique_lock<std::mutex> lock(mu_);
+  if (std::optional<SubmitResult> known = known_key_locked(spec, lock)) return *known;
   check_admission_locked(spec.client, spec.client_max_jobs);
+  Job& job = reserve_locked(std::move(spec));
+  if (store_ == nullptr) return publish_locked(job.id);
 
+  // Acknowledged only once committed (a SIGKILL after this answer cannot lose the job), but stored without the lock:
+  // a request may be megabytes, and every other call would wait for it.
+  const std::string id = job.id;
+  StoredJob stored = stored_locked(job);
+  stored.request = std::move(job.spec.durable_request);
+  job.spec.durable_request.clear();
+  lock.unlock();
+  std::string store_error;
+  try {
+    store_->insert_job(std::move(stored));
+  } catch (const StoreError& e) {
+    store_error = e.what();
+  }
+  lock.lock();
+  if (!store_error.empty()) {
+    spdlog::error("job={} event=store_insert_failed error=\"{}\"", id, store_error);
+    release_locked(id);
+    throw AdmissionError(AdmissionError::Reason::Unavailable, "the job could not be stored: " + store_error, 1.0);
+  }
+  return publish_locked(id);
+}
+
+std::optional<SubmitResult> Scheduler::known_key_locked(const JobSpec& spec, std::unique_lock<std::mutex>& lock) {
+  while (true) {
+    if (draining_ || stopping_) {
+      throw AdmissionError(AdmissionError::Reason::Draining, "server is draining: no new jobs are accepted");
+    }
+    if (spec.idempotency_key.empty()) return std::nullopt;
+    auto it = idempotency_.find({spec.owner, spec.idempotency_key});
+    if (it == idempotency_.end()) return std::nullopt;
+    if (reserving_.count(it->second)) {
+      changed_.wait(lock);  // the first submission is being stored: its outcome decides
+      continue;
+    }
+    const Job* existing = find_locked(it->second, spec.owner);
+    if (existing == nullptr) return std::nullopt;
+    if (existing->spec.fingerprint != spec.fingerprint) {
+      throw AdmissionError(AdmissionError::Reason::IdempotencyConflict,
+                           "idempotency_key: already used by job " + existing->id + " with a different request");
+    }
+    return SubmitResult{snapshot_locked(*existing), true};
+  }
+}
+
+Scheduler::Job& Scheduler::reserve_locked(JobSpec spec) {
   auto job = std::make_unique<Job>();
   job->id = new_job_id();
-  while (jobs_.count(job->id)) job->id = new_job_id();
+  while (jobs_.count(job->id) || reserving_.count(job->id)) job->id = new_job_id();
   job->order = next_seq_++;
   job->created = WallClock::now();
   job->created_mono = Clock::now();
@@ -753,28 +786,30 @@ SubmitResult Scheduler::submit(JobSpec spec) {
   job->vbase = policy::fair_share_start(active_fair_keys);
   for (int64_t rows : spec.chunk_rows) job->rows_total += rows;
   job->spec = std::move(spec);
+  if (!job->spec.idempotency_key.empty()) idempotency_[{job->spec.owner, job->spec.idempotency_key}] = job->id;
   Job& ref = *job;
-  if (store_ != nullptr) {
-    // Acknowledged only once committed: a SIGKILL after this answer cannot lose the job.
-    StoredJob stored = stored_locked(ref);
-    stored.request = std::move(ref.spec.durable_request);
-    ref.spec.durable_request.clear();
-    try {
-      store_->insert_job(std::move(stored));
-    } catch (const StoreError& e) {
-      spdlog::error("job={} event=store_insert_failed error=\"{}\"", ref.id, e.what());
-      throw AdmissionError(AdmissionError::Reason::Unavailable, std::string("the job could not be stored: ") + e.what(),
-                           1.0);
-    }
-  }
-  jobs_[ref.id] = std::move(job);
-  if (!ref.spec.idempotency_key.empty()) idempotency_[{ref.spec.owner, ref.spec.idempotency_key}] = ref.id;
-  spdlog::info("job={} event=submitted chunks={} priority={} owner={}", ref.id, ref.spec.chunk_work.size(),
-               ref.spec.priority, ref.spec.owner.empty() ? "-" : ref.spec.owner);
-  if (observer_) observer_->job_submitted(snapshot_locked(ref));
+  reserving_[ref.id] = std::move(job);
+  return ref;
+}
+
+SubmitResult Scheduler::publish_locked(const std::string& id) {
+  auto node = reserving_.extract(id);
+  Job& job = *node.mapped();
+  jobs_[id] = std::move(node.mapped());
+  spdlog::info("job={} event=submitted chunks={} priority={} owner={}", id, job.spec.chunk_work.size(),
+               job.spec.priority, job.spec.owner.empty() ? "-" : job.spec.owner);
+  if (observer_) observer_->job_submitted(snapshot_locked(job));
   update_positions_locked(Clock::now());  // the first Queued event, before any ChunkStarted
   dispatch_locked();
-  return {snapshot_locked(ref), false};
+  changed_.notify_all();  // a submission waiting on the same key
+  return {snapshot_locked(job), false};
+}
+
+void Scheduler::release_locked(const std::string& id) {
+  auto node = reserving_.extract(id);
+  const JobSpec& spec = node.mapped()->spec;
+  if (!spec.idempotency_key.empty()) idempotency_.erase({spec.owner, spec.idempotency_key});
+  changed_.notify_all();  // a submission waiting on the same key tries on its own
 }
 
 void Scheduler::restore(std::vector<RestoredJob> restored) {
@@ -972,7 +1007,7 @@ bool Scheduler::draining() const {
 bool Scheduler::wait_idle(Clock::time_point until) const {
   std::unique_lock<std::mutex> lock(mu_);
   return changed_.wait_until(lock, until, [&] {
-    return std::none_of(jobs_.begin(), jobs_.end(),
+    return reserving_.empty() && std::none_of(jobs_.begin(), jobs_.end(),
                         [](const auto& entry) { return entry.second->active() || entry.second->chunk_running; });
   });
 }

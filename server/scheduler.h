@@ -13,6 +13,8 @@
 //     after a back-off that doubles up to a cap. A chunk that runs out of memory (ResourceExhausted) fails its job,
 //     not the replica. When no replica has been healthy for `liveness_grace`, live() turns false.
 //  4. Deadlines are checked before a chunk is dispatched and at every step; cancellation at every step.
+//  5. A submission reserves its admission slot and idempotency key under the lock, is stored without it (a request
+//     may be megabytes), and is published (or its reservation released) afterwards.
 #pragma once
 
 #include <condition_variable>
@@ -105,6 +107,12 @@ class Scheduler : public JobQueue, private ChunkSource {
   void gc_locked();
   void notify_queue_locked();
   int64_t count_locked(JobState state) const;
+  // submit() in three steps: a known key answers (waiting for one still being stored), a reservation holds the
+  // admission slot and the key while the store writes, then the job is published or the reservation released.
+  std::optional<SubmitResult> known_key_locked(const JobSpec& spec, std::unique_lock<std::mutex>& lock);
+  Job& reserve_locked(JobSpec spec);
+  SubmitResult publish_locked(const std::string& id);
+  void release_locked(const std::string& id);
   void check_admission_locked(const std::string& client, int64_t client_max_jobs) const;
   JobSnapshot snapshot_locked(const Job& job) const;
   double estimate_seconds_locked(double work) const;
@@ -117,11 +125,12 @@ class Scheduler : public JobQueue, private ChunkSource {
   SchedulerObserver* observer_;
   JobStore* store_;
   mutable std::mutex mu_;
-  mutable std::condition_variable changed_;  // job ends, chunks done, drain (wait_idle); job events wake only the
-                                             // job's own watchers (Job::watchers), not every watcher of every job
+  mutable std::condition_variable changed_;  // job ends, chunks done, drain, reservations settled (wait_idle, submit);
+                                             // job events wake only the job's own watchers (Job::watchers)
   std::vector<std::unique_ptr<Slot>> slots_;  // per replica: the chunk handed to it (pending or running)
   std::map<std::string, std::unique_ptr<Job>> jobs_;
-  std::map<std::pair<std::string, std::string>, std::string> idempotency_;  // (owner, key) -> id
+  std::map<std::string, std::unique_ptr<Job>> reserving_;  // admitted, being stored: not visible yet
+  std::map<std::pair<std::string, std::string>, std::string> idempotency_;  // (owner, key) -> id (reserved too)
   uint64_t next_seq_ = 0;
   uint64_t next_listener_ = 1;
   bool draining_ = false;

@@ -1,5 +1,6 @@
 // The chunk scheduler with fake executors: affinity, handoffs, fairness, priorities, retries, deadlines,
-// cancellation, admission and drain; the replica pool against a scripted chunk source. No model, no gRPC: every test runs in milliseconds.
+// cancellation, admission and drain; submissions stored outside the lock; the replica pool against a scripted chunk
+// source. No model, no gRPC: every test runs in milliseconds.
 #include <gtest/gtest.h>
 #include <spdlog/spdlog.h>
 
@@ -711,6 +712,123 @@ TEST(SchedulerHealing, AReplicaThatNeverLoadedCountsAgainstLivenessAndIsNotReTes
 
 namespace skyreels::server {
 namespace {
+
+// ---- issue 13: a submission is stored without the scheduler's lock ------------------------------------------------
+
+// A memory store whose next insert_job can be held until release() (a latch), or made to fail.
+class GatedStore : public JobStore {
+ public:
+  std::string describe() const override { return "gated"; }
+  bool durable() const override { return false; }
+  void insert_job(StoredJob job) override {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (fail_next_) {
+        fail_next_ = false;
+        throw StoreError("jobs.sqlite: disk full (test)");
+      }
+      if (hold_next_) {
+        hold_next_ = false;
+        held_ = true;
+        cv_.notify_all();
+        cv_.wait(lock, [&] { return released_; });
+      }
+      ++inserts_;
+    }
+    inner_->insert_job(std::move(job));
+  }
+  void update_job(const StoredJob& job) override { inner_->update_job(job); }
+  void commit_chunk(const std::string& id, const StoredChunk& chunk) override { inner_->commit_chunk(id, chunk); }
+  void append_event(const std::string& id, const StoredEvent& event) override { inner_->append_event(id, event); }
+  void drop_job(const std::string& id, const std::string& reason) override { inner_->drop_job(id, reason); }
+  std::optional<std::string> dropped_reason(const std::string& id, const std::string& owner) const override {
+    return inner_->dropped_reason(id, owner);
+  }
+  std::vector<StoredJob> load_jobs() const override { return inner_->load_jobs(); }
+  std::vector<StoredChunk> load_chunks(const std::string& id) const override { return inner_->load_chunks(id); }
+  std::vector<StoredEvent> load_events(const std::string& id) const override { return inner_->load_events(id); }
+
+  void hold_next_insert() {
+    std::lock_guard<std::mutex> lock(mu_);
+    hold_next_ = true;
+  }
+  void fail_next_insert() {
+    std::lock_guard<std::mutex> lock(mu_);
+    fail_next_ = true;
+  }
+  void wait_until_held() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return held_; });
+  }
+  void release() {
+    std::lock_guard<std::mutex> lock(mu_);
+    released_ = true;
+    cv_.notify_all();
+  }
+  int inserts() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return inserts_;
+  }
+
+ private:
+  std::unique_ptr<JobStore> inner_ = open_job_store("memory");
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool hold_next_ = false, held_ = false, released_ = false, fail_next_ = false;
+  int inserts_ = 0;
+};
+
+TEST(SchedulerSubmit, WhileAJobIsBeingStoredOtherCallsAnswerAndItsKeyStillGivesOneJob) {
+  GatedStore store;
+  Harness h({steps(1ms)}, {}, &store);
+  const std::string earlier = h.submit(1);
+  h.wait(earlier);
+
+  store.hold_next_insert();
+  SubmitResult first, duplicate;
+  std::thread slow([&] { first = h.scheduler->submit(client_job("alice", 0, "k")); });
+  store.wait_until_held();
+  std::thread same_key([&] { duplicate = h.scheduler->submit(client_job("alice", 0, "k")); });
+
+  // The insert is blocked: reads and other submissions are answered meanwhile.
+  EXPECT_EQ(h.scheduler->get(earlier, "")->state, JobState::Succeeded);
+  EXPECT_TRUE(h.scheduler->list("alice").empty()) << "a job is visible once it is stored";
+  const std::string other = h.submit(1);
+  EXPECT_EQ(h.wait(other).state, JobState::Succeeded) << "and the replicas keep working";
+
+  store.release();
+  slow.join();
+  same_key.join();
+  EXPECT_FALSE(first.deduplicated);
+  EXPECT_TRUE(duplicate.deduplicated);
+  EXPECT_EQ(duplicate.job.id, first.job.id);
+  EXPECT_EQ(h.scheduler->list("alice").size(), 1u);
+  EXPECT_EQ(store.inserts(), 3) << "earlier, other, and the keyed job once";
+  EXPECT_EQ(h.wait(first.job.id, "alice").state, JobState::Succeeded);
+}
+
+TEST(SchedulerSubmit, AJobTheStoreRefusesLeavesNoTraceAndFreesItsSlotAndKey) {
+  GatedStore store;
+  SchedulerOptions options;
+  options.max_jobs = 1;
+  Harness h({steps(1ms)}, options, &store);
+  store.fail_next_insert();
+  try {
+    h.scheduler->submit(client_job("alice", 0, "k"));
+    FAIL() << "expected AdmissionError";
+  } catch (const AdmissionError& e) {
+    EXPECT_EQ(e.reason(), AdmissionError::Reason::Unavailable);
+    EXPECT_NE(std::string(e.what()).find("disk full"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(h.scheduler->list("alice").empty());
+  EXPECT_EQ(h.scheduler->queued_jobs(), 0);
+  EXPECT_TRUE(store.load_jobs().empty());
+  EXPECT_TRUE(h.scheduler->wait_idle(Clock::now())) << "no reservation left behind";
+
+  const SubmitResult again = h.scheduler->submit(client_job("alice", 0, "k"));
+  EXPECT_FALSE(again.deduplicated) << "the key went with the reservation";
+  EXPECT_EQ(h.wait(again.job.id, "alice").state, JobState::Succeeded) << "the only admission slot was free again";
+}
 
 // ---- the replica pool against a scripted source -----------------------------------------------------------------
 
