@@ -495,7 +495,8 @@ int serve(const Options& o, Signals& signals) {
   scheduling.retest_backoff_max = std::max(scheduling.retest_backoff, to_millis(o.replica_retest_max_seconds));
   scheduling.liveness_grace = std::chrono::seconds(o.liveness_grace_seconds);
   // The service and the drain below see only the JobQueue seam.
-  std::unique_ptr<JobQueue> jobs = std::make_unique<Scheduler>(std::move(executors), scheduling, &observers, store.get());
+  std::unique_ptr<JobQueue> jobs =
+      std::make_unique<Scheduler>(std::move(executors), scheduling, &observers, store.get());
 
   // ---- gRPC ----
   ApiKeys keys;
@@ -609,8 +610,8 @@ int serve(const Options& o, Signals& signals) {
   }
 
   // ---- drain ----
-  spdlog::info("event=draining signal={} queued={} running={} timeout_seconds={}", signals.last,
-               jobs->queued_jobs(), jobs->running_jobs(), o.drain_timeout_seconds);
+  spdlog::info("event=draining signal={} queued={} running={} timeout_seconds={}", signals.last, jobs->queued_jobs(),
+               jobs->running_jobs(), o.drain_timeout_seconds);
   health->SetServingStatus("", false);
   jobs->begin_drain();
   const auto drain_deadline = Clock::now() + std::chrono::seconds(o.drain_timeout_seconds);

@@ -134,7 +134,10 @@ double seconds_since(Clock::time_point t, Clock::time_point now) {
 
 Scheduler::Scheduler(std::vector<std::unique_ptr<ChunkExecutor>> replicas, SchedulerOptions options,
                      SchedulerObserver* observer, JobStore* store)
-    : options_(options), observer_(observer), store_(store), pool_(std::move(replicas), replica_pool_options(options), observer) {
+    : options_(options),
+      observer_(observer),
+      store_(store),
+      pool_(std::move(replicas), replica_pool_options(options), observer) {
   for (size_t i = 0; i < pool_.size(); ++i) slots_.push_back(std::make_unique<Slot>());
 }
 
@@ -256,7 +259,9 @@ std::vector<policy::ReplicaView> Scheduler::replica_views_locked(Clock::time_poi
     policy::ReplicaView& v = views[r];
     v.healthy = pool_.healthy(r);
     v.idle = v.healthy && !slot.assigned;
-    if (slot.assigned) v.remaining_seconds = policy::remaining_seconds(slot.expected_seconds, seconds_since(slot.started, now));
+    if (slot.assigned) {
+      v.remaining_seconds = policy::remaining_seconds(slot.expected_seconds, seconds_since(slot.started, now));
+    }
   }
   return views;
 }
@@ -1007,8 +1012,10 @@ bool Scheduler::draining() const {
 bool Scheduler::wait_idle(Clock::time_point until) const {
   std::unique_lock<std::mutex> lock(mu_);
   return changed_.wait_until(lock, until, [&] {
-    return reserving_.empty() && std::none_of(jobs_.begin(), jobs_.end(),
-                        [](const auto& entry) { return entry.second->active() || entry.second->chunk_running; });
+    const bool jobs_left = std::any_of(jobs_.begin(), jobs_.end(), [](const auto& entry) {
+      return entry.second->active() || entry.second->chunk_running;
+    });
+    return !jobs_left && reserving_.empty();
   });
 }
 

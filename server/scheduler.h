@@ -125,11 +125,11 @@ class Scheduler : public JobQueue, private ChunkSource {
   SchedulerObserver* observer_;
   JobStore* store_;
   mutable std::mutex mu_;
-  mutable std::condition_variable changed_;  // job ends, chunks done, drain, reservations settled (wait_idle, submit);
-                                             // job events wake only the job's own watchers (Job::watchers)
+  mutable std::condition_variable changed_;   // job ends, chunks done, drain, reservations settled (wait_idle, submit);
+                                              // job events wake only the job's own watchers (Job::watchers)
   std::vector<std::unique_ptr<Slot>> slots_;  // per replica: the chunk handed to it (pending or running)
   std::map<std::string, std::unique_ptr<Job>> jobs_;
-  std::map<std::string, std::unique_ptr<Job>> reserving_;  // admitted, being stored: not visible yet
+  std::map<std::string, std::unique_ptr<Job>> reserving_;                   // admitted, being stored: not visible yet
   std::map<std::pair<std::string, std::string>, std::string> idempotency_;  // (owner, key) -> id (reserved too)
   uint64_t next_seq_ = 0;
   uint64_t next_listener_ = 1;

@@ -8,9 +8,9 @@
 #include <vector>
 
 #include "server/auth.h"
+#include "server/job_queue.h"
 #include "server/metrics.h"
 #include "server/model_job.h"
-#include "server/job_queue.h"
 
 namespace grpc {
 class Service;

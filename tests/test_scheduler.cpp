@@ -955,13 +955,13 @@ TEST(ReplicaPool, AReplicaTakenOutIsAskedForWorkAgainOnlyAfterAReTestBroughtItBa
 TEST(ReplicaPool, AnExceptionOrAStopNobodyAskedForArrivesAsFailedAndARequestedStopAsStopped) {
   ReplicaPoolOptions options;
   options.failure_limit = 100;
-  ReplicaPool pool(one_executor([](int call, const ChunkCallbacks& callbacks) {
-                     if (call == 1) throw std::runtime_error("device lost");
-                     if (call == 2) return ChunkResult{ChunkOutcome::Stopped, "", 0, {}};
-                     return ChunkResult{callbacks.should_stop() ? ChunkOutcome::Stopped : ChunkOutcome::Succeeded,
-                                        "", 0, {}};
-                   }),
-                   options);
+  ReplicaPool pool(
+      one_executor([](int call, const ChunkCallbacks& callbacks) {
+        if (call == 1) throw std::runtime_error("device lost");
+        if (call == 2) return ChunkResult{ChunkOutcome::Stopped, "", 0, {}};
+        return ChunkResult{callbacks.should_stop() ? ChunkOutcome::Stopped : ChunkOutcome::Succeeded, "", 0, {}};
+      }),
+      options);
   ScriptedSource source(pool, 3, /*stop_chunk=*/2);
   pool.start(source);
   const auto reports = source.wait_for_reports(3);
