@@ -74,8 +74,8 @@ void ReplicaPool::stop() {
   ChunkSource* source = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (!stopping_) source = source_;  // interrupted once: the destructor's stop() may follow the owner's
     stopping_ = true;
-    source = source_;
     retest_cv_.notify_all();
   }
   if (source != nullptr) source->interrupt();
