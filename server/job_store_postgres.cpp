@@ -40,7 +40,10 @@ const std::vector<std::string>& migrations() {
       " bytes bytea NOT NULL, PRIMARY KEY(job_id, idx));"
       "CREATE TABLE dropped(id text PRIMARY KEY, owner text NOT NULL, reason bytea NOT NULL,"
       " dropped_ms bigint NOT NULL, seq bigserial NOT NULL);"
-      "CREATE INDEX dropped_seq ON dropped(seq);",
+      "CREATE INDEX dropped_seq ON dropped(seq);"
+      // Latents and embeddings are float data: compressing them costs CPU and saves next to nothing.
+      "ALTER TABLE jobs ALTER COLUMN request SET STORAGE EXTERNAL;"
+      "ALTER TABLE chunks ALTER COLUMN bytes SET STORAGE EXTERNAL;",
   };
   return list;
 }

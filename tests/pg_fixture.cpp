@@ -33,7 +33,7 @@ std::string read_all(const std::string& path) {
 
 }  // namespace
 
-PgServer::PgServer() : bindir_(pg_bindir()) {
+PgServer::PgServer(bool durable) : bindir_(pg_bindir()) {
   if (!std::filesystem::exists(bindir_ + "/initdb")) {
     throw std::runtime_error("PostgreSQL server binaries not found in " + bindir_ +
                              " (apt-get install postgresql, or set SKYREELS_PG_BINDIR)");
@@ -51,8 +51,8 @@ PgServer::PgServer() : bindir_(pg_bindir()) {
   }
   if (run("cp", {"-a", template_data(), data_}, true) != 0) throw std::runtime_error("copy failed: " + log_tail());
   std::ofstream conf(data_ + "/postgresql.conf", std::ios::app);
-  conf << "listen_addresses = ''\nunix_socket_directories = '" << dir_ << "'\n"
-       << "fsync = off\nfull_page_writes = off\nmax_connections = 100\n";
+  conf << "listen_addresses = ''\nunix_socket_directories = '" << dir_ << "'\nmax_connections = 100\n";
+  if (!durable) conf << "fsync = off\nfull_page_writes = off\n";
   conf.close();
   start();
 }

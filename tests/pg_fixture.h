@@ -11,7 +11,9 @@ namespace skyreels::test {
 
 class PgServer {
  public:
-  PgServer();  // throws std::runtime_error with the log's tail when initdb or the start fails
+  // Throws std::runtime_error with the log's tail when the cluster cannot be made or started. Not `durable`: fsync
+  // off (tests never lose power); durable: PostgreSQL's defaults, for benchmarks.
+  explicit PgServer(bool durable = false);
   ~PgServer();
   PgServer(const PgServer&) = delete;
   PgServer& operator=(const PgServer&) = delete;
