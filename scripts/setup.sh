@@ -13,12 +13,22 @@ PACKAGES=(
   libspdlog-dev libfmt-dev prometheus-cpp-dev nlohmann-json3-dev libsqlite3-dev
   libgtest-dev libgmock-dev libyaml-dev
   libavcodec-dev libavformat-dev libswscale-dev libavutil-dev
+<<<<<<< HEAD
   openssl postgresql libpq-dev
+=======
+  openssl
+  prometheus kubernetes-client
+>>>>>>> deploy
 )
+
+# Packages wanted only for a command (tests run promtool and kubectl kustomize): a machine that already has the
+# command from elsewhere keeps it (Google's `kubectl` package, for one, owns /usr/bin/kubectl as well).
+declare -A COMMAND_OF=([prometheus]=promtool [kubernetes-client]=kubectl)
 
 install_deps() {
   local missing=()
   for p in "${PACKAGES[@]}"; do
+    [ -n "${COMMAND_OF[$p]:-}" ] && command -v "${COMMAND_OF[$p]}" >/dev/null && continue
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
   if [ ${#missing[@]} -eq 0 ]; then
@@ -30,6 +40,20 @@ install_deps() {
   [ "$(id -u)" -eq 0 ] || sudo="sudo"
   $sudo apt-get update -q
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
+  [[ " ${missing[*]} " == *" prometheus "* ]] && stop_prometheus_daemon "$sudo"
+  return 0
+}
+
+# Only promtool is wanted from `prometheus`; where an init system runs (no policy-rc.d denying it), the package also
+# starts a Prometheus server on :9090, the port skyreels-server's --metrics-listen defaults to.
+stop_prometheus_daemon() {
+  local sudo=$1
+  if [ -d /run/systemd/system ]; then
+    $sudo systemctl disable --now prometheus.service
+  elif [ -x /etc/init.d/prometheus ]; then
+    $sudo /etc/init.d/prometheus stop || true
+    $sudo update-rc.d prometheus disable
+  fi
 }
 
 [ "${SKYREELS_SKIP_DEPS:-0}" = 1 ] || install_deps

@@ -36,6 +36,7 @@
 #include "server/auth.h"
 #include "server/demo_model.h"
 #include "server/encoders.h"
+#include "server/job_store_timed.h"
 #include "server/limits.h"
 #include "server/metrics.h"
 #include "server/replica.h"
@@ -479,6 +480,7 @@ int serve(const Options& o, Signals& signals) {
     text_encoder = load_text_encoder(o.text_encoder, o.tokenizer, plans.front().device, o.dtype, config.text_dim);
   }
   Metrics metrics(names, SKYREELS_VERSION);
+  store = std::make_unique<TimedJobStore>(std::move(store), metrics.store_call_report());  // before its first use
   std::unique_ptr<VideoEncoder> video;
   if (!o.vae.empty()) {
     video = std::make_unique<VideoEncoder>(o.vae, o.vae_device.empty() ? plans.front().device : o.vae_device, &metrics,

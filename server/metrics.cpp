@@ -18,6 +18,7 @@
 #include <cstring>
 #include <functional>
 #include <stdexcept>
+#include <string_view>
 
 namespace skyreels::server {
 
@@ -29,6 +30,9 @@ const prometheus::Histogram::BucketBoundaries kQueueWait = {0.01, 0.1, 0.5, 1,  
 const prometheus::Histogram::BucketBoundaries kChunk = {0.05, 0.25, 1,   5,   10,  20,  30,  45,
                                                         60,   90,   120, 180, 300, 600, 1200};
 const prometheus::Histogram::BucketBoundaries kStep = {0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30};
+// A local SQLite commit takes about a millisecond, a PostgreSQL round trip a few; a chunk's latents are megabytes.
+const prometheus::Histogram::BucketBoundaries kStoreCall = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                                                            0.1,    0.25,  0.5,    1,     2.5,  5,     10};
 
 const char* outcome_label(JobState state) {
   switch (state) {
@@ -140,6 +144,21 @@ Metrics::Metrics(const std::vector<std::string>& replica_names, const std::strin
                               .Help("Text prompt encodes (UMT5), in the submitting call")
                               .Register(r)
                               .Add({}, kStep);
+  auto& store = BuildHistogram()
+                    .Name("skyreels_job_store_seconds")
+                    .Help("Job store calls (SQLite, PostgreSQL), by operation")
+                    .Register(r);
+  for (const char* op : kJobStoreOps) store_seconds_[op] = &store.Add({{"op", op}}, kStoreCall);
+  lease_takeovers_ = &BuildCounter()
+                          .Name("skyreels_lease_takeovers_total")
+                          .Help("Jobs taken over from a pod whose lease ran out")
+                          .Register(r)
+                          .Add({});
+  global_queue_depth_ = &BuildGauge()
+                             .Name("skyreels_global_queue_depth")
+                             .Help("Jobs queued in the whole job store (the same on every pod sharing it)")
+                             .Register(r)
+                             .Add({});
   BuildGauge().Name("skyreels_build_info").Help("Build information").Register(r).Add({{"version", version}}).Set(1);
 }
 
@@ -211,6 +230,23 @@ void Metrics::video_jobs_pending(int64_t jobs) { video_jobs_->Set(static_cast<do
 void Metrics::queue_changed(int64_t queued, int64_t running) {
   queue_depth_->Set(static_cast<double>(queued));
   running_->Set(static_cast<double>(running));
+  if (!global_depth_from_store_) global_queue_depth_->Set(static_cast<double>(queued));  // single pod: the same
+}
+
+void Metrics::store_call(const char* op, double seconds) {
+  const auto it = store_seconds_.find(std::string_view(op));
+  if (it != store_seconds_.end()) it->second->Observe(seconds);
+}
+
+StoreCallReport Metrics::store_call_report() {
+  return [this](const char* op, double seconds) { store_call(op, seconds); };
+}
+
+void Metrics::lease_takeover() { lease_takeovers_->Increment(); }
+
+void Metrics::set_global_queue_depth(int64_t jobs) {
+  global_depth_from_store_ = true;
+  global_queue_depth_->Set(static_cast<double>(jobs));
 }
 
 // ---- the /metrics listener ------------------------------------------------------------------------------------

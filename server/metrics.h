@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "server/job_store_timed.h"
 #include "server/scheduler.h"
 
 namespace prometheus {
@@ -73,7 +74,18 @@ class Metrics : public SchedulerObserver {
   // The VAE worker (server/encoders.*): one chunk's MP4 made; jobs with MP4 work left.
   void video_chunk_encoded();
   void video_jobs_pending(int64_t jobs);
+  // Also sets skyreels_global_queue_depth to `queued` until set_global_queue_depth() is first called.
   void queue_changed(int64_t queued, int64_t running) override;
+
+  // The job store (skyreels_job_store_seconds): one call of `op` (a kJobStoreOps name) took `seconds`.
+  void store_call(const char* op, double seconds);
+  // The TimedJobStore report that feeds store_call(); valid while this Metrics lives.
+  StoreCallReport store_call_report();
+  // A job whose lease ran out on another pod (that pod died) was taken over by this one.
+  void lease_takeover();
+  // Jobs queued in the whole store (PostgreSQL: the same value on every pod). The first call makes the store the
+  // source: from then on queue_changed() no longer mirrors this pod's own queue into it.
+  void set_global_queue_depth(int64_t jobs);
 
  private:
   void accept_loop();
@@ -99,6 +111,10 @@ class Metrics : public SchedulerObserver {
   prometheus::Gauge* streams_open_;
   prometheus::Histogram* text_encode_seconds_;
   std::map<std::string, prometheus::Counter*> streams_rejected_;
+  std::map<std::string, prometheus::Histogram*, std::less<>> store_seconds_;
+  prometheus::Counter* lease_takeovers_;
+  prometheus::Gauge* global_queue_depth_;
+  std::atomic<bool> global_depth_from_store_{false};
   std::mutex ready_mu_;
   std::map<std::string, bool> ready_;
 

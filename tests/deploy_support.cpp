@@ -258,20 +258,25 @@ namespace {
 
 void merge_patch(Json& target, const Json& patch);
 
-bool named_objects(const Json& list) {
-  return std::all_of(list.begin(), list.end(), [](const Json& e) { return e.is_object() && e.contains("name"); });
+// The strategic-merge key of a list field (Kubernetes' patchMergeKey): volume mounts by path, the rest by name.
+std::string merge_key(const std::string& field) { return field == "volumeMounts" ? "mountPath" : "name"; }
+
+bool keyed_objects(const Json& list, const std::string& key) {
+  return std::all_of(list.begin(), list.end(), [&](const Json& e) { return e.is_object() && e.contains(key); });
 }
 
-// Strategic-merge lists: objects with a `name` merge by name (containers, volumes, env); anything else is replaced.
-void merge_list(Json& target, const Json& patch) {
-  if (!named_objects(target) || !named_objects(patch) || patch.empty()) {
+// Strategic-merge lists: objects with the merge key merge by it (containers, env, volumes, volume mounts), an element
+// {key: ..., $patch: delete} removes its match; anything else is replaced.
+void merge_list(Json& target, const Json& patch, const std::string& key) {
+  if (!keyed_objects(target, key) || !keyed_objects(patch, key) || patch.empty()) {
     target = patch;
     return;
   }
   for (const auto& element : patch) {
-    auto match =
-        std::find_if(target.begin(), target.end(), [&](const Json& t) { return t["name"] == element["name"]; });
-    if (match == target.end()) {
+    auto match = std::find_if(target.begin(), target.end(), [&](const Json& t) { return t[key] == element[key]; });
+    if (element.value("$patch", "") == "delete") {
+      if (match != target.end()) target.erase(match);
+    } else if (match == target.end()) {
       target.push_back(element);
     } else {
       merge_patch(*match, element);
@@ -286,7 +291,7 @@ void merge_patch(Json& target, const Json& patch) {
     } else if (target.contains(it.key()) && target[it.key()].is_object() && it.value().is_object()) {
       merge_patch(target[it.key()], it.value());
     } else if (target.contains(it.key()) && target[it.key()].is_array() && it.value().is_array()) {
-      merge_list(target[it.key()], it.value());
+      merge_list(target[it.key()], it.value(), merge_key(it.key()));
     } else {
       target[it.key()] = it.value();
     }
@@ -339,29 +344,48 @@ void apply_images(std::vector<Json>& objects, const Json& rules) {
 
 }  // namespace
 
-std::vector<Json> render_kustomization(const fs::path& dir) {
-  const fs::path file = dir / "kustomization.yaml";
-  const auto documents = load_yaml(file);
+namespace {
+
+const Json& kustomization_at(const fs::path& file, const std::vector<Json>& documents) {
   if (documents.size() != 1 || !documents[0].is_object()) throw std::runtime_error(file.string() + ": one mapping");
-  const Json& k = documents[0];
-  for (auto it = k.begin(); it != k.end(); ++it) {
-    static const std::set<std::string> supported = {"apiVersion", "kind", "resources", "patches", "images"};
+  static const std::set<std::string> supported = {"apiVersion", "kind",   "bases",
+                                                  "resources",  "images", "patchesStrategicMerge"};
+  for (auto it = documents[0].begin(); it != documents[0].end(); ++it) {
     if (supported.count(it.key()) == 0) {
       throw std::runtime_error(file.string() + ": field '" + it.key() + "' is outside the subset deploy/ uses");
     }
   }
+  return documents[0];
+}
+
+// kustomize v2.0.3 reads only directories under `bases` and only files under `resources`.
+fs::path listed_path(const fs::path& file, const Json& entry, bool directory) {
+  const fs::path path = file.parent_path() / entry.get<std::string>();
+  if (!fs::exists(path)) throw std::runtime_error(file.string() + ": " + path.string() + " is missing");
+  if (fs::is_directory(path) != directory) {
+    throw std::runtime_error(file.string() + ": " + path.string() +
+                             (directory ? " is not a directory (bases)" : " is a directory (list it under bases)"));
+  }
+  return path;
+}
+
+}  // namespace
+
+std::vector<Json> render_kustomization(const fs::path& dir) {
+  const fs::path file = dir / "kustomization.yaml";
+  const auto documents = load_yaml(file);
+  const Json& k = kustomization_at(file, documents);
   std::vector<Json> objects;
-  for (const Json& resource : k.value("resources", Json::array())) {
-    const fs::path path = dir / resource.get<std::string>();
-    if (!fs::exists(path)) throw std::runtime_error(file.string() + ": resource " + path.string() + " is missing");
-    const auto rendered = fs::is_directory(path) ? render_kustomization(path) : load_yaml(path);
+  for (const Json& base : k.value("bases", Json::array())) {
+    const auto rendered = render_kustomization(listed_path(file, base, true));
     objects.insert(objects.end(), rendered.begin(), rendered.end());
   }
-  for (const Json& patch : k.value("patches", Json::array())) {
-    if (patch.size() != 1 || !patch.contains("path")) {
-      throw std::runtime_error(file.string() + ": patches must be {path: FILE} strategic-merge patches");
-    }
-    apply_patch_file(objects, dir / patch["path"].get<std::string>());
+  for (const Json& resource : k.value("resources", Json::array())) {
+    const auto loaded = load_yaml(listed_path(file, resource, false));
+    objects.insert(objects.end(), loaded.begin(), loaded.end());
+  }
+  for (const Json& patch : k.value("patchesStrategicMerge", Json::array())) {
+    apply_patch_file(objects, listed_path(file, patch, false));
   }
   if (k.contains("images")) apply_images(objects, k["images"]);
   return objects;

@@ -33,9 +33,11 @@ std::vector<Json> load_yaml(const fs::path& file);
 Json load_json(const fs::path& file);
 
 // --- kustomize (the subset deploy/k8s uses) --------------------------------------------------------------------
-// Renders a kustomization directory: `resources` (files and kustomization directories), `patches` with a `path`
-// (strategic merge by kind + metadata.name; lists of objects with a `name` merge by name, other lists are
-// replaced), and `images` (name -> newName:newTag). Throws on any other field, so the manifests stay that simple.
+// Renders a kustomization directory with the fields that kubectl 1.20's kustomize (v2.0.3) and current kustomize
+// read alike: `bases` (kustomization directories), `resources` (files), `patchesStrategicMerge` (files; strategic
+// merge by kind + metadata.name: lists of objects merge by their merge key, volumeMounts by mountPath and others by
+// name, `$patch: delete` removes an element, other lists are replaced) and `images` (name -> newName:newTag).
+// Throws on any other field, so the manifests stay that simple.
 std::vector<Json> render_kustomization(const fs::path& dir);
 // GCC 14's -Wdangling-reference assumes a returned reference may point into a temporary argument; this one points
 // into `objects`.

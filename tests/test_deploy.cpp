@@ -6,12 +6,16 @@
 #include <sys/wait.h>
 
 #include <chrono>
+#include <cmath>
 #include <fstream>
 #include <memory>
 #include <regex>
 #include <sstream>
 #include <thread>
 
+#include "server/job_store_memory.h"
+#include "server/job_store_timed.h"
+#include "server/metrics.h"
 #include "tests/deploy_support.h"
 #include "tests/test_util.h"
 
@@ -29,10 +33,30 @@ const Contract& contract() {
   return c;
 }
 
+// Every overlay and the image it runs; postgresql is the GPU overlay on a shared PostgreSQL job store.
+const std::map<std::string, std::string>& overlay_images() {
+  static const std::map<std::string, std::string> images = {
+      {"cpu", "skyreels-server-cpu"}, {"gpu", "skyreels-server-cuda"}, {"postgresql", "skyreels-server-cuda"}};
+  return images;
+}
+
 const std::vector<std::string>& overlay_names() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> out;
+    for (const auto& [name, image] : overlay_images()) out.push_back(name);
+    return out;
+  }();
+  return names;
+}
+
+// The overlays whose pods keep their jobs in an embedded SQLite file on a volume of their own.
+const std::vector<std::string>& sqlite_overlay_names() {
   static const std::vector<std::string> names = {"cpu", "gpu"};
   return names;
 }
+
+// The embedded store's location in the container (the image's home of the server user, the contract's --data-dir).
+constexpr const char* kContainerDataDir = "/var/lib/skyreels";
 
 std::vector<Json> overlay(const std::string& name) {
   return render_kustomization(deploy_dir() / "k8s" / "overlays" / name);
@@ -136,12 +160,27 @@ std::vector<std::string> alert_expressions() {
   return exprs;
 }
 
-// Every contract metric the dashboard, the alerts and the adapter rule query.
-std::set<std::string> metrics_used() {
+// The series queries of the prometheus-adapter rules (custom: per pod; external: per namespace).
+std::vector<std::string> adapter_queries() {
+  std::vector<std::string> queries;
+  for (const char* kind : {"custom", "external"}) {
+    for (const Json& rule : adapter_values().at("rules").value(kind, Json::array()))
+      queries.push_back(rule.at("seriesQuery"));
+  }
+  return queries;
+}
+
+// Every query of the dashboard, the alerts and the adapter rules.
+std::vector<std::string> all_queries() {
   std::vector<std::string> queries = dashboard_queries();
-  const auto alerts = alert_expressions();
-  queries.insert(queries.end(), alerts.begin(), alerts.end());
-  for (const Json& rule : adapter_values().at("rules").at("custom")) queries.push_back(rule.at("seriesQuery"));
+  for (const auto& more : {alert_expressions(), adapter_queries()})
+    queries.insert(queries.end(), more.begin(), more.end());
+  return queries;
+}
+
+// Every contract metric the dashboard, the alerts and the adapter rules query.
+std::set<std::string> metrics_used() {
+  const std::vector<std::string> queries = all_queries();
   std::set<std::string> metrics;
   for (const auto& q : queries) {
     for (const auto& series : skyreels_series(q)) metrics.insert(metric_of_series(series, contract()));
@@ -215,26 +254,61 @@ TEST(Kustomize, EachOverlayRendersTheWholeDeploymentFromFilesItReferences) {
     EXPECT_NO_THROW(only_object(objects, "Service", "skyreels"));
     EXPECT_NO_THROW(only_object(objects, "Service", "skyreels-headless"));
     const std::string image = server_container(objects).at("image");
-    EXPECT_EQ(image.rfind(name == "gpu" ? "skyreels-server-cuda:" : "skyreels-server-cpu:", 0), 0u) << image;
+    EXPECT_EQ(image.rfind(overlay_images().at(name) + ":", 0), 0u) << image;
   }
 }
 
+// Every kustomization an operator applies: the overlays and the PostgreSQL example.
+std::vector<fs::path> applied_kustomizations() {
+  std::vector<fs::path> dirs;
+  for (const auto& name : overlay_names()) dirs.push_back(deploy_dir() / "k8s" / "overlays" / name);
+  dirs.push_back(deploy_dir() / "k8s" / "examples" / "postgresql");
+  return dirs;
+}
+
+// Whatever kubectl is installed (Debian 12's 1.20 with kustomize v2.0.3, or a current one) renders what we render.
 TEST(Kustomize, OurRenderingEqualsKubectlKustomize) {
   const std::string kubectl = kubectl_path();
-  if (kubectl.empty()) GTEST_SKIP() << "kubectl is not installed; the other Kustomize tests use our own rendering";
-  for (const auto& name : overlay_names()) {
-    SCOPED_TRACE("overlay " + name);
+  ASSERT_FALSE(kubectl.empty()) << "kubectl is not on PATH: scripts/setup.sh installs Debian's kubernetes-client";
+  const fs::path errors = fs::path(temp_dir("kubectl")) / "stderr";
+  for (const auto& dir : applied_kustomizations()) {
+    SCOPED_TRACE(dir.string());
     std::string output;
-    const fs::path dir = deploy_dir() / "k8s" / "overlays" / name;
-    ASSERT_EQ(run_command("{ " + kubectl + " kustomize " + dir.string() + " 2>/dev/null; }", &output), 0) << output;
-    const auto theirs = parse_yaml(output, "kubectl kustomize " + name);
-    const auto ours = overlay(name);
+    ASSERT_EQ(run_command(kubectl + " kustomize " + dir.string() + " 2>" + errors.string(), &output), 0)
+        << read_text(errors);
+    const auto theirs = parse_yaml(output, "kubectl kustomize " + dir.string());
+    const auto ours = render_kustomization(dir);
     ASSERT_EQ(theirs.size(), ours.size());
     for (const Json& object : ours) {
       const Json& same = only_object(theirs, object.at("kind"), object.at("metadata").at("name"));
       EXPECT_EQ(same, object) << object.at("kind") << "/" << object.at("metadata").at("name");
     }
   }
+}
+
+TEST(Kustomize, RendererAppliesStrategicMergeDeletesByMergeKey) {
+  const fs::path dir = temp_dir("kustomization");
+  std::ofstream(dir / "deployment.yaml") << R"(apiVersion: apps/v1
+kind: Deployment
+metadata: {name: d}
+spec: {template: {spec: {containers: [{name: c, args: [a, b], volumeMounts: [{name: v, mountPath: /x},
+  {name: v, mountPath: /y}]}], volumes: [{name: v}, {name: w}]}}}
+)";
+  std::ofstream(dir / "patch.yaml") << R"(apiVersion: apps/v1
+kind: Deployment
+metadata: {name: d}
+spec: {template: {spec: {containers: [{name: c, args: [z], env: [{name: E, value: "1"}],
+  volumeMounts: [{mountPath: /x, $patch: delete}]}], volumes: [{name: w, $patch: delete}]}}}
+)";
+  std::ofstream(dir / "kustomization.yaml") << "resources: [deployment.yaml]\npatchesStrategicMerge: [patch.yaml]\n";
+  const auto rendered = render_kustomization(dir);
+  const Json& spec = rendered.at(0).at("spec").at("template").at("spec");
+  EXPECT_EQ(spec.at("containers"), Json::parse(R"([{"name":"c","args":["z"],"env":[{"name":"E","value":"1"}],
+                                                   "volumeMounts":[{"name":"v","mountPath":"/y"}]}])"));
+  EXPECT_EQ(spec.at("volumes"), Json::parse(R"([{"name":"v"}])"));
+
+  std::ofstream(dir / "kustomization.yaml") << "resources: [deployment.yaml]\npatches: [{path: patch.yaml}]\n";
+  EXPECT_THROW(render_kustomization(dir), std::runtime_error) << "kubectl 1.20 reads no `patches`";
 }
 
 TEST(Kustomize, GpuOverlayRequestsOneGpuAndUsesEveryVisibleDevice) {
@@ -398,46 +472,178 @@ TEST(Kustomize, ServerRunsAsNonRootWithRequestsAndLimits) {
   }
 }
 
-TEST(Kustomize, AutoscalerScalesOnQueueDepthServedByTheAdapterRule) {
-  const auto objects = overlay("gpu");
+// The volume mounted at `path` in the server container; empty when none is.
+std::string volume_mounted_at(const std::vector<Json>& objects, const std::string& path) {
+  for (const Json& m : server_container(objects).value("volumeMounts", Json::array())) {
+    if (m.at("mountPath") == path) return m.at("name");
+  }
+  return "";
+}
+
+bool has_volume(const std::vector<Json>& objects, const std::string& name) {
+  const Json& volumes = pod_spec(objects).value("volumes", Json::array());
+  return std::any_of(volumes.begin(), volumes.end(), [&](const Json& v) { return v.at("name") == name; });
+}
+
+TEST(Kustomize, SqliteOverlaysKeepTheJobStoreOnAVolumeAtTheDataDir) {
+  EXPECT_NE(contract().text.find(std::string("`") + kContainerDataDir + "`"), std::string::npos)
+      << "the contract names the container's data dir";
+  for (const auto& name : sqlite_overlay_names()) {
+    SCOPED_TRACE("overlay " + name);
+    const auto objects = overlay(name);
+    const auto flags = server_flags(objects);
+    ASSERT_EQ(flags.count("--data-dir"), 1u) << "the default ./skyreels-data is on the read-only root filesystem";
+    EXPECT_EQ(flags.at("--data-dir"), kContainerDataDir);
+    EXPECT_EQ(flags.count("--job-store"), 0u) << "the default store: sqlite:<--data-dir>/jobs.sqlite";
+    const std::string volume = volume_mounted_at(objects, kContainerDataDir);
+    ASSERT_FALSE(volume.empty()) << "nothing is mounted at " << kContainerDataDir;
+    EXPECT_TRUE(has_volume(objects, volume)) << volume;
+  }
+}
+
+// postgresql://USER:PASSWORD@HOST:PORT/DATABASE[?options]
+struct PostgresUrl {
+  std::string user, password, host, port, database;
+};
+
+PostgresUrl parse_postgres_url(const std::string& url) {
+  static const std::regex url_re("postgresql://([^:@/]+):([^@/]+)@([^:/]+):([0-9]+)/([^?]+)(\\?.*)?");
+  std::smatch m;
+  if (!std::regex_match(url, m, url_re))
+    throw std::runtime_error("not postgresql://USER:PASSWORD@HOST:PORT/DB: " + url);
+  return {m[1], m[2], m[3], m[4], m[5]};
+}
+
+const Json& env_var(const Json& container, const std::string& name) {
+  if (container.contains("env")) {
+    for (const Json& e : container.at("env")) {
+      if (e.at("name") == name) return e;
+    }
+  }
+  throw std::runtime_error("the server container has no environment variable " + name);
+}
+
+// The job store URL as the overlay's Secret holds it.
+std::string overlay_store_url(const std::vector<Json>& objects) {
+  const Json& ref = env_var(server_container(objects), "SKYREELS_JOB_STORE").at("valueFrom").at("secretKeyRef");
+  const Json& secret = only_object(objects, "Secret", ref.at("name"));
+  return secret.at("stringData").at(ref.at("key").get<std::string>());
+}
+
+TEST(Kustomize, PostgresqlOverlayReadsTheStoreUrlFromASecretNeverFromArguments) {
+  const auto objects = overlay("postgresql");
+  const PostgresUrl url = parse_postgres_url(overlay_store_url(objects));
+  const auto flags = server_flags(objects);
+  EXPECT_EQ(flags.count("--job-store"), 0u) << "a URL in the arguments shows its password in process lists";
+  for (const auto& arg : strings_of(server_container(objects).at("args"), "args")) {
+    EXPECT_EQ(arg.find("://"), std::string::npos) << arg;
+    EXPECT_EQ(arg.find(url.password), std::string::npos) << arg;
+  }
+  ASSERT_EQ(flags.count("--lease-seconds"), 1u);
+  EXPECT_GT(std::stoi(flags.at("--lease-seconds")), 0);
+  EXPECT_EQ(flags.count("--data-dir"), 0u) << "no SQLite file in PostgreSQL mode";
+  EXPECT_EQ(volume_mounted_at(objects, kContainerDataDir), "") << "no per-pod job store volume";
+  EXPECT_FALSE(has_volume(objects, "work"));
+}
+
+TEST(Kustomize, PostgresqlOverlayReplacesPodsWithoutDroppingCapacity) {
+  const auto objects = overlay("postgresql");
+  const Json& spec = only_object(objects, "Deployment", "skyreels").at("spec");
+  EXPECT_EQ(spec.at("strategy").at("type"), "RollingUpdate");
+  EXPECT_EQ(spec.at("strategy").at("rollingUpdate").at("maxUnavailable"), 0);
+  EXPECT_GE(spec.at("strategy").at("rollingUpdate").at("maxSurge").get<int>(), 1);
+}
+
+// The try-it-out database answers the overlay's placeholder URL: same host, port, user, password and database.
+TEST(Kustomize, PostgresqlExampleServesTheOverlayPlaceholderUrl) {
+  const PostgresUrl url = parse_postgres_url(overlay_store_url(overlay("postgresql")));
+  const auto example = render_kustomization(deploy_dir() / "k8s" / "examples" / "postgresql");
+  const Json& service = only_object(example, "Service", url.host);
+  const Json& ports = service.at("spec").at("ports");
+  EXPECT_TRUE(std::any_of(ports.begin(), ports.end(), [&](const Json& p) {
+    return std::to_string(p.at("port").get<int>()) == url.port;
+  })) << service.dump();
+  const Json& database = only_object(example, "StatefulSet");
+  EXPECT_EQ(database.at("spec").at("replicas"), 1);
+  EXPECT_TRUE(
+      labels_match(service.at("spec").at("selector"), database.at("spec").at("template").at("metadata").at("labels")));
+  const Json& secret = only_object(example, "Secret").at("stringData");
+  EXPECT_EQ(secret.at("user"), url.user);
+  EXPECT_EQ(secret.at("password"), url.password);
+  EXPECT_EQ(secret.at("database"), url.database);
+}
+
+// The adapter rule publishing `metric` under `rules.<kind>` (custom or external), nullptr when none does.
+const Json* adapter_rule(const std::string& kind, const std::string& metric) {
+  const Json& rules = adapter_values().at("rules");
+  if (!rules.contains(kind)) return nullptr;
+  for (const Json& rule : rules.at(kind)) {
+    if (rule.at("name").value("as", "") == metric) return &rule;
+  }
+  return nullptr;
+}
+
+const Json& only_hpa_metric(const std::vector<Json>& objects) {
   const Json& hpa = only_object(objects, "HorizontalPodAutoscaler");
   EXPECT_EQ(hpa.at("spec").at("scaleTargetRef").at("kind"), "Deployment");
   EXPECT_EQ(hpa.at("spec").at("scaleTargetRef").at("name"),
             only_object(objects, "Deployment").at("metadata").at("name"));
-  ASSERT_EQ(hpa.at("spec").at("metrics").size(), 1u);
-  const Json& metric = hpa.at("spec").at("metrics")[0];
-  EXPECT_EQ(metric.at("type"), "Pods");
-  const std::string served = metric.at("pods").at("metric").at("name");
-  EXPECT_EQ(served, "skyreels_queue_depth");
   EXPECT_GE(hpa.at("spec").at("behavior").at("scaleDown").at("stabilizationWindowSeconds").get<int>(), 600);
+  if (hpa.at("spec").at("metrics").size() != 1) throw std::runtime_error("the HPA must scale on exactly one metric");
+  return hpa.at("spec").at("metrics")[0];
+}
 
-  bool served_by_a_rule = false;
-  for (const Json& rule : adapter_values().at("rules").at("custom")) {
-    if (rule.at("name").value("as", "") != served) continue;
-    served_by_a_rule = true;
-    const auto series = skyreels_series(rule.at("seriesQuery"));
-    ASSERT_EQ(series.size(), 1u);
-    EXPECT_EQ(*series.begin(), served);
+// SQLite mode: each pod has its own queue, so the HPA averages the per-pod depth (a Pods metric).
+TEST(Kustomize, SqliteOverlaysScaleOnPerPodQueueDepthServedByTheAdapterRule) {
+  for (const auto& name : sqlite_overlay_names()) {
+    SCOPED_TRACE("overlay " + name);
+    const auto objects = overlay(name);
+    const Json& metric = only_hpa_metric(objects);
+    EXPECT_EQ(metric.at("type"), "Pods");
+    const std::string served = metric.at("pods").at("metric").at("name");
+    EXPECT_EQ(served, "skyreels_queue_depth");
     EXPECT_EQ(contract().metrics.at(served).type, "gauge");
-    EXPECT_EQ(rule.at("resources").at("overrides").at("pod").at("resource"), "pod");
-    EXPECT_EQ(rule.at("resources").at("overrides").at("namespace").at("resource"), "namespace");
-    const std::string query = rule.at("metricsQuery");
+    const Json* rule = adapter_rule("custom", served);
+    ASSERT_NE(rule, nullptr) << "no prometheus-adapter custom rule publishes " << served;
+    EXPECT_EQ(skyreels_series(rule->at("seriesQuery")), std::set<std::string>{served});
+    EXPECT_EQ(rule->at("resources").at("overrides").at("pod").at("resource"), "pod");
+    EXPECT_EQ(rule->at("resources").at("overrides").at("namespace").at("resource"), "namespace");
+    const std::string query = rule->at("metricsQuery");
     for (const char* placeholder : {"<<.Series>>", "<<.LabelMatchers>>", "<<.GroupBy>>"}) {
       EXPECT_NE(query.find(placeholder), std::string::npos) << placeholder;
     }
   }
-  EXPECT_TRUE(served_by_a_rule) << "no prometheus-adapter rule publishes " << served;
+}
+
+// PostgreSQL mode: every pod exports the same store-wide depth, so the HPA reads it once, as an External metric.
+TEST(Kustomize, PostgresqlOverlayScalesOnTheStoreQueueAsOneExternalMetric) {
+  const auto objects = overlay("postgresql");
+  const Json& metric = only_hpa_metric(objects);
+  ASSERT_EQ(metric.at("type"), "External") << "an averaged per-pod metric would divide the store's queue by the pods";
+  const std::string served = metric.at("external").at("metric").at("name");
+  EXPECT_EQ(served, "skyreels_global_queue_depth");
+  EXPECT_EQ(contract().metrics.at(served).type, "gauge");
+  // AverageValue over an External metric: desired replicas = ceil(store queue / averageValue).
+  EXPECT_EQ(metric.at("external").at("target").at("type"), "AverageValue");
+  EXPECT_GT(std::stod(metric.at("external").at("target").at("averageValue").get<std::string>()), 0);
+
+  const Json* rule = adapter_rule("external", served);
+  ASSERT_NE(rule, nullptr) << "no prometheus-adapter external rule publishes " << served;
+  EXPECT_EQ(skyreels_series(rule->at("seriesQuery")), std::set<std::string>{served});
+  EXPECT_EQ(rule->at("resources").at("overrides").at("namespace").at("resource"), "namespace");
+  EXPECT_FALSE(rule->at("resources").at("overrides").contains("pod")) << "one value for the namespace, not per pod";
+  const std::string query = rule->at("metricsQuery");
+  EXPECT_EQ(query.rfind("max(", 0), 0u) << "the pods' identical values collapse with max, never sum: " << query;
+  for (const char* placeholder : {"<<.Series>>", "<<.LabelMatchers>>"}) {
+    EXPECT_NE(query.find(placeholder), std::string::npos) << placeholder;
+  }
 }
 
 // --- dashboards and alerts -----------------------------------------------------------------------------------------
 
 TEST(Monitoring, DashboardAndAlertsUseContractMetricsWithTheirTypesAndLabels) {
   std::vector<std::string> problems;
-  std::vector<std::string> queries = dashboard_queries();
-  const auto alerts = alert_expressions();
-  queries.insert(queries.end(), alerts.begin(), alerts.end());
-  for (const Json& rule : adapter_values().at("rules").at("custom")) queries.push_back(rule.at("seriesQuery"));
-  for (const auto& q : queries) {
+  for (const auto& q : all_queries()) {
     for (const auto& p : promql_problems(q, contract())) problems.push_back(p);
   }
   EXPECT_TRUE(problems.empty()) << join(problems);
@@ -447,10 +653,12 @@ TEST(Monitoring, DashboardAndAlertsUseContractMetricsWithTheirTypesAndLabels) {
   for (const auto& q : dashboard_queries()) {
     for (const auto& s : skyreels_series(q)) on_dashboard.insert(metric_of_series(s, contract()));
   }
-  for (const char* needed : {"skyreels_frames_generated_total", "skyreels_queue_depth", "skyreels_queue_wait_seconds",
-                             "skyreels_chunk_duration_seconds", "skyreels_step_duration_seconds",
-                             "skyreels_replica_busy", "skyreels_replica_healthy", "skyreels_chunk_retries_total",
-                             "skyreels_chunk_handoffs_total", "skyreels_jobs_finished_total"}) {
+  for (const char* needed :
+       {"skyreels_frames_generated_total", "skyreels_queue_depth", "skyreels_queue_wait_seconds",
+        "skyreels_chunk_duration_seconds", "skyreels_step_duration_seconds", "skyreels_replica_busy",
+        "skyreels_replica_healthy", "skyreels_chunk_retries_total", "skyreels_chunk_handoffs_total",
+        "skyreels_jobs_finished_total", "skyreels_job_store_seconds", "skyreels_lease_takeovers_total",
+        "skyreels_global_queue_depth"}) {
     EXPECT_TRUE(on_dashboard.count(needed)) << needed << " is missing from the dashboard";
   }
 }
@@ -472,10 +680,15 @@ TEST(Monitoring, PromqlCheckerCatchesMisusedMetrics) {
   EXPECT_TRUE(promql_problems(right, contract()).empty()) << join(promql_problems(right, contract()));
 }
 
-// Prometheus' own parser, when installed (Debian package `prometheus`; not a build dependency): the alert groups as
-// they are, and every dashboard query as a recording rule with the Grafana variables filled in.
-TEST(Monitoring, QueriesPassPromtoolWhenInstalled) {
-  if (run_command("command -v promtool") != 0) GTEST_SKIP() << "promtool is not installed";
+::testing::AssertionResult promtool_installed() {
+  if (run_command("command -v promtool") == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "promtool is not on PATH: scripts/setup.sh installs Debian's prometheus";
+}
+
+// Prometheus' own parser: the alert groups as they are, and every dashboard query as a recording rule with the
+// Grafana variables filled in.
+TEST(Monitoring, AlertsAndDashboardQueriesPassPromtoolCheckRules) {
+  ASSERT_TRUE(promtool_installed());
   const fs::path dir = temp_dir("promtool");
   std::ofstream(dir / "alerts.yml") << alert_rule_object().at("spec").dump();  // JSON is YAML
   Json recording = Json::array();
@@ -493,6 +706,93 @@ TEST(Monitoring, QueriesPassPromtoolWhenInstalled) {
                   &output),
       0)
       << output;
+}
+
+const Json& alert_rule(const std::string& name) {
+  for (const Json& group : alert_rule_object().at("spec").at("groups")) {
+    for (const Json& rule : group.at("rules")) {
+      if (rule.at("alert") == name) return rule;
+    }
+  }
+  throw std::runtime_error("alerts.yaml has no alert " + name);
+}
+
+const Json& alert_tests() {
+  static const Json tests = load_yaml(deploy_dir() / "prometheus" / "alerts.test.yaml").at(0);
+  return tests;
+}
+
+// An annotation with {{ $labels.NAME }} filled from `labels`, as Prometheus renders it; throws on any other template.
+std::string fill_template(const std::string& text, const Json& labels) {
+  static const std::regex label_re("\\{\\{\\s*\\$labels\\.([a-zA-Z_][a-zA-Z0-9_]*)\\s*\\}\\}");
+  std::string out;
+  auto last = text.cbegin();
+  for (std::sregex_iterator it(text.begin(), text.end(), label_re), end; it != end; ++it) {
+    const std::string label = (*it)[1];
+    if (!labels.contains(label))
+      throw std::runtime_error("'" + text + "' uses $labels." + label + ", not among " + labels.dump());
+    out.append(last, (*it)[0].first).append(labels.at(label).get<std::string>());
+    last = (*it)[0].second;
+  }
+  out.append(last, text.cend());
+  if (out.find("{{") != std::string::npos) throw std::runtime_error("a template other than $labels: " + text);
+  return out;
+}
+
+// alerts.test.yaml with each expected alert completed by its rule's labels and annotations, so that those are
+// declared once, in alerts.yaml.
+Json completed_alert_tests() {
+  Json tests = alert_tests();
+  for (Json& group : tests.at("tests")) {
+    for (Json& check : group.at("alert_rule_test")) {
+      const Json& rule = alert_rule(check.at("alertname"));
+      for (Json& expected : check.at("exp_alerts")) {
+        Json& labels = expected["exp_labels"];
+        for (auto it = rule.at("labels").begin(); it != rule.at("labels").end(); ++it) labels[it.key()] = it.value();
+        for (auto it = rule.at("annotations").begin(); it != rule.at("annotations").end(); ++it) {
+          expected["exp_annotations"][it.key()] = fill_template(it.value(), labels);
+        }
+      }
+    }
+  }
+  return tests;
+}
+
+TEST(Monitoring, EveryAlertFiresOnAFaultAndStaysQuietOnHealthySeriesInItsUnitTests) {
+  std::map<std::string, std::pair<int, int>> checks;  // alert -> (firing checks, quiet checks)
+  for (const Json& group : alert_rule_object().at("spec").at("groups")) {
+    for (const Json& rule : group.at("rules")) checks[rule.at("alert")] = {0, 0};
+  }
+  for (const Json& group : alert_tests().at("tests")) {
+    for (const Json& check : group.at("alert_rule_test")) {
+      const std::string alert = check.at("alertname");
+      ASSERT_TRUE(checks.count(alert)) << "alerts.test.yaml tests an alert alerts.yaml lacks: " << alert;
+      auto& [firing, quiet] = checks[alert];
+      (check.at("exp_alerts").empty() ? quiet : firing)++;
+    }
+  }
+  for (const auto& [alert, counts] : checks) {
+    EXPECT_GE(counts.first, 1) << alert << " has no unit test in which it fires";
+    EXPECT_GE(counts.second, 1) << alert << " has no unit test in which it stays quiet";
+  }
+}
+
+TEST(Monitoring, EveryAlertPassesItsPromtoolUnitTests) {
+  ASSERT_TRUE(promtool_installed());
+  const fs::path dir = temp_dir("promtool-test");
+  const Json tests = completed_alert_tests();
+  ASSERT_EQ(tests.at("rule_files").size(), 1u);
+  std::ofstream(dir / tests.at("rule_files")[0].get<std::string>()) << alert_rule_object().at("spec").dump();
+  std::ofstream(dir / "alerts.test.yml") << tests.dump();
+  std::string output;
+  EXPECT_EQ(run_command("cd " + dir.string() + " && promtool test rules alerts.test.yml", &output), 0) << output;
+}
+
+TEST(Monitoring, AlertAnnotationTemplatesAreFilledFromTheExpectedLabels) {
+  const Json labels = {{"pod", "a"}, {"namespace", "ns"}};
+  EXPECT_EQ(fill_template("{{ $labels.pod }} in {{$labels.namespace}}.", labels), "a in ns.");
+  EXPECT_THROW(fill_template("{{ $labels.replica }}", labels), std::runtime_error) << "a label the alert lacks";
+  EXPECT_THROW(fill_template("{{ $value }}", labels), std::runtime_error) << "a value the test cannot know";
 }
 
 TEST(Monitoring, AlertRulesHaveUniqueNamesSeverityAndSummary) {
@@ -631,6 +931,105 @@ TEST(DockerImages, RuntimeClosureListsOnlyRuntimePackagesOfTheBuiltBinaries) {
   EXPECT_GE(packages.size(), 10u);
   for (const auto& p : packages) EXPECT_FALSE(p.size() > 4 && p.compare(p.size() - 4, 4, "-dev") == 0) << p;
   EXPECT_NE(std::find(packages.begin(), packages.end(), "libc6"), packages.end());
+}
+
+// --- the job store's metrics (server/job_store_timed.*, server/metrics.*) -----------------------------------------
+
+// A store whose every call fails, as a database that went away does.
+class FailingStore final : public server::JobStore {
+ public:
+  std::string describe() const override { return "failing"; }
+  bool durable() const override { return true; }
+  void insert_job(server::StoredJob) override { fail(); }
+  void update_job(const server::StoredJob&) override { fail(); }
+  void commit_chunk(const std::string&, const server::StoredChunk&) override { fail(); }
+  void append_event(const std::string&, const server::StoredEvent&) override { fail(); }
+  void drop_job(const std::string&, const std::string&) override { fail(); }
+  std::optional<std::string> dropped_reason(const std::string&, const std::string&) const override { fail(); }
+  std::vector<server::StoredJob> load_jobs() const override { fail(); }
+  std::vector<server::StoredChunk> load_chunks(const std::string&) const override { fail(); }
+  std::vector<server::StoredEvent> load_events(const std::string&) const override { fail(); }
+
+ private:
+  [[noreturn]] static void fail() { throw server::StoreError("connection lost"); }
+};
+
+// Calls every JobStore method once, in the order of kJobStoreOps; StoreErrors are swallowed.
+void call_every_store_method(server::JobStore& store) {
+  const auto attempt = [](auto&& call) {
+    try {
+      call();
+    } catch (const server::StoreError&) {
+    }
+  };
+  server::StoredJob job;
+  job.id = "j1";
+  attempt([&] { store.insert_job(job); });
+  attempt([&] { store.update_job(job); });
+  attempt([&] { store.commit_chunk("j1", {0, "cpu:0", 1, "bytes"}); });
+  attempt([&] { store.append_event("j1", {1, "event"}); });
+  attempt([&] { store.drop_job("j1", "expired"); });
+  attempt([&] { store.dropped_reason("j1", "owner"); });
+  attempt([&] { store.load_jobs(); });
+  attempt([&] { store.load_chunks("j1"); });
+  attempt([&] { store.load_events("j1"); });
+}
+
+std::vector<std::string> reported_ops(std::unique_ptr<server::JobStore> inner) {
+  std::vector<std::string> ops;
+  server::TimedJobStore timed(std::move(inner), [&](const char* op, double seconds) {
+    EXPECT_GE(seconds, 0.0);
+    ops.push_back(op);
+  });
+  call_every_store_method(timed);
+  return ops;
+}
+
+TEST(StoreMetrics, TimedStoreReportsEveryCallWithItsOperationAlsoWhenTheCallFails) {
+  const std::vector<std::string> all(std::begin(server::kJobStoreOps), std::end(server::kJobStoreOps));
+  EXPECT_EQ(reported_ops(std::make_unique<server::MemoryJobStore>()), all);
+  EXPECT_EQ(reported_ops(std::make_unique<FailingStore>()), all);
+}
+
+TEST(StoreMetrics, ContractListsEveryStoreOperationAsTheOpLabel) {
+  const MetricSpec& spec = contract().metrics.at("skyreels_job_store_seconds");
+  EXPECT_EQ(spec.type, "histogram");
+  EXPECT_EQ(spec.label, "op");
+  EXPECT_EQ(spec.label_values, std::set<std::string>(std::begin(server::kJobStoreOps), std::end(server::kJobStoreOps)));
+}
+
+// The value of the sample whose line starts with `series` (name and labels as exported), NaN when none does.
+double sample_value(const std::string& exposition, const std::string& series) {
+  std::istringstream lines(exposition);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind(series + " ", 0) == 0) return std::stod(line.substr(series.size() + 1));
+  }
+  return std::nan("");
+}
+
+TEST(StoreMetrics, GlobalQueueDepthFollowsThePodQueueUntilTheStoreReportsIt) {
+  server::Metrics metrics({"cpu:0"}, "test");
+  metrics.queue_changed(3, 1);
+  EXPECT_EQ(sample_value(metrics.render(), "skyreels_global_queue_depth"), 3) << "single pod: its own queue";
+  metrics.set_global_queue_depth(7);
+  metrics.queue_changed(2, 1);
+  EXPECT_EQ(sample_value(metrics.render(), "skyreels_global_queue_depth"), 7) << "shared store: the store's count";
+  EXPECT_EQ(sample_value(metrics.render(), "skyreels_queue_depth"), 2);
+}
+
+TEST(StoreMetrics, TakeoversAndStoreCallsAreCounted) {
+  server::Metrics metrics({"cpu:0"}, "test");
+  metrics.lease_takeover();
+  metrics.lease_takeover();
+  const auto report = metrics.store_call_report();
+  report("commit_chunk", 0.2);
+  report("no_such_op", 1.0);  // ignored rather than a series the contract does not list
+  const std::string text = metrics.render();
+  EXPECT_EQ(sample_value(text, "skyreels_lease_takeovers_total"), 2);
+  EXPECT_EQ(sample_value(text, "skyreels_job_store_seconds_count{op=\"commit_chunk\"}"), 1);
+  EXPECT_EQ(sample_value(text, "skyreels_job_store_seconds_bucket{op=\"commit_chunk\",le=\"0.25\"}"), 1);
+  EXPECT_EQ(sample_value(text, "skyreels_job_store_seconds_bucket{op=\"commit_chunk\",le=\"0.1\"}"), 0);
+  EXPECT_EQ(text.find("no_such_op"), std::string::npos);
 }
 
 // --- a real server
