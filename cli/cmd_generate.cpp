@@ -19,111 +19,76 @@
 #include "model/text_encoding.h"
 #include "model/transformer_loader.h"
 #include "model/vae_wan.h"
+#include "server/generation_params.h"
+#include "server/generation_params_model.h"
 
 namespace {
 
 using skyreels::cli::Args;
 using skyreels::cli::frame_and_value;
+using skyreels::cli::generation_request_from_flags;
 using skyreels::cli::UsageError;
 using skyreels::cli::with_generation_flags;
 namespace model = skyreels::model;
 
-const char* kUsage =
-    "usage: skyreels generate --model DIR (--inputs IN.safetensors | --text-encoder DIR --prompt TEXT)\n"
-    "                         --out OUT.safetensors [flags]\n\n"
-    "Diffusion-forcing generation of latents (diffusers' SkyReelsV2DiffusionForcingPipeline, output_type=latent).\n"
-    "  --model      a transformer checkpoint in any layout the loader accepts\n"
-    "  --inputs     safetensors with prompt_embeds [B, T, text_dim] and, when --guidance-scale > 1,\n"
-    "               negative_prompt_embeds (e.g. from `skyreels encode-text`)\n"
-    "  --text-encoder DIR  a UMT5 text encoder: encode --prompt / --negative-prompt (default \"\") instead of "
-    "--inputs\n"
-    "  --tokenizer DIR     its tokenizer (default: found next to the text encoder)\n"
-    "  --max-sequence-length 512\n"
-    "  --out        safetensors with `latents` fp32 [B, 16, F, H/8, W/8] and `chunkK_latents_end` per chunk K\n"
-    "image-to-video and video extension (diffusers' DF ImageToVideo / VideoToVideo pipelines):\n"
-    "  --vae DIR          the Wan VAE that encodes the image / video (diffusers AutoencoderKLWan folder)\n"
-    "  --image PATH       first frame: PNG/JPEG, or safetensors with `image` [B, 3, H, W] float in [0, 1]\n"
-    "  --last-image PATH  last frame (with --image): PNG/JPEG, or safetensors with `last_image`\n"
-    "  --video PATH       video to extend: MP4, or safetensors with `video` [B, F, 3, H, W] float in [0, 1];\n"
-    "                     its last --overlap-history frames are continued; --num-frames counts them too\n"
-    "                     (images and videos must already be --width x --height)\n"
-    "  --pin-image-prefix with --causal-block-size > 1: keep the image frame fixed (diffusers denoises it)\n"
-    "a prompt per chunk (each chunk takes the prompt in force at its first new frame):\n"
-    "  --prompt-at FRAME:TEXT   from pixel frame FRAME on, TEXT (needs --text-encoder); repeatable\n"
-    "  --inputs-at FRAME:FILE   from pixel frame FRAME on, the embeddings of FILE (like --inputs); repeatable\n"
-    "flags named after diffusers' arguments (defaults as diffusers):\n"
-    "  --num-frames 97  --height 544  --width 960  --num-inference-steps 50  --guidance-scale 6.0\n"
-    "  --flow-shift 8.0 (default: the --scheduler-config value if given, else 8.0)\n"
-    "  --base-num-frames 97  --overlap-history N (long videos)  --ar-step 0  --causal-block-size N\n"
-    "  --addnoise-condition 0  --fps 24\n"
-    "  --seed N               latent noise as torch.Generator('cpu').manual_seed(N) draws it (default: random);\n"
-    "                         addnoise_condition noise comes from a second CPU generator seeded N+1\n"
-    "  --noise FILE           inject recorded noise: tensors noise_000, noise_001, ... in diffusers' draw order\n"
-    "  --scheduler-config FILE  a diffusers UniPCMultistepScheduler scheduler_config.json\n"
-    "  --dtype float32|bfloat16|auto (default float32)  --device cpu|cuda|cuda:N (default cpu)";
+const std::string kUsage =
+    std::string(
+        "usage: skyreels generate --model DIR (--inputs IN.safetensors | --text-encoder DIR --prompt TEXT)\n"
+        "                         --out OUT.safetensors [flags]\n\n"
+        "Diffusion-forcing generation of latents (diffusers' SkyReelsV2DiffusionForcingPipeline, output_type=latent).\n"
+        "  --model      a transformer checkpoint in any layout the loader accepts\n"
+        "  --inputs     safetensors with prompt_embeds [B, T, text_dim] and, when --guidance-scale > 1,\n"
+        "               negative_prompt_embeds (e.g. from `skyreels encode-text`)\n"
+        "  --text-encoder DIR  a UMT5 text encoder: encode --prompt / --negative-prompt (default \"\") instead of "
+        "--inputs\n"
+        "  --tokenizer DIR     its tokenizer (default: found next to the text encoder)\n"
+        "  --max-sequence-length 512\n"
+        "  --out        safetensors with `latents` fp32 [B, 16, F, H/8, W/8] and `chunkK_latents_end` per chunk K\n"
+        "  --noise FILE inject recorded noise: inject recorded noise: noise_000, noise_001, ... in diffusers' draw "
+        "order\n"
+        "  --dtype float32|bfloat16|auto (default float32)  --device cpu|cuda|cuda:N (default cpu)\n"
+        "image-to-video and video extension (diffusers' DF ImageToVideo / VideoToVideo pipelines):\n"
+        "  --vae DIR          the Wan VAE that encodes the image / video (diffusers AutoencoderKLWan folder)\n"
+        "  --image PATH       first frame: PNG/JPEG, or safetensors with `image` [B, 3, H, W] float in [0, 1]\n"
+        "  --last-image PATH  last frame (with --image): PNG/JPEG, or safetensors with `last_image`\n"
+        "  --video PATH       video to extend: MP4, or safetensors with `video` [B, F, 3, H, W] float in [0, 1];\n"
+        "                     its last --overlap-history frames are continued; --num-frames counts them too\n"
+        "                     (images and videos must already be --width x --height)\n"
+        "  --pin-image-prefix with --causal-block-size > 1: keep the image frame fixed (diffusers denoises it)\n"
+        "a prompt per chunk (each chunk takes the prompt in force at its first new frame):\n"
+        "  --prompt-at FRAME:TEXT   from pixel frame FRAME on, TEXT (needs --text-encoder); repeatable\n"
+        "  --inputs-at FRAME:FILE   from pixel frame FRAME on, the embeddings of FILE (like --inputs); repeatable\n"
+        "generation parameters, named after diffusers' arguments (defaults as diffusers):\n"
+        "  --scheduler-config FILE        a diffusers UniPCMultistepScheduler scheduler_config.json: the\n"
+        "                                 defaults of --flow-shift and of the sampler's flags below\n") +
+    skyreels::server::generation_flags_help();
 
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-int64_t int_flag(const Args& args, const std::string& name, int64_t fallback) {
-  if (!args.has(name)) return fallback;
-  const std::string text = args.get(name);
-  try {
-    size_t used = 0;
-    const long long value = std::stoll(text, &used);
-    if (used != text.size()) throw std::invalid_argument(text);
-    return value;
-  } catch (const std::exception&) {
-    throw UsageError("flag --" + name + " expects an integer, got '" + text + "'");
-  }
+uint64_t random_seed() {
+  const uint64_t seed = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
+  spdlog::info("no --seed given; using seed {}", seed);
+  return seed;
 }
 
-uint64_t seed_flag(const Args& args) {
-  if (!args.has("seed")) {
-    const uint64_t seed = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
-    spdlog::info("no --seed given; using seed {}", seed);
-    return seed;
-  }
-  const std::string text = args.get("seed");
-  try {
-    size_t used = 0;
-    const unsigned long long value = std::stoull(text, &used);
-    if (used != text.size() || text.front() == '-') throw std::invalid_argument(text);
-    return value;
-  } catch (const std::exception&) {
-    throw UsageError("flag --seed expects a non-negative integer, got '" + text + "'");
-  }
-}
-
+// The table's flags as the model takes them. causal_block_size stays unset unless given: plan_chunks applies the
+// model's once it is loaded. The seed stays unset unless given: noise_from_flags draws one.
 model::GenerationParams params_from_flags(const Args& args) {
-  model::GenerationParams p;
-  p.num_frames = int_flag(args, "num-frames", p.num_frames);
-  p.height = int_flag(args, "height", p.height);
-  p.width = int_flag(args, "width", p.width);
-  p.num_inference_steps = int_flag(args, "num-inference-steps", p.num_inference_steps);
-  p.guidance_scale = args.get_double("guidance-scale", p.guidance_scale);
-  if (args.has("scheduler-config")) {
-    p.scheduler = model::FlowUniPCConfig::from_file(args.get("scheduler-config"));
-    p.flow_shift = p.scheduler.flow_shift;
-  }
-  p.flow_shift = args.get_double("flow-shift", p.flow_shift);
-  p.base_num_frames = int_flag(args, "base-num-frames", p.base_num_frames);
-  if (args.has("overlap-history")) p.overlap_history = int_flag(args, "overlap-history", 0);
-  p.ar_step = int_flag(args, "ar-step", p.ar_step);
-  if (args.has("causal-block-size")) p.causal_block_size = int_flag(args, "causal-block-size", 0);
-  p.addnoise_condition = args.get_double("addnoise-condition", p.addnoise_condition);
-  p.fps = int_flag(args, "fps", p.fps);
+  const skyreels::server::JobRequest request = generation_request_from_flags(args);
+  model::GenerationParams p = skyreels::server::model_params(skyreels::server::resolve_generation_params(request, {}));
+  p.seed = request.seed;
   p.pin_image_prefix = args.has("pin-image-prefix");
   return p;
 }
 
 std::unique_ptr<model::NoiseSource> noise_from_flags(const Args& args, model::GenerationParams& params) {
   if (!args.has("noise")) {
-    params.seed = seed_flag(args);
+    if (!params.seed) params.seed = random_seed();
     return model::make_seeded_noise(*params.seed);
   }
-  if (args.has("seed")) throw UsageError("--noise and --seed are exclusive");
+  if (params.seed) throw UsageError("--noise and --seed are exclusive");
   const std::string path = args.get("noise");
   auto file = skyreels::safetensors::File::open(path);
   std::vector<at::Tensor> draws;

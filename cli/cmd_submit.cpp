@@ -11,14 +11,15 @@
 
 #include "cli/command.h"
 #include "model/safetensors.h"
-#include "model/sampler_flow_unipc.h"
 #include "server/blob.h"
 #include "server/client.h"
+#include "server/generation_params_proto.h"
 
 namespace {
 
 using skyreels::cli::Args;
 using skyreels::cli::frame_and_value;
+using skyreels::cli::generation_request_from_flags;
 using skyreels::cli::UsageError;
 using skyreels::cli::with_generation_flags;
 namespace pb = skyreels::v1;
@@ -34,11 +35,6 @@ const std::string kUsage =
         "  --random-embeddings       random prompt embeddings sized for the server's model (demos, load tests);\n"
         "                            --tokens N (default 16), --embeddings-seed N (default 0)\n"
         "  --prompt TEXT             text (needs a server with a text encoder); --negative-prompt TEXT\n"
-        "generation (diffusers' names; unset: the pipeline defaults):\n"
-        "  --num-frames --height --width --num-inference-steps --guidance-scale --flow-shift --base-num-frames\n"
-        "  --overlap-history --ar-step --causal-block-size --addnoise-condition --fps --seed\n"
-        "  --scheduler-config FILE   a diffusers UniPCMultistepScheduler scheduler_config.json (its flow_shift is the\n"
-        "                            default of --flow-shift, as for `skyreels generate`)\n"
         "image-to-video / video extension (a server with --vae) and a prompt per chunk, as for `generate`:\n"
         "  --image PATH  --last-image PATH  --video PATH   PNG/JPEG/MP4 (sent as bytes) or safetensors with\n"
         "                            `image` / `last_image` / `video` float in [0, 1] (sent as tensors)\n"
@@ -51,57 +47,11 @@ const std::string kUsage =
         "                            the first MP4 download of the job starts the decode\n"
         "  --wait-ready SECONDS      first wait until the server reports ready (grpc.health.v1)\n"
         "  --watch                   follow the job (progress on stderr); exit status 0 only if it succeeds\n"
-        "  --out DIR                 with --watch: download the latents into DIR/<job>.safetensors\n") +
-    skyreels::server::kConnectionFlagsHelp;
-
-int64_t int_flag(const Args& args, const std::string& name) {
-  const std::string text = args.get(name);
-  try {
-    size_t used = 0;
-    const long long v = std::stoll(text, &used);
-    if (used != text.size()) throw std::invalid_argument(text);
-    return v;
-  } catch (const std::exception&) {
-    throw UsageError("flag --" + name + " expects an integer, got '" + text + "'");
-  }
-}
-
-void fill_params(const Args& args, pb::GenerationParams* p) {
-  if (args.has("scheduler-config")) {
-    const auto c = skyreels::model::FlowUniPCConfig::from_file(args.get("scheduler-config"));
-    pb::SchedulerConfig* s = p->mutable_scheduler();
-    s->set_num_train_timesteps(c.num_train_timesteps);
-    s->set_solver_order(c.solver_order);
-    s->set_solver_type(c.solver_type);
-    s->set_lower_order_final(c.lower_order_final);
-    for (int64_t step : c.disable_corrector) s->add_disable_corrector(step);
-    s->set_final_sigmas_type(c.final_sigmas_type);
-    p->set_flow_shift(c.flow_shift);
-  }
-  if (args.has("num-frames")) p->set_num_frames(int_flag(args, "num-frames"));
-  if (args.has("height")) p->set_height(int_flag(args, "height"));
-  if (args.has("width")) p->set_width(int_flag(args, "width"));
-  if (args.has("num-inference-steps")) p->set_num_inference_steps(int_flag(args, "num-inference-steps"));
-  if (args.has("guidance-scale")) p->set_guidance_scale(args.get_double("guidance-scale", 0));
-  if (args.has("flow-shift")) p->set_flow_shift(args.get_double("flow-shift", 0));
-  if (args.has("base-num-frames")) p->set_base_num_frames(int_flag(args, "base-num-frames"));
-  if (args.has("overlap-history")) p->set_overlap_history(int_flag(args, "overlap-history"));
-  if (args.has("ar-step")) p->set_ar_step(int_flag(args, "ar-step"));
-  if (args.has("causal-block-size")) p->set_causal_block_size(int_flag(args, "causal-block-size"));
-  if (args.has("addnoise-condition")) p->set_addnoise_condition(args.get_double("addnoise-condition", 0));
-  if (args.has("fps")) p->set_fps(int_flag(args, "fps"));
-  if (args.has("seed")) {
-    const std::string text = args.get("seed");
-    try {
-      size_t used = 0;
-      const unsigned long long v = std::stoull(text, &used);
-      if (used != text.size() || text.front() == '-') throw std::invalid_argument(text);
-      p->set_seed(v);
-    } catch (const std::exception&) {
-      throw UsageError("flag --seed expects a non-negative integer, got '" + text + "'");
-    }
-  }
-}
+        "  --out DIR                 with --watch: download the latents into DIR/<job>.safetensors\n"
+        "generation parameters, diffusers' names (unset: the server applies the defaults shown):\n"
+        "  --scheduler-config FILE        a diffusers UniPCMultistepScheduler scheduler_config.json: the\n"
+        "                                 defaults of --flow-shift and of the sampler's flags below\n") +
+    skyreels::server::generation_flags_help() + skyreels::server::kConnectionFlagsHelp;
 
 bool is_safetensors(const std::string& path) {
   return path.size() >= 12 && path.compare(path.size() - 12, 12, ".safetensors") == 0;
@@ -214,7 +164,7 @@ int run_submit(const std::vector<std::string>& raw) {
     spec->mutable_text()->set_prompt(args.get("prompt"));
     spec->mutable_text()->set_negative_prompt(args.get("negative-prompt", ""));
   }
-  fill_params(args, spec->mutable_params());
+  server::request_params_to_proto(generation_request_from_flags(args), spec->mutable_params());
   fill_conditioning(args, spec);
   request.set_priority(args.get_int("priority", 0));
   request.set_idempotency_key(args.get("idempotency-key", ""));

@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "server/generation_params.h"
+#include "server/generation_params_model.h"
+
 namespace skyreels::cli {
 
 std::map<std::string, Command>& registry() {
@@ -88,31 +91,38 @@ void Args::reject_unknown(const std::vector<std::string>& known) const {
   }
 }
 
-const std::vector<std::string> kGenerationFlags = {"prompt",
-                                                   "negative-prompt",
-                                                   "num-frames",
-                                                   "height",
-                                                   "width",
-                                                   "num-inference-steps",
-                                                   "guidance-scale",
-                                                   "flow-shift",
-                                                   "base-num-frames",
-                                                   "overlap-history",
-                                                   "ar-step",
-                                                   "causal-block-size",
-                                                   "addnoise-condition",
-                                                   "fps",
-                                                   "seed",
-                                                   "scheduler-config",
-                                                   "image",
-                                                   "last-image",
-                                                   "video",
-                                                   "prompt-at",
-                                                   "inputs-at"};
+namespace {
+
+std::vector<std::string> generation_flags() {
+  std::vector<std::string> flags = {"prompt", "negative-prompt", "image",     "last-image",
+                                    "video",  "prompt-at",       "inputs-at", "scheduler-config"};
+  for (const auto& param : server::generation_params()) flags.push_back(param.flag);
+  return flags;
+}
+
+}  // namespace
+
+const std::vector<std::string> kGenerationFlags = generation_flags();
 
 std::vector<std::string> with_generation_flags(std::vector<std::string> known) {
   known.insert(known.end(), kGenerationFlags.begin(), kGenerationFlags.end());
   return known;
+}
+
+server::JobRequest generation_request_from_flags(const Args& args) {
+  server::JobRequest request;
+  if (args.has("scheduler-config")) {
+    server::request_scheduler_config(model::FlowUniPCConfig::from_file(args.get("scheduler-config")), request);
+  }
+  for (const auto& param : server::generation_params()) {
+    if (!args.has(param.flag)) continue;
+    try {
+      param.set_requested(request, server::parse_param_value(param, args.get(param.flag)));
+    } catch (const std::invalid_argument& e) {
+      throw UsageError("flag --" + param.flag + " " + e.what());
+    }
+  }
+  return request;
 }
 
 std::pair<int64_t, std::string> frame_and_value(const std::string& flag, const std::string& text) {

@@ -9,6 +9,10 @@
 #include <utility>
 #include <vector>
 
+namespace skyreels::server {
+struct JobRequest;
+}
+
 namespace skyreels::cli {
 
 struct Command {
@@ -40,11 +44,15 @@ class Args {
   std::vector<std::string> positional_;
 };
 
-// The generation parameters that `generate` (in process) and `submit` (to a server) both take: one list, so that
-// the two commands accept the same flags.
+// The flags that `generate` (in process) and `submit` (to a server) both take: the conditioning, one per generation
+// parameter (server/generation_params.h) and --scheduler-config, so that the two commands accept the same flags.
 extern const std::vector<std::string> kGenerationFlags;
 // `known` followed by kGenerationFlags, for Args::reject_unknown.
 std::vector<std::string> with_generation_flags(std::vector<std::string> known);
+
+// The generation parameters the flags set: --scheduler-config's values first, each parameter's flag over them.
+// Throws UsageError naming a flag whose value does not parse.
+server::JobRequest generation_request_from_flags(const Args& args);
 
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;

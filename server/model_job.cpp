@@ -16,6 +16,8 @@
 #include "model/vae_wan.h"
 #include "model/safetensors_limits.h"
 #include "server/blob.h"
+#include "server/generation_params.h"
+#include "server/generation_params_model.h"
 
 namespace skyreels::server {
 
@@ -36,87 +38,13 @@ std::string shape_text(const std::vector<int64_t>& shape) {
   return os.str();
 }
 
-// ---- parameters -------------------------------------------------------------------------------------------------
+// ---- checks -----------------------------------------------------------------------------------------------------
 
 void check_range(const std::string& field, int64_t value, int64_t lo, int64_t hi, const std::string& why = "") {
   if (value < lo || value > hi) {
     invalid(field + ": " + std::to_string(value) + " is outside [" + std::to_string(lo) + ", " + std::to_string(hi) +
             "]" + (why.empty() ? "" : " (" + why + ")"));
   }
-}
-
-void check_range(const std::string& field, double value, double lo, double hi) {
-  if (!std::isfinite(value) || value < lo || value > hi) {
-    std::ostringstream os;
-    os << field << ": " << value << " is outside [" << lo << ", " << hi << "]";
-    invalid(os.str());
-  }
-}
-
-void check_frames(const std::string& field, int64_t frames, int64_t max_frames) {
-  check_range(field, frames, 1, max_frames, "--max-frames");
-  if ((frames - 1) % kTemporal != 0) {
-    const int64_t below = (frames - 1) / kTemporal * kTemporal + 1;
-    invalid(field + ": " + std::to_string(frames) + " is not of the form 4k+1 (the VAE packs 4 frames per latent " +
-            "frame after the first); use " + std::to_string(below) + " or " + std::to_string(below + kTemporal));
-  }
-}
-
-void check_size(const std::string& field, int64_t pixels, int64_t max_pixels, const std::string& flag) {
-  check_range(field, pixels, 16, max_pixels, flag);
-  if (pixels % 16 != 0) invalid(field + ": " + std::to_string(pixels) + " is not a multiple of 16");
-}
-
-model::GenerationParams resolve_params(const JobRequest& r, const ServerLimits& limits, uint64_t random_seed) {
-  model::GenerationParams p;
-  p.num_frames = r.num_frames.value_or(p.num_frames);
-  p.height = r.height.value_or(p.height);
-  p.width = r.width.value_or(p.width);
-  p.num_inference_steps = r.num_inference_steps.value_or(p.num_inference_steps);
-  p.guidance_scale = r.guidance_scale.value_or(p.guidance_scale);
-  p.flow_shift = r.flow_shift.value_or(p.flow_shift);
-  p.base_num_frames = r.base_num_frames.value_or(p.base_num_frames);
-  p.overlap_history = r.overlap_history;
-  p.ar_step = r.ar_step.value_or(p.ar_step);
-  p.causal_block_size = r.causal_block_size;
-  p.addnoise_condition = r.addnoise_condition.value_or(p.addnoise_condition);
-  p.fps = r.fps.value_or(p.fps);
-  p.seed = r.seed.value_or(random_seed);
-
-  check_frames("num_frames", p.num_frames, limits.max_frames);
-  check_size("height", p.height, limits.max_height, "--max-height");
-  check_size("width", p.width, limits.max_width, "--max-width");
-  check_range("num_inference_steps", p.num_inference_steps, 1, limits.max_steps, "--max-steps");
-  check_range("guidance_scale", p.guidance_scale, 0.0, 100.0);
-  check_range("flow_shift", p.flow_shift, 1e-3, 1000.0);
-  check_frames("base_num_frames", p.base_num_frames, limits.max_frames);
-  if (p.overlap_history) check_range("overlap_history", *p.overlap_history, 1, p.base_num_frames);
-  // Each unit of ar_step adds a row per block to every chunk; beyond the step count it only adds cost.
-  check_range("ar_step", p.ar_step, 0, p.num_inference_steps, "at most num_inference_steps");
-  if (p.causal_block_size) check_range("causal_block_size", *p.causal_block_size, 1, 1000);
-  check_range("addnoise_condition", p.addnoise_condition, 0.0, 999.0);
-  check_range("fps", p.fps, 1, 240);
-
-  auto& sc = p.scheduler;
-  sc.num_train_timesteps = r.num_train_timesteps.value_or(sc.num_train_timesteps);
-  sc.solver_order = r.solver_order.value_or(sc.solver_order);
-  sc.solver_type = r.solver_type.value_or(sc.solver_type);
-  sc.lower_order_final = r.lower_order_final.value_or(sc.lower_order_final);
-  sc.final_sigmas_type = r.final_sigmas_type.value_or(sc.final_sigmas_type);
-  if (static_cast<int64_t>(r.disable_corrector.size()) > p.num_inference_steps) {
-    invalid("scheduler.disable_corrector: more entries than num_inference_steps");
-  }
-  for (int64_t step : r.disable_corrector) {
-    check_range("scheduler.disable_corrector", step, 0, p.num_inference_steps - 1, "a step index");
-  }
-  sc.disable_corrector = r.disable_corrector;
-  check_range("scheduler.num_train_timesteps", sc.num_train_timesteps, 1, 100000);
-  try {
-    sc.validate();
-  } catch (const std::invalid_argument& e) {
-    invalid(std::string("scheduler.") + e.what());
-  }
-  return p;
 }
 
 // ---- tensors ------------------------------------------------------------------------------------------------------
@@ -284,11 +212,6 @@ struct Fnv {
   void add(const T& v) {
     bytes(&v, sizeof v);
   }
-  template <typename T>
-  void opt(const std::optional<T>& v) {
-    add(static_cast<uint8_t>(v.has_value()));
-    if (v) add(*v);
-  }
   void tensor(const std::optional<RawTensor>& t) {
     add(static_cast<uint8_t>(t.has_value()));
     if (!t) return;
@@ -308,21 +231,7 @@ uint64_t fingerprint_of(const JobRequest& r) {
   if (r.prompt) f.str(*r.prompt);
   f.add(static_cast<uint8_t>(r.negative_prompt.has_value()));
   if (r.negative_prompt) f.str(*r.negative_prompt);
-  for (const auto* v : {&r.num_frames, &r.height, &r.width, &r.num_inference_steps, &r.base_num_frames,
-                        &r.overlap_history, &r.ar_step, &r.causal_block_size, &r.fps}) {
-    f.opt(*v);
-  }
-  for (const auto* v : {&r.guidance_scale, &r.flow_shift, &r.addnoise_condition}) f.opt(*v);
-  f.opt(r.seed);
-  f.opt(r.num_train_timesteps);
-  f.opt(r.solver_order);
-  f.opt(r.lower_order_final);
-  for (const auto* v : {&r.solver_type, &r.final_sigmas_type}) {
-    f.add(static_cast<uint8_t>(v->has_value()));
-    if (*v) f.str(**v);
-  }
-  f.add(static_cast<uint64_t>(r.disable_corrector.size()));
-  for (int64_t step : r.disable_corrector) f.add(step);
+  fingerprint_generation_params(r, [&f](const void* data, size_t size) { f.bytes(data, size); });
   for (const auto* pixels : {&r.image, &r.last_image, &r.video}) {
     f.add(static_cast<uint8_t>(pixels->has_value()));
     if (!*pixels) continue;
@@ -454,7 +363,9 @@ std::shared_ptr<ModelJob> ModelJob::create(const JobRequest& request, const Mode
                                            std::shared_ptr<const model::WanVae> vae) {
   std::shared_ptr<ModelJob> job(new ModelJob());
   Impl& d = *job->impl_;
-  d.generation = resolve_params(request, limits, random_seed);
+  d.resolved = resolve_generation_params(request, ResolveContext{model.num_frame_per_block, random_seed});
+  validate_generation_params(d.resolved, limits);
+  d.generation = model_params(d.resolved);
   const model::GenerationParams& p = d.generation;
 
   const int sources = static_cast<int>(request.prompt_embeds.has_value()) +
@@ -517,26 +428,6 @@ std::shared_ptr<ModelJob> ModelJob::create(const JobRequest& request, const Mode
   d.videos.resize(d.plan.chunks.size());
   d.fingerprint = fingerprint_of(request);
 
-  ResolvedParams& r = d.resolved;
-  r.num_frames = p.num_frames;
-  r.height = p.height;
-  r.width = p.width;
-  r.num_inference_steps = p.num_inference_steps;
-  r.base_num_frames = p.base_num_frames;
-  r.overlap_history = p.overlap_history;
-  r.ar_step = p.ar_step;
-  r.causal_block_size = d.plan.causal_block_size;
-  r.fps = p.fps;
-  r.guidance_scale = p.guidance_scale;
-  r.flow_shift = p.flow_shift;
-  r.addnoise_condition = p.addnoise_condition;
-  r.seed = *p.seed;
-  r.num_train_timesteps = p.scheduler.num_train_timesteps;
-  r.solver_order = p.scheduler.solver_order;
-  r.solver_type = p.scheduler.solver_type;
-  r.lower_order_final = p.scheduler.lower_order_final;
-  r.disable_corrector = p.scheduler.disable_corrector;
-  r.final_sigmas_type = p.scheduler.final_sigmas_type;
   check_work(*job, limits);
   return job;
 }

@@ -18,6 +18,7 @@
 #include <set>
 #include <thread>
 
+#include "server/generation_params_proto.h"
 #include "server/guards.h"
 #include "skyreels/v1/video_service.grpc.pb.h"
 
@@ -155,54 +156,9 @@ JobRequest request_from_proto(const pb::JobSpec& spec) {
     case pb::JobSpec::CONDITIONING_NOT_SET:
       break;
   }
-  const pb::GenerationParams& p = spec.params();
-  if (p.has_num_frames()) r.num_frames = p.num_frames();
-  if (p.has_height()) r.height = p.height();
-  if (p.has_width()) r.width = p.width();
-  if (p.has_num_inference_steps()) r.num_inference_steps = p.num_inference_steps();
-  if (p.has_guidance_scale()) r.guidance_scale = p.guidance_scale();
-  if (p.has_flow_shift()) r.flow_shift = p.flow_shift();
-  if (p.has_base_num_frames()) r.base_num_frames = p.base_num_frames();
-  if (p.has_overlap_history()) r.overlap_history = p.overlap_history();
-  if (p.has_ar_step()) r.ar_step = p.ar_step();
-  if (p.has_causal_block_size()) r.causal_block_size = p.causal_block_size();
-  if (p.has_addnoise_condition()) r.addnoise_condition = p.addnoise_condition();
-  if (p.has_fps()) r.fps = p.fps();
-  if (p.has_seed()) r.seed = p.seed();
-  if (p.has_scheduler()) {
-    const pb::SchedulerConfig& c = p.scheduler();
-    if (c.has_num_train_timesteps()) r.num_train_timesteps = c.num_train_timesteps();
-    if (c.has_solver_order()) r.solver_order = c.solver_order();
-    if (c.has_solver_type()) r.solver_type = c.solver_type();
-    if (c.has_lower_order_final()) r.lower_order_final = c.lower_order_final();
-    if (c.has_final_sigmas_type()) r.final_sigmas_type = c.final_sigmas_type();
-    r.disable_corrector.assign(c.disable_corrector().begin(), c.disable_corrector().end());
-  }
+  request_params_from_proto(spec.params(), r);
   conditioning_from_proto(spec, r);
   return r;
-}
-
-void params_to_proto(const ResolvedParams& r, pb::GenerationParams* p) {
-  p->set_num_frames(r.num_frames);
-  p->set_height(r.height);
-  p->set_width(r.width);
-  p->set_num_inference_steps(r.num_inference_steps);
-  p->set_guidance_scale(r.guidance_scale);
-  p->set_flow_shift(r.flow_shift);
-  p->set_base_num_frames(r.base_num_frames);
-  if (r.overlap_history) p->set_overlap_history(*r.overlap_history);
-  p->set_ar_step(r.ar_step);
-  p->set_causal_block_size(r.causal_block_size);
-  p->set_addnoise_condition(r.addnoise_condition);
-  p->set_fps(r.fps);
-  p->set_seed(r.seed);
-  pb::SchedulerConfig* c = p->mutable_scheduler();
-  c->set_num_train_timesteps(r.num_train_timesteps);
-  c->set_solver_order(r.solver_order);
-  c->set_solver_type(r.solver_type);
-  c->set_lower_order_final(r.lower_order_final);
-  for (int64_t step : r.disable_corrector) c->add_disable_corrector(step);
-  c->set_final_sigmas_type(r.final_sigmas_type);
 }
 
 // What the job store keeps of a request: the request with the values actually used filled in (the resolved seed;
@@ -861,7 +817,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
     }
     out->set_idempotency_key(s.idempotency_key);
     if (const ModelJob* job = model_job(s)) {
-      params_to_proto(job->params(), out->mutable_params());
+      resolved_params_to_proto(job->params(), out->mutable_params());
       for (int64_t d : job->latent_shape()) out->add_latent_shape(d);
       out->set_num_frames(static_cast<int32_t>(job->params().num_frames));
       out->set_video_available(config_.vae_available);
