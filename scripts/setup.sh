@@ -13,12 +13,8 @@ PACKAGES=(
   libspdlog-dev libfmt-dev prometheus-cpp-dev nlohmann-json3-dev libsqlite3-dev
   libgtest-dev libgmock-dev libyaml-dev
   libavcodec-dev libavformat-dev libswscale-dev libavutil-dev
-<<<<<<< HEAD
   openssl postgresql libpq-dev
-=======
-  openssl
   prometheus kubernetes-client
->>>>>>> deploy
 )
 
 # Packages wanted only for a command (tests run promtool and kubectl kustomize): a machine that already has the
