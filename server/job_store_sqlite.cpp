@@ -30,6 +30,9 @@ const std::vector<std::string>& migrations() {
       // 1 -> 2: tombstones of jobs dropped by retention
       "CREATE TABLE dropped(id TEXT PRIMARY KEY, owner TEXT NOT NULL, reason TEXT NOT NULL,"
       " dropped_ms INTEGER NOT NULL);",
+      // 2 -> 3: MP4 segments, made on demand and read back instead of decoding again
+      "CREATE TABLE segments(job_id TEXT NOT NULL, idx INTEGER NOT NULL, bytes BLOB NOT NULL,"
+      " PRIMARY KEY(job_id, idx));",
   };
   return list;
 }
@@ -175,7 +178,7 @@ void SqliteJobStore::drop_job(const std::string& job_id, const std::string& reas
                     " OFFSET ?)")
       .bind(1, kMaxTombstones)
       .run();
-  for (const char* table : {"chunks", "events"}) {
+  for (const char* table : {"chunks", "segments", "events"}) {
     sqlite::Statement(*db_, std::string("DELETE FROM ") + table + " WHERE job_id=?").bind(1, job_id).run();
   }
   sqlite::Statement(*db_, "DELETE FROM jobs WHERE id=?").bind(1, job_id).run();
@@ -237,6 +240,32 @@ std::vector<StoredEvent> SqliteJobStore::load_events(const std::string& job_id) 
   std::vector<StoredEvent> out;
   while (s.step()) out.push_back({static_cast<uint64_t>(s.int64(0)), s.text(1)});
   return out;
+}
+
+std::optional<std::string> SqliteJobStore::load_chunk_bytes(const std::string& job_id, int64_t index) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  sqlite::Statement s(*db_, "SELECT bytes FROM chunks WHERE job_id=? AND idx=?");
+  s.bind(1, job_id).bind(2, index);
+  if (!s.step()) return std::nullopt;
+  return s.text(0);
+}
+
+void SqliteJobStore::put_segment(const std::string& job_id, int64_t index, const std::string& bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Only for a job still stored: a segment finished after its job was dropped would otherwise stay forever.
+  sqlite::Statement(*db_, "INSERT OR REPLACE INTO segments(job_id, idx, bytes) SELECT id, ?, ? FROM jobs WHERE id=?")
+      .bind(1, index)
+      .bind_blob(2, bytes)
+      .bind(3, job_id)
+      .run();  // one statement: its own transaction
+}
+
+std::optional<std::string> SqliteJobStore::load_segment(const std::string& job_id, int64_t index) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  sqlite::Statement s(*db_, "SELECT bytes FROM segments WHERE job_id=? AND idx=?");
+  s.bind(1, job_id).bind(2, index);
+  if (!s.step()) return std::nullopt;
+  return s.text(0);
 }
 
 std::unique_ptr<JobStore> open_job_store(const std::string& spec) {

@@ -16,7 +16,7 @@ class Database;
 
 class SqliteJobStore final : public JobStore {
  public:
-  static constexpr int kSchemaVersion = 2;
+  static constexpr int kSchemaVersion = 3;
   explicit SqliteJobStore(const std::string& path);  // throws StoreError naming the file
   ~SqliteJobStore() override;
 
@@ -31,6 +31,9 @@ class SqliteJobStore final : public JobStore {
   std::vector<StoredJob> load_jobs() const override;
   std::vector<StoredChunk> load_chunks(const std::string& job_id) const override;
   std::vector<StoredEvent> load_events(const std::string& job_id) const override;
+  std::optional<std::string> load_chunk_bytes(const std::string& job_id, int64_t index) const override;
+  void put_segment(const std::string& job_id, int64_t index, const std::string& bytes) override;
+  std::optional<std::string> load_segment(const std::string& job_id, int64_t index) const override;
 
  private:
   void migrate();

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "server/job_store_sqlite.h"
 #include "server/sqlite_db.h"
 #include "tests/test_server_harness.h"
 #include "tests/test_util.h"
@@ -337,7 +338,7 @@ TEST(JobStore, AnOlderSchemaIsMigratedForward) {
   server::sqlite::Database db(store, false);
   server::sqlite::Statement version(db, "SELECT version FROM schema_version");
   ASSERT_TRUE(version.step());
-  EXPECT_EQ(version.int64(0), 2);
+  EXPECT_EQ(version.int64(0), server::SqliteJobStore::kSchemaVersion);
   server::sqlite::Statement jobs(db, "SELECT count(*) FROM jobs");
   ASSERT_TRUE(jobs.step());
   EXPECT_EQ(jobs.int64(0), 1);
