@@ -476,8 +476,8 @@ int serve(const Options& o, Signals& signals) {
   Metrics metrics(names, SKYREELS_VERSION);
   std::unique_ptr<VideoEncoder> video;
   if (!o.vae.empty()) {
-    video = std::make_unique<VideoEncoder>(o.vae, o.vae_device.empty() ? plans.front().device : o.vae_device, &metrics,
-                                           1024, faults);
+    video = std::make_unique<VideoEncoder>(o.vae, o.vae_device.empty() ? plans.front().device : o.vae_device, *store,
+                                           &metrics, 1024, faults);
   }
   metrics.serve(o.metrics_listen);
   ObserverList observers;
@@ -533,7 +533,12 @@ int serve(const Options& o, Signals& signals) {
   service_config.text_encoder = text_encoder;
   service_config.vae_available = video != nullptr;
   if (video) service_config.vae = video->vae();  // image / video conditioning
-  if (video) service_config.want_video = [&video](const JobSnapshot& job) { video->want(job); };
+  if (video) {
+    service_config.want_video = [&video](const JobSnapshot& job) { video->want(job); };
+    service_config.wait_video = [&video](const std::string& id, int64_t chunk, Clock::time_point until) {
+      return video->wait_segment(id, chunk, until);
+    };
+  }
   service_config.metrics = &metrics;
   service_config.transport = o.transport;
   // Jobs of an earlier run (a kill, a drain that ran out, a rolling update) resume before anything is dispatched.

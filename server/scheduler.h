@@ -35,8 +35,12 @@ namespace skyreels::server {
 using Clock = std::chrono::steady_clock;
 using WallClock = std::chrono::system_clock;
 
-// Per-job data only the executor understands (model inputs, latents so far, results). Shared by every replica that
-// runs one of the job's chunks; chunks of one job never run concurrently.
+// What the layers above read of a job without knowing how it runs (parameters in effect, the layout of its chunk
+// results): defined by them (server/model_job.h), carried here unopened.
+struct JobDescription;
+
+// Per-job data only the executor understands (model inputs, the state carried between chunks; results go to the
+// job store). Shared by every replica that runs one of the job's chunks; chunks of one job never run concurrently.
 class JobPayload {
  public:
   virtual ~JobPayload() = default;
@@ -103,15 +107,17 @@ struct JobSpec {
   std::string idempotency_key;
   uint64_t fingerprint = 0;  // of the request, to detect a reused idempotency key
   std::shared_ptr<JobPayload> payload;
+  std::shared_ptr<const JobDescription> description;
   std::string durable_request;  // what the job store keeps to re-create the payload after a restart (opaque here)
 };
 
 // A job read back from the store at startup, with its payload re-created by the layer that owns the request.
 struct RestoredJob {
   StoredJob stored;
-  std::vector<StoredChunk> chunks;  // committed chunks (bytes may be dropped once the payload holds them)
+  std::vector<StoredChunk> chunks;  // committed chunks (bytes may be dropped: results are read from the store)
   std::vector<StoredEvent> events;
-  std::shared_ptr<JobPayload> payload;  // null: the job cannot be resumed (see error)
+  std::shared_ptr<JobPayload> payload;                // null: the job cannot be resumed (see error)
+  std::shared_ptr<const JobDescription> description;  // null with the payload
   std::vector<double> chunk_work;
   std::vector<int64_t> chunk_rows;
   std::string error;  // why the payload could not be re-created: the job, if unfinished, fails with it
@@ -157,6 +163,7 @@ struct JobSnapshot {
   std::string error;
   uint64_t last_sequence = 0;
   std::shared_ptr<JobPayload> payload;
+  std::shared_ptr<const JobDescription> description;
 };
 
 struct ReplicaStatus {
@@ -267,6 +274,11 @@ class Scheduler {
   std::vector<JobSnapshot> list(const std::string& owner) const;
   // Why a job the store once had is gone (dropped by retention), nullopt when the id is unknown to the store.
   std::optional<std::string> dropped(const std::string& id, const std::string& owner) const;
+  // Results, read from the job store (not from the payload): the committed result of chunk `index`, and its MP4
+  // segment once made. nullopt when the job is unknown, owned by another client, or has no such result (yet); always
+  // without a store. Throws StoreError when the store cannot be read.
+  std::optional<std::string> chunk_result(const std::string& id, const std::string& owner, int64_t index) const;
+  std::optional<std::string> segment(const std::string& id, const std::string& owner, int64_t index) const;
   // Cancels at the next step boundary (queued or between chunks: at once). Returns the snapshot, nullopt if unknown.
   std::optional<JobSnapshot> cancel(const std::string& id, const std::string& owner);
 

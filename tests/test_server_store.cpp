@@ -1,8 +1,9 @@
 // Issue 13, jobs that survive: the real skyreels-server binary on 127.0.0.1 with `--job-store sqlite:PATH`, killed
 // with SIGKILL at chosen moments and restarted on the same store file. A killed job resumes at the chunk after its
 // last committed one and its video equals the uninterrupted single-process result bit for bit; queued jobs keep
-// their order; WatchJob continues with after_sequence; results download after another restart; a deadline that
-// passed while the server was down ends its job; a corrupt, newer-schema or locked store file stops the start.
+// their order; WatchJob continues with after_sequence; results download after another restart, MP4 included without
+// decoding again; a deadline that passed while the server was down ends its
+// job; a corrupt, newer-schema or locked store file stops the start.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -147,6 +148,43 @@ TEST(JobStore, KilledAfterChunkTwoResumesAtChunkThreeAndEqualsGenerate) {
   grpc::Status status;
   get_job(again.client(), "j-0000000000000000", &status);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+double metric(ServerProcess& server, const std::string& name) {
+  return metric_value(http_get(server.metrics_port(), "/metrics"), name);
+}
+
+// Every chunk's MP4 segment of a finished job, joined in order (one playable fragmented MP4).
+std::string download_mp4(server::Client& client, const std::string& id) {
+  pb::DownloadResultRequest download;
+  download.set_job_id(id);
+  download.set_format(pb::RESULT_FORMAT_MP4);
+  std::string mp4;
+  const grpc::Status status =
+      server::download_chunks(client, download, [&](int32_t, int32_t, std::string bytes) { mp4 += bytes; });
+  EXPECT_TRUE(status.ok()) << server::describe(status);
+  return mp4;
+}
+
+TEST(JobStore, AnMp4MadeBeforeARestartIsReadBackNotDecodedAgain) {
+  const std::string store = new_store();
+  std::vector<std::string> args = store_args(store, 0);
+  args.insert(args.end(), {"--vae", "demo"});
+  std::string id, before;
+  {
+    ServerProcess server(args);
+    id = submit(server.client(), long_video_request(1360, 2)).job_id();
+    ASSERT_EQ(wait_job(server.client(), id).state(), pb::JOB_STATE_SUCCEEDED);
+    before = download_mp4(server.client(), id);
+    EXPECT_EQ(metric(server, "skyreels_video_chunks_encoded_total"), 4) << "made on the first download";
+    kill_server(server);
+  }
+  ServerProcess restarted(args);
+  const std::string after = download_mp4(restarted.client(), id);
+  ASSERT_FALSE(before.empty());
+  EXPECT_EQ(after, before) << "the MP4 read back differs from the one made before the restart";
+  EXPECT_EQ(metric(restarted, "skyreels_video_chunks_encoded_total"), 0) << "decoded again instead of read back";
+  EXPECT_EQ(metric(restarted, "skyreels_video_jobs_pending"), 0);
 }
 
 TEST(JobStore, QueuedJobsSurviveInTheirOrder) {
