@@ -211,8 +211,8 @@ void f32_to_proto(const RawTensor& raw, pb::Tensor* out) {
   out->set_data(raw.data);
 }
 
-// The text prompt of a stored request is replaced by the embeddings it was encoded to at submit (setting the
-// embeddings clears the text: they are one oneof), so that a resume does not encode it again.
+// Text in a stored request is replaced by the embeddings it was encoded to at submit (setting the embeddings clears
+// the text: they are one oneof), so that a resume never encodes text, nor needs a text encoder.
 void text_to_embeddings(const ModelJob& job, pb::JobSpec& spec) {
   if (spec.conditioning_case() == pb::JobSpec::kText) {
     pb::PromptEmbeddings embeddings;
@@ -221,10 +221,17 @@ void text_to_embeddings(const ModelJob& job, pb::JobSpec& spec) {
     if (!negative.shape.empty()) f32_to_proto(negative, embeddings.mutable_negative_prompt_embeds());
     *spec.mutable_embeddings() = std::move(embeddings);
   }
+  for (int i = 0; i < spec.prompt_changes_size(); ++i) {
+    pb::PromptChange& change = *spec.mutable_prompt_changes(i);
+    if (change.prompt_case() != pb::PromptChange::kText) continue;
+    // No negative embeddings: a change given as text takes the job's negative prompt, which is stored above.
+    f32_to_proto(job.prompt_change_embeddings(static_cast<size_t>(i)),
+                 change.mutable_embeddings()->mutable_prompt_embeds());
+  }
 }
 
 // What the job store keeps of a request: the request with the values actually used filled in (the resolved seed; the
-// embeddings of the text prompt), serialised deterministically. Deadlines are not part of it: the store keeps the
+// embeddings of every text), serialised deterministically. Deadlines are not part of it: the store keeps the
 // absolute deadline of the job.
 std::string durable_request(const pb::SubmitJobRequest& request, const ModelJob& job) {
   pb::SubmitJobRequest kept;
@@ -1193,7 +1200,8 @@ std::vector<RestoredJob> restore_jobs(const JobStore& store, const ServiceConfig
     try {
       pb::SubmitJobRequest request;
       if (!request.ParseFromString(r.stored.request)) throw std::runtime_error("the stored request is unreadable");
-      // Embeddings are stored, not text; prompt changes given as text are encoded again (same encoder, same values).
+      // Requests are stored with embeddings, never text: no text is encoded again. (Only a request stored by an older
+      // server may still hold prompt changes as text; they are encoded with this server's encoder.)
       auto job = ModelJob::create(request_from_proto(request.spec()), config.model, config.limits, 0,
                                   config.text_encoder, config.vae);
       std::vector<std::string> bytes;
