@@ -5,6 +5,8 @@
 //
 //   bench_store [--dir DIR] [--repeats N] [--tflops T]
 //
+// Stores: memory, SQLite (synchronous=NORMAL, the default) and SQLite with synchronous=FULL (an fsync per commit).
+//
 // The compute estimate counts the DF-1.3B transformer's FLOPs for one chunk (tokens L = 25 x 34 x 60 = 51,000; 30
 // layers, D 1536, FFN 8960, 512 text rows; 30 denoising rows x 2 CFG passes) at T TFLOP/s sustained (default 400, a
 // modern data-centre GPU in bf16); the ratio is store seconds / compute seconds.
@@ -52,12 +54,14 @@ int main(int argc, char** argv) {
   const double compute_s = chunk_flops() / (tflops * 1e12);
 
   std::printf("store,operation,bytes,median_ms,ratio_to_chunk_compute\n");
-  for (const std::string& spec : {std::string("memory"), "sqlite:" + dir + "/jobs.sqlite"}) {
+  for (const std::string& spec :
+       {std::string("memory"), "sqlite:" + dir + "/jobs.sqlite", "sqlite:" + dir + "/full.sqlite?synchronous=full"}) {
     auto store = skyreels::server::open_job_store(spec);
     std::vector<double> submit_s, commit_s;
     for (int r = 0; r < repeats; ++r) {
+      const std::string id = "j-bench-" + std::to_string(r);
       skyreels::server::StoredJob job;
-      job.id = "j-bench-" + std::to_string(r);
+      job.id = id;
       job.order = static_cast<uint64_t>(r);
       job.state = "queued";
       job.chunk_count = 8;
@@ -67,8 +71,8 @@ int main(int argc, char** argv) {
       submit_s.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
       const skyreels::server::StoredChunk result{0, "cuda:0", 1, chunk};  // built before timing, as the replica does
       t0 = Clock::now();
-      store->commit_chunk("j-bench-" + std::to_string(r), result);
-      store->append_event(job.id, {1, R"({"type":3})"});
+      store->commit_chunk(id, result);
+      store->append_event(id, {1, R"({"type":3})"});  // (job was moved into the store)
       commit_s.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
     }
     const double submit = median(submit_s), commit = median(commit_s);

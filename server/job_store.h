@@ -85,8 +85,9 @@ class JobStore {
   virtual std::optional<std::string> load_segment(const std::string& job_id, int64_t index) const = 0;
 };
 
-// "memory" or "sqlite:PATH". SQLite: creates the file (and its directory) when missing; a file that is corrupt, of
-// a newer schema, not a store, or held by another server is a StoreError naming the file (never re-initialised).
+// "memory" or "sqlite:PATH[?synchronous=full]". SQLite: creates the file (and its directory) when missing; a file that
+// is corrupt, of a newer schema, not a store, or held by another server is a StoreError naming the file (never
+// re-initialised).
 std::unique_ptr<JobStore> open_job_store(const std::string& spec);
 
 }  // namespace skyreels::server

@@ -43,7 +43,7 @@ constexpr const char* kJobColumns =
 
 }  // namespace
 
-SqliteJobStore::SqliteJobStore(const std::string& path) : path_(path) {
+SqliteJobStore::SqliteJobStore(const std::string& path, bool synchronous_full) : path_(path) {
   const std::filesystem::path file(path);
   std::error_code ec;
   if (file.has_parent_path()) std::filesystem::create_directories(file.parent_path(), ec);
@@ -53,7 +53,11 @@ SqliteJobStore::SqliteJobStore(const std::string& path) : path_(path) {
   db_->exec("PRAGMA busy_timeout=0");
   db_->exec("PRAGMA locking_mode=EXCLUSIVE");
   db_->exec("PRAGMA journal_mode=WAL");
-  db_->exec("PRAGMA synchronous=NORMAL");
+  db_->exec(synchronous_full ? "PRAGMA synchronous=FULL" : "PRAGMA synchronous=NORMAL");
+  {
+    sqlite::Statement mode(*db_, "PRAGMA synchronous");
+    synchronous_full_ = mode.step() && mode.int64(0) == 2;  // 1 NORMAL, 2 FULL
+  }
   {
     sqlite::Statement check(*db_, "PRAGMA quick_check");
     if (check.step() && check.text(0) != "ok") {
@@ -62,7 +66,12 @@ SqliteJobStore::SqliteJobStore(const std::string& path) : path_(path) {
   }
   migrate();
   cap_growth_for_tests();
-  spdlog::info("event=job_store_opened store=sqlite path={} schema_version={}", path, kSchemaVersion);
+  spdlog::info("event=job_store_opened store=sqlite path={} schema_version={} synchronous={}", path, kSchemaVersion,
+               synchronous_full_ ? "full" : "normal");
+}
+
+std::string SqliteJobStore::describe() const {
+  return "sqlite:" + path_ + (synchronous_full_ ? "?synchronous=full" : "");
 }
 
 SqliteJobStore::~SqliteJobStore() = default;
@@ -268,12 +277,31 @@ std::optional<std::string> SqliteJobStore::load_segment(const std::string& job_i
   return s.text(0);
 }
 
+namespace {
+
+// PATH with an optional "?synchronous=normal|full".
+std::unique_ptr<JobStore> open_sqlite(const std::string& spec) {
+  std::string path = spec;
+  bool full = false;
+  const auto query = spec.rfind('?');
+  if (query != std::string::npos) {
+    const std::string option = spec.substr(query + 1);
+    if (option != "synchronous=full" && option != "synchronous=normal") {
+      throw StoreError("--job-store: unknown option '" + option + "' (sqlite:PATH?synchronous=normal|full)");
+    }
+    full = option == "synchronous=full";
+    path = spec.substr(0, query);
+  }
+  if (path.empty()) throw StoreError("--job-store: sqlite: needs a file path");
+  return std::make_unique<SqliteJobStore>(path, full);
+}
+
+}  // namespace
+
 std::unique_ptr<JobStore> open_job_store(const std::string& spec) {
   if (spec == "memory") return std::make_unique<MemoryJobStore>();
   const std::string prefix = "sqlite:";
-  if (spec.rfind(prefix, 0) == 0 && spec.size() > prefix.size()) {
-    return std::make_unique<SqliteJobStore>(spec.substr(prefix.size()));
-  }
+  if (spec.rfind(prefix, 0) == 0 && spec.size() > prefix.size()) return open_sqlite(spec.substr(prefix.size()));
   throw StoreError("--job-store: '" + spec + "' is neither memory nor sqlite:PATH");
 }
 

@@ -1,6 +1,7 @@
-// `--job-store sqlite:PATH`: the embedded default. One file, WAL journal, held exclusively by one server (a second
-// server on the same file fails to start). synchronous=NORMAL: a commit survives the process being killed (SIGKILL,
-// OOM kill) at any moment; a power loss may lose the last commits. Schema versions with forward migrations.
+// `--job-store sqlite:PATH[?synchronous=full]`: the embedded default. One file, WAL journal, held exclusively by one
+// server (a second server on the same file fails to start). synchronous=NORMAL (the default): a commit survives the
+// process being killed (SIGKILL, OOM kill) at any moment; a power loss may lose the last commits. synchronous=FULL:
+// a commit survives a power loss too, at the cost of an fsync per commit. Schema versions with forward migrations.
 #pragma once
 
 #include <memory>
@@ -17,10 +18,12 @@ class Database;
 class SqliteJobStore final : public JobStore {
  public:
   static constexpr int kSchemaVersion = 3;
-  explicit SqliteJobStore(const std::string& path);  // throws StoreError naming the file
+  // Throws StoreError naming the file. `synchronous_full`: an fsync per commit (see above).
+  explicit SqliteJobStore(const std::string& path, bool synchronous_full = false);
   ~SqliteJobStore() override;
 
-  std::string describe() const override { return "sqlite:" + path_; }
+  // "sqlite:PATH", with "?synchronous=full" when the connection runs so (read back from SQLite, not from the flag).
+  std::string describe() const override;
   bool durable() const override { return true; }
   void insert_job(StoredJob job) override;
   void update_job(const StoredJob& job) override;
@@ -39,6 +42,7 @@ class SqliteJobStore final : public JobStore {
   void migrate();
   void cap_growth_for_tests();
   std::string path_;
+  bool synchronous_full_ = false;
   mutable std::mutex mu_;
   std::unique_ptr<sqlite::Database> db_;
 };

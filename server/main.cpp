@@ -104,10 +104,11 @@ limits:
 jobs that survive a restart:
   --data-dir DIR              where the server keeps its state (default ./skyreels-data; the container uses
                               /var/lib/skyreels)
-  --job-store memory|sqlite:PATH   where jobs, their chunk results and chunk events are kept (default
+  --job-store memory|sqlite:PATH   where jobs, their chunk results, MP4 segments and chunk events are kept (default
                               sqlite:<--data-dir>/jobs.sqlite): on start, unfinished jobs resume at their last
                               finished chunk; memory keeps today's behaviour (nothing survives a restart). A corrupt,
-                              newer-schema or locked (another server's) store file is a startup error
+                              newer-schema or locked (another server's) store file is a startup error.
+                              sqlite:PATH?synchronous=full: every commit also survives a power loss (an fsync each)
 test hooks:
   --fault-inject SPEC         REPLICA@N[+][:KIND],...: the N-th chunk run on REPLICA (e.g. cpu:1@2) fails after its
                               first step ('+': and every later run); KIND error (default), oom (an out-of-memory

@@ -638,6 +638,19 @@ TEST_P(JobStoreBackends, SegmentsAreKeptUntilTheJobIsDropped) {
 INSTANTIATE_TEST_SUITE_P(MemoryAndSqlite, JobStoreBackends, ::testing::Values("memory", "sqlite"),
                          [](const ::testing::TestParamInfo<std::string>& backend) { return backend.param; });
 
+TEST(SqliteJobStore, SynchronousFullIsAnOptionOfTheSpecAndIsReadBackFromSqlite) {
+  const std::string path = test::temp_dir("store-sync") + "/jobs.sqlite";
+  EXPECT_EQ(open_job_store("sqlite:" + path)->describe(), "sqlite:" + path) << "NORMAL by default";
+  EXPECT_EQ(open_job_store("sqlite:" + path + "?synchronous=full")->describe(), "sqlite:" + path + "?synchronous=full");
+  EXPECT_EQ(open_job_store("sqlite:" + path + "?synchronous=normal")->describe(), "sqlite:" + path);
+  try {
+    open_job_store("sqlite:" + path + "?synchronous=off");
+    ADD_FAILURE() << "an unknown option was accepted";
+  } catch (const StoreError& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown option 'synchronous=off'"), std::string::npos) << e.what();
+  }
+}
+
 // A file written by schema version 2 (the last release without segments) as that release created it.
 void write_version_two_store(const std::string& path) {
   sqlite::Database db(path, true);
