@@ -998,6 +998,10 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
     while (!ctx->IsCancelled()) {
       const auto job = scheduler_.get(id, owner);
       if (!job) return job_not_found(id, owner);
+      if (!job->description) {  // its latents still download
+        return Status(StatusCode::FAILED_PRECONDITION,
+                      "job " + id + ": no MP4 can be made for it: its request could not be read back after a restart");
+      }
       std::optional<std::string> stored;
       try {
         stored = scheduler_.segment(id, owner, chunk);
