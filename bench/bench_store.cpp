@@ -9,6 +9,8 @@
 // on). Besides submit and commit it measures chunk leases: --claim-jobs one-chunk jobs claimed and committed by 3
 // threads, each its own store (pods): claim latency (median, p99) and claim+commit cycles per second.
 //
+// Stores: memory, SQLite (synchronous=NORMAL, the default) and SQLite with synchronous=FULL (an fsync per commit).
+//
 // The compute estimate counts the DF-1.3B transformer's FLOPs for one chunk (tokens L = 25 x 34 x 60 = 51,000; 30
 // layers, D 1536, FFN 8960, 512 text rows; 30 denoising rows x 2 CFG passes) at T TFLOP/s sustained (default 400, a
 // modern data-centre GPU in bf16); the ratio is store seconds / compute seconds.
@@ -126,7 +128,8 @@ int main(int argc, char** argv) {
   const double compute_s = chunk_flops() / (tflops * 1e12);
 
   std::printf("store,operation,bytes,median_ms,ratio_to_chunk_compute\n");
-  for (const std::string& spec : {std::string("memory"), "sqlite:" + dir + "/jobs.sqlite", pg_url}) {
+  for (const std::string& spec : {std::string("memory"), "sqlite:" + dir + "/jobs.sqlite",
+                                  "sqlite:" + dir + "/full.sqlite?synchronous=full", pg_url}) {
     auto store = skyreels::server::open_job_store(spec);
     std::vector<double> submit_s, commit_s;
     for (int r = 0; r < repeats; ++r) {
@@ -143,7 +146,7 @@ int main(int argc, char** argv) {
       const skyreels::server::StoredChunk result{0, "cuda:0", 1, chunk};  // built before timing, as the replica does
       t0 = Clock::now();
       store->commit_chunk(id, result);
-      store->append_event(id, {1, R"({"type":3})"});  // (job was moved from)
+      store->append_event(id, {1, R"({"type":3})"});  // (job was moved into the store)
       commit_s.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
     }
     const double submit = median(submit_s), commit = median(commit_s);

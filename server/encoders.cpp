@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <stdexcept>
+#include <utility>
 
 #include "model/checkpoint.h"
 #include "model/text_encoding.h"
@@ -68,9 +69,9 @@ struct VideoEncoder::VideoState {
   std::string pending;  // bytes the writer emitted since the last chunk was stored
 };
 
-VideoEncoder::VideoEncoder(const std::string& vae_path, const std::string& device, Metrics* metrics, int64_t max_jobs,
-                           const std::vector<FaultRule>& faults)
-    : metrics_(metrics), max_jobs_(max_jobs) {
+VideoEncoder::VideoEncoder(const std::string& vae_path, const std::string& device, JobStore& store, Metrics* metrics,
+                           int64_t max_jobs, const std::vector<FaultRule>& faults)
+    : store_(store), metrics_(metrics), max_jobs_(max_jobs) {
   for (const auto& rule : faults) {
     if (rule.replica == kVideoEncoderFaultName) faults_.push_back(rule);
   }
@@ -102,63 +103,93 @@ VideoEncoder::~VideoEncoder() {
   if (thread_.joinable()) thread_.join();
 }
 
-void VideoEncoder::want(const JobSnapshot& snapshot) {
-  auto* job = dynamic_cast<ModelJob*>(snapshot.payload.get());
-  if (job == nullptr) return;
-  if (is_terminal(snapshot.state) && snapshot.state != JobState::Succeeded) {
-    job->set_video_error(std::string("the job ended ") + job_state_name(snapshot.state) + ": no MP4 is made for it");
-    return;
+// The last segment is made last: when it is stored, every segment is.
+bool VideoEncoder::stored_already(const JobSnapshot& job) const {
+  if (job.state != JobState::Succeeded || job.description->chunks.empty()) return false;
+  try {
+    return store_.load_segment(job.id, static_cast<int64_t>(job.description->chunks.size()) - 1).has_value();
+  } catch (const StoreError& e) {
+    spdlog::warn("job={} event=video_store_read_failed error=\"{}\"", job.id, e.what());
+    return false;  // decoded again: costs time, loses nothing
   }
+}
+
+void VideoEncoder::want(const JobSnapshot& job) {
+  if (!job.description) return;
+  const bool stored = stored_already(job);  // outside the lock: a store read
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (wanted_.count(job) || job->video_complete() || !job->video_error().empty()) return;
-    if (static_cast<int64_t>(wanted_.size()) >= max_jobs_) {
-      job->set_video_error("MP4 decoding is busy with " + std::to_string(wanted_.size()) +
-                           " jobs; download the latents, or try again later");
-      return;
+    if (wanted_.count(job.id) || errors_.count(job.id) || stored) return;
+    if (is_terminal(job.state) && job.state != JobState::Succeeded) {
+      fail_locked(job.id, std::string("the job ended ") + job_state_name(job.state) + ": no MP4 is made for it");
+    } else if (static_cast<int64_t>(wanted_.size()) >= max_jobs_) {
+      fail_locked(job.id, "MP4 decoding is busy with " + std::to_string(wanted_.size()) +
+                              " jobs; download the latents, or try again later");
+    } else {
+      Entry entry;
+      entry.id = job.id;
+      entry.job = job.description;
+      entry.available = job.chunks_done;
+      wanted_.emplace(job.id, std::move(entry));
+      spdlog::info("job={} event=video_wanted chunks_available={}", job.id, job.chunks_done);
+      publish_locked();
     }
-    Entry entry;
-    entry.job = snapshot.payload;
-    entry.available = job->chunks_available();
-    wanted_.emplace(job, std::move(entry));
-    spdlog::info("job={} event=video_wanted chunks_available={}", snapshot.id, job->chunks_available());
-    publish_locked();
   }
   cv_.notify_all();
+}
+
+SegmentWait VideoEncoder::wait_segment(const std::string& id, int64_t chunk, Clock::time_point until) {
+  std::unique_lock<std::mutex> lock(mu_);
+  SegmentWait result;
+  const bool ended = cv_.wait_until(lock, until, [&] {
+    if (auto failed = errors_.find(id); failed != errors_.end()) {
+      result.error = failed->second;
+      return true;
+    }
+    auto it = wanted_.find(id);
+    return it == wanted_.end() || it->second.next_chunk > chunk;
+  });
+  result.making = !ended;
+  return result;
+}
+
+void VideoEncoder::fail_locked(const std::string& id, const std::string& error) {
+  if (errors_.emplace(id, error).second) error_order_.push_back(id);
+  while (static_cast<int64_t>(error_order_.size()) > max_jobs_) {
+    errors_.erase(error_order_.front());
+    error_order_.pop_front();
+  }
 }
 
 void VideoEncoder::chunk_finished(const JobSnapshot& job, const std::string&, int64_t chunk, double, int64_t) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = wanted_.find(job.payload.get());
+    auto it = wanted_.find(job.id);
     if (it == wanted_.end()) return;  // nobody asked for this job's MP4 (yet)
     it->second.available = std::max(it->second.available, chunk + 1);
   }
-  cv_.notify_all();  // the worker and drain waiters share this condition variable
+  cv_.notify_all();  // the worker and the waiters share this condition variable
 }
 
-void VideoEncoder::job_finished(const JobSnapshot& snapshot) {
-  if (snapshot.state == JobState::Succeeded) return;  // its wanted chunks are still encoded
-  auto* job = dynamic_cast<ModelJob*>(snapshot.payload.get());
-  if (job == nullptr) return;
+void VideoEncoder::job_finished(const JobSnapshot& job) {
+  if (job.state == JobState::Succeeded) return;  // its wanted chunks are still encoded
   {
     std::lock_guard<std::mutex> lock(mu_);
     // Drops the job's pending work and its decode cache (a chunk being encoded right now finishes on its own copy).
-    if (wanted_.erase(job) > 0) {
-      spdlog::info("job={} event=video_dropped state={}", snapshot.id, job_state_name(snapshot.state));
-    }
+    if (wanted_.erase(job.id) == 0) return;
+    spdlog::info("job={} event=video_dropped state={}", job.id, job_state_name(job.state));
+    fail_locked(job.id, std::string("the job ended ") + job_state_name(job.state) + " before its MP4 was complete");
     publish_locked();
   }
-  job->set_video_error(std::string("the job ended ") + job_state_name(snapshot.state) + " before its MP4 was complete");
   cv_.notify_all();
 }
 
 VideoEncoder::Entry* VideoEncoder::next_work_locked() {
   // Round robin over the jobs with a chunk to encode, starting after the one served last.
   Entry* first = nullptr;
-  for (auto& [key, entry] : wanted_) {
+  for (auto& [id, entry] : wanted_) {
     if (entry.next_chunk >= entry.available) continue;
-    if (std::less<const JobPayload*>()(last_served_, key)) return &entry;
+    if (last_served_ < id) return &entry;
     if (first == nullptr) first = &entry;
   }
   return first;
@@ -181,34 +212,52 @@ void VideoEncoder::loop() {
     cv_.wait(lock, [&] { return stopping_ || (entry = next_work_locked()) != nullptr; });
     if (stopping_) return;
     // Copies: the entry may be dropped (its job cancelled) while the chunk is encoded.
-    const std::shared_ptr<JobPayload> payload = entry->job;
+    const std::string id = entry->id;
+    const std::shared_ptr<const JobDescription> job = entry->job;
     std::shared_ptr<VideoState> state = entry->state;
     const int64_t chunk = entry->next_chunk;
-    last_served_ = payload.get();
+    last_served_ = id;
     busy_ = true;
     lock.unlock();
-    auto& job = static_cast<ModelJob&>(*payload);
-    std::string error;
-    try {
-      encode(job, chunk, state);
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
+    const std::string error = make_segment(id, *job, chunk, state);
     lock.lock();
     busy_ = false;
-    auto it = wanted_.find(payload.get());
-    if (!error.empty()) {
-      spdlog::error("event=video_encode_failed chunk={} error=\"{}\"", chunk, error);
-      job.set_video_error("video encoding failed at chunk " + std::to_string(chunk) + ": " + error);
-      if (it != wanted_.end()) wanted_.erase(it);
-    } else if (it != wanted_.end()) {
-      if (metrics_) metrics_->video_chunk_encoded();
-      it->second.state = state;
-      it->second.next_chunk = chunk + 1;
-      if (it->second.next_chunk == job.chunk_count()) wanted_.erase(it);  // complete: the decode cache goes
-    }
+    settle_locked(id, *job, chunk, state, error);
     publish_locked();
     cv_.notify_all();
+  }
+}
+
+// On the worker, without the lock. Returns the error, "" when stored (or not wanted any more).
+std::string VideoEncoder::make_segment(const std::string& id, const JobDescription& job, int64_t chunk,
+                                       std::shared_ptr<VideoState>& state) {
+  try {
+    const std::string segment = encode(id, job, chunk, state);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (wanted_.count(id) == 0) return "";          // dropped meanwhile (cancelled): nothing is kept
+      if (metrics_) metrics_->video_chunk_encoded();  // before it is stored: whoever reads it sees it counted
+    }
+    store_.put_segment(id, chunk, segment);  // StoreError: this job's MP4 fails, like a decode error
+    return "";
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+}
+
+void VideoEncoder::settle_locked(const std::string& id, const JobDescription& job, int64_t chunk,
+                                 const std::shared_ptr<VideoState>& state, const std::string& error) {
+  auto it = wanted_.find(id);
+  if (!error.empty()) {
+    spdlog::error("job={} event=video_encode_failed chunk={} error=\"{}\"", id, chunk, error);
+    fail_locked(id, "video encoding failed at chunk " + std::to_string(chunk) + ": " + error);
+    if (it != wanted_.end()) wanted_.erase(it);
+  } else if (it != wanted_.end()) {
+    it->second.state = state;
+    it->second.next_chunk = chunk + 1;
+    if (it->second.next_chunk == static_cast<int64_t>(job.chunks.size())) {
+      wanted_.erase(it);  // complete: the decode cache goes
+    }
   }
 }
 
@@ -220,37 +269,38 @@ bool VideoEncoder::wait_idle(Clock::time_point until) {
   });
 }
 
-void VideoEncoder::encode(ModelJob& job, int64_t chunk, std::shared_ptr<VideoState>& state) {
+std::string VideoEncoder::encode(const std::string& id, const JobDescription& job, int64_t chunk,
+                                 std::shared_ptr<VideoState>& state) {
   ++encodes_;
   for (const auto& rule : faults_) {
     if (encodes_ == rule.nth || (rule.and_later && encodes_ > rule.nth)) {
       throw std::runtime_error("injected fault (--fault-inject vae@" + std::to_string(rule.nth) + ")");
     }
   }
-  auto blob = job.chunk_result(chunk);
-  if (!blob) throw std::logic_error("chunk latents missing");
-  const F32View view = parse_f32_tensor(blob->bytes, "latents");
+  const auto bytes = store_.load_chunk_bytes(id, chunk);
+  if (!bytes) throw std::runtime_error("chunk latents are not in the job store (the job was dropped)");
+  const F32View view = parse_f32_tensor(*bytes, "latents");
   const at::Tensor all = at::from_blob(const_cast<char*>(view.data), view.shape, at::kFloat);
-  const at::Tensor latents = all.narrow(2, 0, all.size(2) - job.chunk_suffix_frames(chunk));  // no last_image frame
+  const auto& layout = job.chunks.at(static_cast<size_t>(chunk));
+  const at::Tensor latents = all.narrow(2, 0, all.size(2) - layout.suffix_frames);  // no last_image frame
 
   if (chunk == 0) {
     state = std::make_shared<VideoState>();
     state->session = std::make_unique<model::WanVaeDecodeSession>(*vae_);
     video::Mp4Options options;
-    options.fps = static_cast<int>(job.params().fps);
+    options.fps = static_cast<int>(job.params.fps);
     options.fragmented = true;
     VideoState* raw = state.get();
     state->writer = std::make_unique<video::Mp4Writer>(
         [raw](const uint8_t* data, size_t size) { raw->pending.append(reinterpret_cast<const char*>(data), size); },
-        static_cast<int>(job.params().width), static_cast<int>(job.params().height), options);
+        static_cast<int>(job.params.width), static_cast<int>(job.params.height), options);
   }
   if (!state) throw std::logic_error("no decode session (an earlier chunk failed)");
   const at::Tensor frames = state->session->decode(vae_->denormalize(latents.to(vae_->device())));  // [1,3,T,H,W]
   state->writer->write_video(frames.select(0, 0).to(at::kCPU, at::kFloat));
   state->writer->end_segment();
-  if (chunk + 1 == job.chunk_count()) state->writer->finish();
-  job.set_chunk_video(chunk, std::move(state->pending));
-  state->pending.clear();
+  if (chunk + 1 == static_cast<int64_t>(job.chunks.size())) state->writer->finish();
+  return std::exchange(state->pending, {});
 }
 
 }  // namespace skyreels::server

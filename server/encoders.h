@@ -5,6 +5,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -28,26 +29,32 @@ TextEncoderFn load_text_encoder(const std::string& path, const std::string& toke
                                 const std::string& dtype, int64_t text_dim);
 
 // Decodes a job's chunk latents with the Wan VAE (a decode session per job keeps the causal cache between chunks)
-// and encodes them into one fragmented MP4 per job: chunk 0's blob is the init segment plus its fragment, later
-// chunks' blobs are one fragment each, so the chunks joined in order are a playable MP4.
+// and encodes them into one fragmented MP4 per job: chunk 0's segment is the init segment plus its fragment, later
+// chunks' segments are one fragment each, so the segments joined in order are a playable MP4. Latents are read from
+// the job store and each segment is stored there as soon as it is made (JobStore::put_segment), so an MP4 made once is
+// never decoded again, not even after a restart.
 //
-// Only for jobs that want MP4 (issue 12, item 6): want() is called when a job asks for it at submit or on its first
-// MP4 download; from then on its chunks are decoded as they finish. The work list holds one entry per such job (not
-// one per chunk), so it is bounded by the jobs the scheduler keeps, and at most `max_jobs`. A job that ends without
-// succeeding (failed, cancelled, deadline) loses its entry and its decode cache at once.
+// Only for jobs that want MP4 (issue 12, item 6): want() is called when a job asks for it at submit or on an MP4
+// download that finds a segment missing; from then on its chunks are decoded as they finish. The work list holds one
+// entry per such job (not one per chunk), so it is bounded by the jobs the scheduler keeps, and at most `max_jobs`. A
+// job that ends without succeeding (failed, cancelled, deadline) loses its entry and its decode cache at once.
 // --fault-inject's name for the video encoder: "vae@N" makes the N-th chunk encode throw (tests).
 inline constexpr const char* kVideoEncoderFaultName = "vae";
 
 class VideoEncoder : public SchedulerObserver {
  public:
-  // `vae_path` "demo": a tiny random-weight VAE (for tests and the demo). `metrics` may be null. Rules of `faults`
-  // named kVideoEncoderFaultName apply to the encodes (others are ignored).
-  VideoEncoder(const std::string& vae_path, const std::string& device, Metrics* metrics = nullptr,
+  // `vae_path` "demo": a tiny random-weight VAE (for tests and the demo). `store` must outlive the encoder. `metrics`
+  // may be null. Rules of `faults` named kVideoEncoderFaultName apply to the encodes (others are ignored).
+  VideoEncoder(const std::string& vae_path, const std::string& device, JobStore& store, Metrics* metrics = nullptr,
                int64_t max_jobs = 1024, const std::vector<FaultRule>& faults = {});
   ~VideoEncoder() override;
-  // Starts (or keeps) decoding this job's chunks: those done already and every later one. A job that ended without
-  // succeeding gets a video error instead; so does one beyond `max_jobs` pending jobs.
+  // Starts (or keeps) decoding this job's chunks: those done already and every later one; nothing when its MP4 is
+  // stored already. A job that ended without succeeding gets a video error instead; so does one beyond `max_jobs`
+  // pending jobs.
   void want(const JobSnapshot& job);
+  // Blocks until segment `chunk` of job `id` has been stored, the job's MP4 failed, the job is not being decoded, or
+  // `until` (then `making` is set).
+  SegmentWait wait_segment(const std::string& id, int64_t chunk, Clock::time_point until);
   void chunk_finished(const JobSnapshot& job, const std::string& replica, int64_t chunk, double seconds,
                       int64_t frames) override;
   void job_finished(const JobSnapshot& job) override;
@@ -61,22 +68,35 @@ class VideoEncoder : public SchedulerObserver {
  private:
   struct VideoState;
   struct Entry {
-    std::shared_ptr<JobPayload> job;
+    std::string id;
+    std::shared_ptr<const JobDescription> job;
     int64_t next_chunk = 0;  // next chunk to encode
     int64_t available = 0;   // chunks whose latents exist
     std::shared_ptr<VideoState> state;
   };
   void loop();
-  void encode(ModelJob& job, int64_t chunk, std::shared_ptr<VideoState>& state);
+  // Decodes chunk `chunk` of job `id` (its latents read from the store); returns its MP4 segment.
+  std::string encode(const std::string& id, const JobDescription& job, int64_t chunk,
+                     std::shared_ptr<VideoState>& state);
+  std::string make_segment(const std::string& id, const JobDescription& job, int64_t chunk,
+                           std::shared_ptr<VideoState>& state);
+  void settle_locked(const std::string& id, const JobDescription& job, int64_t chunk,
+                     const std::shared_ptr<VideoState>& state, const std::string& error);
+  bool stored_already(const JobSnapshot& job) const;
   Entry* next_work_locked();
+  void fail_locked(const std::string& id, const std::string& error);
   void publish_locked();
   std::shared_ptr<model::WanVae> vae_;
+  JobStore& store_;
   Metrics* metrics_;
   int64_t max_jobs_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::map<const JobPayload*, Entry> wanted_;
-  const JobPayload* last_served_ = nullptr;
+  std::map<std::string, Entry> wanted_;  // by job id
+  // Jobs whose MP4 cannot be made, with the reason (bounded: the oldest are forgotten, and a later want() retries).
+  std::map<std::string, std::string> errors_;
+  std::deque<std::string> error_order_;
+  std::string last_served_;
   bool busy_ = false;
   bool stopping_ = false;
   std::vector<FaultRule> faults_;

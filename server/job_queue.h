@@ -63,6 +63,12 @@ class JobQueue {
   virtual std::vector<JobSnapshot> list(const std::string& owner) const = 0;
   // Why a job the store once had is gone (dropped by retention), nullopt when the id is unknown to the store.
   virtual std::optional<std::string> dropped(const std::string& id, const std::string& owner) const = 0;
+  // Results, read from the job store (not from the payload): the committed result of chunk `index`, and its MP4
+  // segment once made. nullopt when the job is unknown, owned by another client, or has no such result (yet); always
+  // without a store. Throws StoreError when the store cannot be read.
+  virtual std::optional<std::string> chunk_result(const std::string& id, const std::string& owner,
+                                                  int64_t index) const = 0;
+  virtual std::optional<std::string> segment(const std::string& id, const std::string& owner, int64_t index) const = 0;
   // Cancels at the next step boundary (queued or between chunks: at once). Returns the snapshot, nullopt if unknown.
   virtual std::optional<JobSnapshot> cancel(const std::string& id, const std::string& owner) = 0;
 

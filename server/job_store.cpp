@@ -9,11 +9,32 @@
 
 namespace skyreels::server {
 
+namespace {
+
+// PATH with an optional "?synchronous=normal|full".
+std::unique_ptr<JobStore> open_sqlite(const std::string& spec) {
+  std::string path = spec;
+  bool full = false;
+  const auto query = spec.rfind('?');
+  if (query != std::string::npos) {
+    const std::string option = spec.substr(query + 1);
+    if (option != "synchronous=full" && option != "synchronous=normal") {
+      throw StoreError("--job-store: unknown option '" + option + "' (sqlite:PATH?synchronous=normal|full)");
+    }
+    full = option == "synchronous=full";
+    path = spec.substr(0, query);
+  }
+  if (path.empty()) throw StoreError("--job-store: sqlite: needs a file path");
+  return std::make_unique<SqliteJobStore>(path, full);
+}
+
+}  // namespace
+
 std::unique_ptr<JobStore> open_job_store(const std::string& spec) {
   if (spec == "memory") return std::make_unique<MemoryJobStore>();
   const std::string sqlite = "sqlite:";
   if (spec.rfind(sqlite, 0) == 0 && spec.size() > sqlite.size()) {
-    return std::make_unique<SqliteJobStore>(spec.substr(sqlite.size()));
+    return open_sqlite(spec.substr(sqlite.size()));
   }
   if (spec.rfind("postgresql://", 0) == 0 || spec.rfind("postgres://", 0) == 0) {
     return std::make_unique<PostgresJobStore>(spec);

@@ -1,5 +1,6 @@
-// The durable side of jobs: what must survive a SIGKILL (the request, its state, its chunk results and its chunk-level
-// events), behind one seam with two backends: `memory` (nothing survives a restart) and SQLite (the default; WAL).
+// The durable side of jobs: what must survive a SIGKILL (the request, its state, its chunk results, its MP4 segments
+// and its chunk-level events), behind one seam with two backends: `memory` (nothing survives a restart) and SQLite
+// (the default; WAL). Results are read back from here, not from the running job, so every backend keeps them.
 // No LibTorch, no gRPC: the request and events are opaque bytes owned by the layers above. No threads either; every
 // method is safe to call from any thread (the SQLite backend serialises on its own mutex).
 #pragma once
@@ -65,8 +66,8 @@ class JobStore {
   // The chunk's result and chunks_done = chunk.index + 1, atomically.
   virtual void commit_chunk(const std::string& job_id, const StoredChunk& chunk) = 0;
   virtual void append_event(const std::string& job_id, const StoredEvent& event) = 0;
-  // Retention: the job, its chunks and its events go; a tombstone (owner, reason) stays, so that the id answers
-  // "dropped" rather than "never existed". Tombstones are bounded (kMaxTombstones, oldest dropped first).
+  // Retention: the job, its chunks, its segments and its events go; a tombstone (owner, reason) stays, so that the id
+  // answers "dropped" rather than "never existed". Tombstones are bounded (kMaxTombstones, oldest dropped first).
   virtual void drop_job(const std::string& job_id, const std::string& reason) = 0;
   // The reason `job_id` (owned by `owner`) was dropped, nullopt when the store has no tombstone for it.
   virtual std::optional<std::string> dropped_reason(const std::string& job_id, const std::string& owner) const = 0;
@@ -75,11 +76,18 @@ class JobStore {
   virtual std::vector<StoredJob> load_jobs() const = 0;  // in submission order
   virtual std::vector<StoredChunk> load_chunks(const std::string& job_id) const = 0;
   virtual std::vector<StoredEvent> load_events(const std::string& job_id) const = 0;
+
+  // The committed result of chunk `index`, nullopt when it was not committed (or the job is gone).
+  virtual std::optional<std::string> load_chunk_bytes(const std::string& job_id, int64_t index) const = 0;
+  // MP4 segment `index` of a job (made on demand); kept until the job is dropped. One transaction. A job the store
+  // does not have (dropped meanwhile) keeps nothing.
+  virtual void put_segment(const std::string& job_id, int64_t index, const std::string& bytes) = 0;
+  virtual std::optional<std::string> load_segment(const std::string& job_id, int64_t index) const = 0;
 };
 
-// "memory", "sqlite:PATH" or "postgresql://..." (postgres://). SQLite: creates the file (and its directory) when
-// missing; a file that is corrupt, of a newer schema, not a store, or held by another server is a StoreError naming
-// the file (never re-initialised). PostgreSQL: job_store_postgres.h (shared by several servers).
+// "memory", "sqlite:PATH[?synchronous=full]" or "postgresql://..." (postgres://). SQLite: creates the file (and its
+// directory) when missing; a file that is corrupt, of a newer schema, not a store, or held by another server is a
+// StoreError naming the file (never re-initialised). PostgreSQL: job_store_postgres.h (shared by several servers).
 std::unique_ptr<JobStore> open_job_store(const std::string& spec);
 
 }  // namespace skyreels::server

@@ -26,7 +26,7 @@ void MemoryJobStore::commit_chunk(const std::string& job_id, const StoredChunk& 
   std::lock_guard<std::mutex> lock(mu_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return;
-  it->second.chunks.push_back({chunk.index, chunk.replica, chunk.attempts, {}});  // the payload holds the bytes
+  it->second.chunks[chunk.index] = chunk;
   it->second.job.chunks_done = chunk.index + 1;
 }
 
@@ -66,8 +66,35 @@ std::vector<StoredJob> MemoryJobStore::load_jobs() const {
 
 std::vector<StoredChunk> MemoryJobStore::load_chunks(const std::string& job_id) const {
   std::lock_guard<std::mutex> lock(mu_);
+  std::vector<StoredChunk> out;
   auto it = jobs_.find(job_id);
-  return it == jobs_.end() ? std::vector<StoredChunk>{} : it->second.chunks;
+  if (it == jobs_.end()) return out;
+  for (const auto& [index, chunk] : it->second.chunks) out.push_back(chunk);
+  return out;
+}
+
+std::optional<std::string> MemoryJobStore::load_chunk_bytes(const std::string& job_id, int64_t index) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return std::nullopt;
+  auto chunk = it->second.chunks.find(index);
+  if (chunk == it->second.chunks.end()) return std::nullopt;
+  return chunk->second.bytes;
+}
+
+void MemoryJobStore::put_segment(const std::string& job_id, int64_t index, const std::string& bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = jobs_.find(job_id);
+  if (it != jobs_.end()) it->second.segments[index] = bytes;
+}
+
+std::optional<std::string> MemoryJobStore::load_segment(const std::string& job_id, int64_t index) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return std::nullopt;
+  auto segment = it->second.segments.find(index);
+  if (segment == it->second.segments.end()) return std::nullopt;
+  return segment->second;
 }
 
 std::vector<StoredEvent> MemoryJobStore::load_events(const std::string& job_id) const {

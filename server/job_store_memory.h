@@ -1,5 +1,6 @@
-// `--job-store memory`: today's behaviour, nothing survives a restart. Keeps job rows and events (so that the store
-// seam is exercised the same way as SQLite) but not chunk bytes: the process holds those in the job's payload anyway.
+// `--job-store memory`: nothing survives a restart. Keeps everything SQLite keeps (job rows, chunk results, MP4
+// segments, events) except the request, which is only ever read back to resume: results are read from the store, so
+// both backends answer the same.
 #pragma once
 
 #include <deque>
@@ -23,11 +24,15 @@ class MemoryJobStore final : public JobStore {
   std::vector<StoredJob> load_jobs() const override;
   std::vector<StoredChunk> load_chunks(const std::string& job_id) const override;
   std::vector<StoredEvent> load_events(const std::string& job_id) const override;
+  std::optional<std::string> load_chunk_bytes(const std::string& job_id, int64_t index) const override;
+  void put_segment(const std::string& job_id, int64_t index, const std::string& bytes) override;
+  std::optional<std::string> load_segment(const std::string& job_id, int64_t index) const override;
 
  private:
   struct Entry {
     StoredJob job;
-    std::vector<StoredChunk> chunks;  // without bytes
+    std::map<int64_t, StoredChunk> chunks;  // by index
+    std::map<int64_t, std::string> segments;
     std::vector<StoredEvent> events;
   };
   mutable std::mutex mu_;

@@ -35,10 +35,9 @@ class PostgresJobStore final : public JobStore, public LeaseStore {
   std::vector<StoredJob> load_jobs() const override;
   std::vector<StoredChunk> load_chunks(const std::string& job_id) const override;
   std::vector<StoredEvent> load_events(const std::string& job_id) const override;
-  // Being added to the JobStore seam concurrently (override once it is there).
-  std::optional<std::string> load_chunk_bytes(const std::string& job_id, int64_t index) const;
-  void put_segment(const std::string& job_id, int64_t index, const std::string& bytes);
-  std::optional<std::string> load_segment(const std::string& job_id, int64_t index) const;
+  std::optional<std::string> load_chunk_bytes(const std::string& job_id, int64_t index) const override;
+  void put_segment(const std::string& job_id, int64_t index, const std::string& bytes) override;
+  std::optional<std::string> load_segment(const std::string& job_id, int64_t index) const override;
 
   // LeaseStore
   std::optional<ChunkLease> claim(const std::string& replica, std::chrono::milliseconds ttl) override;

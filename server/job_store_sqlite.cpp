@@ -29,6 +29,9 @@ const std::vector<std::string>& migrations() {
       // 1 -> 2: tombstones of jobs dropped by retention
       "CREATE TABLE dropped(id TEXT PRIMARY KEY, owner TEXT NOT NULL, reason TEXT NOT NULL,"
       " dropped_ms INTEGER NOT NULL);",
+      // 2 -> 3: MP4 segments, made on demand and read back instead of decoding again
+      "CREATE TABLE segments(job_id TEXT NOT NULL, idx INTEGER NOT NULL, bytes BLOB NOT NULL,"
+      " PRIMARY KEY(job_id, idx));",
   };
   return list;
 }
@@ -39,7 +42,7 @@ constexpr const char* kJobColumns =
 
 }  // namespace
 
-SqliteJobStore::SqliteJobStore(const std::string& path) : path_(path) {
+SqliteJobStore::SqliteJobStore(const std::string& path, bool synchronous_full) : path_(path) {
   const std::filesystem::path file(path);
   std::error_code ec;
   if (file.has_parent_path()) std::filesystem::create_directories(file.parent_path(), ec);
@@ -49,7 +52,11 @@ SqliteJobStore::SqliteJobStore(const std::string& path) : path_(path) {
   db_->exec("PRAGMA busy_timeout=0");
   db_->exec("PRAGMA locking_mode=EXCLUSIVE");
   db_->exec("PRAGMA journal_mode=WAL");
-  db_->exec("PRAGMA synchronous=NORMAL");
+  db_->exec(synchronous_full ? "PRAGMA synchronous=FULL" : "PRAGMA synchronous=NORMAL");
+  {
+    sqlite::Statement mode(*db_, "PRAGMA synchronous");
+    synchronous_full_ = mode.step() && mode.int64(0) == 2;  // 1 NORMAL, 2 FULL
+  }
   {
     sqlite::Statement check(*db_, "PRAGMA quick_check");
     if (check.step() && check.text(0) != "ok") {
@@ -58,7 +65,12 @@ SqliteJobStore::SqliteJobStore(const std::string& path) : path_(path) {
   }
   migrate();
   cap_growth_for_tests();
-  spdlog::info("event=job_store_opened store=sqlite path={} schema_version={}", path, kSchemaVersion);
+  spdlog::info("event=job_store_opened store=sqlite path={} schema_version={} synchronous={}", path, kSchemaVersion,
+               synchronous_full_ ? "full" : "normal");
+}
+
+std::string SqliteJobStore::describe() const {
+  return "sqlite:" + path_ + (synchronous_full_ ? "?synchronous=full" : "");
 }
 
 SqliteJobStore::~SqliteJobStore() = default;
@@ -174,7 +186,7 @@ void SqliteJobStore::drop_job(const std::string& job_id, const std::string& reas
                     " OFFSET ?)")
       .bind(1, kMaxTombstones)
       .run();
-  for (const char* table : {"chunks", "events"}) {
+  for (const char* table : {"chunks", "segments", "events"}) {
     sqlite::Statement(*db_, std::string("DELETE FROM ") + table + " WHERE job_id=?").bind(1, job_id).run();
   }
   sqlite::Statement(*db_, "DELETE FROM jobs WHERE id=?").bind(1, job_id).run();
@@ -236,6 +248,32 @@ std::vector<StoredEvent> SqliteJobStore::load_events(const std::string& job_id) 
   std::vector<StoredEvent> out;
   while (s.step()) out.push_back({static_cast<uint64_t>(s.int64(0)), s.text(1)});
   return out;
+}
+
+std::optional<std::string> SqliteJobStore::load_chunk_bytes(const std::string& job_id, int64_t index) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  sqlite::Statement s(*db_, "SELECT bytes FROM chunks WHERE job_id=? AND idx=?");
+  s.bind(1, job_id).bind(2, index);
+  if (!s.step()) return std::nullopt;
+  return s.text(0);
+}
+
+void SqliteJobStore::put_segment(const std::string& job_id, int64_t index, const std::string& bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Only for a job still stored: a segment finished after its job was dropped would otherwise stay forever.
+  sqlite::Statement(*db_, "INSERT OR REPLACE INTO segments(job_id, idx, bytes) SELECT id, ?, ? FROM jobs WHERE id=?")
+      .bind(1, index)
+      .bind_blob(2, bytes)
+      .bind(3, job_id)
+      .run();  // one statement: its own transaction
+}
+
+std::optional<std::string> SqliteJobStore::load_segment(const std::string& job_id, int64_t index) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  sqlite::Statement s(*db_, "SELECT bytes FROM segments WHERE job_id=? AND idx=?");
+  s.bind(1, job_id).bind(2, index);
+  if (!s.step()) return std::nullopt;
+  return s.text(0);
 }
 
 }  // namespace skyreels::server

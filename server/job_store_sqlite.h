@@ -1,6 +1,7 @@
-// `--job-store sqlite:PATH`: the embedded default. One file, WAL journal, held exclusively by one server (a second
-// server on the same file fails to start). synchronous=NORMAL: a commit survives the process being killed (SIGKILL,
-// OOM kill) at any moment; a power loss may lose the last commits. Schema versions with forward migrations.
+// `--job-store sqlite:PATH[?synchronous=full]`: the embedded default. One file, WAL journal, held exclusively by one
+// server (a second server on the same file fails to start). synchronous=NORMAL (the default): a commit survives the
+// process being killed (SIGKILL, OOM kill) at any moment; a power loss may lose the last commits. synchronous=FULL:
+// a commit survives a power loss too, at the cost of an fsync per commit. Schema versions with forward migrations.
 #pragma once
 
 #include <memory>
@@ -16,11 +17,13 @@ class Database;
 
 class SqliteJobStore final : public JobStore {
  public:
-  static constexpr int kSchemaVersion = 2;
-  explicit SqliteJobStore(const std::string& path);  // throws StoreError naming the file
+  static constexpr int kSchemaVersion = 3;
+  // Throws StoreError naming the file. `synchronous_full`: an fsync per commit (see above).
+  explicit SqliteJobStore(const std::string& path, bool synchronous_full = false);
   ~SqliteJobStore() override;
 
-  std::string describe() const override { return "sqlite:" + path_; }
+  // "sqlite:PATH", with "?synchronous=full" when the connection runs so (read back from SQLite, not from the flag).
+  std::string describe() const override;
   bool durable() const override { return true; }
   void insert_job(StoredJob job) override;
   void update_job(const StoredJob& job) override;
@@ -31,11 +34,15 @@ class SqliteJobStore final : public JobStore {
   std::vector<StoredJob> load_jobs() const override;
   std::vector<StoredChunk> load_chunks(const std::string& job_id) const override;
   std::vector<StoredEvent> load_events(const std::string& job_id) const override;
+  std::optional<std::string> load_chunk_bytes(const std::string& job_id, int64_t index) const override;
+  void put_segment(const std::string& job_id, int64_t index, const std::string& bytes) override;
+  std::optional<std::string> load_segment(const std::string& job_id, int64_t index) const override;
 
  private:
   void migrate();
   void cap_growth_for_tests();
   std::string path_;
+  bool synchronous_full_ = false;
   mutable std::mutex mu_;
   std::unique_ptr<sqlite::Database> db_;
 };

@@ -69,4 +69,16 @@ std::vector<StoredEvent> TimedJobStore::load_events(const std::string& job_id) c
   return timed("load_events", [&] { return inner_->load_events(job_id); });
 }
 
+std::optional<std::string> TimedJobStore::load_chunk_bytes(const std::string& job_id, int64_t index) const {
+  return timed("load_chunk_bytes", [&] { return inner_->load_chunk_bytes(job_id, index); });
+}
+
+void TimedJobStore::put_segment(const std::string& job_id, int64_t index, const std::string& bytes) {
+  timed("put_segment", [&] { inner_->put_segment(job_id, index, bytes); });
+}
+
+std::optional<std::string> TimedJobStore::load_segment(const std::string& job_id, int64_t index) const {
+  return timed("load_segment", [&] { return inner_->load_segment(job_id, index); });
+}
+
 }  // namespace skyreels::server

@@ -18,8 +18,12 @@ namespace skyreels::server {
 using Clock = std::chrono::steady_clock;
 using WallClock = std::chrono::system_clock;
 
-// Per-job data only the executor understands (model inputs, latents so far, results). Shared by every replica that
-// runs one of the job's chunks; chunks of one job never run concurrently.
+// What the layers above read of a job without knowing how it runs (parameters in effect, the layout of its chunk
+// results): defined by them (server/model_job.h), carried here unopened.
+struct JobDescription;
+
+// Per-job data only the executor understands (model inputs, the state carried between chunks; results go to the
+// job store). Shared by every replica that runs one of the job's chunks; chunks of one job never run concurrently.
 class JobPayload {
  public:
   virtual ~JobPayload() = default;
@@ -44,6 +48,7 @@ struct JobSpec {
   std::string idempotency_key;
   uint64_t fingerprint = 0;  // of the request, to detect a reused idempotency key
   std::shared_ptr<JobPayload> payload;
+  std::shared_ptr<const JobDescription> description;
   std::string durable_request;  // what the job store keeps to re-create the payload after a restart (opaque here)
 };
 
@@ -52,7 +57,8 @@ struct RestoredJob {
   StoredJob stored;
   std::vector<StoredChunk> chunks;  // committed chunks (bytes may be dropped once the payload holds them)
   std::vector<StoredEvent> events;
-  std::shared_ptr<JobPayload> payload;  // null: the job cannot be resumed (see error)
+  std::shared_ptr<JobPayload> payload;                // null: the job cannot be resumed (see error)
+  std::shared_ptr<const JobDescription> description;  // null with the payload
   std::vector<double> chunk_work;
   std::vector<int64_t> chunk_rows;
   std::string error;  // why the payload could not be re-created: the job, if unfinished, fails with it
@@ -98,6 +104,7 @@ struct JobSnapshot {
   std::string error;
   uint64_t last_sequence = 0;
   std::shared_ptr<JobPayload> payload;
+  std::shared_ptr<const JobDescription> description;
 };
 
 struct ReplicaStatus {

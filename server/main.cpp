@@ -105,12 +105,14 @@ limits:
 jobs that survive a restart:
   --data-dir DIR              where the server keeps its state (default ./skyreels-data; the container uses
                               /var/lib/skyreels)
-  --job-store memory|sqlite:PATH|postgresql://USER[:PASSWORD]@HOST[:PORT]/DB   where jobs, their chunk results and
-                              chunk events are kept (default sqlite:<--data-dir>/jobs.sqlite; also
-                              $SKYREELS_JOB_STORE, which keeps a password out of the process list): on start,
-                              unfinished jobs resume at their last finished chunk; memory keeps today's behaviour
-                              (nothing survives a restart). A corrupt, newer-schema or locked (another server's) store
-                              file, or an unreachable or newer-schema PostgreSQL store, is a startup error
+  --job-store memory|sqlite:PATH[?synchronous=full]|postgresql://USER[:PASSWORD]@HOST[:PORT]/DB   where jobs, their
+                              chunk results, MP4 segments and chunk events are kept (default
+                              sqlite:<--data-dir>/jobs.sqlite; also $SKYREELS_JOB_STORE, which keeps a password out of
+                              the process list): on start, unfinished jobs resume at their last finished chunk; memory
+                              keeps today's behaviour (nothing survives a restart). sqlite:PATH?synchronous=full: every
+                              commit also survives a power loss (an fsync each). A corrupt, newer-schema or locked
+                              (another server's) store file, or an unreachable or newer-schema PostgreSQL store, is a
+                              startup error
 test hooks:
   --fault-inject SPEC         REPLICA@N[+][:KIND],...: the N-th chunk run on REPLICA (e.g. cpu:1@2) fails after its
                               first step ('+': and every later run); KIND error (default), oom (an out-of-memory
@@ -483,8 +485,8 @@ int serve(const Options& o, Signals& signals) {
   store = std::make_unique<TimedJobStore>(std::move(store), metrics.store_call_report());  // before its first use
   std::unique_ptr<VideoEncoder> video;
   if (!o.vae.empty()) {
-    video = std::make_unique<VideoEncoder>(o.vae, o.vae_device.empty() ? plans.front().device : o.vae_device, &metrics,
-                                           1024, faults);
+    video = std::make_unique<VideoEncoder>(o.vae, o.vae_device.empty() ? plans.front().device : o.vae_device, *store,
+                                           &metrics, 1024, faults);
   }
   metrics.serve(o.metrics_listen);
   ObserverList observers;
@@ -542,7 +544,12 @@ int serve(const Options& o, Signals& signals) {
   service_config.text_encoder = text_encoder;
   service_config.vae_available = video != nullptr;
   if (video) service_config.vae = video->vae();  // image / video conditioning
-  if (video) service_config.want_video = [&video](const JobSnapshot& job) { video->want(job); };
+  if (video) {
+    service_config.want_video = [&video](const JobSnapshot& job) { video->want(job); };
+    service_config.wait_video = [&video](const std::string& id, int64_t chunk, Clock::time_point until) {
+      return video->wait_segment(id, chunk, until);
+    };
+  }
   service_config.metrics = &metrics;
   service_config.transport = o.transport;
   // Jobs of an earlier run (a kill, a drain that ran out, a rolling update) resume before anything is dispatched.

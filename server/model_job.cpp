@@ -303,11 +303,7 @@ struct ModelJob::Impl {
   void encode_conditioning_once();
   // The job's random streams, positioned after the last chunk that succeeded (committed only on success).
   std::unique_ptr<model::NoiseSource> noise;
-  mutable std::mutex results_mu;
-  std::vector<std::optional<ChunkBlob>> results;
-  mutable std::condition_variable video_cv;
-  std::vector<std::optional<std::string>> videos;
-  std::string video_error;
+  std::shared_ptr<const JobDescription> description;
 };
 
 // The VAE encode of the job's image / video, on the first chunk's replica thread. Chunks of one job never run
@@ -350,6 +346,17 @@ void check_work(const ModelJob& job, const ServerLimits& limits) {
             " chunks), over --max-job-work " + std::to_string(limits.max_job_work) +
             "; lower num_frames, num_inference_steps, ar_step, height or width");
   }
+}
+
+std::shared_ptr<const JobDescription> describe(const ModelJob& job) {
+  auto description = std::make_shared<JobDescription>();
+  description->params = job.params();
+  description->latent_shape = job.latent_shape();
+  for (int64_t k = 0; k < job.chunk_count(); ++k) {
+    const auto [begin, end] = job.chunk_latent_range(k);
+    description->chunks.push_back({begin, end, job.chunk_suffix_frames(k)});
+  }
+  return description;
 }
 
 }  // namespace
@@ -424,28 +431,38 @@ std::shared_ptr<ModelJob> ModelJob::create(const JobRequest& request, const Mode
   }
   d.latent_channels = model.latent_channels;
   std::copy(std::begin(model.patch_size), std::end(model.patch_size), std::begin(d.patch_size));
-  d.results.resize(d.plan.chunks.size());
-  d.videos.resize(d.plan.chunks.size());
   d.fingerprint = fingerprint_of(request);
 
   check_work(*job, limits);
+  d.description = describe(*job);
   return job;
 }
 
 const ResolvedParams& ModelJob::params() const { return impl_->resolved; }
+std::shared_ptr<const JobDescription> ModelJob::description() const { return impl_->description; }
 const std::vector<std::string>& ModelJob::warnings() const { return impl_->plan.warnings; }
 int64_t ModelJob::chunk_count() const { return static_cast<int64_t>(impl_->plan.chunks.size()); }
 uint64_t ModelJob::fingerprint() const { return impl_->fingerprint; }
 
-RawTensor ModelJob::prompt_embeddings(bool negative) const {
-  const auto& c = impl_->conditioning;
+namespace {
+RawTensor f32_raw(const at::Tensor& tensor) {
+  const at::Tensor t = tensor.to(at::kFloat).contiguous();
   RawTensor raw;
   raw.dtype = "F32";
-  if (negative && !c.negative_prompt_embeds) return raw;
-  const at::Tensor t = (negative ? *c.negative_prompt_embeds : c.prompt_embeds).to(at::kFloat).contiguous();
   raw.shape = t.sizes().vec();
   raw.data.assign(reinterpret_cast<const char*>(t.data_ptr<float>()), static_cast<size_t>(t.numel()) * sizeof(float));
   return raw;
+}
+}  // namespace
+
+RawTensor ModelJob::prompt_embeddings(bool negative) const {
+  const auto& c = impl_->conditioning;
+  if (negative && !c.negative_prompt_embeds) return RawTensor{"F32", {}, {}};
+  return f32_raw(negative ? *c.negative_prompt_embeds : c.prompt_embeds);
+}
+
+RawTensor ModelJob::prompt_change_embeddings(size_t index) const {
+  return f32_raw(impl_->conditioning.prompt_changes.at(index).prompt_embeds);
 }
 
 std::vector<double> ModelJob::chunk_work() const {
@@ -506,8 +523,8 @@ int64_t ModelJob::chunk_pixel_frames(int64_t chunk) const {
   return begin == 0 ? (latent - 1) * kTemporal + 1 : latent * kTemporal;
 }
 
-void ModelJob::run_chunk(const model::SkyReelsV2Transformer& transformer, int64_t chunk,
-                         const model::StepHooks& hooks) {
+std::string ModelJob::run_chunk(const model::SkyReelsV2Transformer& transformer, int64_t chunk,
+                                const model::StepHooks& hooks) {
   Impl& d = *impl_;
   const model::ChunkSpec& spec = d.plan.chunks.at(static_cast<size_t>(chunk));
   // Chunk k's noise depends on (seed, k) only, never on where chunk k-1 ran. The chunk draws from a copy of the
@@ -533,22 +550,18 @@ void ModelJob::run_chunk(const model::SkyReelsV2Transformer& transformer, int64_
                            " new latent frames, the plan expects " +
                            std::to_string(spec.output_end - spec.output_begin));
   }
-  ChunkBlob blob;
-  blob.latent_begin = spec.output_begin;
-  blob.latent_end = spec.output_end;
-  blob.bytes = safetensors_bytes("latents", fresh.sizes().vec(), fresh.data_ptr<float>(),
-                                 {{"chunk_index", std::to_string(chunk)},
-                                  {"chunk_count", std::to_string(chunk_count())},
-                                  {"latent_frame_begin", std::to_string(spec.output_begin)},
-                                  {"latent_frame_end", std::to_string(spec.output_end)},
-                                  {"seed", std::to_string(d.resolved.seed)}});
+  std::string bytes = safetensors_bytes("latents", fresh.sizes().vec(), fresh.data_ptr<float>(),
+                                        {{"chunk_index", std::to_string(chunk)},
+                                         {"chunk_count", std::to_string(chunk_count())},
+                                         {"latent_frame_begin", std::to_string(spec.output_begin)},
+                                         {"latent_frame_end", std::to_string(spec.output_end)},
+                                         {"seed", std::to_string(d.resolved.seed)}});
   d.tail = tail;
   d.noise = std::move(noise);
-  std::lock_guard<std::mutex> lock(d.results_mu);
-  d.results[static_cast<size_t>(chunk)] = std::move(blob);
+  return bytes;
 }
 
-void ModelJob::restore_results(std::vector<std::string> chunk_bytes) {
+void ModelJob::restore_results(const std::vector<std::string>& chunk_bytes) {
   Impl& d = *impl_;
   const auto n = static_cast<int64_t>(chunk_bytes.size());
   if (n > chunk_count()) throw std::runtime_error("more stored chunks than the plan has");
@@ -576,66 +589,6 @@ void ModelJob::restore_results(std::vector<std::string> chunk_bytes) {
     }
     d.tail = joined.narrow(2, joined.size(2) - overlap, overlap).clone();
   }
-  std::lock_guard<std::mutex> lock(d.results_mu);
-  for (int64_t k = 0; k < n; ++k) {
-    const model::ChunkSpec& spec = d.plan.chunks[static_cast<size_t>(k)];
-    d.results[static_cast<size_t>(k)] =
-        ChunkBlob{std::move(chunk_bytes[static_cast<size_t>(k)]), spec.output_begin, spec.output_end};
-  }
-}
-
-std::optional<ChunkBlob> ModelJob::chunk_result(int64_t chunk) const {
-  std::lock_guard<std::mutex> lock(impl_->results_mu);
-  if (chunk < 0 || chunk >= static_cast<int64_t>(impl_->results.size())) return std::nullopt;
-  return impl_->results[static_cast<size_t>(chunk)];
-}
-
-int64_t ModelJob::chunks_available() const {
-  std::lock_guard<std::mutex> lock(impl_->results_mu);
-  int64_t n = 0;
-  while (n < static_cast<int64_t>(impl_->results.size()) && impl_->results[static_cast<size_t>(n)]) ++n;
-  return n;
-}
-
-void ModelJob::set_chunk_video(int64_t chunk, std::string bytes) {
-  {
-    std::lock_guard<std::mutex> lock(impl_->results_mu);
-    impl_->videos.at(static_cast<size_t>(chunk)) = std::move(bytes);
-  }
-  impl_->video_cv.notify_all();
-}
-
-void ModelJob::set_video_error(const std::string& error) {
-  {
-    std::lock_guard<std::mutex> lock(impl_->results_mu);
-    impl_->video_error = error;
-  }
-  impl_->video_cv.notify_all();
-}
-
-ModelJob::VideoResult ModelJob::wait_chunk_video(int64_t chunk, Clock::time_point until) const {
-  std::unique_lock<std::mutex> lock(impl_->results_mu);
-  VideoResult result;
-  if (chunk < 0 || chunk >= static_cast<int64_t>(impl_->videos.size())) {
-    result.error = "chunk " + std::to_string(chunk) + " does not exist";
-    return result;
-  }
-  impl_->video_cv.wait_until(lock, until, [&] {
-    return impl_->videos[static_cast<size_t>(chunk)].has_value() || !impl_->video_error.empty();
-  });
-  result.bytes = impl_->videos[static_cast<size_t>(chunk)];
-  result.error = impl_->video_error;
-  return result;
-}
-
-std::string ModelJob::video_error() const {
-  std::lock_guard<std::mutex> lock(impl_->results_mu);
-  return impl_->video_error;
-}
-
-bool ModelJob::video_complete() const {
-  std::lock_guard<std::mutex> lock(impl_->results_mu);
-  return std::all_of(impl_->videos.begin(), impl_->videos.end(), [](const auto& v) { return v.has_value(); });
 }
 
 }  // namespace skyreels::server

@@ -1,6 +1,8 @@
 // A video job as the model sees it: the validated request (generation params with every default resolved, the seed,
 // the prompt embeddings, the chunk plan), the state carried between chunks (the tail of the latent video, on the
-// replica that produced it: what a handoff moves), and the per-chunk results. Torch-free header.
+// replica that produced it: what a handoff moves), and its torch-free description. Its chunk results are not kept
+// here: run_chunk hands each to the scheduler, which commits it to the job store, where readers find it. Torch-free
+// header.
 #pragma once
 
 #include <cstdint>
@@ -119,10 +121,27 @@ struct ModelDescription {
 // Turns a text prompt into [1, T, text_dim] float32 embeddings (data as raw F32 bytes); unset: no text encoder.
 using TextEncoderFn = std::function<RawTensor(const std::string& text)>;
 
-struct ChunkBlob {
-  std::string bytes;         // safetensors: `latents` fp32 [1, C, frames, h, w]
+// A chunk's place in the whole video.
+struct ChunkLayout {
   int64_t latent_begin = 0;  // new latent frames [begin, end) of the whole video
   int64_t latent_end = 0;
+  // Latent frames at the end of the chunk's result that are conditioning, not video (the last_image latent): decoding
+  // leaves them out, as diffusers does.
+  int64_t suffix_frames = 0;
+};
+
+// What the transport and the video encoder read of a job (JobSnapshot::description), fixed when the job is created:
+// the parameters in effect and the layout of its chunk results (the results themselves are in the job store).
+struct JobDescription {
+  ResolvedParams params;
+  std::vector<int64_t> latent_shape;  // [1, C, F, h, w] of the whole video
+  std::vector<ChunkLayout> chunks;
+};
+
+// Where an MP4 segment a download waits for stands (VideoEncoder::wait_segment).
+struct SegmentWait {
+  bool making = false;  // still being made: the wait ran out first
+  std::string error;    // it cannot be made (set: the rest does not matter)
 };
 
 class ModelJob : public JobPayload {
@@ -137,6 +156,7 @@ class ModelJob : public JobPayload {
   ~ModelJob() override;
 
   const ResolvedParams& params() const;
+  std::shared_ptr<const JobDescription> description() const;
   const std::vector<std::string>& warnings() const;  // e.g. overlap frames dropped by the block size
   int64_t chunk_count() const;
   std::vector<double> chunk_work() const;     // latent positions x rows x model passes, per chunk
@@ -145,40 +165,25 @@ class ModelJob : public JobPayload {
   std::vector<int64_t> chunk_rows() const;    // denoising rows per chunk
   std::vector<int64_t> latent_shape() const;  // [1, C, F, h, w] of the whole video
   std::pair<int64_t, int64_t> chunk_latent_range(int64_t chunk) const;
-  int64_t chunk_pixel_frames(int64_t chunk) const;  // frames chunk `chunk` adds to the decoded video
-  // Latent frames at the end of chunk `chunk`'s result that are conditioning, not video (the last_image latent):
-  // decoding leaves them out, as diffusers does.
-  int64_t chunk_suffix_frames(int64_t chunk) const;
-  uint64_t fingerprint() const;  // of everything that determines the output (idempotency)
+  int64_t chunk_pixel_frames(int64_t chunk) const;   // frames chunk `chunk` adds to the decoded video
+  int64_t chunk_suffix_frames(int64_t chunk) const;  // ChunkLayout::suffix_frames
+  uint64_t fingerprint() const;                      // of everything that determines the output (idempotency)
   // The embeddings the job conditions on (F32 [1, T, text_dim]); the negative ones only with guidance.
   RawTensor prompt_embeddings(bool negative = false) const;
+  // Prompt change `index`'s embeddings (F32), as given or as its text was encoded at submit.
+  RawTensor prompt_change_embeddings(size_t index) const;
 
   // Runs one chunk on `model` (on the calling replica's device). Reads the tail left by the previous chunk, wherever
-  // it is; leaves the new tail on this device and stores the chunk's new frames on the CPU.
-  // Throws model::GenerationCancelled when hooks.cancelled() turns true.
-  void run_chunk(const model::SkyReelsV2Transformer& model, int64_t chunk, const model::StepHooks& hooks);
+  // it is; leaves the new tail on this device. Returns the chunk's result (safetensors: `latents` fp32
+  // [1, C, frames, h, w], the chunk's new frames), which the scheduler commits to the job store: results are read
+  // from there, the job does not keep them. Throws model::GenerationCancelled when hooks.cancelled() turns true.
+  std::string run_chunk(const model::SkyReelsV2Transformer& model, int64_t chunk, const model::StepHooks& hooks);
 
-  // After a restart: the results of the chunks that were committed (chunk 0, 1, ... in order, safetensors bytes as
-  // run_chunk made them). The next chunk continues from their tail; its noise is re-derived from the seed (a fresh
+  // After a restart: continues after the chunks that were committed (chunk 0, 1, ... in order, safetensors bytes as
+  // run_chunk made them), taking the next chunk's tail from them. Its noise is re-derived from the seed (a fresh
   // seeded source skips ahead to any chunk), so the video is bit-identical to an uninterrupted run. Throws
   // std::runtime_error when a result does not fit the plan.
-  void restore_results(std::vector<std::string> chunk_bytes);
-
-  // The chunk's result, nullopt until it exists.
-  std::optional<ChunkBlob> chunk_result(int64_t chunk) const;
-  int64_t chunks_available() const;
-
-  // MP4 results (VideoEncoder): blob k is chunk k's fragment (chunk 0 with the init segment).
-  void set_chunk_video(int64_t chunk, std::string bytes);
-  void set_video_error(const std::string& error);
-  struct VideoResult {
-    std::optional<std::string> bytes;
-    std::string error;  // the encoder failed: no more video for this job
-  };
-  // Blocks until chunk `chunk`'s MP4 exists, the encoder failed, or `until`.
-  VideoResult wait_chunk_video(int64_t chunk, Clock::time_point until) const;
-  std::string video_error() const;
-  bool video_complete() const;  // every chunk's MP4 exists
+  void restore_results(const std::vector<std::string>& chunk_bytes);
 
  private:
   ModelJob();

@@ -221,8 +221,9 @@ ChunkResult ModelReplica::run(const ChunkWork& work, const ChunkCallbacks& callb
     if (options_.step_delay.count() > 0) std::this_thread::sleep_for(options_.step_delay);
     callbacks.on_step(row + 1, rows);
   };
+  std::string bytes;  // the chunk's result, for the job store
   try {
-    job->run_chunk(*model_, work.chunk_index, hooks);
+    bytes = job->run_chunk(*model_, work.chunk_index, hooks);
   } catch (const model::GenerationCancelled&) {
     return {ChunkOutcome::Stopped, "", 0, {}};
   } catch (const std::invalid_argument& e) {
@@ -237,9 +238,7 @@ ChunkResult ModelReplica::run(const ChunkWork& work, const ChunkCallbacks& callb
         std::string("out of memory on replica ") + options_.name + " (the request is too large for it): " + e.what(),
         0, {}};
   }
-  ChunkResult result{ChunkOutcome::Succeeded, "", job->chunk_pixel_frames(work.chunk_index), {}};
-  if (auto blob = job->chunk_result(work.chunk_index)) result.bytes = std::move(blob->bytes);  // for the job store
-  return result;
+  return {ChunkOutcome::Succeeded, "", job->chunk_pixel_frames(work.chunk_index), std::move(bytes)};
 }
 
 void ModelReplica::throw_fault(const FaultRule& rule, int64_t run_number) {

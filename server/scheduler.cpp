@@ -670,6 +670,7 @@ JobSnapshot Scheduler::snapshot_locked(const Job& job) const {
   s.error = job.error;
   s.last_sequence = job.next_sequence - 1;
   s.payload = job.spec.payload;
+  s.description = job.spec.description;
   return s;
 }
 
@@ -838,6 +839,7 @@ void Scheduler::restore(std::vector<RestoredJob> restored) {
     job->spec.idempotency_key = s.idempotency_key;
     job->spec.fingerprint = s.fingerprint;
     job->spec.payload = r.payload;
+    job->spec.description = r.description;
     job->spec.chunk_work = r.chunk_work.empty() ? std::vector<double>(static_cast<size_t>(s.chunk_count), 1.0)
                                                 : r.chunk_work;
     job->spec.chunk_rows = r.chunk_rows;
@@ -918,6 +920,23 @@ std::optional<std::string> Scheduler::dropped(const std::string& id, const std::
     spdlog::warn("event=store_read_failed error=\"{}\"", e.what());
     return std::nullopt;
   }
+}
+
+std::optional<std::string> Scheduler::chunk_result(const std::string& id, const std::string& owner,
+                                                  int64_t index) const {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (store_ == nullptr || find_locked(id, owner) == nullptr) return std::nullopt;
+  }
+  return store_->load_chunk_bytes(id, index);  // outside the lock: megabytes
+}
+
+std::optional<std::string> Scheduler::segment(const std::string& id, const std::string& owner, int64_t index) const {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (store_ == nullptr || find_locked(id, owner) == nullptr) return std::nullopt;
+  }
+  return store_->load_segment(id, index);
 }
 
 std::vector<JobSnapshot> Scheduler::list(const std::string& owner) const {

@@ -62,6 +62,10 @@ class Scheduler : public JobQueue, private ChunkSource {
   std::vector<JobSnapshot> list(const std::string& owner) const override;
   std::optional<std::string> dropped(const std::string& id, const std::string& owner) const override;
   std::optional<JobSnapshot> cancel(const std::string& id, const std::string& owner) override;
+  std::optional<std::string> chunk_result(const std::string& id, const std::string& owner,
+                                          int64_t index) const override;
+  std::optional<std::string> segment(const std::string& id, const std::string& owner, int64_t index) const override;
+  // Events with sequence > after_sequence; blocks until there is one, the job ended, or `until`.
   EventBatch wait_events(const std::string& id, const std::string& owner, uint64_t after_sequence,
                          Clock::time_point until) const override;
   uint64_t subscribe(const std::string& id, const std::string& owner, std::function<void()> notify) override;

@@ -161,9 +161,34 @@ JobRequest request_from_proto(const pb::JobSpec& spec) {
   return r;
 }
 
-// What the job store keeps of a request: the request with the values actually used filled in (the resolved seed;
-// text prompts replaced by the embeddings they were encoded to, so that a resume never re-encodes), serialised
-// deterministically. Deadlines are not part of it: the store keeps the absolute deadline of the job.
+void f32_to_proto(const RawTensor& raw, pb::Tensor* out) {
+  out->set_dtype(pb::DTYPE_FLOAT32);
+  for (int64_t d : raw.shape) out->add_shape(d);
+  out->set_data(raw.data);
+}
+
+// Text in a stored request is replaced by the embeddings it was encoded to at submit (setting the embeddings clears
+// the text: they are one oneof), so that a resume never encodes text, nor needs a text encoder.
+void text_to_embeddings(const ModelJob& job, pb::JobSpec& spec) {
+  if (spec.conditioning_case() == pb::JobSpec::kText) {
+    pb::PromptEmbeddings embeddings;
+    f32_to_proto(job.prompt_embeddings(false), embeddings.mutable_prompt_embeds());
+    const RawTensor negative = job.prompt_embeddings(true);
+    if (!negative.shape.empty()) f32_to_proto(negative, embeddings.mutable_negative_prompt_embeds());
+    *spec.mutable_embeddings() = std::move(embeddings);
+  }
+  for (int i = 0; i < spec.prompt_changes_size(); ++i) {
+    pb::PromptChange& change = *spec.mutable_prompt_changes(i);
+    if (change.prompt_case() != pb::PromptChange::kText) continue;
+    // No negative embeddings: a change given as text takes the job's negative prompt, which is stored above.
+    f32_to_proto(job.prompt_change_embeddings(static_cast<size_t>(i)),
+                 change.mutable_embeddings()->mutable_prompt_embeds());
+  }
+}
+
+// What the job store keeps of a request: the request with the values actually used filled in (the resolved seed; the
+// embeddings of every text), serialised deterministically. Deadlines are not part of it: the store keeps the
+// absolute deadline of the job.
 std::string durable_request(const pb::SubmitJobRequest& request, const ModelJob& job) {
   pb::SubmitJobRequest kept;
   *kept.mutable_spec() = request.spec();
@@ -171,18 +196,7 @@ std::string durable_request(const pb::SubmitJobRequest& request, const ModelJob&
   kept.set_produce_mp4(request.produce_mp4());
   pb::JobSpec& spec = *kept.mutable_spec();
   spec.mutable_params()->set_seed(job.params().seed);
-  if (spec.conditioning_case() == pb::JobSpec::kText) {
-    auto to_proto_tensor = [](const RawTensor& raw, pb::Tensor* out) {
-      out->set_dtype(pb::DTYPE_FLOAT32);
-      for (int64_t d : raw.shape) out->add_shape(d);
-      out->set_data(raw.data);
-    };
-    pb::PromptEmbeddings embeddings;
-    to_proto_tensor(job.prompt_embeddings(false), embeddings.mutable_prompt_embeds());
-    const RawTensor negative = job.prompt_embeddings(true);
-    if (!negative.shape.empty()) to_proto_tensor(negative, embeddings.mutable_negative_prompt_embeds());
-    *spec.mutable_embeddings() = std::move(embeddings);  // clears the text (one of the conditioning oneof)
-  }
+  text_to_embeddings(job, spec);
   std::string bytes;
   {
     google::protobuf::io::StringOutputStream stream(&bytes);
@@ -192,8 +206,6 @@ std::string durable_request(const pb::SubmitJobRequest& request, const ModelJob&
   }
   return bytes;
 }
-
-ModelJob* model_job(const JobSnapshot& s) { return dynamic_cast<ModelJob*>(s.payload.get()); }
 
 // Ids are checked against kMaxJobIdBytes before any lookup, and echoed escaped.
 Status not_found(const std::string& id) {
@@ -470,15 +482,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
         }
         if (request->no_wait()) return Status::OK;
       }
-      if (request->format() == pb::RESULT_FORMAT_MP4) {
-        std::string bytes;
-        if (Status s = wait_video(ctx, *job, chunk, &bytes); !s.ok()) return s;
-        if (!write_blob(*job, chunk, pb::RESULT_FORMAT_MP4, bytes, writer, identity_slot)) {
-          return Status(StatusCode::CANCELLED, "client went away");
-        }
-      } else if (!write_latents(*job, chunk, writer, identity_slot)) {
-        return Status(StatusCode::CANCELLED, "client went away");
-      }
+      if (Status s = send_chunk(ctx, *job, chunk, request->format(), writer, identity_slot); !s.ok()) return s;
     }
     return Status::OK;
   }
@@ -776,6 +780,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
     spec.fingerprint = job->fingerprint() ^ (static_cast<uint64_t>(request.priority() + 11) * 0x9E3779B97F4A7C15ULL) ^
                        deadline_fingerprint(request);
     spec.payload = job;
+    spec.description = job->description();
     spec.durable_request = durable_request(request, *job);
     try {
       *result = scheduler_.submit(std::move(spec));
@@ -816,10 +821,10 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
       out->mutable_error()->set_message(s.error);
     }
     out->set_idempotency_key(s.idempotency_key);
-    if (const ModelJob* job = model_job(s)) {
-      resolved_params_to_proto(job->params(), out->mutable_params());
-      for (int64_t d : job->latent_shape()) out->add_latent_shape(d);
-      out->set_num_frames(static_cast<int32_t>(job->params().num_frames));
+    if (const JobDescription* job = s.description.get()) {
+      resolved_params_to_proto(job->params, out->mutable_params());
+      for (int64_t d : job->latent_shape) out->add_latent_shape(d);
+      out->set_num_frames(static_cast<int32_t>(job->params.num_frames));
       out->set_video_available(config_.vae_available);
     }
   }
@@ -858,11 +863,9 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
         c->set_replica(e.replica);
         c->set_seconds(e.seconds);
         if (auto job = scheduler_.get(id, owner)) {
-          if (const ModelJob* m = model_job(*job)) {
-            const auto [begin, end] = m->chunk_latent_range(e.chunk);
-            c->set_latent_frame_begin(static_cast<int32_t>(begin));
-            c->set_latent_frame_end(static_cast<int32_t>(end));
-          }
+          const ChunkLayout layout = chunk_layout(*job, e.chunk);
+          c->set_latent_frame_begin(static_cast<int32_t>(layout.latent_begin));
+          c->set_latent_frame_end(static_cast<int32_t>(layout.latent_end));
         }
         break;
       }
@@ -884,12 +887,18 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
   static pb::ResultPart* identity_slot(pb::ResultPart& m) { return &m; }
   static pb::ResultPart* generate_slot(pb::GenerateResponse& m) { return m.mutable_result(); }
 
+  static ChunkLayout chunk_layout(const JobSnapshot& job, int64_t chunk) {
+    const JobDescription* d = job.description.get();
+    if (d == nullptr || chunk < 0 || chunk >= static_cast<int64_t>(d->chunks.size())) return {};
+    return d->chunks[static_cast<size_t>(chunk)];
+  }
+
   // One chunk's blob as parts of at most kPartBytes.
   template <typename Message>
   bool write_blob(const JobSnapshot& job, int64_t chunk, pb::ResultFormat format, const std::string& bytes,
                   grpc::ServerWriter<Message>* writer, pb::ResultPart* (*slot)(Message&)) {
-    const ModelJob* m = model_job(job);
-    const auto [begin, end] = m ? m->chunk_latent_range(chunk) : std::pair<int64_t, int64_t>{0, 0};
+    const ChunkLayout layout = chunk_layout(job, chunk);
+    const int64_t begin = layout.latent_begin, end = layout.latent_end;
     const size_t total = bytes.size();
     size_t offset = 0;
     do {
@@ -912,46 +921,89 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
     return true;
   }
 
-  template <typename Message>
-  bool write_latents(const JobSnapshot& job, int64_t chunk, grpc::ServerWriter<Message>* writer,
-                     pb::ResultPart* (*slot)(Message&)) {
-    const ModelJob* m = model_job(job);
-    const auto blob = m ? m->chunk_result(chunk) : std::nullopt;
-    if (!blob) return true;
-    return write_blob(job, chunk, pb::RESULT_FORMAT_LATENTS, blob->bytes, writer, slot);
+  Status store_unreadable(const std::string& id, const StoreError& e) {
+    spdlog::error("job={} event=store_read_failed error=\"{}\"", id, log_escape(e.what()));
+    return Status(StatusCode::UNAVAILABLE, std::string("the job store could not be read, try again: ") + e.what());
   }
 
-  // Waits for the VAE worker to finish chunk `chunk`'s MP4 (it follows the latents by one decode).
-  Status wait_video(ServerContext* ctx, const JobSnapshot& job, int64_t chunk, std::string* bytes) {
-    const ModelJob* m = model_job(job);
-    if (m == nullptr) return Status(StatusCode::INTERNAL, "job has no model payload");
-    want_video(job);  // the first MP4 download starts the job's decode (no-op when it runs or ran already)
+  // Chunk `chunk`'s committed latents, from the job store (the job has chunks_done > chunk).
+  Status load_latents(const JobSnapshot& job, int64_t chunk, std::string* bytes) {
+    std::optional<std::string> stored;
+    try {
+      stored = scheduler_.chunk_result(job.id, job.owner, chunk);
+    } catch (const StoreError& e) {
+      return store_unreadable(job.id, e);
+    }
+    if (stored) {
+      *bytes = std::move(*stored);
+      return Status::OK;
+    }
+    if (!scheduler_.get(job.id, job.owner)) return job_not_found(job.id, job.owner);  // dropped meanwhile
+    return Status(StatusCode::INTERNAL, "job " + job.id + ": chunk " + std::to_string(chunk) +
+                                            " is done but its result is not in the job store");
+  }
+
+  // Chunk `chunk`'s MP4 segment: from the job store when it was made before (even before a restart), else made now
+  // by the VAE worker (it follows the latents by one decode), which stores it.
+  Status load_video(ServerContext* ctx, const std::string& id, const std::string& owner, int64_t chunk,
+                    std::string* bytes) {
+    if (!config_.want_video || !config_.wait_video) {
+      return Status(StatusCode::FAILED_PRECONDITION, "format: MP4 needs a server started with --vae");
+    }
+    bool made = false;  // the worker says the segment was stored (or that it has nothing to make)
     while (!ctx->IsCancelled()) {
-      auto video = m->wait_chunk_video(chunk, Clock::now() + kPoll);
-      if (video.bytes) {
-        *bytes = std::move(*video.bytes);
+      const auto job = scheduler_.get(id, owner);
+      if (!job) return job_not_found(id, owner);
+      if (!job->description) {  // its latents still download
+        return Status(StatusCode::FAILED_PRECONDITION,
+                      "job " + id + ": no MP4 can be made for it: its request could not be read back after a restart");
+      }
+      std::optional<std::string> stored;
+      try {
+        stored = scheduler_.segment(id, owner, chunk);
+      } catch (const StoreError& e) {
+        return store_unreadable(id, e);
+      }
+      if (stored) {
+        *bytes = std::move(*stored);
         return Status::OK;
       }
-      if (!video.error.empty()) return Status(StatusCode::INTERNAL, video.error);
+      if (made) {  // asking again would decode again, and again
+        return Status(StatusCode::INTERNAL, "job " + id + ": the MP4 of chunk " + std::to_string(chunk) +
+                                                " was made but is not in the job store");
+      }
+      config_.want_video(*job);  // a download that misses starts the job's decode (no-op when it runs already)
+      const SegmentWait wait = config_.wait_video(id, chunk, Clock::now() + kPoll);
+      if (!wait.error.empty()) return Status(StatusCode::INTERNAL, wait.error);
+      made = !wait.making;
     }
     return Status(StatusCode::CANCELLED, "client cancelled the download");
+  }
+
+  // One chunk's result in `format`. CANCELLED: the client went away.
+  template <typename Message>
+  Status send_chunk(ServerContext* ctx, const JobSnapshot& job, int64_t chunk, pb::ResultFormat format,
+                    grpc::ServerWriter<Message>* writer, pb::ResultPart* (*slot)(Message&)) {
+    std::string bytes;
+    const bool mp4 = format == pb::RESULT_FORMAT_MP4;
+    if (Status s = mp4 ? load_video(ctx, job.id, job.owner, chunk, &bytes) : load_latents(job, chunk, &bytes);
+        !s.ok()) {
+      return s;
+    }
+    if (!write_blob(job, chunk, mp4 ? pb::RESULT_FORMAT_MP4 : pb::RESULT_FORMAT_LATENTS, bytes, writer, slot)) {
+      return Status(StatusCode::CANCELLED, "client went away");
+    }
+    return Status::OK;
   }
 
   // Sends every chunk result not sent yet. CANCELLED: the client went away; INTERNAL: a chunk's MP4 could not be
   // made (a server fault, not the client's doing).
   Status flush_results(ServerContext* ctx, const std::string& id, const std::string& owner, pb::ResultFormat format,
                        int64_t* sent, grpc::ServerWriter<pb::GenerateResponse>* writer) {
-    const Status client_gone(StatusCode::CANCELLED, "client went away");
     const auto job = scheduler_.get(id, owner);
     if (!job) return Status::OK;
     while (*sent < job->chunks_done) {
-      if (format == pb::RESULT_FORMAT_MP4) {
-        std::string bytes;
-        if (Status s = wait_video(ctx, *job, *sent, &bytes); !s.ok()) return s;
-        if (!write_blob(*job, *sent, pb::RESULT_FORMAT_MP4, bytes, writer, generate_slot)) return client_gone;
-      } else if (!write_latents(*job, *sent, writer, generate_slot)) {
-        return client_gone;
-      }
+      if (Status s = send_chunk(ctx, *job, *sent, format, writer, generate_slot); !s.ok()) return s;
       ++*sent;
     }
     return Status::OK;
@@ -970,7 +1022,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
 
   // MP4 is made on demand only (issue 12, item 6): a job asks at submit, or its first MP4 download does.
   void want_video(const JobSnapshot& job) {
-    if (config_.want_video && job.payload) config_.want_video(job);
+    if (config_.want_video && job.description) config_.want_video(job);
   }
 
   Status gone(const std::string& id, const std::string& owner) {
@@ -1108,22 +1160,25 @@ std::vector<RestoredJob> restore_jobs(const JobStore& store, const ServiceConfig
     try {
       pb::SubmitJobRequest request;
       if (!request.ParseFromString(r.stored.request)) throw std::runtime_error("the stored request is unreadable");
-      // Embeddings are stored, not text; prompt changes given as text are encoded again (same encoder, same values).
+      // Requests are stored with embeddings, never text: no text is encoded again. (Only a request stored by an older
+      // server may still hold prompt changes as text; they are encoded with this server's encoder.)
       auto job = ModelJob::create(request_from_proto(request.spec()), config.model, config.limits, 0,
                                   config.text_encoder, config.vae);
       std::vector<std::string> bytes;
       for (auto& chunk : r.chunks) bytes.push_back(std::move(chunk.bytes));
-      job->restore_results(std::move(bytes));
+      job->restore_results(bytes);  // the next chunk's tail; the results stay in the store
       r.chunk_work = job->chunk_work();
       r.chunk_rows = job->chunk_rows();
       if (static_cast<int64_t>(r.chunk_work.size()) != r.stored.chunk_count) {
         throw std::runtime_error("the request now plans " + std::to_string(r.chunk_work.size()) +
                                  " chunks, it had " + std::to_string(r.stored.chunk_count));
       }
+      r.description = job->description();
       r.payload = std::move(job);
     } catch (const std::exception& e) {
       r.error = e.what();
       r.payload.reset();
+      r.description.reset();
       spdlog::error("job={} event=restore_failed error=\"{}\"", id, log_escape(e.what()));
     }
     r.stored.request.clear();

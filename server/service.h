@@ -59,9 +59,12 @@ struct ServiceConfig {
   std::vector<ReplicaDescription> replicas;
   int64_t max_request_bytes = 64 << 20;
   bool vae_available = false;
-  // Starts (or keeps) the MP4 decode of a job's chunks: called when a job asks for MP4 at submit or on its first MP4
-  // download. Unset without a VAE.
+  // Starts (or keeps) the MP4 decode of a job's chunks: called when a job asks for MP4 at submit or when an MP4
+  // download finds a segment missing from the job store. Unset without a VAE.
   std::function<void(const JobSnapshot&)> want_video;
+  // Waits (until the deadline given) for segment `chunk` of job `id` to be stored (VideoEncoder::wait_segment). Unset
+  // without a VAE.
+  std::function<SegmentWait(const std::string& id, int64_t chunk, Clock::time_point until)> wait_video;
   TextEncoderFn text_encoder;  // unset: text prompts answer FAILED_PRECONDITION
   std::shared_ptr<const model::WanVae>
       vae;  // encodes image / video conditioning; null: they answer FAILED_PRECONDITION

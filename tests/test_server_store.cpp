@@ -1,12 +1,14 @@
 // Issue 13, jobs that survive: the real skyreels-server binary on 127.0.0.1 with `--job-store sqlite:PATH`, killed
 // with SIGKILL at chosen moments and restarted on the same store file. A killed job resumes at the chunk after its
 // last committed one and its video equals the uninterrupted single-process result bit for bit; queued jobs keep
-// their order; WatchJob continues with after_sequence; results download after another restart; a deadline that
-// passed while the server was down ends its job; a corrupt, newer-schema or locked store file stops the start.
+// their order; WatchJob continues with after_sequence; results download after another restart, MP4 included without
+// decoding again; text prompts are never encoded again; a deadline that passed while the server was down ends its
+// job; a corrupt, newer-schema or locked store file stops the start.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -17,6 +19,7 @@
 #include <vector>
 
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "server/job_store_sqlite.h"
 #include "server/sqlite_db.h"
 #include "tests/test_server_harness.h"
 #include "tests/test_util.h"
@@ -146,6 +149,103 @@ TEST(JobStore, KilledAfterChunkTwoResumesAtChunkThreeAndEqualsGenerate) {
   grpc::Status status;
   get_job(again.client(), "j-0000000000000000", &status);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+double metric(ServerProcess& server, const std::string& name) {
+  return metric_value(http_get(server.metrics_port(), "/metrics"), name);
+}
+
+// Every chunk's MP4 segment of a finished job, joined in order (one playable fragmented MP4).
+std::string download_mp4(server::Client& client, const std::string& id) {
+  pb::DownloadResultRequest download;
+  download.set_job_id(id);
+  download.set_format(pb::RESULT_FORMAT_MP4);
+  std::string mp4;
+  const grpc::Status status =
+      server::download_chunks(client, download, [&](int32_t, int32_t, std::string bytes) { mp4 += bytes; });
+  EXPECT_TRUE(status.ok()) << server::describe(status);
+  return mp4;
+}
+
+TEST(JobStore, AnMp4MadeBeforeARestartIsReadBackNotDecodedAgain) {
+  const std::string store = new_store();
+  std::vector<std::string> args = store_args(store, 0);
+  args.insert(args.end(), {"--vae", "demo"});
+  std::string id, before;
+  {
+    ServerProcess server(args);
+    id = submit(server.client(), long_video_request(1360, 2)).job_id();
+    ASSERT_EQ(wait_job(server.client(), id).state(), pb::JOB_STATE_SUCCEEDED);
+    before = download_mp4(server.client(), id);
+    EXPECT_EQ(metric(server, "skyreels_video_chunks_encoded_total"), 4) << "made on the first download";
+    kill_server(server);
+  }
+  ServerProcess restarted(args);
+  const std::string after = download_mp4(restarted.client(), id);
+  ASSERT_FALSE(before.empty());
+  EXPECT_EQ(after, before) << "the MP4 read back differs from the one made before the restart";
+  EXPECT_EQ(metric(restarted, "skyreels_video_chunks_encoded_total"), 0) << "decoded again instead of read back";
+  EXPECT_EQ(metric(restarted, "skyreels_video_jobs_pending"), 0);
+}
+
+// The text encoder only runs at submit: the stored request holds the embeddings of the prompt and of every prompt
+// change given as text, so a server without a text encoder resumes the job and makes the same video.
+TEST(JobStore, TextPromptChangesResumeBitIdenticallyOnAServerWithoutATextEncoder) {
+  pb::SubmitJobRequest request = six_chunk_request(1370);
+  pb::JobSpec& spec = *request.mutable_spec();
+  spec.mutable_text()->set_prompt("A cat walks on the grass, realistic style.");
+  spec.mutable_text()->set_negative_prompt("blurry");
+  for (const auto& [frame, text] : {std::pair<int64_t, const char*>{25, "The cat sits down."},
+                                    std::pair<int64_t, const char*>{45, "The cat falls asleep in the sun."}}) {
+    pb::PromptChange* change = spec.add_prompt_changes();
+    change->set_from_frame(frame);  // chunks 2 and 4 of 0-5: one before the kill, one after
+    change->set_text(text);
+  }
+  const std::vector<std::string> text_encoder = {"--text-encoder", "demo", "--tokenizer",
+                                                 golden_path("umt5_encoder/e3_prompts_to_embeds/tokenizer")};
+  at::Tensor expected;
+  {
+    std::vector<std::string> args = {"--demo", "--devices", "cpu", "--dtype", "float32", "--job-store", "memory"};
+    args.insert(args.end(), text_encoder.begin(), text_encoder.end());
+    ServerProcess reference(args);
+    const std::string id = submit(reference.client(), request).job_id();
+    ASSERT_EQ(wait_job(reference.client(), id, 180s).state(), pb::JOB_STATE_SUCCEEDED);
+    expected = download_latents(reference.client(), id);
+  }
+
+  const std::string store = new_store();
+  std::string id;
+  uint64_t last_seen = 0;
+  {
+    std::vector<std::string> args = store_args(store);
+    args.insert(args.end(), text_encoder.begin(), text_encoder.end());
+    ServerProcess server(args);
+    id = submit(server.client(), request).job_id();
+    const auto events = watch_until(server.client(), id, 0, [](const pb::JobEvent& e) {
+      return e.has_chunk_finished() && e.chunk_finished().chunk_index() == 1;
+    });
+    ASSERT_TRUE(!events.empty() && events.back().has_chunk_finished()) << "the job ended before chunk 1 finished";
+    last_seen = events.back().sequence();
+    kill_server(server);
+  }
+  ServerProcess restarted(store_args(store));
+  {
+    auto ctx = restarted.client().context(10);
+    pb::ServerInfo info;
+    ASSERT_TRUE(restarted.client().stub().GetServerInfo(ctx.get(), pb::GetServerInfoRequest(), &info).ok());
+    ASSERT_FALSE(info.text_encoder_available());
+  }
+  const auto after = watch_until(
+      restarted.client(), id, last_seen, [](const pb::JobEvent& e) { return e.has_finished(); }, 180);
+  ASSERT_TRUE(!after.empty() && after.back().has_finished());
+  const pb::Job done = after.back().finished().job();
+  ASSERT_EQ(done.state(), pb::JOB_STATE_SUCCEEDED) << done.error().message();
+  const auto resumed_at = std::find_if(after.begin(), after.end(), [](const auto& e) { return e.has_chunk_started(); });
+  ASSERT_NE(resumed_at, after.end());
+  EXPECT_LE(resumed_at->chunk_started().chunk_index(), 4) << "the change from frame 45 (chunk 4) ran before the kill";
+  const at::Tensor served = download_latents(restarted.client(), id);
+  ASSERT_TRUE(served.defined() && expected.defined());
+  EXPECT_TRUE(at::equal(served, expected)) << "max |resumed - uninterrupted| = " << max_abs_diff(served, expected);
 }
 
 TEST(JobStore, QueuedJobsSurviveInTheirOrder) {
@@ -337,7 +437,7 @@ TEST(JobStore, AnOlderSchemaIsMigratedForward) {
   server::sqlite::Database db(store, false);
   server::sqlite::Statement version(db, "SELECT version FROM schema_version");
   ASSERT_TRUE(version.step());
-  EXPECT_EQ(version.int64(0), 2);
+  EXPECT_EQ(version.int64(0), server::SqliteJobStore::kSchemaVersion);
   server::sqlite::Statement jobs(db, "SELECT count(*) FROM jobs");
   ASSERT_TRUE(jobs.step());
   EXPECT_EQ(jobs.int64(0), 1);

@@ -1,5 +1,5 @@
 // The server's small parts in isolation: replica planning, fault rules, API keys, addresses, result blobs, job
-// validation and planning, metrics exposition.
+// validation and planning, metrics exposition, the job store's backends.
 #include <c10/util/Exception.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -15,10 +15,12 @@
 #include "server/blob.h"
 #include "server/limits.h"
 #include "server/guards.h"
+#include "server/job_store_sqlite.h"
 #include "server/metrics.h"
 #include "server/model_job.h"
 #include "server/replica.h"
 #include "server/service.h"
+#include "server/sqlite_db.h"
 #include "skyreels/v1/video_service.grpc.pb.h"
 #include "tests/test_util.h"
 
@@ -572,6 +574,119 @@ TEST(UnaryProbe, SaysNoWhileEveryServerThreadIsTakenAndYesAfterwards) {
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   EXPECT_TRUE(probe.answered());
   server->Shutdown();
+}
+
+// ---- the job store: every backend answers the same ----------------------------------------------------------------
+
+StoredJob stored_job(const std::string& id) {
+  StoredJob job;
+  job.id = id;
+  job.owner = "alice";
+  job.state = "QUEUED";
+  job.chunk_count = 3;
+  job.request = "request bytes";
+  return job;
+}
+
+class JobStoreBackends : public ::testing::TestWithParam<std::string> {
+ protected:
+  std::unique_ptr<JobStore> open() {
+    return open_job_store(GetParam() == "memory" ? "memory" : "sqlite:" + test::temp_dir("store") + "/jobs.sqlite");
+  }
+};
+
+TEST_P(JobStoreBackends, CommittedChunkResultsReadBackByIndex) {
+  auto store = open();
+  store->insert_job(stored_job("j-1"));
+  store->commit_chunk("j-1", {0, "cpu:0", 1, "latents of chunk 0"});
+  store->commit_chunk("j-1", {1, "cpu:1", 2, "latents of chunk 1"});
+  EXPECT_EQ(store->load_chunk_bytes("j-1", 0), "latents of chunk 0");
+  EXPECT_EQ(store->load_chunk_bytes("j-1", 1), "latents of chunk 1");
+  EXPECT_EQ(store->load_chunk_bytes("j-1", 2), std::nullopt) << "not committed";
+  EXPECT_EQ(store->load_chunk_bytes("j-unknown", 0), std::nullopt);
+  const auto chunks = store->load_chunks("j-1");
+  ASSERT_EQ(chunks.size(), 2u);
+  EXPECT_EQ(chunks[1].bytes, "latents of chunk 1");
+  EXPECT_EQ(chunks[1].replica, "cpu:1");
+  EXPECT_EQ(store->load_jobs().at(0).chunks_done, 2);
+}
+
+TEST_P(JobStoreBackends, SegmentsAreKeptUntilTheJobIsDropped) {
+  auto store = open();
+  store->insert_job(stored_job("j-1"));
+  store->insert_job(stored_job("j-2"));
+  store->commit_chunk("j-1", {0, "cpu:0", 1, "latents"});
+  store->put_segment("j-1", 0, "init + fragment 0");
+  store->put_segment("j-1", 1, "fragment 1");
+  store->put_segment("j-2", 0, "another job's fragment");
+  EXPECT_EQ(store->load_segment("j-1", 0), "init + fragment 0");
+  EXPECT_EQ(store->load_segment("j-1", 1), "fragment 1");
+  EXPECT_EQ(store->load_segment("j-1", 2), std::nullopt);
+  store->put_segment("j-1", 1, "fragment 1, made again");  // a decode after a restart replaces it
+  EXPECT_EQ(store->load_segment("j-1", 1), "fragment 1, made again");
+
+  store->drop_job("j-1", "retention");
+  EXPECT_EQ(store->load_segment("j-1", 0), std::nullopt);
+  EXPECT_EQ(store->load_chunk_bytes("j-1", 0), std::nullopt);
+  EXPECT_EQ(store->load_segment("j-2", 0), "another job's fragment") << "only the dropped job's segments go";
+  // A segment finished after its job was dropped is not kept (it would never be dropped again).
+  store->put_segment("j-1", 2, "late fragment");
+  EXPECT_EQ(store->load_segment("j-1", 2), std::nullopt);
+  EXPECT_EQ(store->dropped_reason("j-1", "alice"), "retention");
+}
+
+INSTANTIATE_TEST_SUITE_P(MemoryAndSqlite, JobStoreBackends, ::testing::Values("memory", "sqlite"),
+                         [](const ::testing::TestParamInfo<std::string>& backend) { return backend.param; });
+
+TEST(SqliteJobStore, SynchronousFullIsAnOptionOfTheSpecAndIsReadBackFromSqlite) {
+  const std::string path = test::temp_dir("store-sync") + "/jobs.sqlite";
+  EXPECT_EQ(open_job_store("sqlite:" + path)->describe(), "sqlite:" + path) << "NORMAL by default";
+  EXPECT_EQ(open_job_store("sqlite:" + path + "?synchronous=full")->describe(), "sqlite:" + path + "?synchronous=full");
+  EXPECT_EQ(open_job_store("sqlite:" + path + "?synchronous=normal")->describe(), "sqlite:" + path);
+  try {
+    open_job_store("sqlite:" + path + "?synchronous=off");
+    ADD_FAILURE() << "an unknown option was accepted";
+  } catch (const StoreError& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown option 'synchronous=off'"), std::string::npos) << e.what();
+  }
+}
+
+// A file written by schema version 2 (the last release without segments) as that release created it.
+void write_version_two_store(const std::string& path) {
+  sqlite::Database db(path, true);
+  db.exec(
+      "CREATE TABLE schema_version(version INTEGER NOT NULL); INSERT INTO schema_version VALUES(2);"
+      "CREATE TABLE jobs(id TEXT PRIMARY KEY, ord INTEGER NOT NULL, vbase INTEGER NOT NULL, owner TEXT NOT NULL,"
+      " client TEXT NOT NULL, priority INTEGER NOT NULL, deadline_ms INTEGER, idempotency_key TEXT NOT NULL,"
+      " fingerprint INTEGER NOT NULL, state TEXT NOT NULL, error_kind TEXT NOT NULL, error TEXT NOT NULL,"
+      " created_ms INTEGER NOT NULL, started_ms INTEGER NOT NULL, finished_ms INTEGER NOT NULL,"
+      " chunk_count INTEGER NOT NULL, chunks_done INTEGER NOT NULL, retries INTEGER NOT NULL,"
+      " handoffs INTEGER NOT NULL, request BLOB NOT NULL);"
+      "CREATE TABLE chunks(job_id TEXT NOT NULL, idx INTEGER NOT NULL, replica TEXT NOT NULL,"
+      " attempts INTEGER NOT NULL, bytes BLOB NOT NULL, PRIMARY KEY(job_id, idx));"
+      "CREATE TABLE events(job_id TEXT NOT NULL, seq INTEGER NOT NULL, data TEXT NOT NULL, PRIMARY KEY(job_id, seq));"
+      "CREATE TABLE dropped(id TEXT PRIMARY KEY, owner TEXT NOT NULL, reason TEXT NOT NULL,"
+      " dropped_ms INTEGER NOT NULL);"
+      "INSERT INTO jobs VALUES('j-old', 0, 0, 'alice', 'alice', 0, NULL, '', 0, 'SUCCEEDED', 'NONE', '', 1, 2, 3,"
+      " 1, 1, 0, 0, x'00');"
+      "INSERT INTO chunks VALUES('j-old', 0, 'cpu:0', 1, 'old latents');");
+}
+
+TEST(SqliteJobStore, AVersionTwoFileIsMigratedToThreeAndKeepsItsResults) {
+  const std::string path = test::temp_dir("store-v2") + "/jobs.sqlite";
+  write_version_two_store(path);
+  {
+    SqliteJobStore store(path);
+    EXPECT_EQ(store.load_chunk_bytes("j-old", 0), "old latents");
+    EXPECT_EQ(store.load_segment("j-old", 0), std::nullopt);
+    store.put_segment("j-old", 0, "its MP4");  // the new table exists
+    EXPECT_EQ(store.load_segment("j-old", 0), "its MP4");
+  }
+  sqlite::Database db(path, false);
+  sqlite::Statement version(db, "SELECT version FROM schema_version");
+  ASSERT_TRUE(version.step());
+  EXPECT_EQ(version.int64(0), 3);
+  EXPECT_EQ(SqliteJobStore::kSchemaVersion, 3);
 }
 
 }  // namespace
