@@ -1,11 +1,18 @@
 #include "server/dispatch_policy.h"
 
+#include <algorithm>
+
 namespace skyreels::server::policy {
 
 bool dispatch_before(const JobKey& a, const JobKey& b) {
   if (a.priority != b.priority) return a.priority > b.priority;
   if (a.fair_key != b.fair_key) return a.fair_key < b.fair_key;
   return a.order < b.order;
+}
+
+int64_t fair_share_start(const std::vector<int64_t>& active_fair_keys) {
+  if (active_fair_keys.empty()) return 0;
+  return *std::min_element(active_fair_keys.begin(), active_fair_keys.end());
 }
 
 int choose_replica(const JobPlacement& job, const std::vector<ReplicaView>& replicas, double handoff_cost_seconds,
@@ -36,9 +43,28 @@ int choose_replica(const JobPlacement& job, const std::vector<ReplicaView>& repl
   return candidates.front();
 }
 
+bool should_retry(int failed_attempts, int chunk_retries, bool any_healthy_replica) {
+  return any_healthy_replica && failed_attempts <= chunk_retries;
+}
+
+double remaining_seconds(double expected_seconds, double elapsed_seconds) {
+  return std::max(0.0, expected_seconds - elapsed_seconds);
+}
+
+double update_seconds_per_work(double average, double seconds, double work) {
+  if (work <= 0) return average;
+  const double sample = seconds / work;
+  return average == 0 ? sample : 0.7 * average + 0.3 * sample;
+}
+
 double queue_eta(double soonest_free_seconds, double seconds_ahead, int64_t healthy_replicas, bool have_estimate) {
   if (!have_estimate || healthy_replicas <= 0) return -1;
   return soonest_free_seconds + seconds_ahead / static_cast<double>(healthy_replicas);
+}
+
+double retry_after_seconds(double seconds_ahead, int64_t healthy_replicas, bool have_estimate) {
+  if (!have_estimate) return 1.0;
+  return std::max(1.0, seconds_ahead / static_cast<double>(std::max<int64_t>(1, healthy_replicas)));
 }
 
 }  // namespace skyreels::server::policy

@@ -1,6 +1,7 @@
-// The scheduler's decisions as pure functions: which ready job goes first, which replica a job's next chunk runs on
-// (affinity and handoff cost), and when a queued job should start. No threads, no clocks, no locks: the Scheduler
-// passes in what it knows (tests/test_dispatch_policy.cpp checks them as plain functions).
+// The scheduler's decisions as pure functions: which ready job goes first (and where a new job starts in the fair
+// share), which replica a job's next chunk runs on (affinity and handoff cost), whether a failed chunk runs again,
+// and the time estimates (queue ETA, retry hint, seconds per unit of work). No threads, no clocks, no locks: a job
+// queue passes in what it knows (tests/test_dispatch_policy.cpp checks them as plain functions).
 #pragma once
 
 #include <cstddef>
@@ -18,6 +19,10 @@ struct JobKey {
 
 // True when `a` is dispatched before `b`: priority, then least attained service, then submission order.
 bool dispatch_before(const JobKey& a, const JobKey& b);
+
+// Where a new job starts in the fair share (its JobKey::fair_key before any chunk): the least attained service among
+// the active jobs, 0 when there is none. It then neither jumps ahead of them nor waits for the service they had.
+int64_t fair_share_start(const std::vector<int64_t>& active_fair_keys);
 
 struct ReplicaView {
   bool healthy = false;
@@ -39,8 +44,24 @@ struct JobPlacement {
 int choose_replica(const JobPlacement& job, const std::vector<ReplicaView>& replicas, double handoff_cost_seconds,
                    bool have_estimate);
 
+// Whether a chunk that failed `failed_attempts` times (this one included) runs again: at most `chunk_retries` retries,
+// and only while some replica is healthy. (A stop request or a job's own fault ends it before this question.)
+bool should_retry(int failed_attempts, int chunk_retries, bool any_healthy_replica);
+
+// The time a busy replica still needs for its chunk: never negative (a chunk that overran is "about to finish").
+double remaining_seconds(double expected_seconds, double elapsed_seconds);
+
+// The moving average of seconds per unit of work after one more chunk: the first sample sets it, later ones weigh
+// 0.3. `average` 0 means no sample yet; a chunk without work (0) leaves it unchanged.
+double update_seconds_per_work(double average, double seconds, double work);
+
 // Estimated seconds until a queued job starts: the soonest a replica is free plus the work queued ahead of it spread
 // over the healthy replicas; -1 when unknown (no estimate yet or no healthy replica).
 double queue_eta(double soonest_free_seconds, double seconds_ahead, int64_t healthy_replicas, bool have_estimate);
+
+// Retry hint of a refused submission (queue or client share full): about when the next job should end, as the
+// unfinished work (`seconds_ahead`: each active job's next chunk) spread over the healthy replicas; at least 1 s, and
+// 1 s without an estimate.
+double retry_after_seconds(double seconds_ahead, int64_t healthy_replicas, bool have_estimate);
 
 }  // namespace skyreels::server::policy

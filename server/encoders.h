@@ -11,10 +11,10 @@
 #include <string>
 #include <thread>
 
+#include "server/job_types.h"
 #include "server/metrics.h"
 #include "server/model_job.h"
 #include "server/replica.h"
-#include "server/scheduler.h"
 
 namespace skyreels::model {
 class WanVae;

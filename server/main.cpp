@@ -494,7 +494,8 @@ int serve(const Options& o, Signals& signals) {
   scheduling.retest_backoff = to_millis(o.replica_retest_seconds);
   scheduling.retest_backoff_max = std::max(scheduling.retest_backoff, to_millis(o.replica_retest_max_seconds));
   scheduling.liveness_grace = std::chrono::seconds(o.liveness_grace_seconds);
-  Scheduler scheduler(std::move(executors), scheduling, &observers, store.get());
+  // The service and the drain below see only the JobQueue seam.
+  std::unique_ptr<JobQueue> jobs = std::make_unique<Scheduler>(std::move(executors), scheduling, &observers, store.get());
 
   // ---- gRPC ----
   ApiKeys keys;
@@ -537,9 +538,9 @@ int serve(const Options& o, Signals& signals) {
   service_config.metrics = &metrics;
   service_config.transport = o.transport;
   // Jobs of an earlier run (a kill, a drain that ran out, a rolling update) resume before anything is dispatched.
-  scheduler.restore(restore_jobs(*store, service_config));
-  scheduler.start();
-  auto service = make_video_service(scheduler, service_config);
+  jobs->restore(restore_jobs(*store, service_config));
+  jobs->start();
+  auto service = make_video_service(*jobs, service_config);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -581,19 +582,19 @@ int serve(const Options& o, Signals& signals) {
   }
   bool ready = false;
   while (signal_count(signals) == 0) {
-    if (!demo_dir.path.empty() && scheduler.all_loaded()) {
+    if (!demo_dir.path.empty() && jobs->all_loaded()) {
       // Every replica has its (mapped or copied) weights: the files can go now, even if the process is killed later.
       std::error_code ec;
       std::filesystem::remove_all(demo_dir.path, ec);
       demo_dir.path.clear();
     }
-    const bool now_ready = scheduler.ready() && unary.answered();
+    const bool now_ready = jobs->ready() && unary.answered();
     if (now_ready != ready) {
       health->SetServingStatus("", now_ready);
       spdlog::info("event=readiness serving={}", now_ready);
       ready = now_ready;
     }
-    if (const bool now_live = scheduler.live(); now_live != live) {
+    if (const bool now_live = jobs->live(); now_live != live) {
       health->SetServingStatus("liveness", now_live);
       if (now_live) {
         spdlog::info("event=liveness serving=true");
@@ -609,23 +610,23 @@ int serve(const Options& o, Signals& signals) {
 
   // ---- drain ----
   spdlog::info("event=draining signal={} queued={} running={} timeout_seconds={}", signals.last,
-               scheduler.queued_jobs(), scheduler.running_jobs(), o.drain_timeout_seconds);
+               jobs->queued_jobs(), jobs->running_jobs(), o.drain_timeout_seconds);
   health->SetServingStatus("", false);
-  scheduler.begin_drain();
+  jobs->begin_drain();
   const auto drain_deadline = Clock::now() + std::chrono::seconds(o.drain_timeout_seconds);
   bool idle = false;
-  while (!(idle = scheduler.wait_idle(std::min(drain_deadline, Clock::now() + std::chrono::milliseconds(100))))) {
+  while (!(idle = jobs->wait_idle(std::min(drain_deadline, Clock::now() + std::chrono::milliseconds(100))))) {
     if (Clock::now() >= drain_deadline || signal_count(signals) >= 2) break;
   }
   if (!idle) {
     const std::string reason = signal_count(signals) >= 2 ? "server stopped (second signal)" : "drain timeout";
-    spdlog::warn("event=drain_abort reason=\"{}\" queued={} running={}", reason, scheduler.queued_jobs(),
-                 scheduler.running_jobs());
-    scheduler.abort_all(reason);
+    spdlog::warn("event=drain_abort reason=\"{}\" queued={} running={}", reason, jobs->queued_jobs(),
+                 jobs->running_jobs());
+    jobs->abort_all(reason);
     // Running chunks stop after their current transformer block; a block that does not end in time is abandoned.
-    if (!scheduler.wait_idle(Clock::now() + kFinalWait)) {
+    if (!jobs->wait_idle(Clock::now() + kFinalWait)) {
       spdlog::error("event=exit forced=true reason=\"{} chunk(s) still running {} s after the drain ended\"",
-                    scheduler.running_jobs(), std::chrono::duration_cast<std::chrono::seconds>(kFinalWait).count());
+                    jobs->running_jobs(), std::chrono::duration_cast<std::chrono::seconds>(kFinalWait).count());
       spdlog::default_logger()->flush();
       std::_Exit(0);  // the workers are inside a forward: destructors would wait for them
     }

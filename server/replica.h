@@ -1,4 +1,4 @@
-// One replica: the transformer loaded onto one device, running chunks of ModelJobs for the scheduler.
+// One replica: the transformer loaded onto one device, running chunks of ModelJobs for the replica pool.
 // Test hooks (documented in --help): a fault plan that makes chosen chunk runs throw, and a per-step delay.
 #pragma once
 
@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "server/scheduler.h"
+#include "server/replica_pool.h"
 
 namespace skyreels::model {
 class SkyReelsV2Transformer;

@@ -3,54 +3,12 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <limits>
 #include <nlohmann/json.hpp>
-#include <random>
 
 #include "server/dispatch_policy.h"
 
 namespace skyreels::server {
-
-const char* job_state_name(JobState state) {
-  switch (state) {
-    case JobState::Queued:
-      return "queued";
-    case JobState::Running:
-      return "running";
-    case JobState::Succeeded:
-      return "succeeded";
-    case JobState::Failed:
-      return "failed";
-    case JobState::Cancelled:
-      return "cancelled";
-    case JobState::DeadlineExceeded:
-      return "deadline_exceeded";
-  }
-  return "unknown";
-}
-
-bool is_terminal(JobState state) { return state != JobState::Queued && state != JobState::Running; }
-
-const char* error_kind_name(ErrorKind kind) {
-  switch (kind) {
-    case ErrorKind::None:
-      return "";
-    case ErrorKind::Internal:
-      return "internal";
-    case ErrorKind::Unavailable:
-      return "unavailable";
-    case ErrorKind::Cancelled:
-      return "cancelled";
-    case ErrorKind::DeadlineExceeded:
-      return "deadline_exceeded";
-    case ErrorKind::InvalidArgument:
-      return "invalid_argument";
-    case ErrorKind::ResourceExhausted:
-      return "resource_exhausted";
-  }
-  return "";
-}
 
 namespace {
 
@@ -105,15 +63,6 @@ JobEvent decode_event(const StoredEvent& stored) {
 
 }  // namespace
 
-std::string new_job_id() {
-  static std::mutex mu;
-  static std::mt19937_64 rng{std::random_device{}()};
-  std::lock_guard<std::mutex> lock(mu);
-  char buffer[32];
-  std::snprintf(buffer, sizeof buffer, "j-%016llx", static_cast<unsigned long long>(rng()));
-  return buffer;
-}
-
 struct Scheduler::Job {
   std::string id;
   JobSpec spec;
@@ -154,47 +103,39 @@ struct Scheduler::Job {
   bool active() const { return !is_terminal(state); }
 };
 
-struct Scheduler::Assignment {
-  ChunkWork work;
-  std::shared_ptr<JobPayload> payload;  // keeps the payload alive while the chunk runs
-};
-
-struct Scheduler::Replica {
-  std::unique_ptr<ChunkExecutor> exec;
-  std::string name;
-  bool load_done = false;
-  bool loaded = false;
-  bool healthy = false;
-  bool busy = false;
+// What this scheduler handed to one replica of the pool: pending until its worker picks it up, then running.
+struct Scheduler::Slot {
+  bool assigned = false;  // a chunk is pending or running here
+  std::optional<ChunkAssignment> pending;
   std::string job_id;
   int64_t chunk = -1;
   double work = 0;
-  Clock::time_point chunk_started;
-  Clock::time_point last_step;
+  Clock::time_point started;
   double expected_seconds = 0;
-  int consecutive_failures = 0;
-  int64_t chunks_run = 0;
-  int64_t failures = 0;
-  int64_t recoveries = 0;
-  std::string error;
-  std::optional<Assignment> pending;
-  bool probe_pending = false;                  // a re-test is due on the worker thread
-  std::optional<Clock::time_point> retest_at;  // taken out: when to re-test it
-  Clock::duration backoff{};                   // the wait before the next re-test
-  std::condition_variable cv;
-  std::thread thread;
+  std::condition_variable cv;  // a chunk is pending, or the pool stops
 };
+
+ReplicaPoolOptions replica_pool_options(const SchedulerOptions& options) {
+  ReplicaPoolOptions pool;
+  pool.failure_limit = options.replica_failure_limit;
+  pool.retest_backoff = options.retest_backoff;
+  pool.retest_backoff_max = options.retest_backoff_max;
+  pool.liveness_grace = options.liveness_grace;
+  return pool;
+}
+
+namespace {
+
+double seconds_since(Clock::time_point t, Clock::time_point now) {
+  return std::chrono::duration<double>(now - t).count();
+}
+
+}  // namespace
 
 Scheduler::Scheduler(std::vector<std::unique_ptr<ChunkExecutor>> replicas, SchedulerOptions options,
                      SchedulerObserver* observer, JobStore* store)
-    : options_(options), observer_(observer), store_(store) {
-  if (replicas.empty()) throw std::invalid_argument("scheduler: at least one replica is required");
-  for (auto& exec : replicas) {
-    auto replica = std::make_unique<Replica>();
-    replica->name = exec->name();
-    replica->exec = std::move(exec);
-    replicas_.push_back(std::move(replica));
-  }
+    : options_(options), observer_(observer), store_(store), pool_(std::move(replicas), replica_pool_options(options), observer) {
+  for (size_t i = 0; i < pool_.size(); ++i) slots_.push_back(std::make_unique<Slot>());
 }
 
 Scheduler::~Scheduler() {
@@ -206,210 +147,82 @@ Scheduler::~Scheduler() {
         finish_locked(*job, JobState::Failed, ErrorKind::Unavailable, "server stopped");
       }
     }
-    for (auto& replica : replicas_) replica->cv.notify_all();
     timer_cv_.notify_all();
     changed_.notify_all();
   }
-  for (auto& replica : replicas_) {
-    if (replica->thread.joinable()) replica->thread.join();
-  }
+  pool_.stop();  // running chunks see should_stop(); workers end in next_chunk()
   if (timer_.joinable()) timer_.join();
 }
 
 void Scheduler::start() {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (started_) return;
-  started_ = true;
-  for (size_t i = 0; i < replicas_.size(); ++i) {
-    replicas_[i]->thread = std::thread([this, i] { worker(i); });
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (started_) return;
+    started_ = true;
   }
+  pool_.start(*this);
   timer_ = std::thread([this] { timer_loop(); });
 }
 
-bool Scheduler::all_loaded() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return std::all_of(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->load_done; });
-}
+bool Scheduler::all_loaded() const { return pool_.all_loaded(); }
 
-bool Scheduler::live() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return !unhealthy_since_ || Clock::now() - *unhealthy_since_ < options_.liveness_grace;
-}
+bool Scheduler::live() const { return pool_.live(); }
 
 bool Scheduler::ready() const {
   std::lock_guard<std::mutex> lock(mu_);
-  const bool loaded = std::all_of(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->load_done; });
-  const bool any_healthy = std::any_of(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->healthy; });
-  return loaded && any_healthy && !draining_ && !stopping_;
+  return pool_.all_loaded() && pool_.any_healthy() && !draining_ && !stopping_;
 }
 
-// ---- worker threads -------------------------------------------------------------------------------------------
+// ---- the pool's side (ChunkSource) ----------------------------------------------------------------------------
 
-void Scheduler::worker(size_t index) {
-  Replica& replica = *replicas_[index];
-  std::string load_error;
-  try {
-    replica.exec->start();
-  } catch (const std::exception& e) {
-    load_error = e.what();
-  } catch (...) {
-    load_error = "unknown exception";
-  }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    replica.load_done = true;
-    replica.loaded = load_error.empty();
-    replica.healthy = replica.loaded;
-    replica.error = load_error;
-    if (!load_error.empty()) spdlog::error("replica={} event=load_failed error=\"{}\"", replica.name, load_error);
-    update_liveness_locked(Clock::now());
-    if (observer_) observer_->replica_changed(replica_status_locked(replica));
-    changed_.notify_all();
-    dispatch_locked();
-  }
-  if (!load_error.empty()) return;
-
+std::optional<ChunkAssignment> Scheduler::next_chunk(size_t replica) {
   std::unique_lock<std::mutex> lock(mu_);
-  while (true) {
-    replica.cv.wait(lock, [&] { return replica.pending.has_value() || replica.probe_pending || stopping_; });
-    if (stopping_ && !replica.pending) break;
-    if (replica.probe_pending) {
-      run_probe(replica, lock);
-      continue;
-    }
-    Assignment assignment = std::move(*replica.pending);
-    replica.pending.reset();
-    Job* job = jobs_.at(assignment.work.job_id).get();  // never collected while its chunk runs
+  Slot& slot = *slots_[replica];
+  if (!slot.pending) dispatch_locked();  // this replica is free now (chunk_done may have handed it one already)
+  slot.cv.wait(lock, [&] { return slot.pending.has_value() || interrupted_; });
+  if (!slot.pending) return std::nullopt;
+  ChunkAssignment assignment = std::move(*slot.pending);
+  slot.pending.reset();
+  return assignment;
+}
 
-    ChunkCallbacks callbacks;
-    callbacks.on_step = [this, job, &replica](int64_t row, int64_t rows) {
-      std::lock_guard<std::mutex> step_lock(mu_);
-      const auto now = Clock::now();
-      if (observer_) observer_->step(replica.name, std::chrono::duration<double>(now - replica.last_step).count());
-      replica.last_step = now;
-      job->rows_in_chunk = row;
-      JobEvent event;
-      event.type = EventType::Step;
-      event.chunk = replica.chunk;
-      event.chunk_count = static_cast<int64_t>(job->spec.chunk_work.size());
-      event.replica = replica.name;
-      event.step = row;
-      event.steps = rows;
-      event.progress = job->rows_total > 0
-                           ? static_cast<double>(job->rows_before_chunk + row) / static_cast<double>(job->rows_total)
-                           : 0.0;
-      push_event_locked(*job, std::move(event));
-    };
-    callbacks.should_stop = [this, job] {
-      std::lock_guard<std::mutex> stop_lock(mu_);
-      return stop_requested_locked(*job, Clock::now());
-    };
-
-    lock.unlock();
-    const auto t0 = Clock::now();
-    ChunkResult result;
+void Scheduler::chunk_done(size_t replica, ChunkAssignment assignment, ChunkResult result, double seconds) {
+  if (result.outcome == ChunkOutcome::Succeeded && store_ != nullptr && !result.bytes.empty()) {
+    // Outside the lock: a chunk's result is megabytes. Chunks of one job never run concurrently and the job's
+    // other rows do not hold chunks_done, so nothing races this commit.
     try {
-      result = replica.exec->run(assignment.work, callbacks);
-    } catch (const std::exception& e) {
-      result.outcome = ChunkOutcome::Failed;
+      store_->commit_chunk(assignment.work.job_id, {assignment.work.chunk_index, pool_.name(replica),
+                                                    assignment.work.attempt + 1, std::move(result.bytes)});
+    } catch (const StoreError& e) {
+      result.outcome = ChunkOutcome::NotStored;
       result.error = e.what();
-    } catch (...) {
-      result.outcome = ChunkOutcome::Failed;
-      result.error = "unknown exception";
     }
-    if (result.outcome == ChunkOutcome::Succeeded && store_ != nullptr && !result.bytes.empty()) {
-      // Outside the lock: a chunk's result is megabytes. Chunks of one job never run concurrently and the job's
-      // other rows do not hold chunks_done, so nothing races this commit.
-      try {
-        store_->commit_chunk(assignment.work.job_id, {assignment.work.chunk_index, replica.name,
-                                                      assignment.work.attempt + 1, std::move(result.bytes)});
-      } catch (const StoreError& e) {
-        result.outcome = ChunkOutcome::NotStored;
-        result.error = e.what();
-      }
-    }
-    result.bytes.clear();
-    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-    lock.lock();
-    complete_locked(index, result, seconds);
-    dispatch_locked();
   }
+  result.bytes.clear();
+  std::lock_guard<std::mutex> lock(mu_);
+  complete_locked(replica, result, seconds);
+  dispatch_locked();
+}
+
+void Scheduler::replicas_changed() {
+  std::lock_guard<std::mutex> lock(mu_);
+  dispatch_locked();
+  changed_.notify_all();
+}
+
+void Scheduler::interrupt() {
+  std::lock_guard<std::mutex> lock(mu_);
+  interrupted_ = true;
+  for (auto& slot : slots_) slot->cv.notify_all();
 }
 
 void Scheduler::timer_loop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (!stopping_) {
-    // Every 100 ms, or sooner when a replica's re-test is due.
-    auto wake = Clock::now() + std::chrono::milliseconds(100);
-    for (const auto& r : replicas_) {
-      if (r->retest_at) wake = std::min(wake, *r->retest_at);
-    }
-    timer_cv_.wait_until(lock, wake);
+    timer_cv_.wait_for(lock, std::chrono::milliseconds(100));
     if (stopping_) break;
-    const auto now = Clock::now();
-    schedule_retests_locked(now);
-    update_liveness_locked(now);
     dispatch_locked();  // expires deadlines, refreshes queue positions and estimates
     gc_locked();
-  }
-}
-
-// ---- re-tests of replicas taken out -----------------------------------------------------------------------------
-
-void Scheduler::schedule_retests_locked(Clock::time_point now) {
-  for (auto& r : replicas_) {
-    if (r->loaded && !r->healthy && !r->busy && !r->probe_pending && r->retest_at && now >= *r->retest_at) {
-      r->probe_pending = true;
-      r->retest_at.reset();
-      r->cv.notify_one();
-    }
-  }
-}
-
-void Scheduler::run_probe(Replica& replica, std::unique_lock<std::mutex>& lock) {
-  lock.unlock();
-  std::string error;
-  try {
-    replica.exec->probe();
-  } catch (const std::exception& e) {
-    error = e.what();
-  } catch (...) {
-    error = "unknown exception";
-  }
-  lock.lock();
-  replica.probe_pending = false;
-  const auto now = Clock::now();
-  if (error.empty()) {
-    replica.healthy = true;
-    replica.consecutive_failures = 0;
-    replica.backoff = Clock::duration::zero();
-    ++replica.recoveries;
-    spdlog::info("replica={} event=recovered recoveries={}", replica.name, replica.recoveries);
-    if (observer_) observer_->replica_recovered(replica_status_locked(replica));
-  } else {
-    replica.backoff = std::min<Clock::duration>(replica.backoff * 2, options_.retest_backoff_max);
-    replica.retest_at = now + replica.backoff;
-    timer_cv_.notify_all();  // the timer wakes at the re-test time, not at its next 100 ms tick
-    replica.error = error;
-    spdlog::warn("replica={} event=retest_failed next_in_seconds={:.3f} error=\"{}\"", replica.name,
-                 std::chrono::duration<double>(replica.backoff).count(), error);
-  }
-  update_liveness_locked(now);
-  if (observer_) observer_->replica_changed(replica_status_locked(replica));
-  changed_.notify_all();
-  dispatch_locked();
-}
-
-void Scheduler::update_liveness_locked(Clock::time_point now) {
-  const bool all_done = std::all_of(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->load_done; });
-  const bool any_healthy = std::any_of(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->healthy; });
-  if (any_healthy || !all_done) {
-    if (unhealthy_since_) spdlog::info("event=replica_available_again");
-    unhealthy_since_.reset();
-  } else if (!unhealthy_since_) {
-    unhealthy_since_ = now;
-    spdlog::error("event=no_healthy_replica liveness_grace_seconds={:.1f}",
-                  std::chrono::duration<double>(options_.liveness_grace).count());
   }
 }
 
@@ -430,27 +243,33 @@ void Scheduler::expire_locked(Clock::time_point now) {
   }
 }
 
+void Scheduler::fail_waiting_jobs_locked(const std::string& reason) {
+  for (auto& [id, job] : jobs_) {
+    if (job->active() && !job->chunk_running) finish_locked(*job, JobState::Failed, ErrorKind::Unavailable, reason);
+  }
+}
+
+std::vector<policy::ReplicaView> Scheduler::replica_views_locked(Clock::time_point now) const {
+  std::vector<policy::ReplicaView> views(slots_.size());
+  for (size_t r = 0; r < slots_.size(); ++r) {
+    const Slot& slot = *slots_[r];
+    policy::ReplicaView& v = views[r];
+    v.healthy = pool_.healthy(r);
+    v.idle = v.healthy && !slot.assigned;
+    if (slot.assigned) v.remaining_seconds = policy::remaining_seconds(slot.expected_seconds, seconds_since(slot.started, now));
+  }
+  return views;
+}
+
 void Scheduler::dispatch_locked() {
   if (!started_ || stopping_) return;
   const auto now = Clock::now();
   expire_locked(now);
+  if (pool_.all_loaded() && !pool_.any_healthy()) fail_waiting_jobs_locked("no healthy replica");
 
-  const bool all_done = std::all_of(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->load_done; });
-  const bool any_healthy = std::any_of(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->healthy; });
-  if (all_done && !any_healthy) {
-    for (auto& [id, job] : jobs_) {
-      if (job->active() && !job->chunk_running) {
-        finish_locked(*job, JobState::Failed, ErrorKind::Unavailable, "no healthy replica");
-      }
-    }
-  }
-
-  std::vector<size_t> idle;
-  for (size_t i = 0; i < replicas_.size(); ++i) {
-    const Replica& r = *replicas_[i];
-    if (r.loaded && r.healthy && !r.busy) idle.push_back(i);
-  }
-  if (!idle.empty()) {
+  std::vector<policy::ReplicaView> views = replica_views_locked(now);
+  auto any_idle = [&] { return std::any_of(views.begin(), views.end(), [](const auto& v) { return v.idle; }); };
+  if (any_idle()) {
     std::vector<Job*> ready;
     for (auto& [id, job] : jobs_) {
       if (job->active() && !job->chunk_running && !job->cancel_requested && !job->aborted) ready.push_back(job.get());
@@ -458,62 +277,50 @@ void Scheduler::dispatch_locked() {
     std::sort(ready.begin(), ready.end(),
               [](const Job* a, const Job* b) { return policy::dispatch_before(a->key(), b->key()); });
     for (Job* job : ready) {
-      if (idle.empty()) break;
-      const int chosen = choose_replica_locked(*job, idle, now);
+      if (!any_idle()) break;
+      const int chosen = choose_replica_locked(*job, views);
       if (chosen < 0) continue;
       assign_locked(*job, static_cast<size_t>(chosen), now);
-      idle.erase(std::find(idle.begin(), idle.end(), static_cast<size_t>(chosen)));
+      views[static_cast<size_t>(chosen)].idle = false;
     }
   }
   update_positions_locked(now);
   notify_queue_locked();
 }
 
-int Scheduler::choose_replica_locked(Job& job, const std::vector<size_t>& idle, Clock::time_point now) const {
-  std::vector<policy::ReplicaView> views(replicas_.size());
-  for (size_t r = 0; r < replicas_.size(); ++r) {
-    const Replica& replica = *replicas_[r];
-    policy::ReplicaView& v = views[r];
-    v.healthy = replica.healthy;
-    v.idle = std::find(idle.begin(), idle.end(), r) != idle.end();
-    if (replica.busy) {
-      const double elapsed = std::chrono::duration<double>(now - replica.chunk_started).count();
-      v.remaining_seconds = std::max(0.0, replica.expected_seconds - elapsed);
-    }
-  }
+int Scheduler::choose_replica_locked(const Job& job, std::vector<policy::ReplicaView> views) const {
   for (const auto& [id, other] : jobs_) {
     if (other.get() != &job && other->active() && !other->chunk_running && other->holder >= 0) {
       views[static_cast<size_t>(other->holder)].held_by_other_job = true;
     }
   }
-  return policy::choose_replica({job.holder, job.avoid}, views, options_.handoff_cost_seconds, seconds_per_work_ > 0);
+  return policy::choose_replica({job.holder, job.avoid}, views, options_.handoff_cost_seconds, have_estimate_locked());
 }
 
 void Scheduler::assign_locked(Job& job, size_t index, Clock::time_point now) {
-  Replica& replica = *replicas_[index];
+  Slot& slot = *slots_[index];
+  const std::string& replica = pool_.name(index);
   const int64_t chunk = job.chunks_done;
   const double work = job.spec.chunk_work[static_cast<size_t>(chunk)];
-  replica.busy = true;
-  replica.job_id = job.id;
-  replica.chunk = chunk;
-  replica.work = work;
-  replica.chunk_started = now;
-  replica.last_step = now;
-  replica.expected_seconds = estimate_seconds_locked(work);
+  slot.assigned = true;
+  slot.job_id = job.id;
+  slot.chunk = chunk;
+  slot.work = work;
+  slot.started = now;
+  slot.expected_seconds = estimate_seconds_locked(work);
 
   const bool handoff = job.holder >= 0 && job.holder != static_cast<int>(index);
   const JobSnapshot before = snapshot_locked(job);
   if (handoff) {
     ++job.handoffs;
-    spdlog::info("job={} event=handoff chunk={} from={} to={}", job.id, chunk,
-                 replicas_[static_cast<size_t>(job.holder)]->name, replica.name);
-    if (observer_) observer_->handoff(before, replicas_[static_cast<size_t>(job.holder)]->name, replica.name);
+    const std::string& from = pool_.name(static_cast<size_t>(job.holder));
+    spdlog::info("job={} event=handoff chunk={} from={} to={}", job.id, chunk, from, replica);
+    if (observer_) observer_->handoff(before, from, replica);
   }
   if (job.state == JobState::Queued) {
     job.state = JobState::Running;
     job.started = WallClock::now();
-    const double waited = std::chrono::duration<double>(now - job.created_mono).count();
-    if (observer_) observer_->job_started(snapshot_locked(job), waited);
+    if (observer_) observer_->job_started(snapshot_locked(job), seconds_since(job.created_mono, now));
     persist_update_locked(job);
   } else if (handoff) {
     persist_update_locked(job);
@@ -523,7 +330,7 @@ void Scheduler::assign_locked(Job& job, size_t index, Clock::time_point now) {
   job.position = 0;
   job.eta = -1;
 
-  Assignment assignment;
+  ChunkAssignment assignment;
   assignment.work.job_id = job.id;
   assignment.work.chunk_index = chunk;
   assignment.work.chunk_count = static_cast<int64_t>(job.spec.chunk_work.size());
@@ -531,136 +338,145 @@ void Scheduler::assign_locked(Job& job, size_t index, Clock::time_point now) {
   assignment.work.handoff = handoff;
   assignment.work.payload = job.spec.payload.get();
   assignment.payload = job.spec.payload;
-  replica.pending = std::move(assignment);
+  assignment.callbacks = callbacks_for_locked(job, index, chunk);
+  slot.pending = std::move(assignment);
 
   JobEvent event;
   event.type = EventType::ChunkStarted;
   event.chunk = chunk;
   event.chunk_count = static_cast<int64_t>(job.spec.chunk_work.size());
-  event.replica = replica.name;
+  event.replica = replica;
   event.handoff = handoff;
   event.attempt = job.attempts;
   push_event_locked(job, std::move(event));
   spdlog::info("job={} event=chunk_started chunk={}/{} replica={} attempt={} handoff={}", job.id, chunk,
-               job.spec.chunk_work.size(), replica.name, job.attempts, handoff);
-  if (observer_) {
-    observer_->chunk_started(snapshot_locked(job), replica.name, chunk);
-    observer_->replica_changed(replica_status_locked(replica));
-  }
-  replica.cv.notify_one();
+               job.spec.chunk_work.size(), replica, job.attempts, handoff);
+  if (observer_) observer_->chunk_started(snapshot_locked(job), replica, chunk);
+  slot.cv.notify_one();
+}
+
+// Step events and stop checks of one running chunk. `job` is never collected while its chunk runs.
+ChunkCallbacks Scheduler::callbacks_for_locked(Job& job, size_t replica, int64_t chunk) {
+  ChunkCallbacks callbacks;
+  Job* running = &job;
+  const std::string name = pool_.name(replica);
+  callbacks.on_step = [this, running, name, chunk](int64_t row, int64_t rows) {
+    std::lock_guard<std::mutex> lock(mu_);
+    running->rows_in_chunk = row;
+    JobEvent event;
+    event.type = EventType::Step;
+    event.chunk = chunk;
+    event.chunk_count = static_cast<int64_t>(running->spec.chunk_work.size());
+    event.replica = name;
+    event.step = row;
+    event.steps = rows;
+    event.progress = running->rows_total > 0 ? static_cast<double>(running->rows_before_chunk + row) /
+                                                   static_cast<double>(running->rows_total)
+                                             : 0.0;
+    push_event_locked(*running, std::move(event));
+  };
+  callbacks.should_stop = [this, running] {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stop_requested_locked(*running, Clock::now());
+  };
+  return callbacks;
 }
 
 void Scheduler::complete_locked(size_t index, const ChunkResult& result, double seconds) {
-  Replica& replica = *replicas_[index];
-  Job& job = *jobs_.at(replica.job_id);
-  const int64_t chunk = replica.chunk;
-  replica.busy = false;
-  replica.job_id.clear();
+  Slot& slot = *slots_[index];
+  const std::string& replica = pool_.name(index);
+  Job& job = *jobs_.at(slot.job_id);
+  const int64_t chunk = slot.chunk;
+  const double work = slot.work;
+  slot.assigned = false;
+  slot.job_id.clear();
   job.chunk_running = false;
-  const auto now = Clock::now();
+  const std::string& error = result.error;
+  const bool stop = stop_requested_locked(job, Clock::now());
 
-  ChunkOutcome outcome = result.outcome;
-  std::string error = result.error;
-  const bool stop = stop_requested_locked(job, now);
-  if (outcome == ChunkOutcome::Stopped && !stop) {
-    outcome = ChunkOutcome::Failed;  // an executor that stops on its own has failed
-    if (error.empty()) error = "chunk stopped without a request";
-  }
-
-  if (outcome == ChunkOutcome::Succeeded) {
-    replica.consecutive_failures = 0;
-    ++replica.chunks_run;
-    if (replica.work > 0) {
-      const double sample = seconds / replica.work;
-      seconds_per_work_ = seconds_per_work_ == 0 ? sample : 0.7 * seconds_per_work_ + 0.3 * sample;
-    }
-    ++job.chunks_done;
-    job.holder = static_cast<int>(index);
-    job.avoid = -1;
-    job.attempts = 0;
-    job.chunk_replicas.push_back(replica.name);
-    job.rows_before_chunk += job.spec.chunk_rows.empty() ? 0 : job.spec.chunk_rows[static_cast<size_t>(chunk)];
-    job.rows_in_chunk = 0;
-    JobEvent event;
-    event.type = EventType::ChunkFinished;
-    event.chunk = chunk;
-    event.chunk_count = static_cast<int64_t>(job.spec.chunk_work.size());
-    event.replica = replica.name;
-    event.seconds = seconds;
-    push_event_locked(job, std::move(event));
-    spdlog::info("job={} event=chunk_finished chunk={} replica={} seconds={:.3f}", job.id, chunk, replica.name,
-                 seconds);
-    if (observer_)
-      observer_->chunk_finished(snapshot_locked(job), replica.name, chunk, seconds, result.frames_generated);
-    if (job.chunks_done == static_cast<int64_t>(job.spec.chunk_work.size())) {
-      finish_locked(job, JobState::Succeeded, ErrorKind::None, "");
-    }
-  } else if (outcome == ChunkOutcome::ResourceExhausted) {
-    // The request did not fit in the device's memory: its fault, not the replica's (which keeps its count).
-    spdlog::warn("job={} event=chunk_out_of_memory chunk={} replica={} error=\"{}\"", job.id, chunk, replica.name,
-                 error);
-    if (!stop) finish_locked(job, JobState::Failed, ErrorKind::ResourceExhausted, error);
-  } else if (outcome == ChunkOutcome::NotStored) {
-    replica.consecutive_failures = 0;  // the replica worked; the store did not
-    spdlog::error("job={} event=chunk_not_stored chunk={} error=\"{}\"", job.id, chunk, error);
-    if (!stop) finish_locked(job, JobState::Failed, ErrorKind::Internal, "chunk " + std::to_string(chunk) +
-                                                                             " could not be stored: " + error);
-  } else if (outcome == ChunkOutcome::Rejected) {
-    replica.consecutive_failures = 0;  // the replica works; the request does not
-    spdlog::warn("job={} event=chunk_rejected chunk={} replica={} error=\"{}\"", job.id, chunk, replica.name, error);
-    if (!stop) finish_locked(job, JobState::Failed, ErrorKind::InvalidArgument, error);
-  } else if (outcome == ChunkOutcome::Failed) {
-    ++replica.failures;
-    ++replica.consecutive_failures;
-    replica.error = error;
-    ++job.attempts;
-    if (replica.healthy && replica.consecutive_failures >= options_.replica_failure_limit) {
-      replica.healthy = false;
-      replica.backoff = std::chrono::duration_cast<Clock::duration>(options_.retest_backoff);
-      replica.retest_at = now + replica.backoff;
-      timer_cv_.notify_all();
-      spdlog::error("replica={} event=taken_out consecutive_failures={} retest_in_seconds={:.3f} error=\"{}\"",
-                    replica.name, replica.consecutive_failures, std::chrono::duration<double>(replica.backoff).count(),
-                    error);
-      update_liveness_locked(now);
-    }
-    const bool any_healthy = std::any_of(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->healthy; });
-    const bool retry = !stop && job.attempts <= options_.chunk_retries && any_healthy;
-    spdlog::warn("job={} event=chunk_failed chunk={} replica={} attempt={} retry={} error=\"{}\"", job.id, chunk,
-                 replica.name, job.attempts - 1, retry, error);
-    if (observer_) observer_->chunk_failed(snapshot_locked(job), replica.name, chunk, error, retry);
-    if (retry) {
-      ++job.retries;
-      job.avoid = static_cast<int>(index);
+  switch (result.outcome) {
+    case ChunkOutcome::Succeeded: {
+      seconds_per_work_ = policy::update_seconds_per_work(seconds_per_work_, seconds, work);
+      ++job.chunks_done;
+      job.holder = static_cast<int>(index);
+      job.avoid = -1;
+      job.attempts = 0;
+      job.chunk_replicas.push_back(replica);
+      job.rows_before_chunk += job.spec.chunk_rows.empty() ? 0 : job.spec.chunk_rows[static_cast<size_t>(chunk)];
       job.rows_in_chunk = 0;
       JobEvent event;
-      event.type = EventType::ChunkRetry;
+      event.type = EventType::ChunkFinished;
       event.chunk = chunk;
-      event.replica = replica.name;
-      event.attempt = job.attempts - 1;
-      event.message = error;
+      event.chunk_count = static_cast<int64_t>(job.spec.chunk_work.size());
+      event.replica = replica;
+      event.seconds = seconds;
       push_event_locked(job, std::move(event));
-      persist_update_locked(job);
-    } else if (!stop) {
-      finish_locked(job, JobState::Failed, ErrorKind::Internal,
-                    "chunk " + std::to_string(chunk) + " failed " + std::to_string(job.attempts) +
-                        " time(s); last error on replica " + replica.name + ": " + error);
+      spdlog::info("job={} event=chunk_finished chunk={} replica={} seconds={:.3f}", job.id, chunk, replica, seconds);
+      if (observer_) observer_->chunk_finished(snapshot_locked(job), replica, chunk, seconds, result.frames_generated);
+      if (job.chunks_done == static_cast<int64_t>(job.spec.chunk_work.size())) {
+        finish_locked(job, JobState::Succeeded, ErrorKind::None, "");
+      }
+      break;
     }
+    case ChunkOutcome::ResourceExhausted:
+      // The request did not fit in the device's memory: its fault, not the replica's.
+      spdlog::warn("job={} event=chunk_out_of_memory chunk={} replica={} error=\"{}\"", job.id, chunk, replica, error);
+      if (!stop) finish_locked(job, JobState::Failed, ErrorKind::ResourceExhausted, error);
+      break;
+    case ChunkOutcome::NotStored:
+      spdlog::error("job={} event=chunk_not_stored chunk={} error=\"{}\"", job.id, chunk, error);
+      if (!stop) {
+        finish_locked(job, JobState::Failed, ErrorKind::Internal,
+                      "chunk " + std::to_string(chunk) + " could not be stored: " + error);
+      }
+      break;
+    case ChunkOutcome::Rejected:
+      spdlog::warn("job={} event=chunk_rejected chunk={} replica={} error=\"{}\"", job.id, chunk, replica, error);
+      if (!stop) finish_locked(job, JobState::Failed, ErrorKind::InvalidArgument, error);
+      break;
+    case ChunkOutcome::Failed: {
+      ++job.attempts;
+      const bool retry = !stop && policy::should_retry(job.attempts, options_.chunk_retries, pool_.any_healthy());
+      spdlog::warn("job={} event=chunk_failed chunk={} replica={} attempt={} retry={} error=\"{}\"", job.id, chunk,
+                   replica, job.attempts - 1, retry, error);
+      if (observer_) observer_->chunk_failed(snapshot_locked(job), replica, chunk, error, retry);
+      if (retry) {
+        ++job.retries;
+        job.avoid = static_cast<int>(index);
+        job.rows_in_chunk = 0;
+        JobEvent event;
+        event.type = EventType::ChunkRetry;
+        event.chunk = chunk;
+        event.replica = replica;
+        event.attempt = job.attempts - 1;
+        event.message = error;
+        push_event_locked(job, std::move(event));
+        persist_update_locked(job);
+      } else if (!stop) {
+        finish_locked(job, JobState::Failed, ErrorKind::Internal,
+                      "chunk " + std::to_string(chunk) + " failed " + std::to_string(job.attempts) +
+                          " time(s); last error on replica " + replica + ": " + error);
+      }
+      break;
+    }
+    case ChunkOutcome::Stopped:  // the pool turned a Stopped nobody asked for into Failed
+      break;
   }
   // Stop requests end the job whatever the chunk's outcome (a chunk that completed anyway is kept).
-  if (job.active() && stop) {
-    if (job.aborted) {
-      finish_locked(job, JobState::Failed, ErrorKind::Unavailable, job.abort_reason);
-    } else if (stopping_) {
-      finish_locked(job, JobState::Failed, ErrorKind::Unavailable, "server stopped");
-    } else if (job.cancel_requested) {
-      finish_locked(job, JobState::Cancelled, ErrorKind::Cancelled, "cancelled by the client");
-    } else {
-      finish_locked(job, JobState::DeadlineExceeded, ErrorKind::DeadlineExceeded, "deadline passed while running");
-    }
-  }
-  if (observer_) observer_->replica_changed(replica_status_locked(replica));
+  if (job.active() && stop) end_stopped_job_locked(job);
   changed_.notify_all();
+}
+
+void Scheduler::end_stopped_job_locked(Job& job) {
+  if (job.aborted) {
+    finish_locked(job, JobState::Failed, ErrorKind::Unavailable, job.abort_reason);
+  } else if (stopping_) {
+    finish_locked(job, JobState::Failed, ErrorKind::Unavailable, "server stopped");
+  } else if (job.cancel_requested) {
+    finish_locked(job, JobState::Cancelled, ErrorKind::Cancelled, "cancelled by the client");
+  } else {
+    finish_locked(job, JobState::DeadlineExceeded, ErrorKind::DeadlineExceeded, "deadline passed while running");
+  }
 }
 
 void Scheduler::finish_locked(Job& job, JobState state, ErrorKind kind, const std::string& error) {
@@ -754,13 +570,10 @@ void Scheduler::update_positions_locked(Clock::time_point now) {
             [](const Job* a, const Job* b) { return policy::dispatch_before(a->key(), b->key()); });
   int64_t healthy = 0;
   double soonest_free = std::numeric_limits<double>::infinity();
-  for (const auto& r : replicas_) {
-    if (!r->healthy) continue;
+  for (const policy::ReplicaView& r : replica_views_locked(now)) {
+    if (!r.healthy) continue;
     ++healthy;
-    const double remaining =
-        r->busy ? std::max(0.0, r->expected_seconds - std::chrono::duration<double>(now - r->chunk_started).count())
-                : 0.0;
-    soonest_free = std::min(soonest_free, remaining);
+    soonest_free = std::min(soonest_free, r.idle ? 0.0 : r.remaining_seconds);
   }
   int64_t position = 0;
   double work_ahead = 0;
@@ -768,7 +581,7 @@ void Scheduler::update_positions_locked(Clock::time_point now) {
     if (job->state == JobState::Queued) {
       ++position;
       const double eta =
-          policy::queue_eta(soonest_free, estimate_seconds_locked(work_ahead), healthy, seconds_per_work_ > 0);
+          policy::queue_eta(soonest_free, estimate_seconds_locked(work_ahead), healthy, have_estimate_locked());
       const bool moved = position != job->position;
       job->position = position;
       job->eta = eta;
@@ -855,19 +668,6 @@ JobSnapshot Scheduler::snapshot_locked(const Job& job) const {
   return s;
 }
 
-ReplicaStatus Scheduler::replica_status_locked(const Replica& replica) const {
-  ReplicaStatus s;
-  s.name = replica.name;
-  s.loaded = replica.loaded;
-  s.healthy = replica.healthy;
-  s.busy = replica.busy;
-  s.chunks_run = replica.chunks_run;
-  s.failures = replica.failures;
-  s.recoveries = replica.recoveries;
-  s.error = replica.error;
-  return s;
-}
-
 Scheduler::Job* Scheduler::find_locked(const std::string& id, const std::string& owner) const {
   auto it = jobs_.find(id);
   if (it == jobs_.end() || it->second->spec.owner != owner) return nullptr;
@@ -884,24 +684,23 @@ void Scheduler::check_admission_locked(const std::string& client, int64_t client
   if (draining_ || stopping_) {
     throw AdmissionError(AdmissionError::Reason::Draining, "server is draining: no new jobs are accepted");
   }
-  const bool all_done = std::all_of(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->load_done; });
-  const bool any_healthy = std::any_of(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->healthy; });
-  if (all_done && !any_healthy) {
+  if (pool_.all_loaded() && !pool_.any_healthy()) {
     throw AdmissionError(AdmissionError::Reason::Unavailable, "no healthy replica");
   }
   int64_t active = 0, mine = 0;
   double work = 0;  // of the chunks next in line, for the retry hint
-  for (const auto& [id, job] : jobs_) {
-    if (!job->active()) continue;
+  auto count = [&](const Job& job) {
+    if (!job.active()) return;
     ++active;
-    if (job->spec.client == client) ++mine;
-    work += job->spec.chunk_work[static_cast<size_t>(job->chunks_done)];
-  }
-  // Hint: about when the next job should end (each healthy replica ends roughly one chunk per estimate).
+    if (job.spec.client == client) ++mine;
+    work += job.spec.chunk_work[static_cast<size_t>(job.chunks_done)];
+  };
+  for (const auto& [id, job] : jobs_) count(*job);
+  for (const auto& [id, job] : reserving_) count(*job);  // admitted already, being stored
   auto retry_after = [&] {
-    if (seconds_per_work_ <= 0) return 1.0;
-    const auto healthy = std::count_if(replicas_.begin(), replicas_.end(), [](const auto& r) { return r->healthy; });
-    return std::max(1.0, estimate_seconds_locked(work) / static_cast<double>(std::max<int64_t>(1, healthy)));
+    const auto statuses = pool_.status();
+    const auto healthy = std::count_if(statuses.begin(), statuses.end(), [](const auto& r) { return r.healthy; });
+    return policy::retry_after_seconds(estimate_seconds_locked(work), healthy, have_estimate_locked());
   };
   if (active >= options_.max_jobs) {
     throw AdmissionError(AdmissionError::Reason::QueueFull,
@@ -923,60 +722,94 @@ SubmitResult Scheduler::submit(JobSpec spec) {
   if (!spec.chunk_rows.empty() && spec.chunk_rows.size() != spec.chunk_work.size()) {
     throw std::invalid_argument("scheduler: chunk_rows and chunk_work differ in size");
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  if (draining_ || stopping_) {
-    throw AdmissionError(AdmissionError::Reason::Draining, "server is draining: no new jobs are accepted");
-  }
-  if (!spec.idempotency_key.empty()) {
-    auto it = idempotency_.find({spec.owner, spec.idempotency_key});
-    if (it != idempotency_.end()) {
-      Job* existing = find_locked(it->second, spec.owner);
-      if (existing != nullptr) {
-        if (existing->spec.fingerprint != spec.fingerprint) {
-          throw AdmissionError(AdmissionError::Reason::IdempotencyConflict,
-                               "idempotency_key: already used by job " + existing->id + " with a different request");
-        }
-        return {snapshot_locked(*existing), true};
-      }
-    }
-  }
+  std::unique_lock<std::mutex> lock(mu_);
+  if (std::optional<SubmitResult> known = known_key_locked(spec, lock)) return *known;
   check_admission_locked(spec.client, spec.client_max_jobs);
+  Job& job = reserve_locked(std::move(spec));
+  if (store_ == nullptr) return publish_locked(job.id);
 
+  // Acknowledged only once committed (a SIGKILL after this answer cannot lose the job), but stored without the lock:
+  // a request may be megabytes, and every other call would wait for it.
+  const std::string id = job.id;
+  StoredJob stored = stored_locked(job);
+  stored.request = std::move(job.spec.durable_request);
+  job.spec.durable_request.clear();
+  lock.unlock();
+  std::string store_error;
+  try {
+    store_->insert_job(std::move(stored));
+  } catch (const StoreError& e) {
+    store_error = e.what();
+  }
+  lock.lock();
+  if (!store_error.empty()) {
+    spdlog::error("job={} event=store_insert_failed error=\"{}\"", id, store_error);
+    release_locked(id);
+    throw AdmissionError(AdmissionError::Reason::Unavailable, "the job could not be stored: " + store_error, 1.0);
+  }
+  return publish_locked(id);
+}
+
+std::optional<SubmitResult> Scheduler::known_key_locked(const JobSpec& spec, std::unique_lock<std::mutex>& lock) {
+  while (true) {
+    if (draining_ || stopping_) {
+      throw AdmissionError(AdmissionError::Reason::Draining, "server is draining: no new jobs are accepted");
+    }
+    if (spec.idempotency_key.empty()) return std::nullopt;
+    auto it = idempotency_.find({spec.owner, spec.idempotency_key});
+    if (it == idempotency_.end()) return std::nullopt;
+    if (reserving_.count(it->second)) {
+      changed_.wait(lock);  // the first submission is being stored: its outcome decides
+      continue;
+    }
+    const Job* existing = find_locked(it->second, spec.owner);
+    if (existing == nullptr) return std::nullopt;
+    if (existing->spec.fingerprint != spec.fingerprint) {
+      throw AdmissionError(AdmissionError::Reason::IdempotencyConflict,
+                           "idempotency_key: already used by job " + existing->id + " with a different request");
+    }
+    return SubmitResult{snapshot_locked(*existing), true};
+  }
+}
+
+Scheduler::Job& Scheduler::reserve_locked(JobSpec spec) {
   auto job = std::make_unique<Job>();
   job->id = new_job_id();
-  while (jobs_.count(job->id)) job->id = new_job_id();
+  while (jobs_.count(job->id) || reserving_.count(job->id)) job->id = new_job_id();
   job->order = next_seq_++;
   job->created = WallClock::now();
   job->created_mono = Clock::now();
-  int64_t least = std::numeric_limits<int64_t>::max();
+  std::vector<int64_t> active_fair_keys;
   for (const auto& [id, other] : jobs_) {
-    if (other->active()) least = std::min(least, other->fair_key());
+    if (other->active()) active_fair_keys.push_back(other->fair_key());
   }
-  job->vbase = least == std::numeric_limits<int64_t>::max() ? 0 : least;
+  job->vbase = policy::fair_share_start(active_fair_keys);
   for (int64_t rows : spec.chunk_rows) job->rows_total += rows;
   job->spec = std::move(spec);
+  if (!job->spec.idempotency_key.empty()) idempotency_[{job->spec.owner, job->spec.idempotency_key}] = job->id;
   Job& ref = *job;
-  if (store_ != nullptr) {
-    // Acknowledged only once committed: a SIGKILL after this answer cannot lose the job.
-    StoredJob stored = stored_locked(ref);
-    stored.request = std::move(ref.spec.durable_request);
-    ref.spec.durable_request.clear();
-    try {
-      store_->insert_job(std::move(stored));
-    } catch (const StoreError& e) {
-      spdlog::error("job={} event=store_insert_failed error=\"{}\"", ref.id, e.what());
-      throw AdmissionError(AdmissionError::Reason::Unavailable, std::string("the job could not be stored: ") + e.what(),
-                           1.0);
-    }
-  }
-  jobs_[ref.id] = std::move(job);
-  if (!ref.spec.idempotency_key.empty()) idempotency_[{ref.spec.owner, ref.spec.idempotency_key}] = ref.id;
-  spdlog::info("job={} event=submitted chunks={} priority={} owner={}", ref.id, ref.spec.chunk_work.size(),
-               ref.spec.priority, ref.spec.owner.empty() ? "-" : ref.spec.owner);
-  if (observer_) observer_->job_submitted(snapshot_locked(ref));
+  reserving_[ref.id] = std::move(job);
+  return ref;
+}
+
+SubmitResult Scheduler::publish_locked(const std::string& id) {
+  auto node = reserving_.extract(id);
+  Job& job = *node.mapped();
+  jobs_[id] = std::move(node.mapped());
+  spdlog::info("job={} event=submitted chunks={} priority={} owner={}", id, job.spec.chunk_work.size(),
+               job.spec.priority, job.spec.owner.empty() ? "-" : job.spec.owner);
+  if (observer_) observer_->job_submitted(snapshot_locked(job));
   update_positions_locked(Clock::now());  // the first Queued event, before any ChunkStarted
   dispatch_locked();
-  return {snapshot_locked(ref), false};
+  changed_.notify_all();  // a submission waiting on the same key
+  return {snapshot_locked(job), false};
+}
+
+void Scheduler::release_locked(const std::string& id) {
+  auto node = reserving_.extract(id);
+  const JobSpec& spec = node.mapped()->spec;
+  if (!spec.idempotency_key.empty()) idempotency_.erase({spec.owner, spec.idempotency_key});
+  changed_.notify_all();  // a submission waiting on the same key tries on its own
 }
 
 void Scheduler::restore(std::vector<RestoredJob> restored) {
@@ -1174,7 +1007,7 @@ bool Scheduler::draining() const {
 bool Scheduler::wait_idle(Clock::time_point until) const {
   std::unique_lock<std::mutex> lock(mu_);
   return changed_.wait_until(lock, until, [&] {
-    return std::none_of(jobs_.begin(), jobs_.end(),
+    return reserving_.empty() && std::none_of(jobs_.begin(), jobs_.end(),
                         [](const auto& entry) { return entry.second->active() || entry.second->chunk_running; });
   });
 }
@@ -1194,12 +1027,7 @@ void Scheduler::abort_all(const std::string& reason) {
   notify_queue_locked();
 }
 
-std::vector<ReplicaStatus> Scheduler::replicas() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  std::vector<ReplicaStatus> out;
-  for (const auto& r : replicas_) out.push_back(replica_status_locked(*r));
-  return out;
-}
+std::vector<ReplicaStatus> Scheduler::replicas() const { return pool_.status(); }
 
 int64_t Scheduler::queued_jobs() const {
   std::lock_guard<std::mutex> lock(mu_);

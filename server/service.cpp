@@ -409,8 +409,8 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
  public:
   friend class WatchReactor;
 
-  VideoServiceImpl(Scheduler& scheduler, ServiceConfig config)
-      : scheduler_(scheduler),
+  VideoServiceImpl(JobQueue& jobs, ServiceConfig config)
+      : scheduler_(jobs),
         config_(std::move(config)),
         streams_(config_.transport.max_streams, config_.transport.max_streams_per_client),
         encodes_(config_.transport.max_concurrent_encodes),
@@ -1021,7 +1021,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
     return stop_generate(id, owner, Status(StatusCode::CANCELLED, ""));
   }
 
-  Scheduler& scheduler_;
+  JobQueue& scheduler_;
   ServiceConfig config_;
   StreamLimiter streams_;
   ConcurrencyGate encodes_;  // text prompts being encoded
@@ -1176,8 +1176,8 @@ std::vector<RestoredJob> restore_jobs(const JobStore& store, const ServiceConfig
   return out;
 }
 
-std::unique_ptr<grpc::Service> make_video_service(Scheduler& scheduler, ServiceConfig config) {
-  return std::make_unique<VideoServiceImpl>(scheduler, std::move(config));
+std::unique_ptr<grpc::Service> make_video_service(JobQueue& jobs, ServiceConfig config) {
+  return std::make_unique<VideoServiceImpl>(jobs, std::move(config));
 }
 
 namespace {

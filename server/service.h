@@ -1,4 +1,4 @@
-// The gRPC transport: skyreels.v1.VideoService on top of the Scheduler. Converts messages, authenticates, maps
+// The gRPC transport: skyreels.v1.VideoService on top of a JobQueue. Converts messages, authenticates, maps
 // errors to status codes; no policy and no model code here.
 #pragma once
 
@@ -10,7 +10,7 @@
 #include "server/auth.h"
 #include "server/metrics.h"
 #include "server/model_job.h"
-#include "server/scheduler.h"
+#include "server/job_queue.h"
 
 namespace grpc {
 class Service;
@@ -70,11 +70,11 @@ struct ServiceConfig {
   TransportLimits transport;
 };
 
-// The skyreels.v1.VideoService implementation, to register with a grpc::ServerBuilder. `scheduler` must outlive it.
-std::unique_ptr<grpc::Service> make_video_service(Scheduler& scheduler, ServiceConfig config);
+// The skyreels.v1.VideoService implementation, to register with a grpc::ServerBuilder. `jobs` must outlive it.
+std::unique_ptr<grpc::Service> make_video_service(JobQueue& jobs, ServiceConfig config);
 
 // Reads every job back from `store` and re-creates its payload from the stored request and chunk results, for
-// Scheduler::restore(). A job whose payload cannot be re-created carries the reason (RestoredJob::error).
+// JobQueue::restore(). A job whose payload cannot be re-created carries the reason (RestoredJob::error).
 std::vector<RestoredJob> restore_jobs(const JobStore& store, const ServiceConfig& config);
 
 // A server interceptor that turns gRPC's answer to a request it could not parse (INTERNAL with an empty message: a

@@ -60,5 +60,40 @@ TEST(DispatchPolicy, QueueEtaSpreadsTheWorkAheadOverHealthyReplicas) {
   EXPECT_EQ(queue_eta(2.0, 10.0, 0, true), -1);
 }
 
+TEST(DispatchPolicy, ANewJobStartsAtTheLeastAttainedServiceOfTheActiveJobs) {
+  EXPECT_EQ(fair_share_start({5, 2, 9}), 2);
+  EXPECT_EQ(fair_share_start({}), 0) << "an idle queue starts from zero";
+  // Started there, it goes before the longer-served jobs and after the job it ties with (submission order).
+  const JobKey newcomer{0, fair_share_start({5, 2, 9}), 3};
+  EXPECT_TRUE(dispatch_before(newcomer, {0, 5, 0}));
+  EXPECT_FALSE(dispatch_before(newcomer, {0, 2, 1}));
+}
+
+TEST(DispatchPolicy, AFailedChunkIsRetriedAtMostChunkRetriesTimesAndOnlyWithAHealthyReplica) {
+  EXPECT_TRUE(should_retry(1, 2, true));
+  EXPECT_TRUE(should_retry(2, 2, true));
+  EXPECT_FALSE(should_retry(3, 2, true)) << "first try + 2 retries, then the job fails";
+  EXPECT_FALSE(should_retry(1, 0, true)) << "--chunk-retries 0";
+  EXPECT_FALSE(should_retry(1, 2, false)) << "nowhere to run it";
+}
+
+TEST(DispatchPolicy, ABusyReplicaThatOverranItsEstimateIsAboutToFinish) {
+  EXPECT_DOUBLE_EQ(remaining_seconds(3.0, 1.0), 2.0);
+  EXPECT_DOUBLE_EQ(remaining_seconds(3.0, 5.0), 0.0);
+}
+
+TEST(DispatchPolicy, SecondsPerWorkStartAtTheFirstSampleAndThenMoveAThirdOfTheWay) {
+  EXPECT_DOUBLE_EQ(update_seconds_per_work(0, 4.0, 2.0), 2.0);
+  EXPECT_DOUBLE_EQ(update_seconds_per_work(2.0, 12.0, 2.0), 0.7 * 2.0 + 0.3 * 6.0);
+  EXPECT_DOUBLE_EQ(update_seconds_per_work(2.0, 12.0, 0.0), 2.0) << "a chunk without work says nothing";
+}
+
+TEST(DispatchPolicy, TheRetryHintSpreadsTheWorkAheadOverHealthyReplicasAndIsAtLeastASecond) {
+  EXPECT_DOUBLE_EQ(retry_after_seconds(10.0, 2, true), 5.0);
+  EXPECT_DOUBLE_EQ(retry_after_seconds(10.0, 0, true), 10.0) << "no healthy replica counts as one";
+  EXPECT_DOUBLE_EQ(retry_after_seconds(0.5, 1, true), 1.0);
+  EXPECT_DOUBLE_EQ(retry_after_seconds(100.0, 1, false), 1.0) << "no estimate yet";
+}
+
 }  // namespace
 }  // namespace skyreels::server::policy

@@ -1,21 +1,25 @@
 // The chunk scheduler with fake executors: affinity, handoffs, fairness, priorities, retries, deadlines,
-// cancellation, admission and drain. No model, no gRPC: every test runs in milliseconds.
+// cancellation, admission and drain; submissions stored outside the lock; the replica pool against a scripted chunk
+// source. No model, no gRPC: every test runs in milliseconds.
 #include <gtest/gtest.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "server/replica_pool.h"
 #include "server/scheduler.h"
 
 namespace skyreels::server {
@@ -137,13 +141,13 @@ struct Harness {
   std::shared_ptr<RunLog> log = std::make_shared<RunLog>();
   std::unique_ptr<Scheduler> scheduler;
 
-  Harness(std::vector<FakeBehaviour> behaviours, SchedulerOptions options = {}) {
+  Harness(std::vector<FakeBehaviour> behaviours, SchedulerOptions options = {}, JobStore* store = nullptr) {
     spdlog::set_level(spdlog::level::warn);  // per-chunk info logs would drown the test output
     std::vector<std::unique_ptr<ChunkExecutor>> executors;
     for (size_t i = 0; i < behaviours.size(); ++i) {
       executors.push_back(std::make_unique<FakeExecutor>("fake:" + std::to_string(i), behaviours[i], log));
     }
-    scheduler = std::make_unique<Scheduler>(std::move(executors), options);
+    scheduler = std::make_unique<Scheduler>(std::move(executors), options, nullptr, store);
     scheduler->start();
     const auto until = Clock::now() + 5s;
     while (!scheduler->all_loaded() && Clock::now() < until) std::this_thread::sleep_for(1ms);
@@ -317,7 +321,10 @@ TEST(Scheduler, FailedChunkIsRetriedOnAnotherReplicaAndTheOutputIsUnchanged) {
 TEST(Scheduler, ReplicaThatKeepsFailingIsTakenOutAndTheOthersKeepServing) {
   SchedulerOptions options;
   options.replica_failure_limit = 2;
-  Harness h({FakeBehaviour{}, always_failing()}, options);
+  // Waiting jobs never wait for their holder, and the healthy replica is slow enough that the failing one, even when
+  // a loaded machine delays its first failure, still finds a waiting job to fail a second time.
+  options.handoff_cost_seconds = 0;
+  Harness h({steps(10ms), always_failing()}, options);
   std::vector<std::string> ids;
   for (int i = 0; i < 4; ++i) ids.push_back(h.submit(2, 0, static_cast<uint64_t>(i)));
   for (const auto& id : ids) EXPECT_EQ(h.wait(id).state, JobState::Succeeded);
@@ -698,6 +705,273 @@ TEST(SchedulerHealing, AReplicaThatNeverLoadedCountsAgainstLivenessAndIsNotReTes
   while (h.scheduler->live() && Clock::now() < until) std::this_thread::sleep_for(5ms);
   EXPECT_FALSE(h.scheduler->live());
   EXPECT_TRUE(h.log->probe_times().empty());
+}
+
+}  // namespace
+}  // namespace skyreels::server
+
+namespace skyreels::server {
+namespace {
+
+// ---- issue 13: a submission is stored without the scheduler's lock ------------------------------------------------
+
+// A memory store whose next insert_job can be held until release() (a latch), or made to fail.
+class GatedStore : public JobStore {
+ public:
+  std::string describe() const override { return "gated"; }
+  bool durable() const override { return false; }
+  void insert_job(StoredJob job) override {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (fail_next_) {
+        fail_next_ = false;
+        throw StoreError("jobs.sqlite: disk full (test)");
+      }
+      if (hold_next_) {
+        hold_next_ = false;
+        held_ = true;
+        cv_.notify_all();
+        cv_.wait(lock, [&] { return released_; });
+      }
+      ++inserts_;
+    }
+    inner_->insert_job(std::move(job));
+  }
+  void update_job(const StoredJob& job) override { inner_->update_job(job); }
+  void commit_chunk(const std::string& id, const StoredChunk& chunk) override { inner_->commit_chunk(id, chunk); }
+  void append_event(const std::string& id, const StoredEvent& event) override { inner_->append_event(id, event); }
+  void drop_job(const std::string& id, const std::string& reason) override { inner_->drop_job(id, reason); }
+  std::optional<std::string> dropped_reason(const std::string& id, const std::string& owner) const override {
+    return inner_->dropped_reason(id, owner);
+  }
+  std::vector<StoredJob> load_jobs() const override { return inner_->load_jobs(); }
+  std::vector<StoredChunk> load_chunks(const std::string& id) const override { return inner_->load_chunks(id); }
+  std::vector<StoredEvent> load_events(const std::string& id) const override { return inner_->load_events(id); }
+
+  void hold_next_insert() {
+    std::lock_guard<std::mutex> lock(mu_);
+    hold_next_ = true;
+  }
+  void fail_next_insert() {
+    std::lock_guard<std::mutex> lock(mu_);
+    fail_next_ = true;
+  }
+  void wait_until_held() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return held_; });
+  }
+  void release() {
+    std::lock_guard<std::mutex> lock(mu_);
+    released_ = true;
+    cv_.notify_all();
+  }
+  int inserts() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return inserts_;
+  }
+
+ private:
+  std::unique_ptr<JobStore> inner_ = open_job_store("memory");
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool hold_next_ = false, held_ = false, released_ = false, fail_next_ = false;
+  int inserts_ = 0;
+};
+
+TEST(SchedulerSubmit, WhileAJobIsBeingStoredOtherCallsAnswerAndItsKeyStillGivesOneJob) {
+  GatedStore store;
+  Harness h({steps(1ms)}, {}, &store);
+  const std::string earlier = h.submit(1);
+  h.wait(earlier);
+
+  store.hold_next_insert();
+  SubmitResult first, duplicate;
+  std::thread slow([&] { first = h.scheduler->submit(client_job("alice", 0, "k")); });
+  store.wait_until_held();
+  std::thread same_key([&] { duplicate = h.scheduler->submit(client_job("alice", 0, "k")); });
+
+  // The insert is blocked: reads and other submissions are answered meanwhile.
+  EXPECT_EQ(h.scheduler->get(earlier, "")->state, JobState::Succeeded);
+  EXPECT_TRUE(h.scheduler->list("alice").empty()) << "a job is visible once it is stored";
+  const std::string other = h.submit(1);
+  EXPECT_EQ(h.wait(other).state, JobState::Succeeded) << "and the replicas keep working";
+
+  store.release();
+  slow.join();
+  same_key.join();
+  EXPECT_FALSE(first.deduplicated);
+  EXPECT_TRUE(duplicate.deduplicated);
+  EXPECT_EQ(duplicate.job.id, first.job.id);
+  EXPECT_EQ(h.scheduler->list("alice").size(), 1u);
+  EXPECT_EQ(store.inserts(), 3) << "earlier, other, and the keyed job once";
+  EXPECT_EQ(h.wait(first.job.id, "alice").state, JobState::Succeeded);
+}
+
+TEST(SchedulerSubmit, AJobTheStoreRefusesLeavesNoTraceAndFreesItsSlotAndKey) {
+  GatedStore store;
+  SchedulerOptions options;
+  options.max_jobs = 1;
+  Harness h({steps(1ms)}, options, &store);
+  store.fail_next_insert();
+  try {
+    h.scheduler->submit(client_job("alice", 0, "k"));
+    FAIL() << "expected AdmissionError";
+  } catch (const AdmissionError& e) {
+    EXPECT_EQ(e.reason(), AdmissionError::Reason::Unavailable);
+    EXPECT_NE(std::string(e.what()).find("disk full"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(h.scheduler->list("alice").empty());
+  EXPECT_EQ(h.scheduler->queued_jobs(), 0);
+  EXPECT_TRUE(store.load_jobs().empty());
+  EXPECT_TRUE(h.scheduler->wait_idle(Clock::now())) << "no reservation left behind";
+
+  const SubmitResult again = h.scheduler->submit(client_job("alice", 0, "k"));
+  EXPECT_FALSE(again.deduplicated) << "the key went with the reservation";
+  EXPECT_EQ(h.wait(again.job.id, "alice").state, JobState::Succeeded) << "the only admission slot was free again";
+}
+
+// ---- the replica pool against a scripted source -----------------------------------------------------------------
+
+// An executor whose every run (1-based call number) and probe is scripted by the test.
+class ScriptedExecutor : public ChunkExecutor {
+ public:
+  using Run = std::function<ChunkResult(int call, const ChunkCallbacks&)>;
+  explicit ScriptedExecutor(Run run) : run_(std::move(run)) {}
+  std::string name() const override { return "scripted:0"; }
+  ChunkResult run(const ChunkWork&, const ChunkCallbacks& callbacks) override { return run_(++calls_, callbacks); }
+
+ private:
+  Run run_;
+  int calls_ = 0;
+};
+
+// Hands out `chunks` chunks (chunk i asks to stop when stop_chunk == i), then blocks until interrupted; records what
+// the pool asked and reported, and how the replica looked to the source at that moment.
+class ScriptedSource : public ChunkSource {
+ public:
+  struct Ask {
+    bool healthy;
+    int64_t recoveries;
+  };
+  struct Report {
+    ChunkOutcome outcome;
+    std::string error;
+    bool healthy;
+  };
+  ScriptedSource(ReplicaPool& pool, int chunks, int64_t stop_chunk = -1)
+      : pool_(pool), left_(chunks), stop_chunk_(stop_chunk) {}
+
+  std::optional<ChunkAssignment> next_chunk(size_t replica) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    asks_.push_back({pool_.healthy(replica), pool_.status(replica).recoveries});
+    cv_.wait(lock, [&] { return left_ > 0 || interrupted_; });
+    if (left_ == 0) return std::nullopt;
+    --left_;
+    ChunkAssignment assignment;
+    assignment.work.job_id = "job";
+    assignment.work.chunk_index = handed_++;
+    const bool stop = assignment.work.chunk_index == stop_chunk_;
+    assignment.callbacks.should_stop = [stop] { return stop; };
+    return assignment;
+  }
+  void chunk_done(size_t replica, ChunkAssignment, ChunkResult result, double) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    reports_.push_back({result.outcome, result.error, pool_.healthy(replica)});
+    cv_.notify_all();
+  }
+  void replicas_changed() override {}
+  void interrupt() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    interrupted_ = true;
+    cv_.notify_all();
+  }
+
+  std::vector<Report> wait_for_reports(size_t n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return reports_.size() >= n; });
+    return reports_;
+  }
+  std::vector<Ask> asks() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return asks_;
+  }
+
+ private:
+  ReplicaPool& pool_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int left_;
+  int64_t stop_chunk_;
+  int64_t handed_ = 0;
+  bool interrupted_ = false;
+  std::vector<Ask> asks_;
+  std::vector<Report> reports_;
+};
+
+std::vector<std::unique_ptr<ChunkExecutor>> one_executor(ScriptedExecutor::Run run) {
+  spdlog::set_level(spdlog::level::warn);
+  std::vector<std::unique_ptr<ChunkExecutor>> executors;
+  executors.push_back(std::make_unique<ScriptedExecutor>(std::move(run)));
+  return executors;
+}
+
+TEST(ReplicaPool, PullsChunksFromItsSourceAndReportsEachResultBack) {
+  ReplicaPool pool(one_executor([](int, const ChunkCallbacks&) { return ChunkResult{}; }), {});
+  ScriptedSource source(pool, 3);
+  pool.start(source);
+  const auto reports = source.wait_for_reports(3);
+  for (const auto& r : reports) EXPECT_EQ(r.outcome, ChunkOutcome::Succeeded);
+  EXPECT_EQ(pool.status(0).chunks_run, 3);
+  pool.stop();
+  EXPECT_EQ(source.asks().size(), 4u) << "three chunks, then a wait the stop ended";
+}
+
+TEST(ReplicaPool, AReplicaTakenOutIsAskedForWorkAgainOnlyAfterAReTestBroughtItBack) {
+  ReplicaPoolOptions options;
+  options.failure_limit = 2;
+  options.retest_backoff = 1ms;
+  ReplicaPool pool(one_executor([](int call, const ChunkCallbacks&) {
+                     if (call <= 2) throw std::runtime_error("device lost");
+                     return ChunkResult{};
+                   }),
+                   options);
+  ScriptedSource source(pool, 3);
+  pool.start(source);
+  const auto reports = source.wait_for_reports(3);
+  pool.stop();
+  EXPECT_EQ(reports[0].outcome, ChunkOutcome::Failed);
+  EXPECT_TRUE(reports[0].healthy) << "one failure is under the limit";
+  EXPECT_EQ(reports[1].outcome, ChunkOutcome::Failed);
+  EXPECT_FALSE(reports[1].healthy) << "the source learns the replica is out before it decides the job's retry";
+  EXPECT_EQ(reports[2].outcome, ChunkOutcome::Succeeded);
+  const auto asks = source.asks();
+  ASSERT_GE(asks.size(), 3u);
+  for (const auto& ask : asks) EXPECT_TRUE(ask.healthy) << "an unhealthy replica is never asked for work";
+  EXPECT_EQ(asks[2].recoveries, 1) << "the third chunk was asked for after the re-test";
+  EXPECT_EQ(pool.status(0).failures, 2);
+  EXPECT_EQ(pool.status(0).error, "device lost");
+}
+
+TEST(ReplicaPool, AnExceptionOrAStopNobodyAskedForArrivesAsFailedAndARequestedStopAsStopped) {
+  ReplicaPoolOptions options;
+  options.failure_limit = 100;
+  ReplicaPool pool(one_executor([](int call, const ChunkCallbacks& callbacks) {
+                     if (call == 1) throw std::runtime_error("device lost");
+                     if (call == 2) return ChunkResult{ChunkOutcome::Stopped, "", 0, {}};
+                     return ChunkResult{callbacks.should_stop() ? ChunkOutcome::Stopped : ChunkOutcome::Succeeded,
+                                        "", 0, {}};
+                   }),
+                   options);
+  ScriptedSource source(pool, 3, /*stop_chunk=*/2);
+  pool.start(source);
+  const auto reports = source.wait_for_reports(3);
+  pool.stop();
+  EXPECT_EQ(reports[0].outcome, ChunkOutcome::Failed);
+  EXPECT_EQ(reports[0].error, "device lost");
+  EXPECT_EQ(reports[1].outcome, ChunkOutcome::Failed);
+  EXPECT_EQ(reports[1].error, "chunk stopped without a request");
+  EXPECT_EQ(reports[2].outcome, ChunkOutcome::Stopped);
+  EXPECT_EQ(pool.status(0).failures, 2) << "a requested stop is not the replica's fault";
 }
 
 }  // namespace

@@ -1,0 +1,163 @@
+// The values every job queue (the in-memory Scheduler, a peer scheduler over a shared store) and the transport share:
+// what a submission carries (JobSpec), what a reader sees (JobSnapshot, JobEvent, EventBatch), why a submission is
+// refused (AdmissionError), a replica's status and the observer hook for metrics. No gRPC, no LibTorch, no threads.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "server/job_store.h"
+
+namespace skyreels::server {
+
+using Clock = std::chrono::steady_clock;
+using WallClock = std::chrono::system_clock;
+
+// Per-job data only the executor understands (model inputs, latents so far, results). Shared by every replica that
+// runs one of the job's chunks; chunks of one job never run concurrently.
+class JobPayload {
+ public:
+  virtual ~JobPayload() = default;
+};
+
+enum class JobState { Queued, Running, Succeeded, Failed, Cancelled, DeadlineExceeded };
+const char* job_state_name(JobState state);
+bool is_terminal(JobState state);
+
+// Why a job ended unsuccessfully, as a gRPC-style category (the transport maps it to a status code).
+enum class ErrorKind { None, Internal, Unavailable, Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted };
+const char* error_kind_name(ErrorKind kind);
+
+struct JobSpec {
+  std::string owner;            // client identity; jobs are only visible to their owner
+  std::string client;           // who the per-client cap counts against: the owner, or the peer address when anonymous
+  int64_t client_max_jobs = 0;  // this client's cap on unfinished jobs; 0: SchedulerOptions::max_jobs_per_client
+  int priority = 0;
+  std::optional<Clock::time_point> deadline;
+  std::vector<double> chunk_work;   // relative cost of each chunk (e.g. tokens x rows); size = number of chunks
+  std::vector<int64_t> chunk_rows;  // denoising rows of each chunk (progress)
+  std::string idempotency_key;
+  uint64_t fingerprint = 0;  // of the request, to detect a reused idempotency key
+  std::shared_ptr<JobPayload> payload;
+  std::string durable_request;  // what the job store keeps to re-create the payload after a restart (opaque here)
+};
+
+// A job read back from the store at startup, with its payload re-created by the layer that owns the request.
+struct RestoredJob {
+  StoredJob stored;
+  std::vector<StoredChunk> chunks;  // committed chunks (bytes may be dropped once the payload holds them)
+  std::vector<StoredEvent> events;
+  std::shared_ptr<JobPayload> payload;  // null: the job cannot be resumed (see error)
+  std::vector<double> chunk_work;
+  std::vector<int64_t> chunk_rows;
+  std::string error;  // why the payload could not be re-created: the job, if unfinished, fails with it
+};
+
+enum class EventType { Queued, ChunkStarted, Step, ChunkFinished, ChunkRetry, Finished };
+
+struct JobEvent {
+  uint64_t sequence = 0;
+  EventType type = EventType::Queued;
+  WallClock::time_point time;
+  int64_t chunk = -1;
+  int64_t chunk_count = 0;
+  std::string replica;
+  int64_t step = 0, steps = 0;
+  int attempt = 0;
+  bool handoff = false;
+  double seconds = 0;       // ChunkFinished: chunk duration
+  int64_t position = 0;     // Queued
+  double eta_seconds = -1;  // Queued
+  double progress = 0;      // Step
+  std::string message;      // ChunkRetry: the error
+};
+
+struct JobSnapshot {
+  std::string id;
+  std::string owner;
+  JobState state = JobState::Queued;
+  int priority = 0;
+  std::string idempotency_key;
+  WallClock::time_point created;
+  std::optional<WallClock::time_point> started, finished;
+  std::optional<WallClock::time_point> deadline;
+  int64_t chunk_count = 0;
+  int64_t chunks_done = 0;
+  int64_t queue_position = 0;  // 1-based among jobs not started; 0 otherwise
+  double eta_seconds = -1;
+  double progress = 0;
+  std::vector<std::string> chunk_replicas;
+  int handoffs = 0;
+  int retries = 0;
+  ErrorKind error_kind = ErrorKind::None;
+  std::string error;
+  uint64_t last_sequence = 0;
+  std::shared_ptr<JobPayload> payload;
+};
+
+struct ReplicaStatus {
+  std::string name;
+  bool loaded = false;
+  bool healthy = false;
+  bool busy = false;
+  int64_t chunks_run = 0;
+  int64_t failures = 0;
+  int64_t recoveries = 0;  // times a re-test brought it back
+  std::string error;
+};
+
+// Submission refused: queue full or this client's share of it full (retry later), or draining.
+class AdmissionError : public std::runtime_error {
+ public:
+  enum class Reason { QueueFull, ClientQueueFull, Draining, Unavailable, IdempotencyConflict };
+  AdmissionError(Reason reason, const std::string& message, double retry_after_seconds = 0)
+      : std::runtime_error(message), reason_(reason), retry_after_seconds_(retry_after_seconds) {}
+  Reason reason() const { return reason_; }
+  double retry_after_seconds() const { return retry_after_seconds_; }
+
+ private:
+  Reason reason_;
+  double retry_after_seconds_;
+};
+
+struct SubmitResult {
+  JobSnapshot job;
+  bool deduplicated = false;
+};
+
+struct EventBatch {
+  std::vector<JobEvent> events;  // sequence > after
+  bool finished = false;         // the job is terminal and every event was returned
+  bool found = true;
+};
+
+// Metrics and logs hook, driven by the job queue (jobs, chunks, queue) and by the replica pool (replica_changed,
+// replica_recovered, step). Calls may come from several threads, some with a lock held: keep them cheap, thread-safe,
+// and never call back into the queue or the pool.
+class SchedulerObserver {
+ public:
+  virtual ~SchedulerObserver() = default;
+  virtual void job_submitted(const JobSnapshot&) {}
+  virtual void job_started(const JobSnapshot&, double /*queue_wait_seconds*/) {}
+  virtual void job_finished(const JobSnapshot&) {}
+  virtual void chunk_started(const JobSnapshot&, const std::string& /*replica*/, int64_t /*chunk*/) {}
+  virtual void chunk_finished(const JobSnapshot&, const std::string& /*replica*/, int64_t /*chunk*/, double /*seconds*/,
+                              int64_t /*frames*/) {}
+  virtual void chunk_failed(const JobSnapshot&, const std::string& /*replica*/, int64_t /*chunk*/,
+                            const std::string& /*error*/, bool /*will_retry*/) {}
+  virtual void step(const std::string& /*replica*/, double /*seconds*/) {}
+  virtual void handoff(const JobSnapshot&, const std::string& /*from*/, const std::string& /*to*/) {}
+  virtual void replica_changed(const ReplicaStatus&) {}
+  virtual void replica_recovered(const ReplicaStatus&) {}
+  virtual void queue_changed(int64_t /*queued*/, int64_t /*running*/) {}
+};
+
+// Fresh random job id ("j-" + 16 hex digits).
+std::string new_job_id();
+
+}  // namespace skyreels::server
