@@ -7,7 +7,6 @@
 #include <cstdlib>
 #include <filesystem>
 
-#include "server/job_store_memory.h"
 #include "server/sqlite_db.h"
 
 namespace skyreels::server {
@@ -237,15 +236,6 @@ std::vector<StoredEvent> SqliteJobStore::load_events(const std::string& job_id) 
   std::vector<StoredEvent> out;
   while (s.step()) out.push_back({static_cast<uint64_t>(s.int64(0)), s.text(1)});
   return out;
-}
-
-std::unique_ptr<JobStore> open_job_store(const std::string& spec) {
-  if (spec == "memory") return std::make_unique<MemoryJobStore>();
-  const std::string prefix = "sqlite:";
-  if (spec.rfind(prefix, 0) == 0 && spec.size() > prefix.size()) {
-    return std::make_unique<SqliteJobStore>(spec.substr(prefix.size()));
-  }
-  throw StoreError("--job-store: '" + spec + "' is neither memory nor sqlite:PATH");
 }
 
 }  // namespace skyreels::server

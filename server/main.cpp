@@ -104,10 +104,12 @@ limits:
 jobs that survive a restart:
   --data-dir DIR              where the server keeps its state (default ./skyreels-data; the container uses
                               /var/lib/skyreels)
-  --job-store memory|sqlite:PATH   where jobs, their chunk results and chunk events are kept (default
-                              sqlite:<--data-dir>/jobs.sqlite): on start, unfinished jobs resume at their last
-                              finished chunk; memory keeps today's behaviour (nothing survives a restart). A corrupt,
-                              newer-schema or locked (another server's) store file is a startup error
+  --job-store memory|sqlite:PATH|postgresql://USER[:PASSWORD]@HOST[:PORT]/DB   where jobs, their chunk results and
+                              chunk events are kept (default sqlite:<--data-dir>/jobs.sqlite; also
+                              $SKYREELS_JOB_STORE, which keeps a password out of the process list): on start,
+                              unfinished jobs resume at their last finished chunk; memory keeps today's behaviour
+                              (nothing survives a restart). A corrupt, newer-schema or locked (another server's) store
+                              file, or an unreachable or newer-schema PostgreSQL store, is a startup error
 test hooks:
   --fault-inject SPEC         REPLICA@N[+][:KIND],...: the N-th chunk run on REPLICA (e.g. cpu:1@2) fails after its
                               first step ('+': and every later run); KIND error (default), oom (an out-of-memory
@@ -259,6 +261,9 @@ Options parse(int argc, char** argv) {
   if (o.tls_cert.empty() != o.tls_key.empty()) throw UsageError("--tls-cert and --tls-key go together");
   if (o.fault_inject.empty()) {
     if (const char* env = std::getenv("SKYREELS_FAULT_INJECT")) o.fault_inject = env;
+  }
+  if (o.job_store.empty()) {  // a PostgreSQL URL with its password stays out of the process list
+    if (const char* env = std::getenv("SKYREELS_JOB_STORE")) o.job_store = env;
   }
   return o;
 }

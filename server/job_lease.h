@@ -1,0 +1,132 @@
+// Chunk leases: how several servers (pods) sharing one job store split the chunks of its jobs without a coordinator.
+// A replica claims the best ready chunk, renews its lease while the chunk runs (a heartbeat), and commits the result
+// under the lease's token. A pod that dies stops renewing; once its lease expires another replica takes the chunk
+// over with a higher token, so a late commit of the dead holder is refused (fencing) and every chunk is committed
+// exactly once. Implemented by PostgresJobStore; the store's clock decides expiry, so pods' clocks never matter.
+//
+// Claim order (the in-memory policy of dispatch_policy.h, over the whole store):
+//   ready     = unfinished job (queued or running), cancel not requested, chunks_done < chunk_count, and no live lease
+//               (none, released, or expired);
+//   order     = priority desc, then attained service (vbase + chunks_done) asc, then submission order asc;
+//   affinity  = among the first kAffinityWindow ready jobs that tie with the first on priority AND attained service,
+//               the first whose previous chunk ran on the claiming replica is taken (its state is already there);
+//               else the first in order. Affinity never overrides the order itself, so jobs still interleave at chunk
+//               boundaries (a long video cannot starve short ones). See claim_preference().
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "server/job_store.h"
+
+namespace skyreels::server {
+
+struct ChunkLease {
+  std::string job_id;
+  int64_t chunk_index = 0;  // the job's chunks_done when claimed
+  int64_t chunk_count = 0;
+  uint64_t token = 0;       // strictly increasing per job: fences every call made under an older lease
+  int64_t expires_ms = 0;   // store clock, ms since the Unix epoch; renew well before (e.g. every ttl / 3)
+  bool takeover = false;    // the chunk's previous lease expired unreleased (its holder died): counted as a retry
+  bool handoff = false;     // the job's previous chunk ran on another replica: counted as a handoff
+  std::string previous_replica;  // the replica that ran the job's previous chunk ("" when none)
+};
+
+struct LeaseRenewal {
+  bool held = false;              // false: the lease was lost (taken over, committed, released or the job dropped)
+  bool cancel_requested = false;  // some pod asked to cancel the job: stop the chunk, then end the job
+};
+
+struct LeaseCommit {
+  bool committed = false;           // false: the token is stale (nothing was stored)
+  std::vector<uint64_t> sequences;  // those given to the commit's events, in order
+};
+
+// What request_cancel() found. Running: a replica holds a live lease and sees the request at its next renew. Idle:
+// no live lease (and none can be claimed any more): the caller ends the job (update_job).
+enum class CancelState { Unknown, AlreadyFinished, Running, Idle };
+
+struct InsertOutcome {
+  std::string job_id;  // the job now stored under (owner, idempotency_key): the new one or the one already there
+  bool inserted = false;
+  uint64_t fingerprint = 0;  // of the stored job's request (differs from the caller's: the key was reused)
+  uint64_t order = 0;        // the stored job's submission order
+};
+
+struct AdmissionCounts {
+  int64_t unfinished = 0;             // queued or running, all clients, all pods
+  int64_t unfinished_for_client = 0;  // of those, StoredJob::client == the one asked about
+};
+
+// Jobs changed somewhere (any pod): inserted, chunk committed or released, cancel requested, updated, dropped.
+struct JobChanges {
+  std::vector<std::string> job_ids;  // in arrival order, may repeat
+  bool missed = false;               // the listening connection was lost meanwhile: re-read what matters
+};
+
+// One LISTEN connection; used by one thread. Notifications are only hints: poll as well (a lease expiring sends none).
+class ChangeListener {
+ public:
+  virtual ~ChangeListener() = default;
+  // Returns at once when changes are pending, else waits up to `timeout` (empty job_ids: timed out).
+  virtual JobChanges wait(std::chrono::milliseconds timeout) = 0;
+};
+
+class LeaseStore {
+ public:
+  static constexpr int kAffinityWindow = 4;
+  static constexpr const char* kChangesChannel = "skyreels_jobs";  // NOTIFY payload: the job id
+
+  virtual ~LeaseStore() = default;
+
+  // The best ready chunk for `replica` (see the order above), leased for `ttl`, in one transaction; nullopt when no
+  // chunk is ready. Marks the job running (started_ms on its first chunk) and counts a takeover as a retry and a
+  // handoff as a handoff in the stored job. Concurrent claims never get the same job (FOR UPDATE SKIP LOCKED).
+  virtual std::optional<ChunkLease> claim(const std::string& replica, std::chrono::milliseconds ttl) = 0;
+  // Heartbeat: extends the lease to now + ttl while it is still the job's current one.
+  virtual LeaseRenewal renew(const ChunkLease& lease, std::chrono::milliseconds ttl) = 0;
+  // The chunk's result (chunk.index must be lease.chunk_index), chunks_done = index + 1 and `events` (stored with
+  // sequence numbers allocated here), atomically, and the lease ends. Fenced: a lease that is no longer current
+  // commits nothing.
+  virtual LeaseCommit commit(const ChunkLease& lease, const StoredChunk& chunk,
+                             const std::vector<std::string>& events) = 0;
+  // Drain: gives the chunk back unrun; the next claim is neither a takeover nor a retry. False when already lost.
+  virtual bool release(const ChunkLease& lease) = 0;
+  // From any pod; `owner` must match the job's.
+  virtual CancelState request_cancel(const std::string& job_id, const std::string& owner) = 0;
+
+  // Atomic idempotent submit: with a non-empty idempotency_key, the second insert of (owner, key) stores nothing and
+  // returns the job already there. The submission order is allocated here (job.order is ignored).
+  virtual InsertOutcome insert_job_once(StoredJob job) = 0;
+  virtual AdmissionCounts admission_counts(const std::string& client) const = 0;
+  // Unfinished jobs without a live lease (waiting for a replica), all pods.
+  virtual int64_t queue_depth() const = 0;
+  virtual std::optional<StoredJob> load_job(const std::string& job_id) const = 0;
+
+  // Event sequence numbers are allocated per job in the store, so they stay monotonic across pods. append_events
+  // stores events under fresh numbers (returned); reserve_sequences hands out `count` numbers for events that are
+  // not stored (steps) and returns the first. Both throw StoreError for an unknown job.
+  virtual std::vector<uint64_t> append_events(const std::string& job_id, const std::vector<std::string>& events) = 0;
+  virtual uint64_t reserve_sequences(const std::string& job_id, int64_t count) = 0;
+
+  // A LISTEN on kChangesChannel over its own connection.
+  virtual std::unique_ptr<ChangeListener> listen() = 0;
+  // Readiness: the store answers now (false during an outage or a reconnect back-off).
+  virtual bool reachable() const = 0;
+};
+
+// The affinity rule as a pure function. `candidates` are the first ready jobs in claim order; returns the indices to
+// try, best first: within the leading run of jobs that tie with candidates[0] on priority and attained service (at
+// most kAffinityWindow), the ones whose previous chunk ran on `replica`, then every candidate in order.
+struct ClaimCandidate {
+  int priority = 0;
+  int64_t service = 0;  // vbase + chunks_done
+  std::string previous_replica;
+};
+std::vector<size_t> claim_preference(const std::vector<ClaimCandidate>& candidates, const std::string& replica);
+
+}  // namespace skyreels::server
