@@ -298,7 +298,7 @@ void PeerScheduler::push_step(Running& run, int64_t row, int64_t rows) {
   changed(run.job.id);
 }
 
-void PeerScheduler::chunk_done(size_t replica, ChunkAssignment assignment, ChunkResult result, double seconds) {
+void PeerScheduler::chunk_done(size_t replica, ChunkAssignment /*assignment*/, ChunkResult result, double seconds) {
   std::shared_ptr<Running> run;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -568,9 +568,22 @@ void PeerScheduler::housekeeping() {
       spdlog::warn("job={} event=finished state=DEADLINE_EXCEEDED reason=\"deadline passed while queued\"", id);
       changed(id);
     }
+    retire_finished();
     if (observer_) observer_->queue_changed(leases_.queue_depth(), running_jobs());
   } catch (const StoreError& e) {
     spdlog::warn("event=housekeeping_failed error=\"{}\"", e.what());
+  }
+}
+
+void PeerScheduler::retire_finished() {
+  const auto& o = options_.scheduling;
+  const int64_t before = now_ms() - std::chrono::duration_cast<std::chrono::milliseconds>(o.retention).count();
+  for (const LeaseStore::Retired& job : leases_.finished_to_retire(before, o.max_retained_jobs)) {
+    store_.drop_job(job.job_id, job.expired ? "its results were kept --result-ttl-seconds " +
+                                                  std::to_string(o.retention.count())
+                                            : "more than --max-retained-jobs " + std::to_string(o.max_retained_jobs) +
+                                                  " finished jobs");
+    changed(job.job_id);  // watchers find it gone
   }
 }
 

@@ -104,6 +104,7 @@ class PeerScheduler final : public JobQueue, private ChunkSource {
   void listen_loop();
   void heartbeat_loop();
   void housekeeping();
+  void retire_finished();
 
   PeerOptions options_;
   JobStore& store_;
