@@ -55,6 +55,7 @@ struct InsertOutcome {
   bool inserted = false;
   uint64_t fingerprint = 0;  // of the stored job's request (differs from the caller's: the key was reused)
   uint64_t order = 0;        // the stored job's submission order
+  int64_t vbase = 0;         // the stored job's fair-share start
 };
 
 struct AdmissionCounts {
@@ -110,7 +111,8 @@ class LeaseStore {
   virtual CancelState request_cancel(const std::string& job_id, const std::string& owner) = 0;
 
   // Atomic idempotent submit: with a non-empty idempotency_key, the second insert of (owner, key) stores nothing and
-  // returns the job already there. The submission order is allocated here (job.order is ignored).
+  // returns the job already there. The store allocates the submission order and the fair-share start (vbase: the
+  // least attained service among unfinished jobs, 0 when none); job.order and job.vbase are ignored.
   virtual InsertOutcome insert_job_once(StoredJob job) = 0;
   virtual AdmissionCounts admission_counts(const std::string& client) const = 0;
   // Unfinished jobs without a live lease (waiting for a replica), all pods.

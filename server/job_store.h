@@ -81,8 +81,9 @@ class JobStore {
   virtual std::vector<StoredEvent> load_events(const std::string& job_id) const = 0;
 };
 
-// "memory" or "sqlite:PATH". SQLite: creates the file (and its directory) when missing; a file that is corrupt, of
-// a newer schema, not a store, or held by another server is a StoreError naming the file (never re-initialised).
+// "memory", "sqlite:PATH" or "postgresql://..." (postgres://). SQLite: creates the file (and its directory) when
+// missing; a file that is corrupt, of a newer schema, not a store, or held by another server is a StoreError naming
+// the file (never re-initialised). PostgreSQL: job_store_postgres.h (shared by several servers).
 std::unique_ptr<JobStore> open_job_store(const std::string& spec);
 
 }  // namespace skyreels::server

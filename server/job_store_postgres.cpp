@@ -112,11 +112,23 @@ std::vector<Param> job_params(const StoredJob& j) {
           Param::bytes(j.request)};
 }
 
-std::string insert_job_sql(const std::string& ord) {
+// `ord` and `vbase`: SQL for them ($20 / $2: the caller's values).
+std::string insert_job_sql(const std::string& ord, const std::string& vbase) {
   return "INSERT INTO jobs(id, vbase, owner, client, priority, deadline_ms, idempotency_key, fingerprint, state,"
          " error_kind, error, created_ms, started_ms, finished_ms, chunk_count, chunks_done, retries, handoffs,"
-         " request, ord) VALUES($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13,$14,$15,$16,$17,$18,$19," +
-         ord + ")";
+         " request, ord) VALUES($1," +
+         vbase + ",$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13,$14,$15,$16,$17,$18,$19," + ord + ")";
+}
+
+// The fair-share start of a new job, as the in-memory scheduler sets it: the least attained service among the
+// unfinished jobs (0 when none), over every pod's jobs.
+std::string least_attained_service_sql() {
+  return std::string("COALESCE((SELECT min(vbase + chunks_done) FROM jobs WHERE ") + kUnfinished + "), 0)";
+}
+
+InsertOutcome insert_outcome(const pg::Result& r, bool inserted) {
+  return {r.text(0, 0), inserted, static_cast<uint64_t>(r.int64(0, 1)), static_cast<uint64_t>(r.int64(0, 2)),
+          r.int64(0, 3)};
 }
 
 class PgChangeListener final : public ChangeListener {
@@ -183,7 +195,7 @@ void PostgresJobStore::insert_job(StoredJob j) {
   auto c = pool_->acquire();
   std::vector<Param> params = job_params(j);
   params.emplace_back(static_cast<int64_t>(j.order));
-  c->exec("WITH i AS (" + insert_job_sql("$20") + " RETURNING id) SELECT " + notify_sql("id") + " FROM i", params);
+  c->exec("WITH i AS (" + insert_job_sql("$20", "$2") + " RETURNING id) SELECT " + notify_sql("id") + " FROM i", params);
 }
 
 void PostgresJobStore::update_job(const StoredJob& j) {
@@ -451,22 +463,16 @@ InsertOutcome PostgresJobStore::insert_job_once(StoredJob j) {
   // A job holding the key may be dropped between the two statements: then try again.
   for (int attempt = 0; attempt < 3; ++attempt) {
     const pg::Result inserted =
-        c->exec("WITH i AS (" + insert_job_sql("nextval('job_order')") +
+        c->exec("WITH i AS (" + insert_job_sql("nextval('job_order')", least_attained_service_sql()) +
                     " ON CONFLICT (owner, idempotency_key) WHERE idempotency_key <> ''::bytea DO NOTHING"
-                    " RETURNING id, fingerprint, ord) SELECT id, fingerprint, ord, " +
+                    " RETURNING id, fingerprint, ord, vbase) SELECT id, fingerprint, ord, vbase, " +
                     notify_sql("id") + " FROM i",
                 params);
-    if (inserted.rows() == 1) {
-      return {inserted.text(0, 0), true, static_cast<uint64_t>(inserted.int64(0, 1)),
-              static_cast<uint64_t>(inserted.int64(0, 2))};
-    }
+    if (inserted.rows() == 1) return insert_outcome(inserted, true);
     const pg::Result existing =
-        c->exec("SELECT id, fingerprint, ord FROM jobs WHERE owner = $1 AND idempotency_key = $2",
+        c->exec("SELECT id, fingerprint, ord, vbase FROM jobs WHERE owner = $1 AND idempotency_key = $2",
                 {j.owner, Param::bytes(j.idempotency_key)});
-    if (existing.rows() == 1) {
-      return {existing.text(0, 0), false, static_cast<uint64_t>(existing.int64(0, 1)),
-              static_cast<uint64_t>(existing.int64(0, 2))};
-    }
+    if (existing.rows() == 1) return insert_outcome(existing, false);
   }
   throw StoreError("job store " + describe() + ": idempotency key of job " + j.id + " keeps changing hands");
 }

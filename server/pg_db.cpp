@@ -35,9 +35,10 @@ std::string redact_url(const std::string& url) {
   std::string out = url;
   const size_t scheme = out.find("://");
   if (scheme != std::string::npos) {
+    // user:password@ ends at the last '@' before the parameters (a password may hold a raw '/').
     const size_t start = scheme + 3;
-    const size_t end = std::min(out.find('/', start), out.find('?', start));
-    const size_t at = out.rfind('@', end == std::string::npos ? out.size() : end);
+    const size_t query = out.find('?', start);
+    const size_t at = out.rfind('@', query == std::string::npos ? std::string::npos : query - 1);
     if (at != std::string::npos && at >= start) {
       const size_t colon = out.find(':', start);
       if (colon != std::string::npos && colon < at) out.replace(colon + 1, at - colon - 1, "***");
@@ -150,9 +151,12 @@ void Connection::fail(const std::string& what) const {
 }
 
 void Connection::connect() {
-  // connect_timeout first: a value in the URL overrides it (the URL is expanded after it).
-  const char* keys[] = {"connect_timeout", "application_name", "dbname", nullptr};
-  const char* values[] = {"5", "skyreels-server", url_.c_str(), nullptr};
+  // Callers may hold locks (the scheduler's), so a dead network must fail a call within seconds, not after TCP's
+  // minutes: short connect timeout, keepalives, and tcp_user_timeout for a send that is never acknowledged. Defaults
+  // only: the URL is expanded after them and overrides any.
+  const char* keys[] = {"connect_timeout", "keepalives_idle", "keepalives_interval", "keepalives_count",
+                        "tcp_user_timeout", "application_name", "dbname", nullptr};
+  const char* values[] = {"2", "10", "5", "3", "10000", "skyreels-server", url_.c_str(), nullptr};
   conn_ = PQconnectdbParams(keys, values, 1);
   if (conn_ != nullptr && PQstatus(conn_) == CONNECTION_OK) {
     PQsetNoticeProcessor(conn_, ignore_notice, nullptr);

@@ -44,6 +44,17 @@ PgServer::PgServer(bool durable) : bindir_(pg_bindir()) {
   data_ = dir_ + "/data";
   log_ = dir_ + "/server.log";  // written by the server (as postgres)
   commands_log_ = dir_ + "/commands.log";
+  try {
+    make_cluster(durable);
+    start();
+  } catch (...) {  // no destructor runs for a constructor that throws
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+    throw;
+  }
+}
+
+void PgServer::make_cluster(bool durable) {
   if (geteuid() == 0) {
     const passwd* pw = getpwnam("postgres");
     if (pw == nullptr) throw std::runtime_error("running as root but there is no `postgres` user to run PostgreSQL");
@@ -53,8 +64,6 @@ PgServer::PgServer(bool durable) : bindir_(pg_bindir()) {
   std::ofstream conf(data_ + "/postgresql.conf", std::ios::app);
   conf << "listen_addresses = ''\nunix_socket_directories = '" << dir_ << "'\nmax_connections = 100\n";
   if (!durable) conf << "fsync = off\nfull_page_writes = off\n";
-  conf.close();
-  start();
 }
 
 PgServer::~PgServer() {

@@ -35,6 +35,7 @@ class PgServer {
   void pg_ctl(const std::vector<std::string>& args) const;
   std::string log_tail() const;
   std::string template_data() const;
+  void make_cluster(bool durable);
   std::string bindir_, dir_, data_, log_, commands_log_;
   bool running_ = false;
 };

@@ -247,6 +247,10 @@ TEST_F(PostgresStore, OpenJobStoreTakesBothSchemesAndNeverShowsThePassword) {
   EXPECT_FALSE(contains(short_scheme->describe(), "s3cret")) << short_scheme->describe();
   EXPECT_EQ(server::pg::redact_url("postgresql://u:p%40ss@db.example:5432/jobs?sslmode=require"),
             "postgresql://u:***@db.example:5432/jobs?sslmode=require");
+  EXPECT_EQ(server::pg::redact_url("postgres://u:pa/ss@db/jobs"), "postgres://u:***@db/jobs");
+  EXPECT_EQ(server::pg::redact_url("postgresql:///jobs?host=/run/pg&user=a@b"), "postgresql:///jobs?host=/run/pg&user=a@b");
+  EXPECT_EQ(server::pg::redact_url("postgresql://db/jobs?user=u&password=p&sslmode=require"),
+            "postgresql://db/jobs?user=u&password=***&sslmode=require");
 }
 
 TEST_F(PostgresStore, AnUnreachableStoreIsAStoreErrorNamingItWithoutThePassword) {
@@ -590,6 +594,24 @@ TEST_F(PostgresStore, AnIdempotentInsertFromTwoPodsStoresOneJob) {
   bob.owner = "bob";
   bob.idempotency_key = "key-0";
   EXPECT_TRUE(pod_a->insert_job_once(bob).inserted);
+}
+
+TEST_F(PostgresStore, TheStoreAllocatesOrderAndFairShareStartAcrossPods) {
+  auto pod_a = open();
+  auto pod_b = open();
+  const auto first = pod_a->insert_job_once(make_job("a", 99, 0, 42));
+  EXPECT_EQ(first.vbase, 0) << "no unfinished job: service starts at 0 (the caller's 42 is ignored)";
+  auto lease = pod_a->claim("a/r0", kLongTtl);
+  ASSERT_TRUE(pod_a->commit(*lease, {0, "a/r0", 1, "a0"}, {}).committed);
+  lease = pod_a->claim("a/r0", kLongTtl);
+  ASSERT_TRUE(pod_a->commit(*lease, {1, "a/r0", 1, "a1"}, {}).committed);
+  const auto second = pod_b->insert_job_once(make_job("b", 0));
+  EXPECT_EQ(second.vbase, 2) << "a new job starts at the least attained service of the unfinished ones";
+  EXPECT_GT(second.order, first.order);
+  StoredJob a = *pod_b->load_job("a");
+  a.state = "succeeded";
+  pod_b->update_job(a);
+  EXPECT_EQ(pod_a->insert_job_once(make_job("c", 0)).vbase, 2) << "b (service 2) is the only unfinished job";
 }
 
 TEST_F(PostgresStore, AdmissionCountsAndQueueDepthSpanEveryPod) {

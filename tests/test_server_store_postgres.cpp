@@ -113,7 +113,9 @@ TEST(PostgresPod, KilledAfterChunkTwoResumesAtChunkThreeAndEqualsGenerate) {
   EXPECT_GT(after.front().sequence(), last_seen);
   int64_t first_started = -1;
   for (const auto& e : after) {
-    if (e.has_chunk_finished()) EXPECT_GE(e.chunk_finished().chunk_index(), 3);
+    if (e.has_chunk_finished()) {
+      EXPECT_GE(e.chunk_finished().chunk_index(), 3);
+    }
     if (e.has_chunk_started() && first_started < 0) first_started = e.chunk_started().chunk_index();
   }
   EXPECT_EQ(first_started, resume_chunk) << "the resumed job did not start at its first uncommitted chunk";
