@@ -141,6 +141,9 @@ class ObserverList : public SchedulerObserver {
   void queue_changed(int64_t q, int64_t r) override {
     for (auto* o : observers_) o->queue_changed(q, r);
   }
+  void lease_takeover(const std::string& r) override {
+    for (auto* o : observers_) o->lease_takeover(r);
+  }
 
  private:
   std::vector<SchedulerObserver*> observers_;

@@ -97,6 +97,16 @@ class LeaseStore {
                              const std::vector<std::string>& events) = 0;
   // Drain: gives the chunk back unrun; the next claim is neither a takeover nor a retry. False when already lost.
   virtual bool release(const ChunkLease& lease) = 0;
+  // Ends every unfinished job whose deadline passed and that no live lease holds (DEADLINE_EXCEEDED, finished now);
+  // returns their ids. Whichever pod calls it first does it.
+  virtual std::vector<std::string> expire_deadlines() = 0;
+  // Retention over the whole store: finished jobs that ended before `finished_before_ms`, then the oldest finished
+  // beyond the newest `keep`; each with its reason for drop_job(). Whichever pod calls it first drops them.
+  struct Retired {
+    std::string job_id;
+    bool expired = false;  // by age (else by count)
+  };
+  virtual std::vector<Retired> finished_to_retire(int64_t finished_before_ms, int64_t keep) const = 0;
   // From any pod; `owner` must match the job's.
   virtual CancelState request_cancel(const std::string& job_id, const std::string& owner) = 0;
 

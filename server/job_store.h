@@ -53,9 +53,13 @@ struct StoredEvent {
   std::string data;  // the scheduler's encoding
 };
 
+class LeaseStore;  // job_lease.h
+
 class JobStore {
  public:
   virtual ~JobStore() = default;
+  // A store that several servers share (PostgreSQL) hands out chunk leases; null: this server owns its jobs.
+  virtual LeaseStore* leases() { return nullptr; }
   virtual std::string describe() const = 0;  // "memory" or "sqlite:PATH"
   virtual bool durable() const = 0;          // false: nothing survives a restart (no resume)
 

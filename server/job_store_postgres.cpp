@@ -386,8 +386,12 @@ LeaseCommit PostgresJobStore::commit(const ChunkLease& lease, const StoredChunk&
   c->exec("INSERT INTO chunks(job_id, idx, replica, attempts, bytes) VALUES($1, $2, $3, $4, $5)",
           {lease.job_id, chunk.index, chunk.replica, chunk.attempts, Param::bytes(chunk.bytes)});
   const pg::Result u = c->exec(
-      "UPDATE jobs SET chunks_done = $2 + 1, lease_replica = NULL, lease_expires_ms = NULL, last_replica = $3,"
-      " next_seq = next_seq + $4 WHERE id = $1 RETURNING next_seq",
+      std::string("UPDATE jobs SET chunks_done = $2 + 1, lease_replica = NULL, lease_expires_ms = NULL,"
+                  " last_replica = $3, next_seq = next_seq + $4,"
+                  // The last chunk ends the job in the same transaction: no pod can die between the two.
+                  " state = CASE WHEN $2 + 1 >= chunk_count THEN 'succeeded' ELSE state END,"
+                  " finished_ms = CASE WHEN $2 + 1 >= chunk_count THEN ") +
+          kNowMs + " ELSE finished_ms END WHERE id = $1 RETURNING next_seq",
       {lease.job_id, chunk.index, chunk.replica, static_cast<int64_t>(events.size())});
   LeaseCommit out{true, {}};
   uint64_t seq = static_cast<uint64_t>(u.int64(0, 0)) - events.size();
@@ -398,6 +402,30 @@ LeaseCommit PostgresJobStore::commit(const ChunkLease& lease, const StoredChunk&
   }
   c->exec("SELECT " + notify_sql("$1"), {lease.job_id});
   tx.commit();
+  return out;
+}
+
+std::vector<std::string> PostgresJobStore::expire_deadlines() {
+  auto c = pool_->acquire();
+  const pg::Result r = c->exec(std::string("WITH u AS (UPDATE jobs SET state = 'deadline_exceeded',"
+                                           " error_kind = 'deadline_exceeded', error = $1, finished_ms = ") +
+                                   kNowMs + " WHERE " + kUnfinished + " AND deadline_ms IS NOT NULL AND deadline_ms <= " +
+                                   kNowMs + " AND (lease_replica IS NULL OR lease_expires_ms <= " + kNowMs +
+                                   ") RETURNING id) SELECT id, " + notify_sql("id") + " FROM u",
+                               {Param::bytes(std::string("deadline passed while queued"))});
+  std::vector<std::string> ids;
+  for (int i = 0; i < r.rows(); ++i) ids.push_back(r.text(i, 0));
+  return ids;
+}
+
+std::vector<LeaseStore::Retired> PostgresJobStore::finished_to_retire(int64_t finished_before_ms, int64_t keep) const {
+  auto c = pool_->acquire();
+  const pg::Result r = c->exec(std::string("SELECT id, finished_ms < $1 FROM (SELECT id, finished_ms, row_number() OVER"
+                                           " (ORDER BY finished_ms DESC) AS newer FROM jobs WHERE NOT ") +
+                                   kUnfinished + ") f WHERE finished_ms < $1 OR newer > $2 ORDER BY finished_ms LIMIT 1000",
+                               {finished_before_ms, keep});
+  std::vector<Retired> out;
+  for (int i = 0; i < r.rows(); ++i) out.push_back({r.text(i, 0), r.boolean(i, 1)});
   return out;
 }
 

@@ -26,6 +26,7 @@ class PostgresJobStore final : public JobStore, public LeaseStore {
 
   std::string describe() const override;
   bool durable() const override { return true; }
+  LeaseStore* leases() override { return this; }
   void insert_job(StoredJob job) override;
   void update_job(const StoredJob& job) override;
   void commit_chunk(const std::string& job_id, const StoredChunk& chunk) override;
@@ -45,6 +46,8 @@ class PostgresJobStore final : public JobStore, public LeaseStore {
   LeaseCommit commit(const ChunkLease& lease, const StoredChunk& chunk,
                      const std::vector<std::string>& events) override;
   bool release(const ChunkLease& lease) override;
+  std::vector<std::string> expire_deadlines() override;
+  std::vector<Retired> finished_to_retire(int64_t finished_before_ms, int64_t keep) const override;
   CancelState request_cancel(const std::string& job_id, const std::string& owner) override;
   InsertOutcome insert_job_once(StoredJob job) override;
   AdmissionCounts admission_counts(const std::string& client) const override;

@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <random>
 
 namespace skyreels::server {
@@ -45,6 +46,56 @@ const char* error_kind_name(ErrorKind kind) {
   }
   return "";
 }
+
+JobState parse_job_state(const std::string& name) {
+  for (JobState s : {JobState::Queued, JobState::Running, JobState::Succeeded, JobState::Failed, JobState::Cancelled,
+                     JobState::DeadlineExceeded}) {
+    if (name == job_state_name(s)) return s;
+  }
+  return JobState::Failed;
+}
+
+ErrorKind parse_error_kind(const std::string& name) {
+  for (ErrorKind k : {ErrorKind::Internal, ErrorKind::Unavailable, ErrorKind::Cancelled, ErrorKind::DeadlineExceeded,
+                      ErrorKind::InvalidArgument, ErrorKind::ResourceExhausted}) {
+    if (name == error_kind_name(k)) return k;
+  }
+  return ErrorKind::None;
+}
+
+int64_t wall_ms(WallClock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(t.time_since_epoch()).count();
+}
+int64_t wall_ms(const std::optional<WallClock::time_point>& t) { return t ? wall_ms(*t) : 0; }
+WallClock::time_point from_wall_ms(int64_t ms) { return WallClock::time_point(std::chrono::milliseconds(ms)); }
+
+// Chunk-level events as the store keeps them (step events stay in memory).
+std::string encode_stored_event(const JobEvent& e) {
+  nlohmann::json j = {{"type", static_cast<int>(e.type)}, {"time_ms", wall_ms(e.time)}, {"chunk", e.chunk},
+                      {"chunk_count", e.chunk_count},     {"replica", e.replica},     {"attempt", e.attempt},
+                      {"handoff", e.handoff},             {"seconds", e.seconds},     {"position", e.position},
+                      {"eta_seconds", e.eta_seconds},     {"message", e.message}};
+  return j.dump();
+}
+
+JobEvent decode_stored_event(const StoredEvent& stored) {
+  const auto j = nlohmann::json::parse(stored.data);
+  JobEvent e;
+  e.sequence = stored.sequence;
+  e.type = static_cast<EventType>(j.at("type").get<int>());
+  e.time = from_wall_ms(j.at("time_ms").get<int64_t>());
+  e.chunk = j.at("chunk").get<int64_t>();
+  e.chunk_count = j.at("chunk_count").get<int64_t>();
+  e.replica = j.at("replica").get<std::string>();
+  e.attempt = j.at("attempt").get<int>();
+  e.handoff = j.at("handoff").get<bool>();
+  e.seconds = j.at("seconds").get<double>();
+  e.position = j.at("position").get<int64_t>();
+  e.eta_seconds = j.at("eta_seconds").get<double>();
+  e.message = j.at("message").get<std::string>();
+  return e;
+}
+
 
 std::string new_job_id() {
   static std::mutex mu;

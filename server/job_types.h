@@ -162,7 +162,18 @@ class SchedulerObserver {
   virtual void replica_changed(const ReplicaStatus&) {}
   virtual void replica_recovered(const ReplicaStatus&) {}
   virtual void queue_changed(int64_t /*queued*/, int64_t /*running*/) {}
+  // Peers: a replica took over a chunk whose lease expired (the pod running it died or stalled).
+  virtual void lease_takeover(const std::string& /*replica*/) {}
 };
+
+JobState parse_job_state(const std::string& name);  // job_state_name()'s inverse (unknown: Failed)
+ErrorKind parse_error_kind(const std::string& name);  // error_kind_name()'s inverse (unknown: None)
+int64_t wall_ms(WallClock::time_point t);  // ms since the Unix epoch, as the store keeps times
+int64_t wall_ms(const std::optional<WallClock::time_point>& t);  // 0 when unset
+WallClock::time_point from_wall_ms(int64_t ms);
+// Chunk-level events as job stores keep them (step events stay in memory).
+std::string encode_stored_event(const JobEvent& event);
+JobEvent decode_stored_event(const StoredEvent& stored);
 
 // Fresh random job id ("j-" + 16 hex digits).
 std::string new_job_id();

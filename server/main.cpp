@@ -40,6 +40,7 @@
 #include "server/limits.h"
 #include "server/metrics.h"
 #include "server/replica.h"
+#include "server/peer_scheduler.h"
 #include "server/scheduler.h"
 #include "server/service.h"
 
@@ -112,7 +113,12 @@ jobs that survive a restart:
                               keeps today's behaviour (nothing survives a restart). sqlite:PATH?synchronous=full: every
                               commit also survives a power loss (an fsync each). A corrupt, newer-schema or locked
                               (another server's) store file, or an unreachable or newer-schema PostgreSQL store, is a
-                              startup error
+                              startup error.
+                              PostgreSQL: several servers (pods) share the store as peers: any of them accepts,
+                              answers and streams any job, and their replicas claim chunks under leases
+  --pod-name NAME             this server among peers, in chunk leases and events (default $HOSTNAME)
+  --lease-seconds S           a chunk lease's time to live, renewed every S/3 while the chunk runs; a pod that
+                              stops renewing loses the chunk to another pod after S seconds (default 30)
 test hooks:
   --fault-inject SPEC         REPLICA@N[+][:KIND],...: the N-th chunk run on REPLICA (e.g. cpu:1@2) fails after its
                               first step ('+': and every later run); KIND error (default), oom (an out-of-memory
@@ -153,6 +159,8 @@ struct Options {
   std::string log_level = "info";
   std::string data_dir = "./skyreels-data";
   std::string job_store;  // empty: sqlite:<data_dir>/jobs.sqlite
+  std::string pod_name;   // empty: $HOSTNAME, else the host name
+  double lease_seconds = 30;
   TransportLimits transport;
 };
 
@@ -178,6 +186,14 @@ int64_t to_int(const std::string& flag, const std::string& value, int64_t lo, in
                    "]");
 }
 
+// In Kubernetes $HOSTNAME is the pod's name.
+std::string default_pod_name() {
+  if (const char* env = std::getenv("HOSTNAME"); env != nullptr && *env != '\0') return env;
+  char host[256] = {};
+  if (gethostname(host, sizeof host - 1) == 0 && host[0] != '\0') return host;
+  return "pod";
+}
+
 Options parse(int argc, char** argv) {
   Options o;
   std::map<std::string, std::string*> strings = {{"--model", &o.model},
@@ -195,7 +211,8 @@ Options parse(int argc, char** argv) {
                                                  {"--fault-inject", &o.fault_inject},
                                                  {"--log-level", &o.log_level},
                                                  {"--data-dir", &o.data_dir},
-                                                 {"--job-store", &o.job_store}};
+                                                 {"--job-store", &o.job_store},
+                                                 {"--pod-name", &o.pod_name}};
   struct IntFlag {
     int64_t* target;
     int64_t lo, hi;
@@ -223,7 +240,8 @@ Options parse(int argc, char** argv) {
                                          {"--max-concurrent-encodes", {&o.transport.max_concurrent_encodes, 1, 1024}}};
   std::map<std::string, double*> doubles = {{"--handoff-cost-seconds", &o.handoff_cost_seconds},
                                             {"--replica-retest-seconds", &o.replica_retest_seconds},
-                                            {"--replica-retest-max-seconds", &o.replica_retest_max_seconds}};
+                                            {"--replica-retest-max-seconds", &o.replica_retest_max_seconds},
+                                            {"--lease-seconds", &o.lease_seconds}};
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
     std::string value;
@@ -268,6 +286,8 @@ Options parse(int argc, char** argv) {
   if (o.job_store.empty()) {  // a PostgreSQL URL with its password stays out of the process list
     if (const char* env = std::getenv("SKYREELS_JOB_STORE")) o.job_store = env;
   }
+  if (o.lease_seconds < 0.2) throw UsageError("--lease-seconds: at least 0.2");
+  if (o.pod_name.empty()) o.pod_name = default_pod_name();
   return o;
 }
 
@@ -503,9 +523,6 @@ int serve(const Options& o, Signals& signals) {
   scheduling.retest_backoff = to_millis(o.replica_retest_seconds);
   scheduling.retest_backoff_max = std::max(scheduling.retest_backoff, to_millis(o.replica_retest_max_seconds));
   scheduling.liveness_grace = std::chrono::seconds(o.liveness_grace_seconds);
-  // The service and the drain below see only the JobQueue seam.
-  std::unique_ptr<JobQueue> jobs =
-      std::make_unique<Scheduler>(std::move(executors), scheduling, &observers, store.get());
 
   // ---- gRPC ----
   ApiKeys keys;
@@ -552,8 +569,23 @@ int serve(const Options& o, Signals& signals) {
   }
   service_config.metrics = &metrics;
   service_config.transport = o.transport;
-  // Jobs of an earlier run (a kill, a drain that ran out, a rolling update) resume before anything is dispatched.
-  jobs->restore(restore_jobs(*store, service_config));
+  // The service and the drain below see only the JobQueue seam.
+  std::unique_ptr<JobQueue> jobs;
+  if (LeaseStore* leases = store->leases()) {
+    PeerOptions peer;
+    peer.scheduling = scheduling;
+    peer.pod = o.pod_name;
+    peer.lease_ttl = to_millis(o.lease_seconds);
+    auto loader = [&service_config](const StoredJob& job, std::vector<StoredChunk> chunks) {
+      return restore_job(job, std::move(chunks), service_config);
+    };
+    jobs = std::make_unique<PeerScheduler>(std::move(executors), peer, *store, *leases, loader, &observers);
+    spdlog::info("event=peers pod={} lease_seconds={}", o.pod_name, o.lease_seconds);
+  } else {
+    jobs = std::make_unique<Scheduler>(std::move(executors), scheduling, &observers, store.get());
+    // Jobs of an earlier run (a kill, a drain that ran out, a rolling update) resume before anything is dispatched.
+    jobs->restore(restore_jobs(*store, service_config));
+  }
   jobs->start();
   auto service = make_video_service(*jobs, service_config);
 

@@ -4,64 +4,11 @@
 
 #include <algorithm>
 #include <limits>
-#include <nlohmann/json.hpp>
 
 #include "server/dispatch_policy.h"
 
 namespace skyreels::server {
 
-namespace {
-
-JobState parse_state(const std::string& name) {
-  for (JobState s : {JobState::Queued, JobState::Running, JobState::Succeeded, JobState::Failed, JobState::Cancelled,
-                     JobState::DeadlineExceeded}) {
-    if (name == job_state_name(s)) return s;
-  }
-  return JobState::Failed;
-}
-
-ErrorKind parse_error_kind(const std::string& name) {
-  for (ErrorKind k : {ErrorKind::Internal, ErrorKind::Unavailable, ErrorKind::Cancelled, ErrorKind::DeadlineExceeded,
-                      ErrorKind::InvalidArgument, ErrorKind::ResourceExhausted}) {
-    if (name == error_kind_name(k)) return k;
-  }
-  return ErrorKind::None;
-}
-
-int64_t to_ms(WallClock::time_point t) {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(t.time_since_epoch()).count();
-}
-int64_t to_ms(const std::optional<WallClock::time_point>& t) { return t ? to_ms(*t) : 0; }
-WallClock::time_point from_ms(int64_t ms) { return WallClock::time_point(std::chrono::milliseconds(ms)); }
-
-// Chunk-level events as the store keeps them (step events stay in memory).
-std::string encode_event(const JobEvent& e) {
-  nlohmann::json j = {{"type", static_cast<int>(e.type)}, {"time_ms", to_ms(e.time)}, {"chunk", e.chunk},
-                      {"chunk_count", e.chunk_count},     {"replica", e.replica},     {"attempt", e.attempt},
-                      {"handoff", e.handoff},             {"seconds", e.seconds},     {"position", e.position},
-                      {"eta_seconds", e.eta_seconds},     {"message", e.message}};
-  return j.dump();
-}
-
-JobEvent decode_event(const StoredEvent& stored) {
-  const auto j = nlohmann::json::parse(stored.data);
-  JobEvent e;
-  e.sequence = stored.sequence;
-  e.type = static_cast<EventType>(j.at("type").get<int>());
-  e.time = from_ms(j.at("time_ms").get<int64_t>());
-  e.chunk = j.at("chunk").get<int64_t>();
-  e.chunk_count = j.at("chunk_count").get<int64_t>();
-  e.replica = j.at("replica").get<std::string>();
-  e.attempt = j.at("attempt").get<int>();
-  e.handoff = j.at("handoff").get<bool>();
-  e.seconds = j.at("seconds").get<double>();
-  e.position = j.at("position").get<int64_t>();
-  e.eta_seconds = j.at("eta_seconds").get<double>();
-  e.message = j.at("message").get<std::string>();
-  return e;
-}
-
-}  // namespace
 
 struct Scheduler::Job {
   std::string id;
@@ -513,7 +460,7 @@ void Scheduler::push_event_locked(Job& job, JobEvent event) {
   event.time = WallClock::now();
   if (event.type != EventType::Step && persisting_locked()) {
     try {
-      store_->append_event(job.id, {event.sequence, encode_event(event)});
+      store_->append_event(job.id, {event.sequence, encode_stored_event(event)});
     } catch (const StoreError& e) {
       spdlog::error("job={} event=store_event_failed sequence={} error=\"{}\"", job.id, event.sequence, e.what());
     }
@@ -536,15 +483,15 @@ StoredJob Scheduler::stored_locked(const Job& job) const {
   s.client = job.spec.client;
   s.priority = job.spec.priority;
   const JobSnapshot snap = snapshot_locked(job);
-  if (snap.deadline) s.deadline_ms = to_ms(*snap.deadline);
+  if (snap.deadline) s.deadline_ms = wall_ms(*snap.deadline);
   s.idempotency_key = job.spec.idempotency_key;
   s.fingerprint = job.spec.fingerprint;
   s.state = job_state_name(job.state);
   s.error_kind = error_kind_name(job.error_kind);
   s.error = job.error;
-  s.created_ms = to_ms(job.created);
-  s.started_ms = to_ms(job.started);
-  s.finished_ms = to_ms(job.finished);
+  s.created_ms = wall_ms(job.created);
+  s.started_ms = wall_ms(job.started);
+  s.finished_ms = wall_ms(job.finished);
   s.chunk_count = static_cast<int64_t>(job.spec.chunk_work.size());
   s.chunks_done = job.chunks_done;
   s.retries = job.retries;
@@ -835,7 +782,7 @@ void Scheduler::restore(std::vector<RestoredJob> restored) {
     job->spec.owner = s.owner;
     job->spec.client = s.client;
     job->spec.priority = s.priority;
-    if (s.deadline_ms) job->spec.deadline = mono(from_ms(*s.deadline_ms));
+    if (s.deadline_ms) job->spec.deadline = mono(from_wall_ms(*s.deadline_ms));
     job->spec.idempotency_key = s.idempotency_key;
     job->spec.fingerprint = s.fingerprint;
     job->spec.payload = r.payload;
@@ -843,10 +790,10 @@ void Scheduler::restore(std::vector<RestoredJob> restored) {
     job->spec.chunk_work = r.chunk_work.empty() ? std::vector<double>(static_cast<size_t>(s.chunk_count), 1.0)
                                                 : r.chunk_work;
     job->spec.chunk_rows = r.chunk_rows;
-    job->created = from_ms(s.created_ms);
+    job->created = from_wall_ms(s.created_ms);
     job->created_mono = mono(job->created);
-    if (s.started_ms) job->started = from_ms(s.started_ms);
-    job->state = parse_state(s.state);
+    if (s.started_ms) job->started = from_wall_ms(s.started_ms);
+    job->state = parse_job_state(s.state);
     job->error_kind = parse_error_kind(s.error_kind);
     job->error = s.error;
     job->chunks_done = std::min<int64_t>(s.chunks_done, static_cast<int64_t>(job->spec.chunk_work.size()));
@@ -861,7 +808,7 @@ void Scheduler::restore(std::vector<RestoredJob> restored) {
     }
     for (const auto& stored_event : r.events) {
       try {
-        job->events.push_back(decode_event(stored_event));
+        job->events.push_back(decode_stored_event(stored_event));
       } catch (const std::exception& e) {
         spdlog::warn("job={} event=stored_event_unreadable sequence={} error=\"{}\"", s.id, stored_event.sequence,
                      e.what());
@@ -896,7 +843,7 @@ void Scheduler::restore(std::vector<RestoredJob> restored) {
       spdlog::info("job={} event=restored state={} chunks_done={}/{} in_flight={}", s.id, job_state_name(ref.state),
                    ref.chunks_done, ref.spec.chunk_work.size(), in_flight);
     } else {
-      job->finished = from_ms(s.finished_ms);
+      job->finished = from_wall_ms(s.finished_ms);
       job->finished_mono = mono(*job->finished);
       jobs_[s.id] = std::move(job);
     }

@@ -1149,39 +1149,46 @@ void WatchReactor::OnDone() {
 
 }  // namespace
 
+RestoredJob restore_job(const StoredJob& stored, std::vector<StoredChunk> chunks, const ServiceConfig& config) {
+  RestoredJob r;
+  r.stored = stored;
+  r.stored.request.clear();
+  const std::string& id = stored.id;
+  try {
+    pb::SubmitJobRequest request;
+    if (!request.ParseFromString(stored.request)) throw std::runtime_error("the stored request is unreadable");
+    // Requests are stored with embeddings, never text: no text is encoded again. (Only a request stored by an older
+    // server may still hold prompt changes as text; they are encoded with this server's encoder.)
+    auto job = ModelJob::create(request_from_proto(request.spec()), config.model, config.limits, 0,
+                                config.text_encoder, config.vae);
+    std::vector<std::string> bytes;
+    for (auto& chunk : chunks) bytes.push_back(std::move(chunk.bytes));
+    job->restore_results(bytes);  // the next chunk's tail; the results stay in the store
+    r.chunk_work = job->chunk_work();
+    r.chunk_rows = job->chunk_rows();
+    if (static_cast<int64_t>(r.chunk_work.size()) != stored.chunk_count) {
+      throw std::runtime_error("the request now plans " + std::to_string(r.chunk_work.size()) + " chunks, it had " +
+                               std::to_string(stored.chunk_count));
+    }
+    r.description = job->description();
+    r.payload = std::move(job);
+  } catch (const std::exception& e) {
+    r.error = e.what();
+    r.payload.reset();
+    r.description.reset();
+    spdlog::error("job={} event=restore_failed error=\"{}\"", id, log_escape(e.what()));
+  }
+  for (auto& chunk : chunks) chunk.bytes.clear();  // read back from the store when asked for
+  r.chunks = std::move(chunks);
+  return r;
+}
+
 std::vector<RestoredJob> restore_jobs(const JobStore& store, const ServiceConfig& config) {
   std::vector<RestoredJob> out;
   for (StoredJob& stored : store.load_jobs()) {
-    RestoredJob r;
-    r.stored = std::move(stored);
-    const std::string& id = r.stored.id;
-    r.events = store.load_events(id);
-    r.chunks = store.load_chunks(id);
-    try {
-      pb::SubmitJobRequest request;
-      if (!request.ParseFromString(r.stored.request)) throw std::runtime_error("the stored request is unreadable");
-      // Requests are stored with embeddings, never text: no text is encoded again. (Only a request stored by an older
-      // server may still hold prompt changes as text; they are encoded with this server's encoder.)
-      auto job = ModelJob::create(request_from_proto(request.spec()), config.model, config.limits, 0,
-                                  config.text_encoder, config.vae);
-      std::vector<std::string> bytes;
-      for (auto& chunk : r.chunks) bytes.push_back(std::move(chunk.bytes));
-      job->restore_results(bytes);  // the next chunk's tail; the results stay in the store
-      r.chunk_work = job->chunk_work();
-      r.chunk_rows = job->chunk_rows();
-      if (static_cast<int64_t>(r.chunk_work.size()) != r.stored.chunk_count) {
-        throw std::runtime_error("the request now plans " + std::to_string(r.chunk_work.size()) +
-                                 " chunks, it had " + std::to_string(r.stored.chunk_count));
-      }
-      r.description = job->description();
-      r.payload = std::move(job);
-    } catch (const std::exception& e) {
-      r.error = e.what();
-      r.payload.reset();
-      r.description.reset();
-      spdlog::error("job={} event=restore_failed error=\"{}\"", id, log_escape(e.what()));
-    }
-    r.stored.request.clear();
+    std::vector<StoredChunk> chunks = store.load_chunks(stored.id);
+    RestoredJob r = restore_job(stored, std::move(chunks), config);
+    r.events = store.load_events(stored.id);
     out.push_back(std::move(r));
   }
   return out;

@@ -79,6 +79,9 @@ std::unique_ptr<grpc::Service> make_video_service(JobQueue& jobs, ServiceConfig 
 // Reads every job back from `store` and re-creates its payload from the stored request and chunk results, for
 // JobQueue::restore(). A job whose payload cannot be re-created carries the reason (RestoredJob::error).
 std::vector<RestoredJob> restore_jobs(const JobStore& store, const ServiceConfig& config);
+// One job's payload re-created from its stored request and committed chunks (peers: a pod running a chunk of a job
+// whose previous chunk ran elsewhere). RestoredJob::payload null: RestoredJob::error says why.
+RestoredJob restore_job(const StoredJob& stored, std::vector<StoredChunk> chunks, const ServiceConfig& config);
 
 // A server interceptor that turns gRPC's answer to a request it could not parse (INTERNAL with an empty message: a
 // malformed protobuf, or a string field that is not UTF-8) into INVALID_ARGUMENT saying so.

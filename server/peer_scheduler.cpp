@@ -1,0 +1,894 @@
+#include "server/peer_scheduler.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <atomic>
+
+namespace skyreels::server {
+
+namespace {
+
+constexpr size_t kMaxStepEvents = 64;  // per job running here: watchers only need the latest progress
+
+int64_t now_ms() { return wall_ms(WallClock::now()); }
+
+int64_t deadline_ms(const std::optional<Clock::time_point>& deadline) {
+  const auto left = *deadline - Clock::now();
+  return wall_ms(WallClock::now() + std::chrono::duration_cast<WallClock::duration>(left));
+}
+
+bool deadline_passed(const StoredJob& job) { return job.deadline_ms && *job.deadline_ms <= now_ms(); }
+
+}  // namespace
+
+// A chunk running on one of this pod's replicas, under its lease.
+struct PeerScheduler::Running {
+  ChunkLease lease;
+  StoredJob job;  // as it was when the chunk was claimed (without the request)
+  std::string replica;  // lease name
+  int attempt = 0;
+  int64_t rows_total = 0, rows_before = 0;
+  std::atomic<bool> lost{false};    // the store says another replica holds the chunk now
+  std::atomic<bool> cancel{false};  // some pod asked to cancel the job
+  double progress = 0;
+};
+
+// A job's payload kept on this pod after its chunk ran here: the next chunk continues from it without a reload.
+struct PeerScheduler::Cached {
+  std::shared_ptr<JobPayload> payload;
+  int64_t chunks_held = 0;  // chunks the payload holds the results of
+  std::vector<int64_t> chunk_rows;
+  Clock::time_point used;
+};
+
+PeerScheduler::PeerScheduler(std::vector<std::unique_ptr<ChunkExecutor>> executors, PeerOptions options,
+                             JobStore& store, LeaseStore& leases, JobLoader loader, SchedulerObserver* observer)
+    : options_(std::move(options)),
+      store_(store),
+      leases_(leases),
+      loader_(std::move(loader)),
+      observer_(observer),
+      pool_(std::move(executors),
+            ReplicaPoolOptions{options_.scheduling.replica_failure_limit, options_.scheduling.retest_backoff,
+                               options_.scheduling.retest_backoff_max, options_.scheduling.liveness_grace},
+            observer) {}
+
+PeerScheduler::~PeerScheduler() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+    hard_stop_ = true;
+    heartbeat_cv_.notify_all();
+  }
+  pool_.stop();  // running chunks see hard_stop_ and give their leases back in chunk_done
+  if (listener_.joinable()) listener_.join();
+  if (heartbeat_.joinable()) heartbeat_.join();
+}
+
+void PeerScheduler::restore(std::vector<RestoredJob> jobs) {
+  if (!jobs.empty()) spdlog::info("event=restore_skipped reason=\"the shared store is the queue\"");
+}
+
+void PeerScheduler::start() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (started_) return;
+    started_ = true;
+  }
+  listener_ = std::thread([this] { listen_loop(); });
+  heartbeat_ = std::thread([this] { heartbeat_loop(); });
+  pool_.start(*this);
+}
+
+bool PeerScheduler::all_loaded() const { return pool_.all_loaded(); }
+bool PeerScheduler::live() const { return pool_.live(); }
+
+bool PeerScheduler::ready() const {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (draining_ || stopping_) return false;
+  }
+  return pool_.all_loaded() && pool_.any_healthy() && leases_.reachable();
+}
+
+std::string PeerScheduler::lease_name(size_t replica) const { return options_.pod + "/" + pool_.name(replica); }
+
+// ---- the pool's side: claim, run, commit ------------------------------------------------------------------------
+
+std::optional<ChunkAssignment> PeerScheduler::next_chunk(size_t replica) {
+  while (true) {
+    uint64_t seen = 0;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      work_.wait(lock, [&] { return interrupted_ || !draining_; });
+      if (interrupted_) return std::nullopt;
+      seen = change_count_;
+    }
+    std::optional<ChunkLease> lease;
+    try {
+      lease = leases_.claim(lease_name(replica), options_.lease_ttl);
+    } catch (const StoreError& e) {
+      spdlog::warn("replica={} event=claim_failed error=\"{}\"", lease_name(replica), e.what());
+    }
+    if (lease) {
+      if (auto assignment = prepare(replica, *lease)) return assignment;
+      continue;  // the claimed chunk ended its job (deadline, unreadable request): look again at once
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    work_.wait_for(lock, options_.poll, [&] { return interrupted_ || change_count_ != seen; });
+  }
+}
+
+std::optional<ChunkAssignment> PeerScheduler::prepare(size_t replica, const ChunkLease& lease) {
+  const std::string name = lease_name(replica);
+  std::optional<StoredJob> job;
+  try {
+    job = leases_.load_job(lease.job_id);
+  } catch (const StoreError& e) {
+    spdlog::warn("job={} event=claim_load_failed error=\"{}\"", lease.job_id, e.what());
+  }
+  if (!job) {
+    leases_.release(lease);
+    return std::nullopt;
+  }
+  if (deadline_passed(*job)) {
+    finish(job->id, JobState::DeadlineExceeded, ErrorKind::DeadlineExceeded, "deadline passed while queued");
+    return std::nullopt;
+  }
+  const int attempt = attempts_of(job->id, lease.chunk_index) + (lease.takeover ? 1 : 0);
+  if (lease.takeover) {
+    spdlog::warn("job={} event=lease_takeover chunk={} from={} to={}", job->id, lease.chunk_index,
+                 lease.previous_replica, name);
+    if (observer_) observer_->lease_takeover(name);
+    JobEvent retry;
+    retry.type = EventType::ChunkRetry;
+    retry.chunk = lease.chunk_index;
+    retry.attempt = attempt - 1;
+    retry.message = "the lease of the replica running the chunk expired";
+    append(job->id, retry);
+  }
+  if (attempt > options_.scheduling.chunk_retries) {
+    finish(job->id, JobState::Failed, ErrorKind::Internal,
+           "chunk " + std::to_string(lease.chunk_index) + " failed " + std::to_string(attempt) + " time(s)");
+    return std::nullopt;
+  }
+  std::string error;
+  std::shared_ptr<JobPayload> payload = payload_for(*job, lease, error);
+  if (!payload) {
+    finish(job->id, JobState::Failed, ErrorKind::Internal, "the job cannot be resumed: " + error);
+    return std::nullopt;
+  }
+
+  auto run = std::make_shared<Running>();
+  run->lease = lease;
+  run->job = *job;
+  run->job.request.clear();
+  run->replica = name;
+  run->attempt = attempt;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto& rows = cache_.at(job->id)->chunk_rows;
+    for (size_t c = 0; c < rows.size(); ++c) {
+      run->rows_total += rows[c];
+      if (static_cast<int64_t>(c) < lease.chunk_index) run->rows_before += rows[c];
+    }
+    running_[replica] = run;
+  }
+
+  JobEvent started;
+  started.type = EventType::ChunkStarted;
+  started.chunk = lease.chunk_index;
+  started.chunk_count = lease.chunk_count;
+  started.replica = name;
+  started.handoff = lease.handoff;
+  started.attempt = attempt;
+  append(job->id, started);
+  spdlog::info("job={} event=chunk_started chunk={}/{} replica={} attempt={} handoff={} token={}", job->id,
+               lease.chunk_index, lease.chunk_count, name, attempt, lease.handoff, lease.token);
+  if (observer_) {
+    const JobSnapshot s = snapshot(*job);
+    if (lease.chunk_index == 0 && attempt == 0) {
+      observer_->job_started(s, static_cast<double>(now_ms() - job->created_ms) / 1000.0);
+    }
+    if (lease.handoff) observer_->handoff(s, lease.previous_replica, name);
+    observer_->chunk_started(s, name, lease.chunk_index);
+  }
+
+  ChunkAssignment assignment;
+  assignment.work.job_id = job->id;
+  assignment.work.chunk_index = lease.chunk_index;
+  assignment.work.chunk_count = lease.chunk_count;
+  assignment.work.attempt = attempt;
+  assignment.work.handoff = lease.handoff;
+  assignment.work.payload = payload.get();
+  assignment.payload = payload;
+  Running* r = run.get();
+  assignment.callbacks.on_step = [this, r](int64_t row, int64_t rows) { push_step(*r, row, rows); };
+  assignment.callbacks.should_stop = [this, r] { return stop_requested(*r); };
+  return assignment;
+}
+
+// The payload this pod already holds when the job's previous chunk ran here, else one re-created from the store.
+std::shared_ptr<JobPayload> PeerScheduler::payload_for(const StoredJob& job, const ChunkLease& lease,
+                                                       std::string& error) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = cache_.find(job.id);
+    if (it != cache_.end() && it->second->chunks_held == lease.chunk_index) {
+      it->second->used = Clock::now();
+      return it->second->payload;
+    }
+    if (it != cache_.end()) cache_.erase(it);  // another pod ran chunks since: its results are in the store
+  }
+  RestoredJob restored;
+  try {
+    std::vector<StoredChunk> chunks = store_.load_chunks(job.id);
+    chunks.resize(static_cast<size_t>(std::min<int64_t>(lease.chunk_index, static_cast<int64_t>(chunks.size()))));
+    restored = loader_(job, std::move(chunks));
+  } catch (const std::exception& e) {
+    restored.error = e.what();
+  }
+  if (!restored.payload) {
+    error = restored.error;
+    return nullptr;
+  }
+  auto cached = std::make_shared<Cached>();
+  cached->payload = restored.payload;
+  cached->chunks_held = lease.chunk_index;
+  cached->chunk_rows = restored.chunk_rows;
+  cached->used = Clock::now();
+  std::lock_guard<std::mutex> lock(mu_);
+  cache_[job.id] = cached;
+  // Bounded: payloads hold latents on a device. Keep the most recently used, at most two per replica.
+  while (cache_.size() > 2 * pool_.size()) {
+    auto oldest = cache_.end();
+    for (auto it = cache_.begin(); it != cache_.end(); ++it) {
+      const bool in_use = std::any_of(running_.begin(), running_.end(),
+                                      [&](const auto& r) { return r.second->job.id == it->first; });
+      if (!in_use && it->first != job.id && (oldest == cache_.end() || it->second->used < oldest->second->used)) {
+        oldest = it;
+      }
+    }
+    if (oldest == cache_.end()) break;
+    cache_.erase(oldest);
+  }
+  return restored.payload;
+}
+
+// Failed attempts of a chunk so far: its ChunkRetry events (a takeover is one too).
+int PeerScheduler::attempts_of(const std::string& job_id, int64_t chunk) const {
+  int attempts = 0;
+  for (const StoredEvent& stored : store_.load_events(job_id)) {
+    const JobEvent e = decode_stored_event(stored);
+    if (e.type == EventType::ChunkRetry && e.chunk == chunk) ++attempts;
+  }
+  return attempts;
+}
+
+bool PeerScheduler::stop_requested(const Running& run) const {
+  if (run.lost || run.cancel || deadline_passed(run.job)) return true;
+  std::lock_guard<std::mutex> lock(mu_);
+  return hard_stop_;
+}
+
+void PeerScheduler::push_step(Running& run, int64_t row, int64_t rows) {
+  JobEvent event;
+  event.type = EventType::Step;
+  event.chunk = run.lease.chunk_index;
+  event.chunk_count = run.lease.chunk_count;
+  event.replica = run.replica;
+  event.step = row;
+  event.steps = rows;
+  event.progress = run.rows_total > 0 ? static_cast<double>(run.rows_before + row) / static_cast<double>(run.rows_total)
+                                      : 0.0;
+  try {
+    event.sequence = leases_.reserve_sequences(run.job.id, 1);  // monotonic with the stored events, on every pod
+  } catch (const StoreError&) {
+    return;  // progress only: the chunk goes on
+  }
+  event.time = WallClock::now();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    run.progress = event.progress;
+    auto& steps = steps_[run.job.id];
+    steps.push_back(event);
+    while (steps.size() > kMaxStepEvents) steps.pop_front();
+  }
+  changed(run.job.id);
+}
+
+void PeerScheduler::chunk_done(size_t replica, ChunkAssignment /*assignment*/, ChunkResult result, double seconds) {
+  std::shared_ptr<Running> run;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    run = running_.at(replica);
+    running_.erase(replica);
+    steps_.erase(run->job.id);
+  }
+  const std::string& id = run->job.id;
+  const int64_t chunk = run->lease.chunk_index;
+  const bool last = chunk + 1 == run->lease.chunk_count;
+  bool stop = stop_requested(*run);
+  if (result.outcome == ChunkOutcome::Stopped && !stop) {
+    result.outcome = ChunkOutcome::Failed;
+    if (result.error.empty()) result.error = "chunk stopped without a request";
+  }
+
+  if (result.outcome == ChunkOutcome::Succeeded && !run->lost) {
+    JobEvent finished_chunk;
+    finished_chunk.type = EventType::ChunkFinished;
+    finished_chunk.chunk = chunk;
+    finished_chunk.chunk_count = run->lease.chunk_count;
+    finished_chunk.replica = run->replica;
+    finished_chunk.seconds = seconds;
+    finished_chunk.time = WallClock::now();
+    std::vector<std::string> events{encode_stored_event(finished_chunk)};
+    if (last) {
+      JobEvent done;
+      done.type = EventType::Finished;
+      done.time = WallClock::now();
+      events.push_back(encode_stored_event(done));
+    }
+    LeaseCommit commit;
+    try {
+      commit = leases_.commit(run->lease, {chunk, run->replica, run->attempt + 1, std::move(result.bytes)}, events);
+    } catch (const StoreError& e) {
+      // Unreachable store: the lease expires and a replica (maybe this one) runs the chunk again.
+      spdlog::error("job={} event=commit_failed chunk={} error=\"{}\"", id, chunk, e.what());
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (commit.committed) {
+      auto it = cache_.find(id);
+      if (it != cache_.end() && !last) it->second->chunks_held = chunk + 1;
+      if (it != cache_.end() && last) cache_.erase(it);
+    } else {
+      cache_.erase(id);
+      spdlog::warn("job={} event=commit_fenced chunk={} replica={} token={}", id, chunk, run->replica,
+                   run->lease.token);
+    }
+    if (commit.committed) {
+      spdlog::info("job={} event=chunk_finished chunk={} replica={} seconds={:.3f}", id, chunk, run->replica, seconds);
+    }
+    if (commit.committed && observer_) {
+      StoredJob after = run->job;
+      after.chunks_done = chunk + 1;
+      if (last) after.state = job_state_name(JobState::Succeeded);
+      const JobSnapshot s = snapshot(after);
+      observer_->chunk_finished(s, run->replica, chunk, seconds, result.frames_generated);
+      if (last) observer_->job_finished(s);
+    }
+  } else if (run->lost) {
+    std::lock_guard<std::mutex> lock(mu_);
+    cache_.erase(id);
+    spdlog::warn("job={} event=lease_lost chunk={} replica={}", id, chunk, run->replica);
+  } else if (stop) {
+    if (run->cancel) {
+      finish(id, JobState::Cancelled, ErrorKind::Cancelled, "cancelled by the client");
+    } else if (deadline_passed(run->job)) {
+      finish(id, JobState::DeadlineExceeded, ErrorKind::DeadlineExceeded, "deadline passed while running");
+    } else {
+      leases_.release(run->lease);  // this pod stops: another one continues the job, not as a retry
+      std::lock_guard<std::mutex> lock(mu_);
+      cache_.erase(id);
+    }
+  } else if (result.outcome == ChunkOutcome::Failed) {
+    fail_or_retry(*run, result.error);
+  } else if (result.outcome == ChunkOutcome::Rejected) {
+    finish(id, JobState::Failed, ErrorKind::InvalidArgument, result.error);
+  } else if (result.outcome == ChunkOutcome::ResourceExhausted) {
+    finish(id, JobState::Failed, ErrorKind::ResourceExhausted, result.error);
+  } else if (result.outcome == ChunkOutcome::NotStored) {
+    finish(id, JobState::Failed, ErrorKind::Internal,
+           "chunk " + std::to_string(chunk) + " could not be stored: " + result.error);
+  }
+  changed(id);
+  std::lock_guard<std::mutex> lock(mu_);
+  ++change_count_;
+  work_.notify_all();
+  changed_.notify_all();
+}
+
+void PeerScheduler::fail_or_retry(const Running& run, const std::string& error) {
+  const bool retry = run.attempt + 1 <= options_.scheduling.chunk_retries;
+  spdlog::warn("job={} event=chunk_failed chunk={} replica={} attempt={} retry={} error=\"{}\"", run.job.id,
+               run.lease.chunk_index, run.replica, run.attempt, retry, error);
+  if (observer_) observer_->chunk_failed(snapshot(run.job), run.replica, run.lease.chunk_index, error, retry);
+  if (!retry) {
+    finish(run.job.id, JobState::Failed, ErrorKind::Internal,
+           "chunk " + std::to_string(run.lease.chunk_index) + " failed " + std::to_string(run.attempt + 1) +
+               " time(s); last error on replica " + run.replica + ": " + error);
+    return;
+  }
+  JobEvent event;
+  event.type = EventType::ChunkRetry;
+  event.chunk = run.lease.chunk_index;
+  event.replica = run.replica;
+  event.attempt = run.attempt;
+  event.message = error;
+  append(run.job.id, event);
+  try {
+    if (std::optional<StoredJob> job = leases_.load_job(run.job.id)) {
+      ++job->retries;
+      store_.update_job(*job);
+    }
+  } catch (const StoreError& e) {
+    spdlog::error("job={} event=store_update_failed error=\"{}\"", run.job.id, e.what());
+  }
+  leases_.release(run.lease);
+  std::lock_guard<std::mutex> lock(mu_);
+  cache_.erase(run.job.id);  // the failed chunk may have left the payload half-advanced
+}
+
+// Ends a job in the store (whichever pod gets there first), with its Finished event.
+void PeerScheduler::finish(const std::string& job_id, JobState state, ErrorKind kind, const std::string& error) {
+  try {
+    std::optional<StoredJob> job = leases_.load_job(job_id);
+    if (!job || is_terminal(parse_job_state(job->state))) return;
+    job->state = job_state_name(state);
+    job->error_kind = error_kind_name(kind);
+    job->error = error;
+    job->finished_ms = now_ms();
+    store_.update_job(*job);
+    JobEvent event;
+    event.type = EventType::Finished;
+    event.message = error;
+    append(job_id, event);
+    spdlog::log(state == JobState::Succeeded ? spdlog::level::info : spdlog::level::warn,
+                "job={} event=finished state={} chunks_done={} error=\"{}\"", job_id, job_state_name(state),
+                job->chunks_done, error);
+    if (observer_) observer_->job_finished(snapshot(*job));
+  } catch (const StoreError& e) {
+    spdlog::error("job={} event=finish_failed state={} error=\"{}\"", job_id, job_state_name(state), e.what());
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cache_.erase(job_id);
+  }
+  changed(job_id);
+}
+
+uint64_t PeerScheduler::append(const std::string& job_id, const JobEvent& event) {
+  JobEvent stamped = event;
+  stamped.time = WallClock::now();
+  try {
+    const std::vector<uint64_t> seq = leases_.append_events(job_id, {encode_stored_event(stamped)});
+    return seq.empty() ? 0 : seq.front();
+  } catch (const StoreError& e) {
+    spdlog::error("job={} event=store_event_failed error=\"{}\"", job_id, e.what());
+    return 0;
+  }
+}
+
+void PeerScheduler::replicas_changed() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++change_count_;
+  work_.notify_all();
+  changed_.notify_all();
+}
+
+void PeerScheduler::interrupt() {
+  std::lock_guard<std::mutex> lock(mu_);
+  interrupted_ = true;
+  hard_stop_ = true;
+  work_.notify_all();
+}
+
+// ---- store notifications, heartbeats, housekeeping -----------------------------------------------------------
+
+void PeerScheduler::changed(const std::string& job_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++change_count_;
+  work_.notify_all();
+  changed_.notify_all();
+  auto it = listeners_.find(job_id);
+  if (it != listeners_.end()) {
+    for (auto& [token, notify] : it->second) notify();
+  }
+  for (auto& [replica, run] : running_) {
+    if (run->job.id == job_id) {
+      renew_now_ = true;  // a cancel from another pod reaches this chunk at its next step, not its next heartbeat
+      heartbeat_cv_.notify_all();
+    }
+  }
+}
+
+void PeerScheduler::listen_loop() {
+  std::unique_ptr<ChangeListener> listener;
+  auto last_poll = Clock::now();
+  while (true) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return;
+    }
+    try {
+      if (!listener) listener = leases_.listen();
+      const JobChanges changes = listener->wait(options_.poll);
+      for (const std::string& id : changes.job_ids) changed(id);
+      if (changes.missed) last_poll = Clock::time_point{};
+    } catch (const StoreError& e) {
+      listener.reset();
+      spdlog::warn("event=store_listen_failed error=\"{}\"", e.what());
+      std::unique_lock<std::mutex> lock(mu_);
+      heartbeat_cv_.wait_for(lock, options_.poll, [&] { return stopping_; });
+    }
+    // Fallback: notifications are hints (an expiring lease sends none), so every waiter looks again now and then.
+    if (Clock::now() - last_poll >= 5 * options_.poll) {
+      last_poll = Clock::now();
+      std::vector<std::string> watched;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (const auto& [id, listeners] : listeners_) watched.push_back(id);
+      }
+      for (const std::string& id : watched) changed(id);
+      std::lock_guard<std::mutex> lock(mu_);
+      ++change_count_;
+      work_.notify_all();
+      changed_.notify_all();
+    }
+  }
+}
+
+void PeerScheduler::heartbeat_loop() {
+  const auto period = std::max<std::chrono::milliseconds>(options_.lease_ttl / 3, std::chrono::milliseconds(10));
+  auto next_housekeeping = Clock::now();
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopping_) {
+    heartbeat_cv_.wait_for(lock, period, [&] { return stopping_ || renew_now_; });
+    if (stopping_) break;
+    renew_now_ = false;
+    std::vector<std::shared_ptr<Running>> runs;
+    for (auto& [replica, run] : running_) runs.push_back(run);
+    lock.unlock();
+    for (auto& run : runs) {
+      try {
+        const LeaseRenewal renewal = leases_.renew(run->lease, options_.lease_ttl);
+        if (!renewal.held) run->lost = true;
+        if (renewal.cancel_requested) run->cancel = true;
+      } catch (const StoreError& e) {
+        spdlog::warn("job={} event=lease_renew_failed error=\"{}\"", run->job.id, e.what());
+      }
+    }
+    if (Clock::now() >= next_housekeeping) {
+      housekeeping();
+      next_housekeeping = Clock::now() + 5 * options_.poll;
+    }
+    lock.lock();
+  }
+}
+
+// Deadlines of jobs no replica runs are enforced by whichever pod looks first; the metrics see the global queue.
+void PeerScheduler::housekeeping() {
+  try {
+    for (const std::string& id : leases_.expire_deadlines()) {
+      JobEvent event;
+      event.type = EventType::Finished;
+      event.message = "deadline passed while queued";
+      append(id, event);
+      spdlog::warn("job={} event=finished state=DEADLINE_EXCEEDED reason=\"deadline passed while queued\"", id);
+      changed(id);
+    }
+    retire_finished();
+    if (observer_) observer_->queue_changed(leases_.queue_depth(), running_jobs());
+  } catch (const StoreError& e) {
+    spdlog::warn("event=housekeeping_failed error=\"{}\"", e.what());
+  }
+}
+
+void PeerScheduler::retire_finished() {
+  const auto& o = options_.scheduling;
+  const int64_t before = now_ms() - std::chrono::duration_cast<std::chrono::milliseconds>(o.retention).count();
+  for (const LeaseStore::Retired& job : leases_.finished_to_retire(before, o.max_retained_jobs)) {
+    store_.drop_job(job.job_id, job.expired ? "its results were kept --result-ttl-seconds " +
+                                                  std::to_string(o.retention.count())
+                                            : "more than --max-retained-jobs " + std::to_string(o.max_retained_jobs) +
+                                                  " finished jobs");
+    changed(job.job_id);  // watchers find it gone
+  }
+}
+
+// ---- the transport's side -----------------------------------------------------------------------------------
+
+void PeerScheduler::admit(const JobSpec& spec) const {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (draining_ || stopping_) throw AdmissionError(AdmissionError::Reason::Draining, "server is draining");
+  }
+  if (!pool_.any_healthy()) {
+    throw AdmissionError(AdmissionError::Reason::Unavailable, "no healthy replica on this server", 1.0);
+  }
+  AdmissionCounts counts;
+  try {
+    counts = leases_.admission_counts(spec.client);
+  } catch (const StoreError& e) {
+    throw AdmissionError(AdmissionError::Reason::Unavailable, std::string("job store unavailable: ") + e.what(), 1.0);
+  }
+  if (counts.unfinished >= options_.scheduling.max_jobs) {
+    throw AdmissionError(AdmissionError::Reason::QueueFull,
+                         "queue full (" + std::to_string(counts.unfinished) + " unfinished jobs)", 1.0);
+  }
+  const int64_t cap = spec.client_max_jobs > 0 ? spec.client_max_jobs : options_.scheduling.max_jobs_per_client;
+  if (cap > 0 && counts.unfinished_for_client >= cap) {
+    throw AdmissionError(AdmissionError::Reason::ClientQueueFull,
+                         "this client has " + std::to_string(counts.unfinished_for_client) +
+                             " unfinished jobs (limit " + std::to_string(cap) + ")",
+                         1.0);
+  }
+}
+
+void PeerScheduler::check_admission(const JobSpec& spec) const {
+  if (!spec.idempotency_key.empty()) {
+    // A key naming an existing job passes: submit() deduplicates it.
+    for (const JobSnapshot& job : list(spec.owner)) {
+      if (job.idempotency_key == spec.idempotency_key) return;
+    }
+  }
+  admit(spec);
+}
+
+SubmitResult PeerScheduler::submit(JobSpec spec) {
+  if (spec.chunk_work.empty()) throw std::invalid_argument("submit: a job needs at least one chunk");
+  admit(spec);
+  StoredJob job;
+  job.id = new_job_id();
+  job.owner = spec.owner;
+  job.client = spec.client;
+  job.priority = spec.priority;
+  if (spec.deadline) job.deadline_ms = deadline_ms(spec.deadline);
+  job.idempotency_key = spec.idempotency_key;
+  job.fingerprint = spec.fingerprint;
+  job.state = job_state_name(JobState::Queued);
+  job.created_ms = now_ms();
+  job.chunk_count = static_cast<int64_t>(spec.chunk_work.size());
+  job.request = std::move(spec.durable_request);
+  InsertOutcome outcome;
+  try {
+    outcome = leases_.insert_job_once(std::move(job));
+  } catch (const StoreError& e) {
+    throw AdmissionError(AdmissionError::Reason::Unavailable, std::string("job store unavailable: ") + e.what(), 1.0);
+  }
+  if (!outcome.inserted) {
+    if (outcome.fingerprint != spec.fingerprint) {
+      throw AdmissionError(AdmissionError::Reason::IdempotencyConflict,
+                           "idempotency_key was used for a different request (job " + outcome.job_id + ")");
+    }
+    std::optional<JobSnapshot> existing = get(outcome.job_id, spec.owner);
+    if (!existing) throw AdmissionError(AdmissionError::Reason::Unavailable, "the deduplicated job is gone", 1.0);
+    return {*existing, true};
+  }
+  {
+    // This pod prepared the payload: if one of its replicas claims chunk 0, nothing is re-created.
+    auto cached = std::make_shared<Cached>();
+    cached->payload = spec.payload;
+    cached->chunk_rows = spec.chunk_rows;
+    cached->used = Clock::now();
+    std::lock_guard<std::mutex> lock(mu_);
+    cache_[outcome.job_id] = cached;
+  }
+  JobEvent queued;
+  queued.type = EventType::Queued;
+  queued.chunk_count = static_cast<int64_t>(spec.chunk_work.size());
+  append(outcome.job_id, queued);
+  std::optional<JobSnapshot> snap = get(outcome.job_id, spec.owner);
+  if (!snap) throw AdmissionError(AdmissionError::Reason::Unavailable, "the job store lost the job", 1.0);
+  spdlog::info("job={} event=submitted chunks={} priority={} owner={}", outcome.job_id, snap->chunk_count,
+               snap->priority, spec.owner);
+  if (observer_) observer_->job_submitted(*snap);
+  changed(outcome.job_id);
+  return {*snap, false};
+}
+
+std::optional<StoredJob> PeerScheduler::find(const std::string& id, const std::string& owner) const {
+  std::optional<StoredJob> job = leases_.load_job(id);
+  if (!job || job->owner != owner) return std::nullopt;
+  return job;
+}
+
+JobSnapshot PeerScheduler::snapshot(const StoredJob& job) const {
+  JobSnapshot s;
+  s.id = job.id;
+  s.owner = job.owner;
+  s.state = parse_job_state(job.state);
+  s.priority = job.priority;
+  s.idempotency_key = job.idempotency_key;
+  s.created = from_wall_ms(job.created_ms);
+  if (job.started_ms > 0) s.started = from_wall_ms(job.started_ms);
+  if (job.finished_ms > 0) s.finished = from_wall_ms(job.finished_ms);
+  if (job.deadline_ms) s.deadline = from_wall_ms(*job.deadline_ms);
+  s.chunk_count = job.chunk_count;
+  s.chunks_done = job.chunks_done;
+  s.handoffs = job.handoffs;
+  s.retries = job.retries;
+  s.error_kind = parse_error_kind(job.error_kind);
+  s.error = job.error;
+  s.progress = job.chunk_count > 0 ? static_cast<double>(job.chunks_done) / static_cast<double>(job.chunk_count) : 0;
+  if (s.state == JobState::Succeeded) s.progress = 1.0;
+  return s;
+}
+
+std::optional<JobSnapshot> PeerScheduler::get(const std::string& id, const std::string& owner) const {
+  std::optional<StoredJob> job;
+  std::vector<StoredEvent> events;
+  try {
+    job = find(id, owner);
+    if (!job) return std::nullopt;
+    events = store_.load_events(id);
+  } catch (const StoreError& e) {
+    spdlog::warn("job={} event=store_read_failed error=\"{}\"", id, e.what());
+    return std::nullopt;
+  }
+  JobSnapshot s = snapshot(*job);
+  for (const StoredEvent& stored : events) {
+    s.last_sequence = std::max(s.last_sequence, stored.sequence);
+    const JobEvent e = decode_stored_event(stored);
+    if (e.type == EventType::ChunkFinished) s.chunk_replicas.push_back(e.replica);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [replica, run] : running_) {
+    if (run->job.id == id && run->progress > s.progress) s.progress = run->progress;
+  }
+  if (auto it = steps_.find(id); it != steps_.end() && !it->second.empty()) {
+    s.last_sequence = std::max(s.last_sequence, it->second.back().sequence);
+  }
+  if (auto it = cache_.find(id); it != cache_.end()) s.payload = it->second->payload;
+  return s;
+}
+
+std::vector<JobSnapshot> PeerScheduler::list(const std::string& owner) const {
+  std::vector<JobSnapshot> out;
+  try {
+    for (const StoredJob& job : store_.load_jobs()) {
+      if (job.owner == owner) out.push_back(snapshot(job));
+    }
+  } catch (const StoreError& e) {
+    spdlog::warn("event=store_read_failed error=\"{}\"", e.what());
+  }
+  return out;
+}
+
+std::optional<std::string> PeerScheduler::dropped(const std::string& id, const std::string& owner) const {
+  try {
+    return store_.dropped_reason(id, owner);
+  } catch (const StoreError&) {
+    return std::nullopt;
+  }
+}
+
+std::optional<JobSnapshot> PeerScheduler::cancel(const std::string& id, const std::string& owner) {
+  CancelState state = CancelState::Unknown;
+  try {
+    state = leases_.request_cancel(id, owner);
+  } catch (const StoreError& e) {
+    spdlog::warn("job={} event=cancel_failed error=\"{}\"", id, e.what());
+    return std::nullopt;
+  }
+  if (state == CancelState::Unknown) return std::nullopt;
+  // Nobody runs it: end it here. Running: the pod running it sees the request at its next step (a notification
+  // makes it renew at once) and ends the job.
+  if (state == CancelState::Idle) finish(id, JobState::Cancelled, ErrorKind::Cancelled, "cancelled by the client");
+  return get(id, owner);
+}
+
+EventBatch PeerScheduler::wait_events(const std::string& id, const std::string& owner, uint64_t after_sequence,
+                                      Clock::time_point until) const {
+  while (true) {
+    uint64_t seen = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      seen = change_count_;
+    }
+    EventBatch batch;
+    std::optional<StoredJob> job;
+    std::vector<StoredEvent> stored;
+    try {
+      job = find(id, owner);
+      if (job) stored = store_.load_events(id);
+    } catch (const StoreError& e) {
+      spdlog::warn("job={} event=store_read_failed error=\"{}\"", id, e.what());
+    }
+    if (!job) {
+      batch.found = false;
+      return batch;
+    }
+    for (const StoredEvent& s : stored) {
+      if (s.sequence > after_sequence) batch.events.push_back(decode_stored_event(s));
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (auto it = steps_.find(id); it != steps_.end()) {
+        for (const JobEvent& e : it->second) {
+          if (e.sequence > after_sequence) batch.events.push_back(e);
+        }
+      }
+    }
+    std::sort(batch.events.begin(), batch.events.end(),
+              [](const JobEvent& a, const JobEvent& b) { return a.sequence < b.sequence; });
+    batch.finished = is_terminal(parse_job_state(job->state)) &&
+                     std::any_of(stored.begin(), stored.end(), [](const StoredEvent& s) {
+                       return decode_stored_event(s).type == EventType::Finished;
+                     });
+    if (!batch.events.empty() || batch.finished || Clock::now() >= until) return batch;
+    std::unique_lock<std::mutex> lock(mu_);
+    changed_.wait_until(lock, std::min(until, Clock::now() + options_.poll),
+                        [&] { return change_count_ != seen || stopping_; });
+    if (stopping_) return batch;
+  }
+}
+
+uint64_t PeerScheduler::subscribe(const std::string& id, const std::string& owner, std::function<void()> notify) {
+  try {
+    if (!find(id, owner)) return 0;
+  } catch (const StoreError&) {
+    return 0;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t token = next_listener_++;
+  listeners_[id][token] = std::move(notify);
+  return token;
+}
+
+void PeerScheduler::unsubscribe(const std::string& id, uint64_t token) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = listeners_.find(id);
+  if (it == listeners_.end()) return;
+  it->second.erase(token);
+  if (it->second.empty()) listeners_.erase(it);
+}
+
+std::optional<JobSnapshot> PeerScheduler::wait_chunks(const std::string& id, const std::string& owner,
+                                                      int64_t chunks_seen, Clock::time_point until) const {
+  while (true) {
+    uint64_t seen = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      seen = change_count_;
+    }
+    std::optional<JobSnapshot> s = get(id, owner);
+    if (!s || s->chunks_done > chunks_seen || is_terminal(s->state) || Clock::now() >= until) return s;
+    std::unique_lock<std::mutex> lock(mu_);
+    changed_.wait_until(lock, std::min(until, Clock::now() + options_.poll),
+                        [&] { return change_count_ != seen || stopping_; });
+    if (stopping_) return s;
+  }
+}
+
+void PeerScheduler::begin_drain() {
+  std::lock_guard<std::mutex> lock(mu_);
+  draining_ = true;
+  spdlog::info("event=drain_started running_chunks={}", running_.size());
+}
+
+bool PeerScheduler::draining() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return draining_;
+}
+
+bool PeerScheduler::wait_idle(Clock::time_point until) const {
+  std::unique_lock<std::mutex> lock(mu_);
+  return changed_.wait_until(lock, until, [&] { return running_.empty(); });
+}
+
+void PeerScheduler::abort_all(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  hard_stop_ = true;
+  draining_ = true;
+  spdlog::warn("event=abort_all running_chunks={} reason=\"{}\" (their leases go back to the store)", running_.size(),
+               reason);
+}
+
+std::vector<ReplicaStatus> PeerScheduler::replicas() const { return pool_.status(); }
+
+int64_t PeerScheduler::queued_jobs() const {
+  try {
+    return leases_.queue_depth();
+  } catch (const StoreError&) {
+    return 0;
+  }
+}
+
+int64_t PeerScheduler::running_jobs() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int64_t>(running_.size());
+}
+
+}  // namespace skyreels::server

@@ -1,0 +1,135 @@
+// The job queue of a pod among peers: several servers share one store (PostgreSQL) and no pod owns a job. Every pod
+// accepts submissions (the queue limit and idempotency keys are the store's, so global), answers reads and waits for
+// any job from the store (woken by LISTEN/NOTIFY, polling as a fallback), and its idle replicas claim chunk leases
+// (server/job_lease.h): the store picks the chunk by the same policy as the in-memory scheduler, a heartbeat renews
+// the lease while the chunk runs, and the result commits under the lease's token, so a pod that lost its lease (it
+// died, or paused past the expiry) commits nothing and each chunk is committed exactly once.
+//
+// What stays in this pod: the replicas (ReplicaPool), the payload of jobs whose previous chunk ran here (affinity:
+// their latents are already on this pod's device; any other pod re-creates the payload from the stored request and
+// chunks), step-progress events of chunks running here, and watchers' subscriptions. Draining stops claiming; the
+// chunks running here finish, or, when the drain times out (abort_all), stop and give their leases back.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "server/job_lease.h"
+#include "server/job_queue.h"
+#include "server/replica_pool.h"
+
+namespace skyreels::server {
+
+// Re-creates a job's payload from its stored request and committed chunks (the layer that owns the request does it:
+// the service). RestoredJob::payload null: the job cannot run (RestoredJob::error says why).
+using JobLoader = std::function<RestoredJob(const StoredJob& job, std::vector<StoredChunk> chunks)>;
+
+struct PeerOptions {
+  SchedulerOptions scheduling;
+  std::string pod;  // this pod's name (e.g. the hostname): replicas claim as "<pod>/<replica>"
+  std::chrono::milliseconds lease_ttl{30000};
+  std::chrono::milliseconds poll{1000};  // store polling when no notification arrives
+};
+
+class PeerScheduler final : public JobQueue, private ChunkSource {
+ public:
+  // `store` and `leases` are the same shared store; both must outlive the scheduler.
+  PeerScheduler(std::vector<std::unique_ptr<ChunkExecutor>> executors, PeerOptions options, JobStore& store,
+                LeaseStore& leases, JobLoader loader, SchedulerObserver* observer = nullptr);
+  ~PeerScheduler() override;  // running chunks stop and give their leases back
+  PeerScheduler(const PeerScheduler&) = delete;
+  PeerScheduler& operator=(const PeerScheduler&) = delete;
+
+  void restore(std::vector<RestoredJob> jobs) override;  // the store is the queue: nothing to take over
+  void start() override;
+  bool all_loaded() const override;
+  bool ready() const override;  // also: the store answers
+  bool live() const override;
+
+  SubmitResult submit(JobSpec spec) override;
+  void check_admission(const JobSpec& spec) const override;
+  std::optional<JobSnapshot> get(const std::string& id, const std::string& owner) const override;
+  std::vector<JobSnapshot> list(const std::string& owner) const override;
+  std::optional<std::string> dropped(const std::string& id, const std::string& owner) const override;
+  std::optional<JobSnapshot> cancel(const std::string& id, const std::string& owner) override;
+
+  EventBatch wait_events(const std::string& id, const std::string& owner, uint64_t after_sequence,
+                         Clock::time_point until) const override;
+  uint64_t subscribe(const std::string& id, const std::string& owner, std::function<void()> notify) override;
+  void unsubscribe(const std::string& id, uint64_t token) override;
+  std::optional<JobSnapshot> wait_chunks(const std::string& id, const std::string& owner, int64_t chunks_seen,
+                                         Clock::time_point until) const override;
+
+  void begin_drain() override;
+  bool draining() const override;
+  bool wait_idle(Clock::time_point until) const override;  // no chunk runs on this pod
+  void abort_all(const std::string& reason) override;      // running chunks stop and give their leases back
+
+  std::vector<ReplicaStatus> replicas() const override;
+  int64_t queued_jobs() const override;  // in the whole store
+  int64_t running_jobs() const override;  // chunks running on this pod
+  const SchedulerOptions& options() const override { return options_.scheduling; }
+
+ private:
+  struct Running;
+  struct Cached;
+
+  // ChunkSource (the pool's workers)
+  std::optional<ChunkAssignment> next_chunk(size_t replica) override;
+  void chunk_done(size_t replica, ChunkAssignment assignment, ChunkResult result, double seconds) override;
+  void replicas_changed() override;
+  void interrupt() override;
+
+  std::optional<ChunkAssignment> prepare(size_t replica, const ChunkLease& lease);
+  std::shared_ptr<JobPayload> payload_for(const StoredJob& job, const ChunkLease& lease, std::string& error);
+  int attempts_of(const std::string& job_id, int64_t chunk) const;
+  void finish(const std::string& job_id, JobState state, ErrorKind kind, const std::string& error);
+  void fail_or_retry(const Running& run, const std::string& error);
+  uint64_t append(const std::string& job_id, const JobEvent& event);
+  void push_step(Running& run, int64_t row, int64_t rows);
+  bool stop_requested(const Running& run) const;
+  std::string lease_name(size_t replica) const;
+  JobSnapshot snapshot(const StoredJob& job) const;
+  std::optional<StoredJob> find(const std::string& id, const std::string& owner) const;
+  void admit(const JobSpec& spec) const;
+  void changed(const std::string& job_id);  // wakes waiters and the job's subscribers
+  void listen_loop();
+  void heartbeat_loop();
+  void housekeeping();
+  void retire_finished();
+
+  PeerOptions options_;
+  JobStore& store_;
+  LeaseStore& leases_;
+  JobLoader loader_;
+  SchedulerObserver* observer_;
+  ReplicaPool pool_;
+
+  mutable std::mutex mu_;
+  mutable std::condition_variable changed_;  // any job changed (store notification, local event), running chunk ended
+  std::condition_variable work_;             // a chunk may have become ready
+  std::map<size_t, std::shared_ptr<Running>> running_;  // by replica
+  std::map<std::string, std::shared_ptr<Cached>> cache_;  // payloads of jobs whose last chunk ran here
+  std::map<std::string, std::deque<JobEvent>> steps_;     // step events of chunks running here (bounded)
+  std::map<std::string, std::map<uint64_t, std::function<void()>>> listeners_;
+  uint64_t next_listener_ = 1;
+  uint64_t change_count_ = 0;  // bumped by every change: next_chunk sleeps only when nothing changed since it looked
+  bool draining_ = false;
+  bool hard_stop_ = false;  // abort_all / destructor: running chunks stop now
+  bool interrupted_ = false;
+  bool stopping_ = false;
+  bool started_ = false;
+  std::thread listener_, heartbeat_;
+  std::condition_variable heartbeat_cv_;
+  bool renew_now_ = false;
+};
+
+}  // namespace skyreels::server

@@ -1,0 +1,253 @@
+// Issue 14, many pods on one queue: real skyreels-server processes on 127.0.0.1 sharing one real PostgreSQL 15
+// (started by the test on a unix socket, tests/pg_fixture.h) with short chunk leases. Any pod accepts, answers and
+// streams any job; a pod killed (SIGKILL) or paused (SIGSTOP) while it runs a chunk loses its lease and another pod
+// runs that chunk again; the late pod cannot commit it (fencing); every video equals the single-process
+// `skyreels generate` for the same seed exactly, and each chunk is committed once.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <stdlib.h>
+
+#include <chrono>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "tests/pg_fixture.h"
+#include "tests/test_server_harness.h"
+#include "tests/test_util.h"
+
+namespace skyreels::test {
+namespace {
+
+namespace pb = skyreels::v1;
+using namespace std::chrono_literals;
+
+// A pod: one CPU replica (float32, as `skyreels generate` runs), slowed so that a kill or a pause lands mid-chunk.
+// The store's URL comes from $SKYREELS_JOB_STORE, as in the Kubernetes overlay (no password in the process list).
+std::vector<std::string> pod_args(const std::string& pod, double lease_seconds, int step_delay_ms) {
+  return {"--demo",      "--devices",  "cpu", "--dtype", "float32", "--pod-name", pod, "--lease-seconds",
+          std::to_string(lease_seconds), "--step-delay-ms", std::to_string(step_delay_ms)};
+}
+
+class Cluster {
+ public:
+  Cluster(int pods, double lease_seconds, int step_delay_ms) : lease_seconds_(lease_seconds), delay_(step_delay_ms) {
+    ::setenv("SKYREELS_JOB_STORE", pg_.url().c_str(), 1);
+    for (int i = 0; i < pods; ++i) add_pod();
+  }
+  ~Cluster() { ::unsetenv("SKYREELS_JOB_STORE"); }
+
+  ServerProcess& add_pod() {
+    const std::string name = "pod-" + std::to_string(pods_.size());
+    pods_.push_back(std::make_unique<ServerProcess>(pod_args(name, lease_seconds_, delay_)));
+    return *pods_.back();
+  }
+  ServerProcess& pod(size_t i) { return *pods_.at(i); }
+  size_t size() const { return pods_.size(); }
+  PgServer& pg() { return pg_; }
+
+ private:
+  PgServer pg_;
+  double lease_seconds_;
+  int delay_;
+  std::vector<std::unique_ptr<ServerProcess>> pods_;
+};
+
+// 57 frames in chunks of 17 with overlap 9: six chunks.
+pb::SubmitJobRequest six_chunk_request(uint64_t seed) {
+  pb::SubmitJobRequest request = long_video_request(seed);
+  request.mutable_spec()->mutable_params()->set_num_frames(57);
+  return request;
+}
+
+int count_of(const std::string& text, const std::string& needle) {
+  int n = 0;
+  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+  return n;
+}
+
+// Waits until the pod's log holds `needle` more than `already` times; false after `timeout`.
+bool wait_for_log(ServerProcess& pod, const std::string& needle, int already, std::chrono::seconds timeout) {
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < until) {
+    if (count_of(pod.log(), needle) > already) return true;
+    std::this_thread::sleep_for(20ms);
+  }
+  return false;
+}
+
+// Every event of a job from the start, as a client on `pod` sees it.
+std::vector<pb::JobEvent> all_events(ServerProcess& pod, const std::string& id) {
+  auto ctx = pod.client().context(120);
+  pb::WatchJobRequest request;
+  request.set_job_id(id);
+  auto reader = pod.client().stub().WatchJob(ctx.get(), request);
+  std::vector<pb::JobEvent> events;
+  pb::JobEvent event;
+  while (reader->Read(&event)) {
+    events.push_back(event);
+    if (event.has_finished()) break;
+  }
+  ctx->TryCancel();
+  reader->Finish();
+  return events;
+}
+
+// Chunk index -> how many ChunkFinished events the job has for it (each chunk is committed exactly once: 1).
+std::map<int64_t, int> finished_chunks(const std::vector<pb::JobEvent>& events) {
+  std::map<int64_t, int> count;
+  for (const auto& e : events) {
+    if (e.has_chunk_finished()) ++count[e.chunk_finished().chunk_index()];
+  }
+  return count;
+}
+
+void expect_each_chunk_once(const std::vector<pb::JobEvent>& events, int64_t chunks, const std::string& id) {
+  const auto count = finished_chunks(events);
+  EXPECT_EQ(static_cast<int64_t>(count.size()), chunks) << id;
+  for (const auto& [chunk, n] : count) EXPECT_EQ(n, 1) << id << " chunk " << chunk << " committed " << n << " times";
+  for (size_t i = 1; i < events.size(); ++i) EXPECT_GT(events[i].sequence(), events[i - 1].sequence()) << id;
+}
+
+TEST(Peers, ThreePodsShareOneQueueAndAPodKilledMidChunkLosesNothing) {
+  Cluster cluster(3, /*lease_seconds=*/2.0, /*step_delay_ms=*/40);
+  std::vector<pb::SubmitJobRequest> requests;
+  std::vector<std::string> ids;
+  for (int i = 0; i < 4; ++i) {
+    requests.push_back(six_chunk_request(1401 + static_cast<uint64_t>(i)));
+    ids.push_back(submit(cluster.pod(static_cast<size_t>(i) % 3).client(), requests.back()).job_id());  // round robin
+  }
+  // Kill pod 1 while it runs a chunk (its log says so as the chunk starts; a chunk takes many 40 ms steps).
+  ASSERT_TRUE(wait_for_log(cluster.pod(1), "event=chunk_started", 0, 120s)) << cluster.pod(1).log();
+  cluster.pod(1).signal(SIGKILL);
+  ASSERT_NE(cluster.pod(1).wait_exit(10s), -1);
+
+  const std::vector<size_t> alive = {0, 2};
+  int retries = 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    // Watched through a pod the job was not submitted to, downloaded through the other one.
+    ServerProcess& watcher = cluster.pod(alive[(i + 1) % 2]);
+    ServerProcess& downloader = cluster.pod(alive[i % 2]);
+    const pb::Job done = wait_job(watcher.client(), ids[i], 240s);
+    ASSERT_EQ(done.state(), pb::JOB_STATE_SUCCEEDED) << ids[i] << ": " << done.error().message();
+    EXPECT_EQ(done.chunks_done(), 6);
+    retries += static_cast<int>(done.retries());
+    expect_each_chunk_once(all_events(watcher, ids[i]), 6, ids[i]);
+    const at::Tensor served = download_latents(downloader.client(), ids[i]);
+    const at::Tensor expected = reference_latents(requests[i]);
+    ASSERT_TRUE(served.defined());
+    EXPECT_TRUE(at::equal(served, expected)) << ids[i] << ": max |served - generate| = " << max_abs_diff(served, expected);
+  }
+  EXPECT_GE(retries, 1) << "the chunk pod 1 was running is taken over as a retry";
+  std::cout << "3 pods, 4 jobs x 6 chunks, pod 1 killed mid-chunk: all succeeded, retries " << retries << "\n";
+}
+
+TEST(Peers, APodPausedPastItsLeaseCannotCommitTheChunkAnotherPodTookOver) {
+  Cluster cluster(2, /*lease_seconds=*/1.5, /*step_delay_ms=*/120);
+  ServerProcess& late = cluster.pod(0);
+  ServerProcess& other = cluster.pod(1);
+  const std::vector<pb::SubmitJobRequest> requests = {six_chunk_request(1411), six_chunk_request(1412)};
+  std::vector<std::string> ids;
+  for (const auto& request : requests) ids.push_back(submit(other.client(), request).job_id());
+  // Pause pod 0 as soon as it starts a chunk, so that it holds a lease it cannot renew.
+  ASSERT_TRUE(wait_for_log(late, "event=chunk_started", 0, 60s)) << "pod 0 ran no chunk";
+  late.signal(SIGSTOP);
+  const bool taken_over = wait_for_log(other, "event=lease_takeover", 0, 60s);
+  late.signal(SIGCONT);
+  ASSERT_TRUE(taken_over) << other.log();
+  // Awake again, pod 0 learns that its lease is gone (heartbeat) or has its commit refused (fence).
+  const bool fenced = wait_for_log(late, "event=lease_lost", 0, 60s) || count_of(late.log(), "event=commit_fenced") > 0;
+  EXPECT_TRUE(fenced) << late.log();
+
+  int retries = 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const pb::Job done = wait_job(other.client(), ids[i], 240s);
+    ASSERT_EQ(done.state(), pb::JOB_STATE_SUCCEEDED) << done.error().message();
+    retries += static_cast<int>(done.retries());
+    expect_each_chunk_once(all_events(late, ids[i]), 6, ids[i]);
+    EXPECT_TRUE(at::equal(download_latents(late.client(), ids[i]), reference_latents(requests[i]))) << ids[i];
+  }
+  EXPECT_GE(retries, 1) << "the taken-over chunk counts as a retry";
+}
+
+TEST(Peers, OneIdempotencyKeyOnTwoPodsGivesOneJob) {
+  Cluster cluster(2, 2.0, 0);
+  pb::SubmitJobRequest request = long_video_request(1421);
+  request.set_idempotency_key("peers-key-1");
+  pb::SubmitJobResponse first, second;
+  ASSERT_TRUE(submit_status(cluster.pod(0).client(), request, &first).ok());
+  ASSERT_TRUE(submit_status(cluster.pod(1).client(), request, &second).ok());
+  EXPECT_EQ(first.job().job_id(), second.job().job_id());
+  request.mutable_spec()->mutable_params()->set_seed(1422);  // the same key for another request
+  EXPECT_EQ(submit_status(cluster.pod(1).client(), request).error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_EQ(wait_job(cluster.pod(1).client(), first.job().job_id()).state(), pb::JOB_STATE_SUCCEEDED);
+}
+
+TEST(Peers, CancelFromAnotherPodStopsTheRunningChunk) {
+  Cluster cluster(2, 2.0, 100);
+  const pb::SubmitJobRequest request = six_chunk_request(1431);
+  const std::string id = submit(cluster.pod(0).client(), request).job_id();
+  first_event_of_type(cluster.pod(1).client(), id, pb::JobEvent::kChunkStarted);
+  auto ctx = cluster.pod(1).client().context(10);
+  pb::CancelJobRequest cancel;
+  cancel.set_job_id(id);
+  pb::Job answer;
+  ASSERT_TRUE(cluster.pod(1).client().stub().CancelJob(ctx.get(), cancel, &answer).ok());
+  const pb::Job done = wait_job(cluster.pod(0).client(), id, 60s);
+  EXPECT_EQ(done.state(), pb::JOB_STATE_CANCELLED);
+  EXPECT_LT(done.chunks_done(), 6);
+}
+
+TEST(Peers, PostgresRestartMidRunIsSurvivedAndReadinessRecovers) {
+  Cluster cluster(2, 2.0, 40);
+  std::vector<pb::SubmitJobRequest> requests;
+  std::vector<std::string> ids;
+  for (int i = 0; i < 3; ++i) {
+    requests.push_back(long_video_request(1441 + static_cast<uint64_t>(i)));
+    ids.push_back(submit(cluster.pod(static_cast<size_t>(i) % 2).client(), requests.back()).job_id());
+  }
+  first_event_of_type(cluster.pod(0).client(), ids[0], pb::JobEvent::kChunkFinished);
+  cluster.pg().restart();
+  for (size_t p = 0; p < cluster.size(); ++p) {
+    const auto until = std::chrono::steady_clock::now() + 60s;
+    int status = -1;
+    while (std::chrono::steady_clock::now() < until) {
+      status = health_status(cluster.pod(p).address(), "");
+      if (status == 1) break;  // SERVING
+      std::this_thread::sleep_for(100ms);
+    }
+    EXPECT_EQ(status, 1) << "pod " << p << " is not ready again after the PostgreSQL restart";
+  }
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const pb::Job done = wait_job(cluster.pod((i + 1) % 2).client(), ids[i], 240s);
+    ASSERT_EQ(done.state(), pb::JOB_STATE_SUCCEEDED) << done.error().message();
+    EXPECT_TRUE(at::equal(download_latents(cluster.pod(i % 2).client(), ids[i]), reference_latents(requests[i])));
+  }
+}
+
+TEST(Peers, ManyJobsOverThreePodsAllFinishAndInterleave) {
+  Cluster cluster(3, 2.0, 0);
+  std::vector<std::string> ids;
+  for (int i = 0; i < 12; ++i) {
+    ids.push_back(submit(cluster.pod(static_cast<size_t>(i) % 3).client(), long_video_request(1451 + static_cast<uint64_t>(i))).job_id());
+  }
+  std::map<std::string, int> chunks_by_pod;
+  for (const std::string& id : ids) {
+    const pb::Job done = wait_job(cluster.pod(0).client(), id, 240s);
+    ASSERT_EQ(done.state(), pb::JOB_STATE_SUCCEEDED) << done.error().message();
+    for (const auto& e : all_events(cluster.pod(2), id)) {
+      if (e.has_chunk_finished()) ++chunks_by_pod[e.chunk_finished().replica().substr(0, 5)];
+    }
+  }
+  // Every pod took part (one queue, not three).
+  EXPECT_EQ(chunks_by_pod.size(), 3u);
+  for (const auto& [pod, n] : chunks_by_pod) std::cout << pod << ": " << n << " chunks\n";
+}
+
+}  // namespace
+}  // namespace skyreels::test
