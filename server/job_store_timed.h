@@ -25,6 +25,7 @@ class TimedJobStore final : public JobStore {
 
   std::string describe() const override { return inner_->describe(); }
   bool durable() const override { return inner_->durable(); }
+  LeaseStore* leases() override { return inner_->leases(); }  // leases are not timed here (claim, renew)
   void insert_job(StoredJob job) override;
   void update_job(const StoredJob& job) override;
   void commit_chunk(const std::string& job_id, const StoredChunk& chunk) override;

@@ -10,6 +10,7 @@ namespace skyreels::server {
 namespace {
 
 constexpr size_t kMaxStepEvents = 64;  // per job running here: watchers only need the latest progress
+constexpr size_t kMaxDescriptions = 4096;  // small structs; a pod is asked about far fewer jobs at a time
 
 int64_t now_ms() { return wall_ms(WallClock::now()); }
 
@@ -37,6 +38,7 @@ struct PeerScheduler::Running {
 // A job's payload kept on this pod after its chunk ran here: the next chunk continues from it without a reload.
 struct PeerScheduler::Cached {
   std::shared_ptr<JobPayload> payload;
+  std::shared_ptr<const JobDescription> description;
   int64_t chunks_held = 0;  // chunks the payload holds the results of
   std::vector<int64_t> chunk_rows;
   Clock::time_point used;
@@ -235,6 +237,7 @@ std::shared_ptr<JobPayload> PeerScheduler::payload_for(const StoredJob& job, con
   }
   auto cached = std::make_shared<Cached>();
   cached->payload = restored.payload;
+  cached->description = restored.description;
   cached->chunks_held = lease.chunk_index;
   cached->chunk_rows = restored.chunk_rows;
   cached->used = Clock::now();
@@ -617,12 +620,8 @@ void PeerScheduler::admit(const JobSpec& spec) const {
 }
 
 void PeerScheduler::check_admission(const JobSpec& spec) const {
-  if (!spec.idempotency_key.empty()) {
-    // A key naming an existing job passes: submit() deduplicates it.
-    for (const JobSnapshot& job : list(spec.owner)) {
-      if (job.idempotency_key == spec.idempotency_key) return;
-    }
-  }
+  // A key may name an existing job, which passes (submit() deduplicates it in the store): leave those to submit().
+  if (!spec.idempotency_key.empty()) return;
   admit(spec);
 }
 
@@ -660,6 +659,7 @@ SubmitResult PeerScheduler::submit(JobSpec spec) {
     // This pod prepared the payload: if one of its replicas claims chunk 0, nothing is re-created.
     auto cached = std::make_shared<Cached>();
     cached->payload = spec.payload;
+    cached->description = spec.description;
     cached->chunk_rows = spec.chunk_rows;
     cached->used = Clock::now();
     std::lock_guard<std::mutex> lock(mu_);
@@ -707,17 +707,11 @@ JobSnapshot PeerScheduler::snapshot(const StoredJob& job) const {
 }
 
 std::optional<JobSnapshot> PeerScheduler::get(const std::string& id, const std::string& owner) const {
-  std::optional<StoredJob> job;
-  std::vector<StoredEvent> events;
-  try {
-    job = find(id, owner);
-    if (!job) return std::nullopt;
-    events = store_.load_events(id);
-  } catch (const StoreError& e) {
-    spdlog::warn("job={} event=store_read_failed error=\"{}\"", id, e.what());
-    return std::nullopt;
-  }
+  std::optional<StoredJob> job = find(id, owner);  // StoreError: the transport answers UNAVAILABLE
+  if (!job) return std::nullopt;
+  const std::vector<StoredEvent> events = store_.load_events(id);
   JobSnapshot s = snapshot(*job);
+  s.description = description_of(*job);
   for (const StoredEvent& stored : events) {
     s.last_sequence = std::max(s.last_sequence, stored.sequence);
     const JobEvent e = decode_stored_event(stored);
@@ -734,34 +728,47 @@ std::optional<JobSnapshot> PeerScheduler::get(const std::string& id, const std::
   return s;
 }
 
+std::shared_ptr<const JobDescription> PeerScheduler::description_of(const StoredJob& job) const {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = cache_.find(job.id); it != cache_.end() && it->second->description) return it->second->description;
+    if (auto it = descriptions_.find(job.id); it != descriptions_.end()) return it->second;
+  }
+  if (job.request.empty()) return nullptr;
+  std::shared_ptr<const JobDescription> description = loader_(job, {}).description;
+  if (!description) return nullptr;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (descriptions_.size() >= kMaxDescriptions) descriptions_.erase(descriptions_.begin());
+  descriptions_[job.id] = description;
+  return description;
+}
+
+std::optional<std::string> PeerScheduler::chunk_result(const std::string& id, const std::string& owner,
+                                                       int64_t index) const {
+  if (!find(id, owner)) return std::nullopt;
+  return store_.load_chunk_bytes(id, index);
+}
+
+std::optional<std::string> PeerScheduler::segment(const std::string& id, const std::string& owner,
+                                                  int64_t index) const {
+  if (!find(id, owner)) return std::nullopt;
+  return store_.load_segment(id, index);
+}
+
 std::vector<JobSnapshot> PeerScheduler::list(const std::string& owner) const {
   std::vector<JobSnapshot> out;
-  try {
-    for (const StoredJob& job : store_.load_jobs()) {
-      if (job.owner == owner) out.push_back(snapshot(job));
-    }
-  } catch (const StoreError& e) {
-    spdlog::warn("event=store_read_failed error=\"{}\"", e.what());
+  for (const StoredJob& job : store_.load_jobs()) {  // StoreError: the transport answers UNAVAILABLE
+    if (job.owner == owner) out.push_back(snapshot(job));
   }
   return out;
 }
 
 std::optional<std::string> PeerScheduler::dropped(const std::string& id, const std::string& owner) const {
-  try {
-    return store_.dropped_reason(id, owner);
-  } catch (const StoreError&) {
-    return std::nullopt;
-  }
+  return store_.dropped_reason(id, owner);
 }
 
 std::optional<JobSnapshot> PeerScheduler::cancel(const std::string& id, const std::string& owner) {
-  CancelState state = CancelState::Unknown;
-  try {
-    state = leases_.request_cancel(id, owner);
-  } catch (const StoreError& e) {
-    spdlog::warn("job={} event=cancel_failed error=\"{}\"", id, e.what());
-    return std::nullopt;
-  }
+  const CancelState state = leases_.request_cancel(id, owner);  // StoreError: UNAVAILABLE
   if (state == CancelState::Unknown) return std::nullopt;
   // Nobody runs it: end it here. Running: the pod running it sees the request at its next step (a notification
   // makes it renew at once) and ends the job.
@@ -780,11 +787,21 @@ EventBatch PeerScheduler::wait_events(const std::string& id, const std::string& 
     EventBatch batch;
     std::optional<StoredJob> job;
     std::vector<StoredEvent> stored;
+    bool unreadable = false;
     try {
       job = find(id, owner);
       if (job) stored = store_.load_events(id);
     } catch (const StoreError& e) {
+      // The store is away (a restart, a failover): watchers wait for it rather than hear NOT_FOUND.
       spdlog::warn("job={} event=store_read_failed error=\"{}\"", id, e.what());
+      unreadable = true;
+    }
+    if (unreadable) {
+      if (Clock::now() >= until) return batch;
+      std::unique_lock<std::mutex> lock(mu_);
+      changed_.wait_until(lock, std::min(until, Clock::now() + options_.poll), [&] { return stopping_; });
+      if (stopping_) return batch;
+      continue;
     }
     if (!job) {
       batch.found = false;
@@ -843,7 +860,15 @@ std::optional<JobSnapshot> PeerScheduler::wait_chunks(const std::string& id, con
       std::lock_guard<std::mutex> lock(mu_);
       seen = change_count_;
     }
-    std::optional<JobSnapshot> s = get(id, owner);
+    std::optional<JobSnapshot> s;
+    try {
+      s = get(id, owner);
+    } catch (const StoreError&) {
+      if (Clock::now() >= until) throw;
+      std::unique_lock<std::mutex> lock(mu_);
+      changed_.wait_until(lock, std::min(until, Clock::now() + options_.poll), [&] { return stopping_; });
+      continue;
+    }
     if (!s || s->chunks_done > chunks_seen || is_terminal(s->state) || Clock::now() >= until) return s;
     std::unique_lock<std::mutex> lock(mu_);
     changed_.wait_until(lock, std::min(until, Clock::now() + options_.poll),

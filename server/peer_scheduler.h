@@ -59,6 +59,9 @@ class PeerScheduler final : public JobQueue, private ChunkSource {
   std::optional<JobSnapshot> get(const std::string& id, const std::string& owner) const override;
   std::vector<JobSnapshot> list(const std::string& owner) const override;
   std::optional<std::string> dropped(const std::string& id, const std::string& owner) const override;
+  std::optional<std::string> chunk_result(const std::string& id, const std::string& owner,
+                                          int64_t index) const override;
+  std::optional<std::string> segment(const std::string& id, const std::string& owner, int64_t index) const override;
   std::optional<JobSnapshot> cancel(const std::string& id, const std::string& owner) override;
 
   EventBatch wait_events(const std::string& id, const std::string& owner, uint64_t after_sequence,
@@ -98,6 +101,9 @@ class PeerScheduler final : public JobQueue, private ChunkSource {
   bool stop_requested(const Running& run) const;
   std::string lease_name(size_t replica) const;
   JobSnapshot snapshot(const StoredJob& job) const;
+  // What the transport reads of a job (parameters, chunk layout), re-created from the stored request the first time
+  // this pod is asked about a job it never ran; kept (bounded) since it never changes.
+  std::shared_ptr<const JobDescription> description_of(const StoredJob& job) const;
   std::optional<StoredJob> find(const std::string& id, const std::string& owner) const;
   void admit(const JobSpec& spec) const;
   void changed(const std::string& job_id);  // wakes waiters and the job's subscribers
@@ -119,6 +125,7 @@ class PeerScheduler final : public JobQueue, private ChunkSource {
   std::map<size_t, std::shared_ptr<Running>> running_;  // by replica
   std::map<std::string, std::shared_ptr<Cached>> cache_;  // payloads of jobs whose last chunk ran here
   std::map<std::string, std::deque<JobEvent>> steps_;     // step events of chunks running here (bounded)
+  mutable std::map<std::string, std::shared_ptr<const JobDescription>> descriptions_;  // bounded
   std::map<std::string, std::map<uint64_t, std::function<void()>>> listeners_;
   uint64_t next_listener_ = 1;
   uint64_t change_count_ = 0;  // bumped by every change: next_chunk sleeps only when nothing changed since it looked

@@ -401,10 +401,12 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
     Caller caller;
     if (Status s = authenticate(ctx, &caller, false); !s.ok()) return s;
     if (Status s = check_job_id(request->job_id()); !s.ok()) return s;
-    auto job = scheduler_.get(request->job_id(), caller.owner);
-    if (!job) return job_not_found(request->job_id(), caller.owner);
-    job_to_proto(*job, response);
-    return Status::OK;
+    return store_guard(request->job_id(), [&] {
+      auto job = scheduler_.get(request->job_id(), caller.owner);
+      if (!job) return job_not_found(request->job_id(), caller.owner);
+      job_to_proto(*job, response);
+      return Status::OK;
+    });
   }
 
   // A callback stream: an open watch holds no server thread, only its reactor (WatchReactor below).
@@ -415,9 +417,11 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
     if (Status s = check_job_id(request->job_id()); !s.ok()) return new FinishedWriter<pb::JobEvent>(s);
     std::unique_ptr<StreamLimiter::Slot> slot;
     if (Status s = open_stream(caller, &slot); !s.ok()) return new FinishedWriter<pb::JobEvent>(s);
-    if (!scheduler_.get(request->job_id(), caller.owner)) {
-      return new FinishedWriter<pb::JobEvent>(job_not_found(request->job_id(), caller.owner));
-    }
+    const Status found = store_guard(request->job_id(), [&] {
+      return scheduler_.get(request->job_id(), caller.owner) ? Status::OK
+                                                             : job_not_found(request->job_id(), caller.owner);
+    });
+    if (!found.ok()) return new FinishedWriter<pb::JobEvent>(found);
     return WatchReactor::start(*this, *request, caller.owner, std::move(slot));
   }
 
@@ -425,10 +429,12 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
     Caller caller;
     if (Status s = authenticate(ctx, &caller, false); !s.ok()) return s;
     if (Status s = check_job_id(request->job_id()); !s.ok()) return s;
-    auto job = scheduler_.cancel(request->job_id(), caller.owner);
-    if (!job) return job_not_found(request->job_id(), caller.owner);
-    job_to_proto(*job, response);
-    return Status::OK;
+    return store_guard(request->job_id(), [&] {
+      auto job = scheduler_.cancel(request->job_id(), caller.owner);
+      if (!job) return job_not_found(request->job_id(), caller.owner);
+      job_to_proto(*job, response);
+      return Status::OK;
+    });
   }
 
   Status ListJobs(ServerContext* ctx, const pb::ListJobsRequest* request, pb::ListJobsResponse* response) override {
@@ -444,7 +450,15 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
     }
     std::set<int> states(request->states().begin(), request->states().end());
     std::vector<JobSnapshot> matching;
-    for (auto& job : scheduler_.list(caller.owner)) {
+    std::vector<JobSnapshot> all;
+    if (Status s = store_guard("", [&] {
+          all = scheduler_.list(caller.owner);
+          return Status::OK;
+        });
+        !s.ok()) {
+      return s;
+    }
+    for (auto& job : all) {
       if (states.empty() || states.count(to_proto(job.state))) matching.push_back(std::move(job));
     }
     for (size_t i = offset; i < matching.size() && i < offset + page_size; ++i) {
@@ -463,8 +477,14 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
     std::unique_ptr<StreamLimiter::Slot> slot;
     if (Status s = open_stream(caller, &slot); !s.ok()) return s;
     const std::string& owner = caller.owner;
-    auto job = scheduler_.get(request->job_id(), owner);
-    if (!job) return job_not_found(request->job_id(), caller.owner);
+    std::optional<JobSnapshot> job;
+    if (Status s = store_guard(request->job_id(), [&] {
+          job = scheduler_.get(request->job_id(), owner);
+          return job ? Status::OK : job_not_found(request->job_id(), caller.owner);
+        });
+        !s.ok()) {
+      return s;
+    }
     if (request->from_chunk() < 0 || request->from_chunk() >= job->chunk_count) {
       return Status(StatusCode::INVALID_ARGUMENT, "from_chunk: " + std::to_string(request->from_chunk()) +
                                                       " is outside [0, " + std::to_string(job->chunk_count) + ")");
@@ -924,6 +944,16 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
   Status store_unreadable(const std::string& id, const StoreError& e) {
     spdlog::error("job={} event=store_read_failed error=\"{}\"", id, log_escape(e.what()));
     return Status(StatusCode::UNAVAILABLE, std::string("the job store could not be read, try again: ") + e.what());
+  }
+
+  // A shared store (PostgreSQL) may be unreachable for a while: the call answers UNAVAILABLE, never NOT_FOUND.
+  template <typename Call>
+  Status store_guard(const std::string& id, Call&& call) {
+    try {
+      return call();
+    } catch (const StoreError& e) {
+      return store_unreadable(id, e);
+    }
   }
 
   // Chunk `chunk`'s committed latents, from the job store (the job has chunks_done > chunk).

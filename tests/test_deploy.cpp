@@ -948,6 +948,9 @@ class FailingStore final : public server::JobStore {
   std::optional<std::string> dropped_reason(const std::string&, const std::string&) const override { fail(); }
   std::vector<server::StoredJob> load_jobs() const override { fail(); }
   std::vector<server::StoredChunk> load_chunks(const std::string&) const override { fail(); }
+  std::optional<std::string> load_chunk_bytes(const std::string&, int64_t) const override { fail(); }
+  void put_segment(const std::string&, int64_t, const std::string&) override { fail(); }
+  std::optional<std::string> load_segment(const std::string&, int64_t) const override { fail(); }
   std::vector<server::StoredEvent> load_events(const std::string&) const override { fail(); }
 
  private:
@@ -973,6 +976,9 @@ void call_every_store_method(server::JobStore& store) {
   attempt([&] { store.load_jobs(); });
   attempt([&] { store.load_chunks("j1"); });
   attempt([&] { store.load_events("j1"); });
+  attempt([&] { store.load_chunk_bytes("j1", 0); });
+  attempt([&] { store.put_segment("j1", 0, "mp4"); });
+  attempt([&] { store.load_segment("j1", 0); });
 }
 
 std::vector<std::string> reported_ops(std::unique_ptr<server::JobStore> inner) {

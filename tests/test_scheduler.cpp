@@ -747,6 +747,15 @@ class GatedStore : public JobStore {
   std::vector<StoredJob> load_jobs() const override { return inner_->load_jobs(); }
   std::vector<StoredChunk> load_chunks(const std::string& id) const override { return inner_->load_chunks(id); }
   std::vector<StoredEvent> load_events(const std::string& id) const override { return inner_->load_events(id); }
+  std::optional<std::string> load_chunk_bytes(const std::string& id, int64_t index) const override {
+    return inner_->load_chunk_bytes(id, index);
+  }
+  void put_segment(const std::string& id, int64_t index, const std::string& bytes) override {
+    inner_->put_segment(id, index, bytes);
+  }
+  std::optional<std::string> load_segment(const std::string& id, int64_t index) const override {
+    return inner_->load_segment(id, index);
+  }
 
   void hold_next_insert() {
     std::lock_guard<std::mutex> lock(mu_);
