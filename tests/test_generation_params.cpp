@@ -18,6 +18,7 @@
 #include "server/generation_params_proto.h"
 #include "server/model_job.h"
 #include "tests/test_util.h"
+#include "tests/job_requests.h"
 
 namespace skyreels::server {
 namespace {
@@ -299,31 +300,8 @@ TEST(GenerationParams, TheFingerprintFollowsEachFingerprintedParameterAndNothing
   EXPECT_EQ(fingerprint_bytes(other_inputs), unset) << "only the parameters enter this part";
 }
 
-RawTensor embeddings(int64_t tokens, int64_t dim, uint64_t seed) {
-  std::mt19937 rng(static_cast<uint32_t>(seed));
-  std::normal_distribution<float> normal;
-  std::vector<float> v(static_cast<size_t>(tokens * dim));
-  for (auto& x : v) x = normal(rng);
-  RawTensor t;
-  t.dtype = "F32";
-  t.shape = {1, tokens, dim};
-  t.data.assign(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
-  return t;
-}
-
-JobRequest long_video() {
-  JobRequest r;
-  r.prompt_embeds = embeddings(8, 32, 1);
-  r.negative_prompt_embeds = embeddings(8, 32, 2);
-  r.num_frames = 57;
-  r.base_num_frames = 17;
-  r.overlap_history = 9;
-  r.height = 64;
-  r.width = 96;
-  r.num_inference_steps = 4;
-  r.seed = 5;
-  return r;
-}
+using test_requests::embeddings;
+using test_requests::long_video;
 
 // The SQLite store keeps each job's fingerprint: a client resubmitting under its idempotency key after an upgrade
 // must still match. The values were computed by the code before the table.

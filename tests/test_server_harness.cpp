@@ -248,6 +248,36 @@ pb::JobEvent first_event_of_type(server::Client& client, const std::string& id, 
   return event;
 }
 
+std::vector<pb::JobEvent> watch_until(server::Client& client, const std::string& id, uint64_t after,
+                                      const std::function<bool(const pb::JobEvent&)>& stop, double seconds) {
+  auto ctx = client.context(seconds);
+  pb::WatchJobRequest request;
+  request.set_job_id(id);
+  request.set_after_sequence(after);
+  auto reader = client.stub().WatchJob(ctx.get(), request);
+  std::vector<pb::JobEvent> events;
+  pb::JobEvent event;
+  while (reader->Read(&event)) {
+    events.push_back(event);
+    if (stop(event)) {
+      ctx->TryCancel();
+      break;
+    }
+  }
+  reader->Finish();
+  return events;
+}
+
+pb::Job get_job(server::Client& client, const std::string& id, grpc::Status* status_out) {
+  auto ctx = client.context(10);
+  pb::GetJobRequest request;
+  request.set_job_id(id);
+  pb::Job job;
+  const grpc::Status status = client.stub().GetJob(ctx.get(), request, &job);
+  if (status_out != nullptr) *status_out = status;
+  return job;
+}
+
 pb::Job submit(server::Client& client, const pb::SubmitJobRequest& request) {
   auto ctx = client.context(30);
   pb::SubmitJobResponse response;

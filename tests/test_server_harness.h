@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -84,6 +85,12 @@ grpc::Status submit_status(server::Client& client, const v1::SubmitJobRequest& r
 // Follows WatchJob until the first event of `type` (or the job's end); returns it.
 v1::JobEvent first_event_of_type(server::Client& client, const std::string& id, v1::JobEvent::EventCase type,
                                  int timeout_seconds = 120);
+// Reads the job's events (steps included) after `after` until `stop` holds for one, the job's stream ends, or
+// `seconds`; returns the events read.
+std::vector<v1::JobEvent> watch_until(server::Client& client, const std::string& id, uint64_t after,
+                                      const std::function<bool(const v1::JobEvent&)>& stop, double seconds = 120);
+// GetJob; the status into *status_out when given.
+v1::Job get_job(server::Client& client, const std::string& id, grpc::Status* status_out = nullptr);
 // Submits; fails the test on a non-OK status.
 v1::Job submit(server::Client& client, const v1::SubmitJobRequest& request);
 // Follows the job to its end (WatchJob); returns the final job.

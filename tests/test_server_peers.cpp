@@ -81,22 +81,7 @@ bool wait_for_log(ServerProcess& pod, const std::string& needle, int already, st
   return false;
 }
 
-// Every event of a job from the start, as a client on `pod` sees it.
-std::vector<pb::JobEvent> all_events(ServerProcess& pod, const std::string& id) {
-  auto ctx = pod.client().context(120);
-  pb::WatchJobRequest request;
-  request.set_job_id(id);
-  auto reader = pod.client().stub().WatchJob(ctx.get(), request);
-  std::vector<pb::JobEvent> events;
-  pb::JobEvent event;
-  while (reader->Read(&event)) {
-    events.push_back(event);
-    if (event.has_finished()) break;
-  }
-  ctx->TryCancel();
-  reader->Finish();
-  return events;
-}
+bool finished(const pb::JobEvent& e) { return e.has_finished(); }
 
 // Chunk index -> how many ChunkFinished events the job has for it (each chunk is committed exactly once: 1).
 std::map<int64_t, int> finished_chunks(const std::vector<pb::JobEvent>& events) {
@@ -137,7 +122,7 @@ TEST(Peers, ThreePodsShareOneQueueAndAPodKilledMidChunkLosesNothing) {
     ASSERT_EQ(done.state(), pb::JOB_STATE_SUCCEEDED) << ids[i] << ": " << done.error().message();
     EXPECT_EQ(done.chunks_done(), 6);
     retries += static_cast<int>(done.retries());
-    expect_each_chunk_once(all_events(watcher, ids[i]), 6, ids[i]);
+    expect_each_chunk_once(watch_until(watcher.client(), ids[i], 0, finished), 6, ids[i]);
     const at::Tensor served = download_latents(downloader.client(), ids[i]);
     const at::Tensor expected = reference_latents(requests[i]);
     ASSERT_TRUE(served.defined());
@@ -169,7 +154,7 @@ TEST(Peers, APodPausedPastItsLeaseCannotCommitTheChunkAnotherPodTookOver) {
     const pb::Job done = wait_job(other.client(), ids[i], 240s);
     ASSERT_EQ(done.state(), pb::JOB_STATE_SUCCEEDED) << done.error().message();
     retries += static_cast<int>(done.retries());
-    expect_each_chunk_once(all_events(late, ids[i]), 6, ids[i]);
+    expect_each_chunk_once(watch_until(late.client(), ids[i], 0, finished), 6, ids[i]);
     EXPECT_TRUE(at::equal(download_latents(late.client(), ids[i]), reference_latents(requests[i]))) << ids[i];
   }
   EXPECT_GE(retries, 1) << "the taken-over chunk counts as a retry";
@@ -240,7 +225,7 @@ TEST(Peers, ManyJobsOverThreePodsAllFinishAndInterleave) {
   for (const std::string& id : ids) {
     const pb::Job done = wait_job(cluster.pod(0).client(), id, 240s);
     ASSERT_EQ(done.state(), pb::JOB_STATE_SUCCEEDED) << done.error().message();
-    for (const auto& e : all_events(cluster.pod(2), id)) {
+    for (const auto& e : watch_until(cluster.pod(2).client(), id, 0, finished)) {
       if (e.has_chunk_finished()) ++chunks_by_pod[e.chunk_finished().replica().substr(0, 5)];
     }
   }

@@ -51,38 +51,6 @@ void kill_server(ServerProcess& server) {
   ASSERT_NE(server.wait_exit(10s), -1) << "the server did not die";
 }
 
-// Reads the job's events (steps included) until `stop` holds for one; returns the events read.
-template <typename Stop>
-std::vector<pb::JobEvent> watch_until(server::Client& client, const std::string& id, uint64_t after, Stop stop,
-                                      double seconds = 120) {
-  auto ctx = client.context(seconds);
-  pb::WatchJobRequest request;
-  request.set_job_id(id);
-  request.set_after_sequence(after);
-  auto reader = client.stub().WatchJob(ctx.get(), request);
-  std::vector<pb::JobEvent> events;
-  pb::JobEvent event;
-  while (reader->Read(&event)) {
-    events.push_back(event);
-    if (stop(event)) {
-      ctx->TryCancel();
-      break;
-    }
-  }
-  reader->Finish();
-  return events;
-}
-
-pb::Job get_job(server::Client& client, const std::string& id, grpc::Status* status_out = nullptr) {
-  auto ctx = client.context(10);
-  pb::GetJobRequest request;
-  request.set_job_id(id);
-  pb::Job job;
-  const grpc::Status status = client.stub().GetJob(ctx.get(), request, &job);
-  if (status_out != nullptr) *status_out = status;
-  return job;
-}
-
 TEST(JobStore, KilledAfterChunkTwoResumesAtChunkThreeAndEqualsGenerate) {
   const std::string store = new_store();
   const pb::SubmitJobRequest request = six_chunk_request(1301);

@@ -49,36 +49,6 @@ std::string cmdline_of(pid_t pid) {
   return os.str();
 }
 
-// Reads the job's events (steps included) until `stop` holds for one; returns the events read.
-template <typename Stop>
-std::vector<pb::JobEvent> watch_until(server::Client& client, const std::string& id, uint64_t after, Stop stop) {
-  auto ctx = client.context(120);
-  pb::WatchJobRequest request;
-  request.set_job_id(id);
-  request.set_after_sequence(after);
-  auto reader = client.stub().WatchJob(ctx.get(), request);
-  std::vector<pb::JobEvent> events;
-  pb::JobEvent event;
-  while (reader->Read(&event)) {
-    events.push_back(event);
-    if (stop(event)) {
-      ctx->TryCancel();
-      break;
-    }
-  }
-  reader->Finish();
-  return events;
-}
-
-pb::Job get_job(server::Client& client, const std::string& id) {
-  auto ctx = client.context(10);
-  pb::GetJobRequest request;
-  request.set_job_id(id);
-  pb::Job job;
-  EXPECT_TRUE(client.stub().GetJob(ctx.get(), request, &job).ok());
-  return job;
-}
-
 TEST(PostgresPod, KilledAfterChunkTwoResumesAtChunkThreeAndEqualsGenerate) {
   PgServer pg;
   StoreEnv env(url_with_password(pg));

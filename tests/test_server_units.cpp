@@ -23,6 +23,7 @@
 #include "server/sqlite_db.h"
 #include "skyreels/v1/video_service.grpc.pb.h"
 #include "tests/test_util.h"
+#include "tests/job_requests.h"
 
 namespace skyreels::server {
 namespace {
@@ -256,31 +257,8 @@ TEST(Guards, ClientTextIsEscapedForOneLogLineAndCut) {
   EXPECT_EQ(peer_host("ipv6:[::1]:50000"), "ipv6:[::1]");
 }
 
-RawTensor embeddings(int64_t tokens, int64_t dim, uint64_t seed) {
-  std::mt19937 rng(static_cast<uint32_t>(seed));
-  std::normal_distribution<float> normal;
-  std::vector<float> v(static_cast<size_t>(tokens * dim));
-  for (auto& x : v) x = normal(rng);
-  RawTensor t;
-  t.dtype = "F32";
-  t.shape = {1, tokens, dim};
-  t.data.assign(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
-  return t;
-}
-
-JobRequest long_video() {
-  JobRequest r;
-  r.prompt_embeds = embeddings(8, 32, 1);
-  r.negative_prompt_embeds = embeddings(8, 32, 2);
-  r.num_frames = 57;
-  r.base_num_frames = 17;
-  r.overlap_history = 9;
-  r.height = 64;
-  r.width = 96;
-  r.num_inference_steps = 4;
-  r.seed = 5;
-  return r;
-}
+using test_requests::embeddings;
+using test_requests::long_video;
 
 ModelDescription tiny_model() {
   ModelDescription m;
