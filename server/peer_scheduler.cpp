@@ -114,7 +114,16 @@ std::optional<ChunkAssignment> PeerScheduler::next_chunk(size_t replica) {
       spdlog::warn("replica={} event=claim_failed error=\"{}\"", lease_name(replica), e.what());
     }
     if (lease) {
-      if (auto assignment = prepare(replica, *lease)) return assignment;
+      std::optional<ChunkAssignment> assignment;
+      try {
+        assignment = prepare(replica, *lease);
+      } catch (const StoreError& e) {
+        // The store went away mid-claim: the lease expires and some replica claims the chunk again.
+        spdlog::warn("job={} event=claim_prepare_failed error=\"{}\"", lease->job_id, e.what());
+        std::lock_guard<std::mutex> lock(mu_);
+        running_.erase(replica);
+      }
+      if (assignment) return assignment;
       continue;  // the claimed chunk ended its job (deadline, unreadable request): look again at once
     }
     std::unique_lock<std::mutex> lock(mu_);
@@ -302,6 +311,21 @@ void PeerScheduler::push_step(Running& run, int64_t row, int64_t rows) {
 }
 
 void PeerScheduler::chunk_done(size_t replica, ChunkAssignment /*assignment*/, ChunkResult result, double seconds) {
+  std::string job_id;
+  try {
+    job_id = settle(replica, std::move(result), seconds);
+  } catch (const StoreError& e) {
+    // Whatever was not stored is redone: the lease expires and the chunk is claimed again (a retry).
+    spdlog::error("replica={} event=chunk_settle_failed error=\"{}\"", lease_name(replica), e.what());
+  }
+  if (!job_id.empty()) changed(job_id);
+  std::lock_guard<std::mutex> lock(mu_);
+  ++change_count_;
+  work_.notify_all();
+  changed_.notify_all();
+}
+
+std::string PeerScheduler::settle(size_t replica, ChunkResult result, double seconds) {
   std::shared_ptr<Running> run;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -385,11 +409,7 @@ void PeerScheduler::chunk_done(size_t replica, ChunkAssignment /*assignment*/, C
     finish(id, JobState::Failed, ErrorKind::Internal,
            "chunk " + std::to_string(chunk) + " could not be stored: " + result.error);
   }
-  changed(id);
-  std::lock_guard<std::mutex> lock(mu_);
-  ++change_count_;
-  work_.notify_all();
-  changed_.notify_all();
+  return id;
 }
 
 void PeerScheduler::fail_or_retry(const Running& run, const std::string& error) {

@@ -92,6 +92,7 @@ class PeerScheduler final : public JobQueue, private ChunkSource {
   void interrupt() override;
 
   std::optional<ChunkAssignment> prepare(size_t replica, const ChunkLease& lease);
+  std::string settle(size_t replica, ChunkResult result, double seconds);  // returns the job's id
   std::shared_ptr<JobPayload> payload_for(const StoredJob& job, const ChunkLease& lease, std::string& error);
   int attempts_of(const std::string& job_id, int64_t chunk) const;
   void finish(const std::string& job_id, JobState state, ErrorKind kind, const std::string& error);
