@@ -242,7 +242,7 @@ StoreCallReport Metrics::store_call_report() {
   return [this](const char* op, double seconds) { store_call(op, seconds); };
 }
 
-void Metrics::lease_takeover() { lease_takeovers_->Increment(); }
+void Metrics::lease_takeover(const std::string& /*replica*/) { lease_takeovers_->Increment(); }
 
 void Metrics::set_global_queue_depth(int64_t jobs) {
   global_depth_from_store_ = true;

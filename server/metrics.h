@@ -81,8 +81,8 @@ class Metrics : public SchedulerObserver {
   void store_call(const char* op, double seconds);
   // The TimedJobStore report that feeds store_call(); valid while this Metrics lives.
   StoreCallReport store_call_report();
-  // A job whose lease ran out on another pod (that pod died) was taken over by this one.
-  void lease_takeover();
+  // A chunk whose lease ran out on another pod (that pod died or stalled) was taken over by `replica` of this one.
+  void lease_takeover(const std::string& replica) override;
   // Jobs queued in the whole store (PostgreSQL: the same value on every pod). The first call makes the store the
   // source: from then on queue_changed() no longer mirrors this pod's own queue into it.
   void set_global_queue_depth(int64_t jobs);

@@ -1025,8 +1025,8 @@ TEST(StoreMetrics, GlobalQueueDepthFollowsThePodQueueUntilTheStoreReportsIt) {
 
 TEST(StoreMetrics, TakeoversAndStoreCallsAreCounted) {
   server::Metrics metrics({"cpu:0"}, "test");
-  metrics.lease_takeover();
-  metrics.lease_takeover();
+  metrics.lease_takeover("pod-1/cpu:0");
+  metrics.lease_takeover("pod-1/cpu:0");
   const auto report = metrics.store_call_report();
   report("commit_chunk", 0.2);
   report("no_such_op", 1.0);  // ignored rather than a series the contract does not list

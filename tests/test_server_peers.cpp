@@ -129,6 +129,11 @@ TEST(Peers, ThreePodsShareOneQueueAndAPodKilledMidChunkLosesNothing) {
     EXPECT_TRUE(at::equal(served, expected)) << ids[i] << ": max |served - generate| = " << max_abs_diff(served, expected);
   }
   EXPECT_GE(retries, 1) << "the chunk pod 1 was running is taken over as a retry";
+  double takeovers = 0;
+  for (size_t p : alive) {
+    takeovers += metric_value(http_get(cluster.pod(p).metrics_port(), "/metrics"), "skyreels_lease_takeovers_total");
+  }
+  EXPECT_GE(takeovers, 1) << "skyreels_lease_takeovers_total counts the takeover";
   std::cout << "3 pods, 4 jobs x 6 chunks, pod 1 killed mid-chunk: all succeeded, retries " << retries << "\n";
 }
 
@@ -171,6 +176,23 @@ TEST(Peers, OneIdempotencyKeyOnTwoPodsGivesOneJob) {
   request.mutable_spec()->mutable_params()->set_seed(1422);  // the same key for another request
   EXPECT_EQ(submit_status(cluster.pod(1).client(), request).error_code(), grpc::StatusCode::ALREADY_EXISTS);
   EXPECT_EQ(wait_job(cluster.pod(1).client(), first.job().job_id()).state(), pb::JOB_STATE_SUCCEEDED);
+}
+
+TEST(Peers, TheQueueLimitCountsTheJobsOfEveryPod) {
+  PgServer pg;
+  ::setenv("SKYREELS_JOB_STORE", pg.url().c_str(), 1);
+  const auto args = [](const std::string& pod) {
+    std::vector<std::string> a = pod_args(pod, 2.0, 200);
+    a.insert(a.end(), {"--max-queue", "2"});
+    return a;
+  };
+  ServerProcess first(args("pod-0"));
+  ServerProcess second(args("pod-1"));
+  ::unsetenv("SKYREELS_JOB_STORE");
+  ASSERT_TRUE(submit_status(first.client(), six_chunk_request(1461)).ok());
+  ASSERT_TRUE(submit_status(first.client(), six_chunk_request(1462)).ok());
+  // Two unfinished jobs in the store: the other pod, which accepted none, is full too.
+  EXPECT_EQ(submit_status(second.client(), six_chunk_request(1463)).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
 }
 
 TEST(Peers, CancelFromAnotherPodStopsTheRunningChunk) {
