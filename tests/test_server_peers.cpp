@@ -195,6 +195,31 @@ TEST(Peers, TheQueueLimitCountsTheJobsOfEveryPod) {
   EXPECT_EQ(submit_status(second.client(), six_chunk_request(1463)).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
 }
 
+TEST(Peers, ADrainingPodGivesItsChunkBackAndAnotherPodFinishesTheJobWithoutARetry) {
+  PgServer pg;
+  ::setenv("SKYREELS_JOB_STORE", pg.url().c_str(), 1);
+  const auto args = [](const std::string& pod) {
+    std::vector<std::string> a = pod_args(pod, 2.0, 150);
+    a.insert(a.end(), {"--drain-timeout-seconds", "1"});
+    return a;
+  };
+  ServerProcess draining(args("pod-0"));
+  const pb::SubmitJobRequest request = six_chunk_request(1471);
+  const std::string id = submit(draining.client(), request).job_id();
+  ASSERT_TRUE(wait_for_log(draining, "event=chunk_started", 0, 60s));
+  ServerProcess other(args("pod-1"));
+  ::unsetenv("SKYREELS_JOB_STORE");
+  // A rolling update: the old pod stops claiming, and its running chunk finishes or, after the drain timeout, stops
+  // and goes back to the store at once (no lease expiry, no retry).
+  draining.signal(SIGTERM);
+  EXPECT_EQ(draining.wait_exit(60s), 0) << draining.log();
+  const pb::Job done = wait_job(other.client(), id, 240s);
+  ASSERT_EQ(done.state(), pb::JOB_STATE_SUCCEEDED) << done.error().message();
+  EXPECT_EQ(done.retries(), 0) << "a chunk given back by a drain is not a retry";
+  expect_each_chunk_once(watch_until(other.client(), id, 0, finished), 6, id);
+  EXPECT_TRUE(at::equal(download_latents(other.client(), id), reference_latents(request)));
+}
+
 TEST(Peers, CancelFromAnotherPodStopsTheRunningChunk) {
   Cluster cluster(2, 2.0, 100);
   const pb::SubmitJobRequest request = six_chunk_request(1431);
