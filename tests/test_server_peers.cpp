@@ -235,7 +235,7 @@ TEST(Peers, CancelFromAnotherPodStopsTheRunningChunk) {
   EXPECT_LT(done.chunks_done(), 6);
 }
 
-TEST(Peers, PostgresRestartMidRunIsSurvivedAndReadinessRecovers) {
+TEST(Peers, PostgresDownMidRunTurnsReadinessOffThenEveryJobFinishes) {
   Cluster cluster(2, 2.0, 40);
   std::vector<pb::SubmitJobRequest> requests;
   std::vector<std::string> ids;
@@ -244,7 +244,16 @@ TEST(Peers, PostgresRestartMidRunIsSurvivedAndReadinessRecovers) {
     ids.push_back(submit(cluster.pod(static_cast<size_t>(i) % 2).client(), requests.back()).job_id());
   }
   first_event_of_type(cluster.pod(0).client(), ids[0], pb::JobEvent::kChunkFinished);
-  cluster.pg().restart();
+  // While the store is down the pods say NOT_SERVING (readiness asks the store), then come back by themselves.
+  cluster.pg().stop();
+  int down = -1;
+  for (auto until = std::chrono::steady_clock::now() + 30s; std::chrono::steady_clock::now() < until;) {
+    down = health_status(cluster.pod(0).address(), "");
+    if (down == 2) break;  // NOT_SERVING
+    std::this_thread::sleep_for(100ms);
+  }
+  EXPECT_EQ(down, 2) << "readiness stayed SERVING with the store unreachable";
+  cluster.pg().start();
   for (size_t p = 0; p < cluster.size(); ++p) {
     const auto until = std::chrono::steady_clock::now() + 60s;
     int status = -1;
