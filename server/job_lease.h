@@ -50,12 +50,21 @@ struct LeaseCommit {
 // no live lease (and none can be claimed any more): the caller ends the job (update_job).
 enum class CancelState { Unknown, AlreadyFinished, Running, Idle };
 
+// The queue limits an insert checks, atomically with it across every pod (0: no limit).
+struct AdmissionLimits {
+  int64_t max_unfinished = 0;   // queued or running jobs in the whole store
+  int64_t max_for_client = 0;   // of those, StoredJob::client's
+};
+
 struct InsertOutcome {
+  enum class Refusal { None, QueueFull, ClientQueueFull };
   std::string job_id;  // the job now stored under (owner, idempotency_key): the new one or the one already there
   bool inserted = false;
   uint64_t fingerprint = 0;  // of the stored job's request (differs from the caller's: the key was reused)
   uint64_t order = 0;        // the stored job's submission order
   int64_t vbase = 0;         // the stored job's fair-share start
+  Refusal refused = Refusal::None;  // not inserted because a limit was reached (job_id empty)
+  int64_t unfinished = 0;           // refused: the count that reached the limit
 };
 
 struct AdmissionCounts {
@@ -113,7 +122,9 @@ class LeaseStore {
   // Atomic idempotent submit: with a non-empty idempotency_key, the second insert of (owner, key) stores nothing and
   // returns the job already there. The store allocates the submission order and the fair-share start (vbase: the
   // least attained service among unfinished jobs, 0 when none); job.order and job.vbase are ignored.
-  virtual InsertOutcome insert_job_once(StoredJob job) = 0;
+  // `limits` are checked in the same transaction, serialised across pods, so the queue limit holds globally; a key
+  // naming an existing job returns that job whatever the limits.
+  virtual InsertOutcome insert_job_once(StoredJob job, AdmissionLimits limits = {}) = 0;
   virtual AdmissionCounts admission_counts(const std::string& client) const = 0;
   // Unfinished jobs without a live lease (waiting for a replica), all pods.
   virtual int64_t queue_depth() const = 0;

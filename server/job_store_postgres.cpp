@@ -51,6 +51,7 @@ const std::vector<std::string>& migrations() {
 constexpr int64_t kMigrationLock = 0x736b7972656c7331;  // "skyrels1": pg_advisory_xact_lock key of migrations
 constexpr const char* kNowMs = "(extract(epoch from clock_timestamp()) * 1000)::bigint";
 constexpr const char* kUnfinished = "state IN ('queued', 'running')";
+constexpr int64_t kAdmissionLockKey = 0x736b7972;  // pg_advisory_xact_lock key of submissions ("skyr")
 constexpr const char* kPolicyOrder = " ORDER BY priority DESC, vbase + chunks_done, ord";
 constexpr const char* kJobColumns =
     "id, ord, vbase, owner, client, priority, deadline_ms, idempotency_key, fingerprint, state, error_kind, error,"
@@ -457,24 +458,45 @@ CancelState PostgresJobStore::request_cancel(const std::string& job_id, const st
   return state;
 }
 
-InsertOutcome PostgresJobStore::insert_job_once(StoredJob j) {
+InsertOutcome PostgresJobStore::insert_job_once(StoredJob j, AdmissionLimits limits) {
   auto c = pool_->acquire();
   const std::vector<Param> params = job_params(j);
-  // A job holding the key may be dropped between the two statements: then try again.
-  for (int attempt = 0; attempt < 3; ++attempt) {
-    const pg::Result inserted =
-        c->exec("WITH i AS (" + insert_job_sql("nextval('job_order')", least_attained_service_sql()) +
-                    " ON CONFLICT (owner, idempotency_key) WHERE idempotency_key <> ''::bytea DO NOTHING"
-                    " RETURNING id, fingerprint, ord, vbase) SELECT id, fingerprint, ord, vbase, " +
-                    notify_sql("id") + " FROM i",
-                params);
-    if (inserted.rows() == 1) return insert_outcome(inserted, true);
+  pg::Transaction tx(*c);
+  // Submissions of every pod queue here for the few statements below, so that a count and its insert are one step.
+  c->exec("SELECT pg_advisory_xact_lock($1)", {kAdmissionLockKey});
+  if (!j.idempotency_key.empty()) {
     const pg::Result existing =
         c->exec("SELECT id, fingerprint, ord, vbase FROM jobs WHERE owner = $1 AND idempotency_key = $2",
                 {j.owner, Param::bytes(j.idempotency_key)});
-    if (existing.rows() == 1) return insert_outcome(existing, false);
+    if (existing.rows() == 1) {
+      tx.commit();
+      return insert_outcome(existing, false);
+    }
   }
-  throw StoreError("job store " + describe() + ": idempotency key of job " + j.id + " keeps changing hands");
+  if (limits.max_unfinished > 0 || limits.max_for_client > 0) {
+    const pg::Result n =
+        c->exec(std::string("SELECT count(*), count(*) FILTER (WHERE client = $1) FROM jobs WHERE ") + kUnfinished,
+                {j.client});
+    InsertOutcome refused;
+    if (limits.max_unfinished > 0 && n.int64(0, 0) >= limits.max_unfinished) {
+      refused.refused = InsertOutcome::Refusal::QueueFull;
+      refused.unfinished = n.int64(0, 0);
+    } else if (limits.max_for_client > 0 && n.int64(0, 1) >= limits.max_for_client) {
+      refused.refused = InsertOutcome::Refusal::ClientQueueFull;
+      refused.unfinished = n.int64(0, 1);
+    }
+    if (refused.refused != InsertOutcome::Refusal::None) {
+      tx.commit();
+      return refused;
+    }
+  }
+  const pg::Result inserted =
+      c->exec("WITH i AS (" + insert_job_sql("nextval('job_order')", least_attained_service_sql()) +
+                  " RETURNING id, fingerprint, ord, vbase) SELECT id, fingerprint, ord, vbase, " + notify_sql("id") +
+                  " FROM i",
+              params);
+  tx.commit();
+  return insert_outcome(inserted, true);
 }
 
 AdmissionCounts PostgresJobStore::admission_counts(const std::string& client) const {

@@ -49,7 +49,7 @@ class PostgresJobStore final : public JobStore, public LeaseStore {
   std::vector<std::string> expire_deadlines() override;
   std::vector<Retired> finished_to_retire(int64_t finished_before_ms, int64_t keep) const override;
   CancelState request_cancel(const std::string& job_id, const std::string& owner) override;
-  InsertOutcome insert_job_once(StoredJob job) override;
+  InsertOutcome insert_job_once(StoredJob job, AdmissionLimits limits = {}) override;
   AdmissionCounts admission_counts(const std::string& client) const override;
   int64_t queue_depth() const override;
   std::optional<StoredJob> load_job(const std::string& job_id) const override;

@@ -612,7 +612,7 @@ void PeerScheduler::retire_finished() {
 
 // ---- the transport's side -----------------------------------------------------------------------------------
 
-void PeerScheduler::admit(const JobSpec& spec) const {
+void PeerScheduler::admit_here() const {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (draining_ || stopping_) throw AdmissionError(AdmissionError::Reason::Draining, "server is draining");
@@ -620,6 +620,11 @@ void PeerScheduler::admit(const JobSpec& spec) const {
   if (!pool_.any_healthy()) {
     throw AdmissionError(AdmissionError::Reason::Unavailable, "no healthy replica on this server", 1.0);
   }
+}
+
+// The early check (before text encoding): submit() checks the limits again, atomically with its insert.
+void PeerScheduler::admit(const JobSpec& spec) const {
+  admit_here();
   AdmissionCounts counts;
   try {
     counts = leases_.admission_counts(spec.client);
@@ -647,7 +652,7 @@ void PeerScheduler::check_admission(const JobSpec& spec) const {
 
 SubmitResult PeerScheduler::submit(JobSpec spec) {
   if (spec.chunk_work.empty()) throw std::invalid_argument("submit: a job needs at least one chunk");
-  admit(spec);
+  admit_here();  // the store checks the queue limits with the insert
   StoredJob job;
   job.id = new_job_id();
   job.owner = spec.owner;
@@ -662,9 +667,21 @@ SubmitResult PeerScheduler::submit(JobSpec spec) {
   job.request = std::move(spec.durable_request);
   InsertOutcome outcome;
   try {
-    outcome = leases_.insert_job_once(std::move(job));
+    AdmissionLimits limits;
+    limits.max_unfinished = options_.scheduling.max_jobs;
+    limits.max_for_client =
+        spec.client_max_jobs > 0 ? spec.client_max_jobs : options_.scheduling.max_jobs_per_client;
+    outcome = leases_.insert_job_once(std::move(job), limits);
   } catch (const StoreError& e) {
     throw AdmissionError(AdmissionError::Reason::Unavailable, std::string("job store unavailable: ") + e.what(), 1.0);
+  }
+  if (outcome.refused == InsertOutcome::Refusal::QueueFull) {
+    throw AdmissionError(AdmissionError::Reason::QueueFull,
+                         "queue full (" + std::to_string(outcome.unfinished) + " unfinished jobs)", 1.0);
+  }
+  if (outcome.refused == InsertOutcome::Refusal::ClientQueueFull) {
+    throw AdmissionError(AdmissionError::Reason::ClientQueueFull,
+                         "this client has " + std::to_string(outcome.unfinished) + " unfinished jobs", 1.0);
   }
   if (!outcome.inserted) {
     if (outcome.fingerprint != spec.fingerprint) {

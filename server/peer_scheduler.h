@@ -106,6 +106,7 @@ class PeerScheduler final : public JobQueue, private ChunkSource {
   // this pod is asked about a job it never ran; kept (bounded) since it never changes.
   std::shared_ptr<const JobDescription> description_of(const StoredJob& job) const;
   std::optional<StoredJob> find(const std::string& id, const std::string& owner) const;
+  void admit_here() const;  // draining, a healthy replica
   void admit(const JobSpec& spec) const;
   void changed(const std::string& job_id);  // wakes waiters and the job's subscribers
   void listen_loop();

@@ -596,6 +596,49 @@ TEST_F(PostgresStore, AnIdempotentInsertFromTwoPodsStoresOneJob) {
   EXPECT_TRUE(pod_a->insert_job_once(bob).inserted);
 }
 
+TEST_F(PostgresStore, TheQueueLimitHoldsForInsertsRacingFromManyPods) {
+  constexpr int kPods = 4, kPerPod = 10, kLimit = 7;
+  std::vector<std::unique_ptr<server::PostgresJobStore>> pods;
+  for (int p = 0; p < kPods; ++p) pods.push_back(open());
+  std::atomic<int> inserted{0}, refused{0};
+  std::vector<std::thread> threads;
+  for (int p = 0; p < kPods; ++p) {
+    threads.emplace_back([&, p] {
+      for (int i = 0; i < kPerPod; ++i) {
+        server::AdmissionLimits limits;
+        limits.max_unfinished = kLimit;
+        const auto outcome = pods[static_cast<size_t>(p)]->insert_job_once(
+            make_job("race-" + std::to_string(p) + "-" + std::to_string(i), 0), limits);
+        if (outcome.inserted) ++inserted;
+        if (outcome.refused == server::InsertOutcome::Refusal::QueueFull) ++refused;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(inserted.load(), kLimit) << "a check and its insert are one step across pods";
+  EXPECT_EQ(refused.load(), kPods * kPerPod - kLimit);
+  // Per client, and a key naming a stored job returns it even when the queue is full.
+  server::AdmissionLimits per_client;
+  per_client.max_for_client = 100;
+  StoredJob other = make_job("other-client", 0);
+  other.client = "somebody-else";
+  EXPECT_TRUE(pods[0]->insert_job_once(other, per_client).inserted);
+  per_client.max_for_client = 1;
+  StoredJob second = make_job("other-client-2", 0);
+  second.client = "somebody-else";
+  EXPECT_EQ(pods[1]->insert_job_once(second, per_client).refused, server::InsertOutcome::Refusal::ClientQueueFull);
+  StoredJob keyed = make_job("keyed", 0);
+  keyed.idempotency_key = "k";
+  ASSERT_TRUE(pods[0]->insert_job_once(keyed).inserted);
+  server::AdmissionLimits full;
+  full.max_unfinished = 1;
+  StoredJob again = make_job("keyed-again", 0);
+  again.idempotency_key = "k";
+  const auto dedup = pods[1]->insert_job_once(again, full);
+  EXPECT_FALSE(dedup.inserted);
+  EXPECT_EQ(dedup.job_id, "keyed");
+}
+
 TEST_F(PostgresStore, TheStoreAllocatesOrderAndFairShareStartAcrossPods) {
   auto pod_a = open();
   auto pod_b = open();
