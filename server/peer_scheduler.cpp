@@ -28,6 +28,7 @@ struct PeerScheduler::Running {
   ChunkLease lease;
   StoredJob job;  // as it was when the chunk was claimed (without the request)
   std::string replica;  // lease name
+  std::shared_ptr<JobPayload> payload;  // the one this chunk runs on (the cache may hold another meanwhile)
   int attempt = 0;
   int64_t rows_total = 0, rows_before = 0;
   std::atomic<bool> lost{false};    // the store says another replica holds the chunk now
@@ -176,6 +177,7 @@ std::optional<ChunkAssignment> PeerScheduler::prepare(size_t replica, const Chun
   run->job = *job;
   run->job.request.clear();
   run->replica = name;
+  run->payload = payload;
   run->attempt = attempt;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -366,9 +368,11 @@ std::string PeerScheduler::settle(size_t replica, ChunkResult result, double sec
     }
     std::lock_guard<std::mutex> lock(mu_);
     if (commit.committed) {
+      // Only the payload this chunk ran on holds its result (a submit on this pod may have cached another since).
       auto it = cache_.find(id);
-      if (it != cache_.end() && !last) it->second->chunks_held = chunk + 1;
-      if (it != cache_.end() && last) cache_.erase(it);
+      const bool ran_here = it != cache_.end() && it->second->payload == run->payload;
+      if (ran_here && !last) it->second->chunks_held = chunk + 1;
+      if (it != cache_.end() && (last || !ran_here)) cache_.erase(it);
     } else {
       cache_.erase(id);
       spdlog::warn("job={} event=commit_fenced chunk={} replica={} token={}", id, chunk, run->replica,
@@ -700,7 +704,7 @@ SubmitResult PeerScheduler::submit(JobSpec spec) {
     cached->chunk_rows = spec.chunk_rows;
     cached->used = Clock::now();
     std::lock_guard<std::mutex> lock(mu_);
-    cache_[outcome.job_id] = cached;
+    cache_.emplace(outcome.job_id, cached);  // never over a payload a replica of this pod already claimed it with
   }
   JobEvent queued;
   queued.type = EventType::Queued;
