@@ -166,8 +166,8 @@ std::optional<ChunkAssignment> PeerScheduler::prepare(size_t replica, const Chun
     return std::nullopt;
   }
   std::string error;
-  std::shared_ptr<JobPayload> payload = payload_for(*job, lease, error);
-  if (!payload) {
+  const std::shared_ptr<Cached> cached = payload_for(*job, lease, error);
+  if (!cached) {
     finish(job->id, JobState::Failed, ErrorKind::Internal, "the job cannot be resumed: " + error);
     return std::nullopt;
   }
@@ -177,11 +177,11 @@ std::optional<ChunkAssignment> PeerScheduler::prepare(size_t replica, const Chun
   run->job = *job;
   run->job.request.clear();
   run->replica = name;
-  run->payload = payload;
+  run->payload = cached->payload;
   run->attempt = attempt;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    const auto& rows = cache_.at(job->id)->chunk_rows;
+    const auto& rows = cached->chunk_rows;
     for (size_t c = 0; c < rows.size(); ++c) {
       run->rows_total += rows[c];
       if (static_cast<int64_t>(c) < lease.chunk_index) run->rows_before += rows[c];
@@ -214,8 +214,8 @@ std::optional<ChunkAssignment> PeerScheduler::prepare(size_t replica, const Chun
   assignment.work.chunk_count = lease.chunk_count;
   assignment.work.attempt = attempt;
   assignment.work.handoff = lease.handoff;
-  assignment.work.payload = payload.get();
-  assignment.payload = payload;
+  assignment.work.payload = cached->payload.get();
+  assignment.payload = cached->payload;
   Running* r = run.get();
   assignment.callbacks.on_step = [this, r](int64_t row, int64_t rows) { push_step(*r, row, rows); };
   assignment.callbacks.should_stop = [this, r] { return stop_requested(*r); };
@@ -223,20 +223,24 @@ std::optional<ChunkAssignment> PeerScheduler::prepare(size_t replica, const Chun
 }
 
 // The payload this pod already holds when the job's previous chunk ran here, else one re-created from the store.
-std::shared_ptr<JobPayload> PeerScheduler::payload_for(const StoredJob& job, const ChunkLease& lease,
-                                                       std::string& error) {
+std::shared_ptr<PeerScheduler::Cached> PeerScheduler::payload_for(const StoredJob& job, const ChunkLease& lease,
+                                                                   std::string& error) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = cache_.find(job.id);
     if (it != cache_.end() && it->second->chunks_held == lease.chunk_index) {
       it->second->used = Clock::now();
-      return it->second->payload;
+      return it->second;
     }
     if (it != cache_.end()) cache_.erase(it);  // another pod ran chunks since: its results are in the store
   }
   RestoredJob restored;
   try {
     std::vector<StoredChunk> chunks = store_.load_chunks(job.id);
+    if (static_cast<int64_t>(chunks.size()) < lease.chunk_index) {
+      throw std::runtime_error("the store holds " + std::to_string(chunks.size()) + " chunk results, chunk " +
+                               std::to_string(lease.chunk_index) + " needs them all");
+    }
     chunks.resize(static_cast<size_t>(std::min<int64_t>(lease.chunk_index, static_cast<int64_t>(chunks.size()))));
     restored = loader_(job, std::move(chunks));
   } catch (const std::exception& e) {
@@ -267,7 +271,7 @@ std::shared_ptr<JobPayload> PeerScheduler::payload_for(const StoredJob& job, con
     if (oldest == cache_.end()) break;
     cache_.erase(oldest);
   }
-  return restored.payload;
+  return cached;
 }
 
 // Failed attempts of a chunk so far: its ChunkRetry events (a takeover is one too).

@@ -93,7 +93,8 @@ class PeerScheduler final : public JobQueue, private ChunkSource {
 
   std::optional<ChunkAssignment> prepare(size_t replica, const ChunkLease& lease);
   std::string settle(size_t replica, ChunkResult result, double seconds);  // returns the job's id
-  std::shared_ptr<JobPayload> payload_for(const StoredJob& job, const ChunkLease& lease, std::string& error);
+  // The payload with its chunk plan, held by the caller: the cache may evict or replace its entry meanwhile.
+  std::shared_ptr<Cached> payload_for(const StoredJob& job, const ChunkLease& lease, std::string& error);
   int attempts_of(const std::string& job_id, int64_t chunk) const;
   void finish(const std::string& job_id, JobState state, ErrorKind kind, const std::string& error);
   void fail_or_retry(const Running& run, const std::string& error);
