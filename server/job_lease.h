@@ -128,7 +128,8 @@ class LeaseStore {
   virtual AdmissionCounts admission_counts(const std::string& client) const = 0;
   // Unfinished jobs without a live lease (waiting for a replica), all pods.
   virtual int64_t queue_depth() const = 0;
-  virtual std::optional<StoredJob> load_job(const std::string& job_id) const = 0;
+  // with_request false: StoredJob::request stays empty (reads that only need the job's state skip megabytes).
+  virtual std::optional<StoredJob> load_job(const std::string& job_id, bool with_request = true) const = 0;
 
   // Event sequence numbers are allocated per job in the store, so they stay monotonic across pods. append_events
   // stores events under fresh numbers (returned); reserve_sequences hands out `count` numbers for events that are

@@ -260,9 +260,13 @@ std::vector<StoredJob> PostgresJobStore::load_jobs() const {
   return out;
 }
 
-std::optional<StoredJob> PostgresJobStore::load_job(const std::string& job_id) const {
+std::optional<StoredJob> PostgresJobStore::load_job(const std::string& job_id, bool with_request) const {
+  static const std::string without_request =
+      std::string(kJobColumns).substr(0, std::string(kJobColumns).rfind("request")) + "''::bytea";
   auto c = pool_->acquire();
-  const pg::Result r = c->exec(std::string("SELECT ") + kJobColumns + " FROM jobs WHERE id = $1", {job_id});
+  const pg::Result r = c->exec("SELECT " + (with_request ? std::string(kJobColumns) : without_request) +
+                                   " FROM jobs WHERE id = $1",
+                               {job_id});
   if (r.rows() == 0) return std::nullopt;
   return job_from_row(r, 0);
 }

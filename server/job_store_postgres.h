@@ -52,7 +52,7 @@ class PostgresJobStore final : public JobStore, public LeaseStore {
   InsertOutcome insert_job_once(StoredJob job, AdmissionLimits limits = {}) override;
   AdmissionCounts admission_counts(const std::string& client) const override;
   int64_t queue_depth() const override;
-  std::optional<StoredJob> load_job(const std::string& job_id) const override;
+  std::optional<StoredJob> load_job(const std::string& job_id, bool with_request = true) const override;
   std::vector<uint64_t> append_events(const std::string& job_id, const std::vector<std::string>& events) override;
   uint64_t reserve_sequences(const std::string& job_id, int64_t count) override;
   std::unique_ptr<ChangeListener> listen() override;

@@ -70,6 +70,8 @@ int64_t wall_ms(const std::optional<WallClock::time_point>& t) { return t ? wall
 WallClock::time_point from_wall_ms(int64_t ms) { return WallClock::time_point(std::chrono::milliseconds(ms)); }
 
 // Chunk-level events as the store keeps them (step events stay in memory).
+static JobEvent decode_event_json(const StoredEvent& stored);  // throws nlohmann::json::exception
+
 std::string encode_stored_event(const JobEvent& e) {
   nlohmann::json j = {{"type", static_cast<int>(e.type)}, {"time_ms", wall_ms(e.time)}, {"chunk", e.chunk},
                       {"chunk_count", e.chunk_count},     {"replica", e.replica},     {"attempt", e.attempt},
@@ -79,6 +81,15 @@ std::string encode_stored_event(const JobEvent& e) {
 }
 
 JobEvent decode_stored_event(const StoredEvent& stored) {
+  try {
+    return decode_event_json(stored);
+  } catch (const nlohmann::json::exception& e) {
+    // A damaged row (or one a newer server wrote) is the store's fault: every caller handles StoreError.
+    throw StoreError("stored event " + std::to_string(stored.sequence) + " is unreadable: " + e.what());
+  }
+}
+
+static JobEvent decode_event_json(const StoredEvent& stored) {
   const auto j = nlohmann::json::parse(stored.data);
   JobEvent e;
   e.sequence = stored.sequence;

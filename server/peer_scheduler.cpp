@@ -439,7 +439,7 @@ void PeerScheduler::fail_or_retry(const Running& run, const std::string& error) 
   event.message = error;
   append(run.job.id, event);
   try {
-    if (std::optional<StoredJob> job = leases_.load_job(run.job.id)) {
+    if (std::optional<StoredJob> job = leases_.load_job(run.job.id, false)) {
       ++job->retries;
       store_.update_job(*job);
     }
@@ -454,7 +454,7 @@ void PeerScheduler::fail_or_retry(const Running& run, const std::string& error) 
 // Ends a job in the store (whichever pod gets there first), with its Finished event.
 void PeerScheduler::finish(const std::string& job_id, JobState state, ErrorKind kind, const std::string& error) {
   try {
-    std::optional<StoredJob> job = leases_.load_job(job_id);
+    std::optional<StoredJob> job = leases_.load_job(job_id, false);
     if (!job || is_terminal(parse_job_state(job->state))) return;
     job->state = job_state_name(state);
     job->error_kind = error_kind_name(kind);
@@ -724,7 +724,7 @@ SubmitResult PeerScheduler::submit(JobSpec spec) {
 }
 
 std::optional<StoredJob> PeerScheduler::find(const std::string& id, const std::string& owner) const {
-  std::optional<StoredJob> job = leases_.load_job(id);
+  std::optional<StoredJob> job = leases_.load_job(id, false);  // every read and wait: the state, not the request
   if (!job || job->owner != owner) return std::nullopt;
   return job;
 }
@@ -779,8 +779,9 @@ std::shared_ptr<const JobDescription> PeerScheduler::description_of(const Stored
     if (auto it = cache_.find(job.id); it != cache_.end() && it->second->description) return it->second->description;
     if (auto it = descriptions_.find(job.id); it != descriptions_.end()) return it->second;
   }
-  if (job.request.empty()) return nullptr;
-  std::shared_ptr<const JobDescription> description = loader_(job, {}).description;
+  const std::optional<StoredJob> with_request = leases_.load_job(job.id);
+  if (!with_request) return nullptr;
+  std::shared_ptr<const JobDescription> description = loader_(*with_request, {}).description;
   if (!description) return nullptr;
   std::lock_guard<std::mutex> lock(mu_);
   if (descriptions_.size() >= kMaxDescriptions) descriptions_.erase(descriptions_.begin());

@@ -924,6 +924,30 @@ std::vector<std::unique_ptr<ChunkExecutor>> one_executor(ScriptedExecutor::Run r
   return executors;
 }
 
+TEST(StoredEvents, RoundTripAndADamagedRowIsAStoreErrorNamingItsSequence) {
+  JobEvent event;
+  event.type = EventType::ChunkFinished;
+  event.chunk = 3;
+  event.replica = "pod-1/cpu:0";
+  event.time = from_wall_ms(1700000000123);
+  const JobEvent back = decode_stored_event({7, encode_stored_event(event)});
+  EXPECT_EQ(back.sequence, 7u);
+  EXPECT_EQ(back.type, EventType::ChunkFinished);
+  EXPECT_EQ(back.chunk, 3);
+  EXPECT_EQ(back.replica, "pod-1/cpu:0");
+  EXPECT_EQ(wall_ms(back.time), 1700000000123);
+  // Readers on every pod meet rows other servers wrote: a damaged one is the store's error, never a crash.
+  for (const std::string& damaged : {std::string("{\"type\": 3"), std::string("[]"), std::string("{}"),
+                                     std::string("{\"type\": \"x\"}")}) {
+    try {
+      decode_stored_event({9, damaged});
+      ADD_FAILURE() << "accepted " << damaged;
+    } catch (const StoreError& e) {
+      EXPECT_NE(std::string(e.what()).find("stored event 9"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(ReplicaPool, PullsChunksFromItsSourceAndReportsEachResultBack) {
   ReplicaPool pool(one_executor([](int, const ChunkCallbacks&) { return ChunkResult{}; }), {});
   ScriptedSource source(pool, 3);
