@@ -5,9 +5,11 @@
 
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
 
@@ -58,6 +60,8 @@ const std::string kUsage =
         "a prompt per chunk (each chunk takes the prompt in force at its first new frame):\n"
         "  --prompt-at FRAME:TEXT   from pixel frame FRAME on, TEXT (needs --text-encoder); repeatable\n"
         "  --inputs-at FRAME:FILE   from pixel frame FRAME on, the embeddings of FILE (like --inputs); repeatable\n"
+        "  --cache-log FILE.json    every step-cache decision (the pipeline_df_cache fixtures' decisions.json)\n"
+        "  --kv-cache-bytes N       memory for the kept keys/values of final frames (default 4 GiB)\n"
         "generation parameters, named after diffusers' arguments (defaults as diffusers):\n"
         "  --scheduler-config FILE        a diffusers UniPCMultistepScheduler scheduler_config.json: the\n"
         "                                 defaults of --flow-shift and of the sampler's flags below\n") +
@@ -113,6 +117,51 @@ model::Conditioning conditioning_from_text(model::TextEncoder& encoder, const Ar
     c.negative_prompt_embeds = encoder.encode({args.get("negative-prompt", "")}, max_len).to(at::kFloat);
   }
   return c;
+}
+
+// What the transformer calls of a run did, for the log and --cache-log.
+struct TransformerWork {
+  int64_t full = 0, computed = 0, saved_exact = 0, saved_cache = 0;
+  std::vector<model::TransformerCallReport> calls;
+  void add(const model::TransformerCallReport& call) {
+    full += call.token_blocks_full;
+    computed += call.token_blocks_computed;
+    saved_exact += call.token_blocks_saved_exact;
+    saved_cache += call.token_blocks_saved_cache;
+    if (call.step_cache) calls.push_back(call);
+  }
+  std::string summary() const {
+    auto percent = [&](int64_t part) { return full > 0 ? 100.0 * static_cast<double>(part) / full : 0.0; };
+    return fmt::format("{:.1f} % of token-rows saved ({:.1f} % exact, {:.1f} % by the step cache)",
+                       percent(saved_exact + saved_cache), percent(saved_exact), percent(saved_cache));
+  }
+};
+
+// Every step-cache decision, in the format of the pipeline_df_cache fixtures' decisions.json.
+void write_cache_log(const std::string& path, const std::vector<model::TransformerCallReport>& calls) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& c : calls) {
+    out.push_back({{"chunk", c.chunk},
+                   {"row", c.row},
+                   {"context", c.unconditional ? "uncond" : "cond"},
+                   {"rel", c.rel ? nlohmann::json(*c.rel) : nlohmann::json()},
+                   {"skipped", c.skipped},
+                   {"source", c.source ? nlohmann::json::array({c.source->first, c.source->second})
+                                       : nlohmann::json()}});
+  }
+  std::ofstream file(path);
+  file << out.dump(1) << "\n";
+  if (!file) throw std::runtime_error(path + ": cannot write the cache log");
+}
+
+int64_t parse_bytes(const std::string& text) {
+  try {
+    size_t used = 0;
+    const long long value = std::stoll(text, &used);
+    if (used == text.size() && value >= 0) return value;
+  } catch (const std::exception&) {
+  }
+  throw UsageError("--kv-cache-bytes: expected a byte count >= 0, got '" + text + "'");
 }
 
 // --prompt-at and --inputs-at, sorted by frame; `encode` turns a text into [prompt, negative] embeddings.
@@ -179,9 +228,10 @@ model::Conditioning conditioning_from(const std::string& path) {
 }
 
 int run_generate(const std::vector<std::string>& argv) {
-  const Args args(argv, {"pin-image-prefix"});
+  const Args args(argv, skyreels::cli::with_generation_switches({"pin-image-prefix"}));
   args.reject_unknown(with_generation_flags({"model", "inputs", "out", "noise", "dtype", "device", "text-encoder",
-                                             "tokenizer", "max-sequence-length", "vae", "pin-image-prefix"}));
+                                             "tokenizer", "max-sequence-length", "vae", "pin-image-prefix",
+                                             "cache-log", "kv-cache-bytes"}));
   if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional().front() + "'");
   const std::string model_path = args.require("model");
   if (args.has("inputs") == args.has("text-encoder")) {
@@ -190,6 +240,10 @@ int run_generate(const std::vector<std::string>& argv) {
   const std::string out_path = args.require("out");
 
   model::GenerationParams params = params_from_flags(args);
+  if (args.has("kv-cache-bytes")) params.kv_cache_max_bytes = parse_bytes(args.get("kv-cache-bytes"));
+  if (args.has("cache-log") && params.cache.kind == model::StepCacheKind::kNone) {
+    throw UsageError("--cache-log needs a step cache (--cache first-block)");
+  }
   std::unique_ptr<model::TextEncoder> encoder;
   if (args.has("text-encoder")) {
     model::TextEncoderOptions options;
@@ -230,16 +284,22 @@ int run_generate(const std::vector<std::string>& argv) {
   hooks.on_step = [](int64_t chunk, int64_t row, int64_t rows) {
     spdlog::info("chunk {} row {}/{}", chunk, row + 1, rows);
   };
+  TransformerWork work;
+  hooks.on_call = [&work](const model::TransformerCallReport& call) { work.add(call); };
+  // Stock diffusers' request-scoped step cache lives across chunks: one cache for the whole loop then.
+  const auto request_cache =
+      params.cache.scope == model::StepCacheScope::kRequest ? model::make_denoise_cache() : nullptr;
   std::vector<std::pair<std::string, at::Tensor>> outputs;
   at::Tensor video;
   start = std::chrono::steady_clock::now();
   for (const model::ChunkSpec& chunk : plan->chunks) {
     const at::Tensor latents =
-        model::run_chunk(transformer, params, *plan, chunk.index, conditioning, video, *noise, hooks);
+        model::run_chunk(transformer, params, *plan, chunk.index, conditioning, video, *noise, hooks, request_cache);
     outputs.emplace_back("chunk" + std::to_string(chunk.index) + "_latents_end", latents.to(at::kCPU));
     video = model::accumulate(video, latents, chunk);
   }
-  spdlog::info("generated in {:.2f} s", seconds_since(start));
+  spdlog::info("generated in {:.2f} s; {}", seconds_since(start), work.summary());
+  if (args.has("cache-log")) write_cache_log(args.get("cache-log"), work.calls);
   outputs.insert(outputs.begin(), {"latents", video.to(at::kCPU)});
   skyreels::safetensors::save(out_path, outputs);
   std::cout << out_path << ": latents " << video.sizes() << " float32, " << plan->chunks.size() << " chunk(s)\n";

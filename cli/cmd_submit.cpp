@@ -130,7 +130,7 @@ int64_t server_text_dim(server::Client& client) {
 }
 
 int run_submit(const std::vector<std::string>& raw) {
-  const Args args(raw, {"random-embeddings", "watch", "tls", "mp4"});
+  const Args args(raw, skyreels::cli::with_generation_switches({"random-embeddings", "watch", "tls", "mp4"}));
   std::vector<std::string> known =
       with_generation_flags({"inputs", "random-embeddings", "tokens", "embeddings-seed", "priority", "timeout-seconds",
                              "idempotency-key", "wait-ready", "watch", "out", "mp4"});

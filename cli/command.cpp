@@ -91,12 +91,30 @@ void Args::reject_unknown(const std::vector<std::string>& known) const {
   }
 }
 
+// --no-FLAG for every boolean parameter that is on by default (--no-exact-savings).
+std::vector<std::string> generation_switches() {
+  std::vector<std::string> names;
+  for (const auto& param : server::generation_params()) {
+    if (param.kind == server::ParamKind::kBool && param.default_rule == server::DefaultRule::kValue &&
+        std::get<bool>(param.default_value)) {
+      names.push_back("no-" + param.flag);
+    }
+  }
+  return names;
+}
+
+std::vector<std::string> with_generation_switches(std::vector<std::string> switches) {
+  for (const auto& name : generation_switches()) switches.push_back(name);
+  return switches;
+}
+
 namespace {
 
 std::vector<std::string> generation_flags() {
   std::vector<std::string> flags = {"prompt", "negative-prompt", "image",     "last-image",
                                     "video",  "prompt-at",       "inputs-at", "scheduler-config"};
   for (const auto& param : server::generation_params()) flags.push_back(param.flag);
+  for (const auto& name : generation_switches()) flags.push_back(name);
   return flags;
 }
 
@@ -115,6 +133,11 @@ server::JobRequest generation_request_from_flags(const Args& args) {
     server::request_scheduler_config(model::FlowUniPCConfig::from_file(args.get("scheduler-config")), request);
   }
   for (const auto& param : server::generation_params()) {
+    if (param.kind == server::ParamKind::kBool && args.has("no-" + param.flag)) {
+      if (args.has(param.flag)) throw UsageError("--" + param.flag + " and --no-" + param.flag + " are exclusive");
+      param.set_requested(request, false);
+      continue;
+    }
     if (!args.has(param.flag)) continue;
     try {
       param.set_requested(request, server::parse_param_value(param, args.get(param.flag)));

@@ -47,6 +47,9 @@ class Args {
 // The flags that `generate` (in process) and `submit` (to a server) both take: the conditioning, one per generation
 // parameter (server/generation_params.h) and --scheduler-config, so that the two commands accept the same flags.
 extern const std::vector<std::string> kGenerationFlags;
+// The switches (flags without a value) among them: --no-FLAG for each boolean parameter that is on by default.
+std::vector<std::string> generation_switches();
+std::vector<std::string> with_generation_switches(std::vector<std::string> switches);
 // `known` followed by kGenerationFlags, for Args::reject_unknown.
 std::vector<std::string> with_generation_flags(std::vector<std::string> known);
 

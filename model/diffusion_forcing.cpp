@@ -223,6 +223,23 @@ void validate_basic(const GenerationParams& p, int64_t block) {
           "overlap_history: required when num_frames (" + std::to_string(p.num_frames) + ") exceeds base_num_frames (" +
               std::to_string(p.base_num_frames) + "); recommended values are 17 or 37");
   p.scheduler.validate();
+  require(p.kv_cache_max_bytes >= 0, "kv_cache_max_bytes: must be >= 0");
+  if (p.cache.kind != StepCacheKind::kNone) {
+    require(std::isfinite(p.cache.threshold) && p.cache.threshold >= 0.0,
+            "cache_threshold: must be a finite number >= 0, got " + std::to_string(p.cache.threshold));
+  }
+}
+
+// Stock FirstBlockCache compares a call with the last call of another chunk: chunks of another length crash it.
+void refuse_request_scope_over_unequal_chunks(const GenerationParams& p, const ChunkPlan& plan) {
+  if (p.cache.kind == StepCacheKind::kNone || p.cache.scope != StepCacheScope::kRequest) return;
+  for (const ChunkSpec& c : plan.chunks) {
+    const int64_t frames = c.num_latent_frames + c.suffix_frames;
+    const int64_t first = plan.chunks.front().num_latent_frames + plan.chunks.front().suffix_frames;
+    require(frames == first, "cache_scope: request keeps the step cache across chunks, which needs chunks of one "
+                             "length; chunk " + std::to_string(c.index) + " has " + std::to_string(frames) +
+                                 " latent frames, chunk 0 has " + std::to_string(first) + " (use cache_scope chunk)");
+  }
 }
 
 // #13609: diffusers leaves the frames past the last whole block as pure noise; refuse such requests instead.
@@ -366,6 +383,7 @@ ChunkPlan plan_chunks(const GenerationParams& params, int64_t model_num_frame_pe
     plan.chunks.push_back(c);
   }
   plan.total_latent_frames += suffix;  // the last_image latent stays in the output, as in diffusers
+  refuse_request_scope_over_unequal_chunks(params, plan);
   if (produced != plan.total_latent_frames) {
     throw std::logic_error("plan_chunks: chunks cover " + std::to_string(produced) + " latent frames, expected " +
                            std::to_string(plan.total_latent_frames));
@@ -506,7 +524,7 @@ class RecordedNoise final : public NoiseSource {
       throw std::invalid_argument(std::string("recorded noise: ") + name + " has shape " + shape_text(t.sizes()) +
                                   " but " + what + " needs " + shape_text(shape));
     }
-    return t.to(at::kFloat);
+    return t.to(at::kFloat).clone();  // a copy: the loop writes its latents in place, the recording stays as given
   }
 
   std::vector<at::Tensor> draws_;
@@ -654,6 +672,22 @@ void update_frames(FlowUniPCFrames& schedulers, at::Tensor& latents, const at::T
   }
 }
 
+// Which frames of row i's call are updated, and which are final: at timestep 0, not updated, and not re-noised by
+// addnoise_condition. The timestep matrix only moves frames forward, so a final frame stays final.
+void mark_frames(DenoiseCall& call, const TimestepMatrix& matrix, const GenerationParams& p, const ChunkSpec& chunk,
+                 int64_t row, int64_t start, int64_t end) {
+  const auto mask = matrix.update_mask.accessor<bool, 2>();
+  const auto steps = matrix.step_matrix.accessor<int64_t, 2>();
+  const int64_t renoised = p.addnoise_condition > 0.0 ? chunk.prefix_frames : 0;
+  call.updated.assign(static_cast<size_t>(end - start), 0);
+  call.final_frames.assign(static_cast<size_t>(end - start), 0);
+  for (int64_t f = start; f < end; ++f) {
+    const auto i = static_cast<size_t>(f - start);
+    call.updated[i] = mask[row][f] ? 1 : 0;
+    call.final_frames[i] = !mask[row][f] && steps[row][f] == 0 && f >= renoised ? 1 : 0;
+  }
+}
+
 void check_plan(const ChunkPlan& plan, int64_t chunk_index, const GenerationParams& p) {
   if (chunk_index < 0 || chunk_index >= static_cast<int64_t>(plan.chunks.size())) {
     throw std::invalid_argument("chunk_index: " + std::to_string(chunk_index) + " outside the plan's " +
@@ -732,6 +766,7 @@ at::Tensor run_chunk(const Denoiser& denoiser, const DenoiserInfo& info, const G
     call.chunk = chunk_index;
     call.row = i;
     call.num_frame_per_block = plan.causal_block_size;
+    mark_frames(call, matrix, params, chunk, i, start, end);
     call.encoder_hidden_states = inputs.prompt;
     at::Tensor prediction = denoiser(call);
     if (inputs.guidance) {
@@ -772,17 +807,93 @@ at::Tensor generate(const Denoiser& denoiser, const DenoiserInfo& info, const Ge
 
 // ---- with the transformer --------------------------------------------------------------------------------------
 
+class DenoiseCache {
+ public:
+  // Starts chunk `chunk` of `frames` latent frames: kept keys / values never cross chunks; the step cache's state
+  // does only with scope request.
+  void begin(int64_t chunk, const GenerationParams& p) {
+    if (chunk == chunk_) return;
+    const bool keep_step_cache = p.cache.scope == StepCacheScope::kRequest && chunk_ >= 0;
+    for (Context& c : contexts_) {
+      if (keep_step_cache) {
+        c.state.reset_kv();
+      } else {
+        c.state.reset();
+        c.source.reset();
+      }
+    }
+    chunk_ = chunk;
+  }
+  struct Context {
+    TransformerCallState state;
+    std::optional<std::pair<int64_t, int64_t>> source;  // the last computed call (FirstBlockCache)
+  };
+  Context& context(bool unconditional) { return contexts_[unconditional ? 1 : 0]; }
+
+ private:
+  int64_t chunk_ = -1;
+  Context contexts_[2];
+};
+
+std::shared_ptr<DenoiseCache> make_denoise_cache() { return std::make_shared<DenoiseCache>(); }
+
+namespace {
+
+// Frames of a call the exact savings leave out: [end, F) have not started (nothing before them attends to them
+// under the block-causal mask), [0, keep) are final whole blocks whose keys / values are kept (within the memory
+// budget), of which [0, reuse) are already kept.
+struct CallSavings {
+  int64_t end = 0, keep = 0, reuse = 0;
+};
+
+CallSavings plan_call_savings(const DenoiseCall& call, const GenerationParams& p, const TransformerConfig& config,
+                              int64_t element_bytes, const TransformerCallState& state) {
+  const int64_t frames = call.latent_model_input.size(2), block = call.num_frame_per_block;
+  CallSavings s{frames, 0, 0};
+  const bool first_block = p.cache.kind == StepCacheKind::kFirstBlock;
+  if (!p.exact_savings || block <= 1 || config.patch_size[0] != 1 || frames % block != 0 ||
+      call.updated.size() != static_cast<size_t>(frames)) {
+    return s;
+  }
+  auto whole_blocks = [&](int64_t n) { return n / block * block; };
+  if (!first_block) {  // FirstBlockCache compares block 0 over every frame and reuses residuals of any frame
+    int64_t last = -1;
+    for (int64_t f = 0; f < frames; ++f) {
+      if (call.updated[static_cast<size_t>(f)]) last = f;
+    }
+    s.end = last < 0 ? 0 : whole_blocks(last + block);
+  }
+  // With scope request a later chunk may reuse any token's tail residual: every token is computed.
+  if (first_block && p.cache.scope == StepCacheScope::kRequest) return s;
+  int64_t settled = 0;
+  while (settled < s.end && call.final_frames[static_cast<size_t>(settled)]) ++settled;
+  const int64_t tokens_per_frame =
+      (call.latent_model_input.size(3) / config.patch_size[1]) * (call.latent_model_input.size(4) / config.patch_size[2]);
+  const int64_t layers = config.num_layers - (first_block ? 1 : 0);
+  const int64_t frame_bytes =
+      2 * layers * call.latent_model_input.size(0) * tokens_per_frame * config.inner_dim() * element_bytes;
+  const int64_t budget_frames = frame_bytes > 0 ? p.kv_cache_max_bytes / 2 / frame_bytes : 0;  // 2 contexts
+  s.keep = whole_blocks(std::min({settled, budget_frames, s.end - block}));
+  s.keep = std::max<int64_t>(s.keep, 0);
+  s.reuse = std::min(s.keep, state.kept_frames());
+  return s;
+}
+
+}  // namespace
+
 Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const GenerationParams& params,
-                              std::function<bool()> cancelled) {
+                              std::function<bool()> cancelled, std::function<void(const TransformerCallReport&)> on_call,
+                              std::shared_ptr<DenoiseCache> cache) {
   const int64_t fps_index = params.fps == 16 ? 0 : 1;  // diffusers: [0 if fps == 16 else 1] per batch item
-  return [&model, fps_index, cancelled = std::move(cancelled)](const DenoiseCall& call) {
+  if (!cache) cache = make_denoise_cache();
+  return [&model, params, fps_index, cancelled = std::move(cancelled), on_call = std::move(on_call),
+          cache = std::move(cache)](const DenoiseCall& call) {
+    const at::Tensor& input = call.latent_model_input;
     TransformerForwardArgs args;
-    args.hidden_states = call.latent_model_input;
     args.timestep = call.timestep;
     args.encoder_hidden_states = call.encoder_hidden_states;
     if (model.config().inject_sample_info) {
-      args.fps = at::full({call.latent_model_input.size(0)}, fps_index,
-                          at::TensorOptions().dtype(at::kLong).device(call.latent_model_input.device()));
+      args.fps = at::full({input.size(0)}, fps_index, at::TensorOptions().dtype(at::kLong).device(input.device()));
     }
     args.num_frame_per_block = call.num_frame_per_block;  // per request; the model config is never written
     if (cancelled) {
@@ -793,7 +904,51 @@ Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const Generati
         }
       };
     }
-    return model.forward(args);
+    cache->begin(call.chunk, params);
+    DenoiseCache::Context& context = cache->context(call.unconditional);
+    const CallSavings savings =
+        plan_call_savings(call, params, model.config(), at::elementSize(model.compute_dtype()), context.state);
+    const bool first_block = params.cache.kind == StepCacheKind::kFirstBlock;
+    const int64_t frames = input.size(2);
+    TransformerCallStats stats;
+    at::Tensor prediction;
+    if (savings.end == 0) {  // no frame of this row is updated: nothing to compute
+      prediction = at::zeros_like(input);
+    } else {
+      args.hidden_states = savings.end == frames ? input : input.narrow(2, 0, savings.end);
+      if (savings.end != frames) args.timestep = call.timestep.narrow(1, 0, savings.end);
+      if (first_block || savings.keep > 0) args.state = &context.state;
+      args.reuse_frames = savings.reuse;
+      args.keep_frames = savings.keep;
+      if (first_block) args.first_block_threshold = params.cache.threshold;
+      args.stats = &stats;
+      prediction = model.forward(args);
+      if (prediction.size(2) != frames) {  // the frames left out are never read (their update mask is false)
+        at::Tensor full = at::zeros_like(input, prediction.options());
+        full.narrow(2, savings.reuse, prediction.size(2)).copy_(prediction);
+        prediction = full;
+      }
+    }
+    if (on_call) {
+      TransformerCallReport report;
+      report.chunk = call.chunk;
+      report.row = call.row;
+      report.unconditional = call.unconditional;
+      const int64_t tokens_per_frame =
+          (input.size(3) / model.config().patch_size[1]) * (input.size(4) / model.config().patch_size[2]);
+      report.token_blocks_full = input.size(0) * frames * tokens_per_frame * model.config().num_layers;
+      report.token_blocks_computed = stats.token_blocks_computed;
+      report.token_blocks_saved_cache = stats.token_blocks_cached;
+      report.token_blocks_saved_exact =
+          report.token_blocks_full - report.token_blocks_computed - report.token_blocks_saved_cache;
+      report.step_cache = first_block;
+      report.rel = stats.first_block_rel;
+      report.skipped = stats.skipped;
+      if (stats.skipped) report.source = context.source;
+      on_call(report);
+    }
+    if (first_block && !stats.skipped && savings.end > 0) context.source = std::make_pair(call.chunk, call.row);
+    return prediction;
   };
 }
 
@@ -808,16 +963,22 @@ DenoiserInfo denoiser_info(const SkyReelsV2Transformer& model) {
 
 at::Tensor run_chunk(const SkyReelsV2Transformer& model, const GenerationParams& params, const ChunkPlan& plan,
                      int64_t chunk_index, const Conditioning& conditioning, const at::Tensor& previous_latents,
-                     NoiseSource& noise, const StepHooks& hooks) {
-  return run_chunk(transformer_denoiser(model, params, hooks.cancelled), denoiser_info(model), params, plan,
-                   chunk_index, conditioning, previous_latents, noise, hooks);
+                     NoiseSource& noise, const StepHooks& hooks, std::shared_ptr<DenoiseCache> cache) {
+  if (!cache && chunk_index > 0 && params.cache.kind != StepCacheKind::kNone &&
+      params.cache.scope == StepCacheScope::kRequest) {
+    throw std::invalid_argument("cache_scope: request keeps the step cache from chunk to chunk, so chunk " +
+                                std::to_string(chunk_index) +
+                                " needs the request's DenoiseCache (every chunk in one loop); use cache_scope chunk");
+  }
+  return run_chunk(transformer_denoiser(model, params, hooks.cancelled, hooks.on_call, std::move(cache)),
+                   denoiser_info(model), params, plan, chunk_index, conditioning, previous_latents, noise, hooks);
 }
 
 at::Tensor generate(const SkyReelsV2Transformer& model, const GenerationParams& params,
                     const Conditioning& conditioning, NoiseSource& noise, const StepHooks& hooks,
                     const std::function<void(int64_t, const at::Tensor&)>& on_chunk) {
-  return generate(transformer_denoiser(model, params, hooks.cancelled), denoiser_info(model), params, conditioning,
-                  noise, hooks, on_chunk);
+  return generate(transformer_denoiser(model, params, hooks.cancelled, hooks.on_call), denoiser_info(model), params,
+                  conditioning, noise, hooks, on_chunk);
 }
 
 }  // namespace skyreels::model

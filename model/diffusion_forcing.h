@@ -24,6 +24,25 @@ class SkyReelsV2Transformer;
 // (SkyReelsV2DiffusionForcingImageToVideoPipeline) and video-to-video (...VideoToVideoPipeline) pipelines.
 enum class ConditioningMode { kText, kImage, kVideo };
 
+// A step cache (fewer transformer passes at a small loss; exact savings are separate and lossless).
+enum class StepCacheKind {
+  kNone,
+  kFirstBlock,  // diffusers' FirstBlockCache, one decision per call and guidance context
+};
+enum class StepCacheScope {
+  kChunk,    // state reset at every chunk start: a chunk's output depends on that chunk alone
+  kRequest,  // stock diffusers: state kept across the chunks of one request (chunks of equal length only)
+};
+struct StepCacheConfig {
+  StepCacheKind kind = StepCacheKind::kNone;
+  double threshold = 0.0;  // skip when rel <= threshold
+  StepCacheScope scope = StepCacheScope::kChunk;
+};
+
+// Memory the kept keys / values of final frames may take per chunk loop (both guidance contexts together) unless a
+// request says otherwise; frames beyond it are computed again each row (still exact).
+constexpr int64_t kDefaultKvCacheBytes = int64_t{4} << 30;
+
 // diffusers' __call__ arguments (pixel-space frame counts, like the pipeline), with its defaults.
 struct GenerationParams {
   int64_t num_frames = 97;
@@ -50,6 +69,12 @@ struct GenerationParams {
   // noise (kept by default, so results compare). true: the image frame stays pinned (timestep 0, never updated)
   // while the rest of its block is denoised.
   bool pin_image_prefix = false;
+  // Exact savings under the block-causal mask (causal_block_size > 1): trailing blocks that have not started are
+  // not forwarded, and the keys / values of final blocks are kept per layer instead of recomputed. Same output
+  // within 1e-6 (bit-identical where the same kernels run); false runs every frame of every row, as diffusers.
+  bool exact_savings = true;
+  int64_t kv_cache_max_bytes = kDefaultKvCacheBytes;
+  StepCacheConfig cache;
 };
 
 // Latent frames the conditioning pins at the start of chunk 0: 1 for an image (never cut to the block size, as in
@@ -155,11 +180,31 @@ std::unique_ptr<NoiseSource> make_seeded_noise(uint64_t seed);
 // Recorded: tensors noise_000, noise_001, ... consumed in order (the fixtures' noise.safetensors).
 std::unique_ptr<NoiseSource> make_recorded_noise(std::vector<at::Tensor> draws_in_order);
 
+// What one transformer call of the loop did (StepHooks::on_call): the work of the uncached plan, what ran, and
+// the step cache's decision. Token-blocks: tokens x transformer blocks.
+struct TransformerCallReport {
+  int64_t chunk = 0, row = 0;
+  bool unconditional = false;
+  int64_t token_blocks_full = 0, token_blocks_computed = 0;
+  int64_t token_blocks_saved_exact = 0, token_blocks_saved_cache = 0;
+  bool step_cache = false;                                 // a step cache was on for this call
+  std::optional<double> rel;                               // FirstBlockCache's rel (unset on a context's first call)
+  bool skipped = false;                                    // the tail residual was reused
+  std::optional<std::pair<int64_t, int64_t>> source;      // [chunk, row] of the call whose residual was reused
+};
+
 struct StepHooks {
   std::function<void(int64_t chunk, int64_t row, int64_t rows)> on_step;  // after each timestep row
   std::function<bool()> cancelled;  // polled before each row and, with the transformer, after each of its blocks;
                                     // true aborts with GenerationCancelled
+  std::function<void(const TransformerCallReport&)> on_call;  // after each transformer call (with the transformer)
 };
+
+// The transformer-call state of one request's loop: per guidance context, the kept keys / values of the running
+// chunk and the step cache's state. Made per chunk by run_chunk; kept across chunks only for StepCacheScope::kRequest
+// by a caller that runs every chunk of the request in one process (skyreels generate).
+class DenoiseCache;
+std::shared_ptr<DenoiseCache> make_denoise_cache();
 
 struct GenerationCancelled : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -169,9 +214,11 @@ struct GenerationCancelled : std::runtime_error {
 // [B,16,F_so_far,h,w], any device; its last overlap_latent_frames frames are all that is read, so that tail alone
 // also works) and is ignored for chunk 0. Returns the chunk's own latents, fp32 [B, 16, Fk, h, w] on the model's
 // device. The scheduler config comes from params.scheduler with params.flow_shift.
+// `cache`: the request's DenoiseCache when the step cache's scope is kRequest (required then for chunks after the
+// first); a fresh one per call otherwise.
 at::Tensor run_chunk(const SkyReelsV2Transformer& model, const GenerationParams& params, const ChunkPlan& plan,
                      int64_t chunk_index, const Conditioning& conditioning, const at::Tensor& previous_latents,
-                     NoiseSource& noise, const StepHooks& hooks = {});
+                     NoiseSource& noise, const StepHooks& hooks = {}, std::shared_ptr<DenoiseCache> cache = nullptr);
 
 // Appends chunk latents to the accumulated video as diffusers does (drops the first keep_from frames).
 at::Tensor accumulate(const at::Tensor& accumulated, const at::Tensor& chunk_latents, const ChunkSpec& chunk);
@@ -187,7 +234,11 @@ struct DenoiseCall {
   int64_t chunk = 0;
   int64_t row = 0;
   int64_t num_frame_per_block = 1;  // this request's causal block size (the block-causal mask when > 1)
+  // Per frame of the call (exact savings): its prediction is used in this row (the update mask), and it is final
+  // (latents and timestep stay as they are for the rest of the chunk, and addnoise_condition does not re-noise it).
+  std::vector<uint8_t> updated, final_frames;
 };
+
 // Returns the velocity prediction [B, C, F, h, w] (compute dtype).
 using Denoiser = std::function<at::Tensor(const DenoiseCall&)>;
 
@@ -201,7 +252,9 @@ struct DenoiserInfo {
 // The transformer as a Denoiser (per-request block size from the call, fps from `params`). With `cancelled`, the
 // forward also polls it after every transformer block and throws GenerationCancelled when it turns true.
 Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const GenerationParams& params,
-                              std::function<bool()> cancelled = {});
+                              std::function<bool()> cancelled = {},
+                              std::function<void(const TransformerCallReport&)> on_call = {},
+                              std::shared_ptr<DenoiseCache> cache = nullptr);
 DenoiserInfo denoiser_info(const SkyReelsV2Transformer& model);
 
 at::Tensor run_chunk(const Denoiser& denoiser, const DenoiserInfo& info, const GenerationParams& params,

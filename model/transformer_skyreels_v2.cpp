@@ -173,18 +173,21 @@ void attend_into(const at::Tensor& dst, const at::Tensor& q, const at::Tensor& k
 }  // namespace
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t causal_block_tokens,
-                     int64_t max_score_bytes) {
+                     int64_t max_score_bytes, int64_t query_offset) {
   if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4 || k.sizes() != v.sizes() || q.size(0) != k.size(0) ||
       q.size(1) != k.size(1) || q.size(3) != k.size(3)) {
     throw std::invalid_argument("attention: expected q [B, Nh, Lq, Dh] and k, v [B, Nh, Lk, Dh]");
   }
   const int64_t lq = q.size(2);
-  if (causal_block_tokens > 0 && lq != k.size(2)) {
-    throw std::invalid_argument("attention: the block-causal mask needs as many queries as keys");
+  if (causal_block_tokens > 0 && query_offset + lq != k.size(2)) {
+    throw std::invalid_argument("attention: the block-causal mask needs query_offset + Lq keys");
+  }
+  if (query_offset < 0 || (query_offset > 0 && (causal_block_tokens <= 0 || query_offset % causal_block_tokens))) {
+    throw std::invalid_argument("attention: query_offset must be whole blocks of a block-causal mask");
   }
   at::Tensor out = at::empty({q.size(0), lq, q.size(1), q.size(3)}, q.options());
   const at::Tensor dst = out.transpose(1, 2);
-  if (causal_block_tokens <= 0 || causal_block_tokens >= lq) {
+  if (causal_block_tokens <= 0 || (query_offset == 0 && causal_block_tokens >= lq)) {
     attend_into(dst, q, k, v, max_score_bytes);
     return out;
   }
@@ -192,7 +195,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   // without an L x L mask and with about half the work.
   for (int64_t start = 0; start < lq; start += causal_block_tokens) {
     const int64_t n = std::min(causal_block_tokens, lq - start);
-    attend_into(dst.narrow(2, start, n), q.narrow(2, start, n), k.narrow(2, 0, start + n), v.narrow(2, 0, start + n),
+    const int64_t keys = query_offset + start + n;
+    attend_into(dst.narrow(2, start, n), q.narrow(2, start, n), k.narrow(2, 0, keys), v.narrow(2, 0, keys),
                 max_score_bytes);
   }
   return out;
@@ -300,6 +304,61 @@ Tensor split_heads(const Tensor& x, int64_t heads) {
 
 }  // namespace
 
+// ---- per-context call state (exact savings, FirstBlockCache) ---------------------------------------------------
+
+struct TransformerCallState::Impl {
+  // Exact savings: per layer, the keys / values [B, Nh, kept tokens, Dh] of the leading final frames (undefined
+  // where a layer keeps none), and the geometry they were made for.
+  std::vector<Tensor> k, v;
+  int64_t kept_frames = 0, tokens_per_frame = 0, batch = 0;
+  // FirstBlockCache: block 0's output residual and the tail residual (last block's output - block 0's output) of
+  // the last call that computed, over every token of the call [B, L, D].
+  Tensor prev_residual, tail_residual;
+
+  void reset_kv() {
+    k.clear();
+    v.clear();
+    kept_frames = tokens_per_frame = batch = 0;
+  }
+};
+
+TransformerCallState::TransformerCallState() : impl_(std::make_unique<Impl>()) {}
+TransformerCallState::~TransformerCallState() = default;
+TransformerCallState::TransformerCallState(TransformerCallState&&) noexcept = default;
+TransformerCallState& TransformerCallState::operator=(TransformerCallState&&) noexcept = default;
+void TransformerCallState::reset() { *impl_ = Impl(); }
+void TransformerCallState::reset_kv() { impl_->reset_kv(); }
+int64_t TransformerCallState::kept_frames() const { return impl_->kept_frames; }
+bool TransformerCallState::has_first_block_state() const { return impl_->prev_residual.defined(); }
+int64_t TransformerCallState::kept_bytes() const {
+  int64_t bytes = 0;
+  for (const auto* list : {&impl_->k, &impl_->v}) {
+    for (const Tensor& t : *list) bytes += t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
+  }
+  return bytes;
+}
+
+namespace {
+
+// One layer's kept keys / values in a call: the first reuse_tokens come from them, and the first keep_tokens of
+// this call's keys / values are kept for later calls.
+struct KvSlot {
+  Tensor* k = nullptr;
+  Tensor* v = nullptr;
+  int64_t reuse_tokens = 0, keep_tokens = 0;
+};
+
+// The call's tokens from frame `first` on (exact savings compute a suffix of the frames; patch_size[0] == 1).
+Geometry frames_from(const Geometry& g, int64_t first) {
+  Geometry s = g;
+  s.frames = g.frames - first;
+  s.ppf = g.ppf - first;
+  s.tokens = s.ppf * g.tokens_per_frame;
+  return s;
+}
+
+}  // namespace
+
 struct SkyReelsV2Transformer::Impl {
   TransformerConfig config;
   checkpoint::StateDict weights;
@@ -323,11 +382,13 @@ struct SkyReelsV2Transformer::Impl {
 
   Geometry check_inputs(const TransformerForwardArgs& args) const;
   Tensor self_attention(const AttentionWeights& a, const Tensor& n, const RopeTables& rope, const Geometry& g,
-                        int64_t causal_block_tokens) const;
+                        int64_t causal_block_tokens, const KvSlot* kv) const;
   Tensor cross_attention(const AttentionWeights& a, const Tensor& n, const Tensor& context) const;
   Tensor feed_forward(const BlockWeights& b, const Tensor& n) const;
   Tensor block_forward(const BlockWeights& b, Tensor x, const Tensor& context, const Tensor& modulation,
-                       const RopeTables& rope, const Geometry& g, int64_t causal_block_tokens) const;
+                       const RopeTables& rope, const Geometry& g, int64_t causal_block_tokens,
+                       const KvSlot* kv = nullptr) const;
+  Tensor patchify(const Tensor& hidden_states, const Geometry& g, int64_t first_frame) const;
   Tensor head(const Tensor& x, const Tensor& temb, const Geometry& g) const;
 };
 
@@ -555,14 +616,28 @@ Geometry SkyReelsV2Transformer::Impl::check_inputs(const TransformerForwardArgs&
 }
 
 Tensor SkyReelsV2Transformer::Impl::self_attention(const AttentionWeights& a, const Tensor& n, const RopeTables& rope,
-                                                   const Geometry& g, int64_t causal_block_tokens) const {
+                                                   const Geometry& g, int64_t causal_block_tokens,
+                                                   const KvSlot* kv) const {
   // Heads made contiguous: oneDNN's bf16 GEMM is several times slower on row-strided operands.
   const int64_t heads = config.num_attention_heads;
   const Tensor q = apply_rope(rms_norm_across_heads(a.to_q(n), a.norm_q, config.eps), rope, heads);
-  const Tensor k = apply_rope(rms_norm_across_heads(a.to_k(n), a.norm_k, config.eps), rope, heads);
-  const Tensor v = a.to_v(n);
-  const Tensor o = detail::attention(split_heads(q, heads).contiguous(), split_heads(k, heads).contiguous(),
-                                     split_heads(v, heads).contiguous(), causal_block_tokens, chunk_bytes);
+  Tensor k = split_heads(apply_rope(rms_norm_across_heads(a.to_k(n), a.norm_k, config.eps), rope, heads), heads)
+                 .contiguous();
+  Tensor v = split_heads(a.to_v(n), heads).contiguous();
+  int64_t offset = 0;
+  if (kv != nullptr) {
+    offset = kv->reuse_tokens;
+    if (offset > 0) {  // the kept frames' keys first, as they stand in the full call
+      k = at::cat({kv->k->narrow(2, 0, offset), k}, 2);
+      v = at::cat({kv->v->narrow(2, 0, offset), v}, 2);
+    }
+    if (kv->keep_tokens > (kv->k->defined() ? kv->k->size(2) : 0)) {
+      *kv->k = k.narrow(2, 0, kv->keep_tokens).clone(at::MemoryFormat::Contiguous);
+      *kv->v = v.narrow(2, 0, kv->keep_tokens).clone(at::MemoryFormat::Contiguous);
+    }
+  }
+  const Tensor o =
+      detail::attention(split_heads(q, heads).contiguous(), k, v, causal_block_tokens, chunk_bytes, offset);
   return a.to_out(o.view(g.flat()));
 }
 
@@ -598,13 +673,13 @@ Tensor SkyReelsV2Transformer::Impl::feed_forward(const BlockWeights& b, const Te
 
 Tensor SkyReelsV2Transformer::Impl::block_forward(const BlockWeights& b, Tensor x, const Tensor& context,
                                                   const Tensor& modulation, const RopeTables& rope, const Geometry& g,
-                                                  int64_t causal_block_tokens) const {
+                                                  int64_t causal_block_tokens, const KvSlot* kv) const {
   // e = table + temb in fp32, rows [shift, scale, gate, c_shift, c_scale, c_gate], each [B, Fm, 1, D].
   const Tensor e = b.scale_shift_table.view({1, 1, 6, g.dim}) + modulation;
   auto row = [&](int64_t i) { return e.select(2, i).unsqueeze(2); };
   {
     const Tensor n = modulated_norm(x, row(1), row(0), g, config.eps, dtype);
-    x = gated_residual(x, self_attention(b.attn1, n, rope, g, causal_block_tokens), row(2), g);
+    x = gated_residual(x, self_attention(b.attn1, n, rope, g, causal_block_tokens, kv), row(2), g);
   }
   {
     const Tensor n =
@@ -629,20 +704,84 @@ Tensor SkyReelsV2Transformer::Impl::head(const Tensor& x, const Tensor& temb, co
       .reshape({g.batch, config.out_channels, g.frames, g.height, g.width});
 }
 
+Tensor SkyReelsV2Transformer::Impl::patchify(const Tensor& hidden_states, const Geometry& g, int64_t first) const {
+  // Patch embedding: conv3d with kernel == stride is a linear over flattened (c, pt, ph, pw) patches; token order
+  // f * pph * ppw + h * ppw + w.
+  const auto& p = config.patch_size;
+  const Geometry s = frames_from(g, first);
+  Tensor x = hidden_states.narrow(2, first, s.frames)
+                 .to(device, dtype)
+                 .reshape({g.batch, config.in_channels, s.ppf, p[0], g.pph, p[1], g.ppw, p[2]})  // inputs may be views
+                 .permute({0, 2, 4, 6, 1, 3, 5, 7})
+                 .reshape({g.batch, s.tokens, config.in_channels * p[0] * p[1] * p[2]});
+  return patch_embedding(x);
+}
+
+namespace {
+
+// What a call may skip (TransformerForwardArgs' exact savings and FirstBlockCache), checked against the call.
+struct Savings {
+  TransformerCallState::Impl* state = nullptr;
+  int64_t reuse = 0, keep = 0;  // frames
+  std::optional<double> threshold;
+};
+
+Savings check_savings(const TransformerForwardArgs& a, const TransformerConfig& c, const Geometry& g) {
+  auto require = [](bool ok, const std::string& message) {
+    if (!ok) throw std::invalid_argument(message);
+  };
+  Savings s{a.state ? &a.state->impl() : nullptr, a.reuse_frames, a.keep_frames, a.first_block_threshold};
+  require(s.state || (s.reuse == 0 && s.keep == 0 && !s.threshold),
+          "state: reuse_frames, keep_frames and first_block_threshold need a TransformerCallState");
+  if (s.reuse != 0 || s.keep != 0) {
+    const int64_t block = a.num_frame_per_block;
+    require(block > 1 && a.timestep.dim() == 2 && c.patch_size[0] == 1,
+            "reuse_frames/keep_frames: exact savings need per-frame timesteps [B, F], the block-causal mask "
+            "(num_frame_per_block > 1) and patch_size[0] = 1");
+    require(s.reuse >= 0 && s.reuse <= s.keep && s.keep <= g.frames && s.reuse < g.frames && s.reuse % block == 0 &&
+                s.keep % block == 0,
+            "reuse_frames/keep_frames: need 0 <= reuse (" + std::to_string(s.reuse) + ") <= keep (" +
+                std::to_string(s.keep) + ") <= F (" + std::to_string(g.frames) + "), reuse < F, whole blocks of " +
+                std::to_string(block));
+    const auto& st = *s.state;
+    require(s.reuse == 0 || (s.reuse <= st.kept_frames && st.tokens_per_frame == g.tokens_per_frame &&
+                             st.batch == g.batch),
+            "reuse_frames: " + std::to_string(s.reuse) + " frames asked, the state keeps " +
+                std::to_string(st.kept_frames) + " of another call's geometry");
+  }
+  if (s.threshold) {
+    require(std::isfinite(*s.threshold) && *s.threshold >= 0, "first_block_threshold: must be a finite value >= 0");
+    require(c.num_layers >= 2, "first_block_threshold: FirstBlockCache needs at least 2 transformer blocks");
+  }
+  return s;
+}
+
+// FirstBlockCache's decision (diffusers' FBCHeadBlockHook): rel = mean|r - r_prev| / mean|r_prev| in the hidden
+// states' dtype, then a host number; compute when there is no r_prev or rel > threshold.
+std::optional<double> first_block_rel(const Tensor& residual, const Tensor& previous) {
+  if (!previous.defined()) return std::nullopt;
+  if (previous.sizes() != residual.sizes()) {
+    throw std::invalid_argument("first_block_cache: this call has " + std::to_string(residual.size(1)) +
+                                " tokens, the context's last computed call had " + std::to_string(previous.size(1)) +
+                                " (cache state kept across calls of different shapes)");
+  }
+  return ((residual - previous).abs().mean() / previous.abs().mean()).item<double>();
+}
+
+}  // namespace
+
 at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) const {
   const Impl& m = *impl_;
   const TransformerConfig& c = m.config;
   const Geometry g = m.check_inputs(args);
+  const Savings savings = check_savings(args, c, g);
   c10::NoGradGuard no_grad;  // c10::, not at::: LibTorch 2.x no longer aliases it through ATen/ATen.h
 
-  // Patch embedding: conv3d with kernel == stride is a linear over flattened (c, pt, ph, pw) patches; token order
-  // f * pph * ppw + h * ppw + w.
-  const auto& p = c.patch_size;
-  Tensor x = args.hidden_states.to(m.device, m.dtype)
-                 .reshape({g.batch, c.in_channels, g.ppf, p[0], g.pph, p[1], g.ppw, p[2]})  // inputs may be views
-                 .permute({0, 2, 4, 6, 1, 3, 5, 7})
-                 .reshape({g.batch, g.tokens, c.in_channels * p[0] * p[1] * p[2]});
-  x = m.patch_embedding(x);
+  // Frames [reuse, F) are computed; with FirstBlockCache block 0 runs on every frame (its residual is compared
+  // over the whole call, as diffusers does).
+  const int64_t reuse = savings.reuse;
+  const bool first_block = savings.threshold.has_value();
+  Tensor x = m.patchify(args.hidden_states, g, first_block ? 0 : reuse);
 
   // Conditioning. Fm = F for per-frame timesteps [B, F] (diffusion forcing), else 1.
   const Tensor timestep = args.timestep.to(m.device);
@@ -665,12 +804,71 @@ at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) co
   const Tensor sin_half = sin_full.slice(-1, 1, c.attention_head_dim, 2);
   const RopeTables rope{cos_full, at::stack({sin_half.neg(), sin_half}, -1).view(cos_full.sizes())};
 
-  const int64_t causal_block_tokens = args.num_frame_per_block > 1 ? args.num_frame_per_block * g.tokens_per_frame : 0;
-  for (const BlockWeights& b : m.blocks) {
-    x = m.block_forward(b, std::move(x), context, modulation, rope, g, causal_block_tokens);
-    if (args.after_block) args.after_block();
+  // The call's tensors restricted to frames [first, F).
+  auto per_frame = [&](const Tensor& t, int64_t first) { return fm == 1 ? t : t.narrow(1, first, fm - first); };
+  auto rope_from = [&](int64_t first) {
+    const int64_t begin = first * g.tokens_per_frame, n = g.tokens - begin;
+    return RopeTables{rope.cos.narrow(1, begin, n), rope.signed_sin.narrow(1, begin, n)};
+  };
+  auto tokens_from = [&](const Tensor& t, int64_t first) {
+    return first == 0 ? t : t.narrow(1, first * g.tokens_per_frame, g.tokens - first * g.tokens_per_frame).contiguous();
+  };
+
+  TransformerCallState::Impl* state = savings.state;
+  if (state && savings.keep > 0 && reuse == 0) {  // a fresh set of kept keys, for this call's geometry
+    state->reset_kv();
+    state->tokens_per_frame = g.tokens_per_frame;
+    state->batch = g.batch;
   }
-  return m.head(x, temb, g);
+  const bool keeps = state && savings.keep > 0;
+  if (keeps) {
+    state->k.resize(m.blocks.size());
+    state->v.resize(m.blocks.size());
+  }
+
+  const int64_t layers = static_cast<int64_t>(m.blocks.size());
+  TransformerCallStats stats;
+  stats.token_blocks_full = g.batch * g.tokens * layers;
+  const int64_t causal_block_tokens = args.num_frame_per_block > 1 ? args.num_frame_per_block * g.tokens_per_frame : 0;
+  Tensor block0_out;
+  for (int64_t l = 0; l < layers; ++l) {
+    const int64_t first = first_block && l == 0 ? 0 : reuse;
+    const Geometry sub = frames_from(g, first);
+    KvSlot slot;
+    const bool kept_layer = keeps && !(first_block && l == 0);  // FirstBlockCache runs block 0 whole
+    if (kept_layer) {
+      slot = {&state->k[static_cast<size_t>(l)], &state->v[static_cast<size_t>(l)], reuse * g.tokens_per_frame,
+              savings.keep * g.tokens_per_frame};
+    }
+    const Tensor block_in = x;  // block_forward never writes its input in place
+    x = m.block_forward(m.blocks[static_cast<size_t>(l)], std::move(x), context, per_frame(modulation, first),
+                        rope_from(first), sub, causal_block_tokens, kept_layer ? &slot : nullptr);
+    stats.token_blocks_computed += g.batch * sub.tokens;
+    if (args.after_block) args.after_block();
+    if (first_block && l == 0) {
+      const Tensor residual = x - block_in;
+      stats.first_block_rel = first_block_rel(residual, state->prev_residual);
+      if (stats.first_block_rel && *stats.first_block_rel <= *savings.threshold) {
+        stats.skipped = true;
+        stats.token_blocks_cached = g.batch * frames_from(g, reuse).tokens * (layers - 1);
+        x = tokens_from(state->tail_residual + x, reuse);
+        break;
+      }
+      state->prev_residual = residual;
+      block0_out = x;
+      x = tokens_from(x, reuse);
+    }
+  }
+  if (first_block && !stats.skipped) {
+    // The tail residual of every token; the kept frames [0, reuse) are final, so no later call reads theirs.
+    Tensor tail = at::zeros_like(block0_out);
+    tail.narrow(1, reuse * g.tokens_per_frame, x.size(1)).copy_(x - tokens_from(block0_out, reuse));
+    state->tail_residual = tail;
+  }
+  if (keeps && !stats.skipped) state->kept_frames = std::max(state->kept_frames, savings.keep);
+  if (args.stats) *args.stats = stats;
+  const Geometry out = frames_from(g, reuse);
+  return m.head(x, per_frame(temb, reuse), out);
 }
 
 }  // namespace skyreels::model

@@ -10,6 +10,7 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -55,6 +56,39 @@ struct TransformerConfig {
 // (diffusers' _keep_in_fp32_modules: time_embedder, scale_shift_table, norm1/2/3).
 std::vector<checkpoint::ParamSpec> transformer_parameter_specs(const TransformerConfig& config);
 
+// What a denoising loop keeps between the transformer calls of one guidance context (cond / uncond) of one chunk:
+// the keys and values of the frames that are final (exact savings) and diffusers' FirstBlockCache state. Opaque and
+// move-only; empty until a call fills it. Never shared between contexts, chunks or threads.
+class TransformerCallState {
+ public:
+  TransformerCallState();
+  ~TransformerCallState();
+  TransformerCallState(TransformerCallState&&) noexcept;
+  TransformerCallState& operator=(TransformerCallState&&) noexcept;
+
+  void reset();                        // everything (a new chunk)
+  void reset_kv();                     // the kept keys/values only (FirstBlockCache state stays)
+  int64_t kept_frames() const;         // leading frames whose keys/values every layer keeps
+  int64_t kept_bytes() const;          // memory the kept keys/values take
+  bool has_first_block_state() const;  // a computed call left a residual to compare with
+
+  struct Impl;  // defined in transformer_skyreels_v2.cpp only
+  Impl& impl() const { return *impl_; }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// What one call did (filled when TransformerForwardArgs::stats is set). A token-block is one token through one
+// transformer block: the unit of the work saved.
+struct TransformerCallStats {
+  int64_t token_blocks_full = 0;      // the whole call without savings: frames x tokens per frame x layers
+  int64_t token_blocks_computed = 0;  // what ran
+  int64_t token_blocks_cached = 0;    // not run because FirstBlockCache skipped the tail blocks
+  std::optional<double> first_block_rel;  // FirstBlockCache: rel of this call (unset on a context's first call)
+  bool skipped = false;                   // FirstBlockCache reused the tail residual
+};
+
 struct TransformerForwardArgs {
   at::Tensor hidden_states;          // [B, in_channels, F, H, W], any float dtype (cast to the compute dtype)
   at::Tensor timestep;               // int64 [B] or [B, F] (diffusion forcing)
@@ -65,6 +99,20 @@ struct TransformerForwardArgs {
   // Called after every transformer block; it may throw to abandon the forward (cancellation, deadlines, shutdown
   // act within one block instead of one whole forward).
   std::function<void()> after_block;
+
+  // Exact savings (diffusion-forcing timesteps [B, F], block-causal mask, patch_size[0] == 1; model/README in
+  // diffusion_forcing.h): frames [0, reuse_frames) take their keys and values from `state` (kept there by earlier
+  // calls of the same context and window while those frames were final) and are not computed; frames
+  // [0, keep_frames) are final from this call on, so every layer keeps their keys and values in `state`. Both are
+  // whole causal blocks. With reuse_frames > 0 the returned sample holds frames [reuse_frames, F) only.
+  TransformerCallState* state = nullptr;
+  int64_t reuse_frames = 0;
+  int64_t keep_frames = 0;
+  // diffusers' FirstBlockCache (needs `state`, the cache context): block 0 runs on every frame; when
+  // mean|r - r_prev| / mean|r_prev| <= threshold (r = block 0's output residual, r_prev the one of the last computed
+  // call of this state) blocks 1..L-1 are skipped and the last computed call's tail residual is added instead.
+  std::optional<double> first_block_threshold;
+  TransformerCallStats* stats = nullptr;
 };
 
 class SkyReelsV2Transformer {
@@ -112,11 +160,12 @@ at::Tensor timestep_sinusoid(const at::Tensor& timestep, int64_t dim);
 
 // softmax(q k^T / sqrt(Dh)) v for q [B, Nh, Lq, Dh], k/v [B, Nh, Lk, Dh] in the compute dtype. Returns
 // [B, Lq, Nh, Dh] (contiguous, ready to flatten heads). causal_block_tokens > 0 applies the block-causal mask of
-// spec section 3.7 (Lq == Lk; query block b sees keys of blocks 0..b) by attending each query block to its key
-// prefix, never building an L x L mask. Without SDPA (LibTorch 1.x) it runs per head, over chunks of query rows
-// whose [rows, Lk] score matrix stays under max_score_bytes.
+// spec section 3.7 (Lk == query_offset + Lq; query block b sees keys of blocks 0..b) by attending each query block
+// to its key prefix, never building an L x L mask; query_offset > 0 (whole blocks) makes the queries the last Lq of
+// the Lk tokens (exact savings: the first keys are kept ones). Without SDPA (LibTorch 1.x) it runs per head, over
+// chunks of query rows whose [rows, Lk] score matrix stays under max_score_bytes.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t causal_block_tokens = 0,
-                     int64_t max_score_bytes = int64_t{16} << 20);
+                     int64_t max_score_bytes = int64_t{16} << 20, int64_t query_offset = 0);
 
 }  // namespace transformer_detail
 

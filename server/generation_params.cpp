@@ -158,6 +158,10 @@ class Row {
     p_.rules.emplace_back(check);
     return *this;
   }
+  Row& fingerprint_when_set() {
+    p_.fingerprint_absent = false;
+    return *this;
+  }
   Row& flag(std::string flag, std::string help) {
     p_.flag = std::move(flag);
     p_.help = std::move(help);
@@ -259,6 +263,27 @@ std::vector<GenerationParam> make_table() {
           .within(0, value_of(&R::num_inference_steps, -1), "a step index")
           .rule(at_most_one_entry_per_step)
           .flag("disable-corrector", "step indices whose UniPC corrector is skipped"),
+      // Fewer transformer passes (issue 21). Unset, they leave the fingerprint of older jobs as it was.
+      Row("exact_savings", &J::exact_savings, &R::exact_savings)
+          .defaults(true)
+          .fingerprint_when_set()
+          .flag("exact-savings", "false (or --no-exact-savings): every frame of every row, as diffusers computes"),
+      Row("cache", &J::cache, &R::cache)
+          .defaults(std::string("none"))
+          .one_of({std::string("none"), std::string("first-block")})
+          .fingerprint_when_set()
+          .flag("cache", "step cache: first-block = diffusers' FirstBlockCache (lossy, --cache-threshold)"),
+      Row("cache_threshold", &J::cache_threshold, &R::cache_threshold)
+          .defaults(0.0)
+          .finite_within(0.0, 10.0)
+          .fingerprint_when_set()
+          .flag("cache-threshold", "skip blocks 1..L-1 when block 0's relative residual change is at most this"),
+      Row("cache_scope", &J::cache_scope, &R::cache_scope)
+          .defaults(std::string("chunk"))
+          .one_of({std::string("chunk"), std::string("request")})
+          .fingerprint_when_set()
+          .flag("cache-scope", "chunk: cache state reset per chunk; request: kept across chunks as stock diffusers "
+                               "(equal chunk lengths; skyreels generate only)"),
   };
 }
 
@@ -397,6 +422,7 @@ void fingerprint_generation_params(const JobRequest& request,
       for (int64_t v : list) add(v);
       continue;
     }
+    if (!value && !p.fingerprint_absent) continue;  // a newer parameter, unset: the fingerprint older jobs had
     add(static_cast<uint8_t>(value.has_value()));
     if (!value) continue;
     std::visit(

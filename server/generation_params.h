@@ -68,6 +68,8 @@ struct GenerationParam {
   std::string flag;           // `skyreels generate` / `submit` flag, without the dashes
   std::string help;           // one line for the flag's help
   bool fingerprinted = true;  // part of what an idempotency key is checked against
+  // false for parameters added after jobs were stored: unset, they add nothing (older fingerprints stay valid).
+  bool fingerprint_absent = true;
 
   // Where the parameter lives. JobRequest: nullopt when unset (a list is never unset: empty is its default).
   std::function<std::optional<ParamValue>(const JobRequest&)> requested;

@@ -23,6 +23,10 @@ model::GenerationParams model_params(const ResolvedParams& r) {
   p.scheduler.solver_type = r.solver_type;
   p.scheduler.final_sigmas_type = r.final_sigmas_type;
   p.scheduler.disable_corrector = r.disable_corrector;
+  p.exact_savings = r.exact_savings;
+  if (r.cache == "first-block") p.cache.kind = model::StepCacheKind::kFirstBlock;
+  p.cache.threshold = r.cache_threshold;
+  p.cache.scope = r.cache_scope == "request" ? model::StepCacheScope::kRequest : model::StepCacheScope::kChunk;
   return p;
 }
 

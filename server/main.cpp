@@ -479,7 +479,12 @@ int serve(const Options& o, Signals& signals) {
   std::vector<std::unique_ptr<ChunkExecutor>> executors;
   std::vector<std::string> names;
   std::vector<ReplicaDescription> descriptions;
+  // Metrics come later; replicas only report work once they run chunks.
+  auto work_sink = std::make_shared<std::atomic<Metrics*>>(nullptr);
   for (auto& plan : plans) {
+    plan.on_transformer_work = [work_sink](int64_t computed, int64_t exact, int64_t cache) {
+      if (Metrics* m = work_sink->load()) m->transformer_work(computed, exact, cache);
+    };
     plan.dtype = o.dtype;
     plan.model_path = model_path;
     plan.faults = faults;
@@ -502,6 +507,8 @@ int serve(const Options& o, Signals& signals) {
     text_encoder = load_text_encoder(o.text_encoder, o.tokenizer, plans.front().device, o.dtype, config.text_dim);
   }
   Metrics metrics(names, SKYREELS_VERSION);
+  work_sink->store(&metrics);
+  const std::shared_ptr<void> unsink(nullptr, [work_sink](void*) { work_sink->store(nullptr); });
   store = std::make_unique<TimedJobStore>(std::move(store), metrics.store_call_report());  // before its first use
   std::unique_ptr<VideoEncoder> video;
   if (!o.vae.empty()) {

@@ -149,6 +149,14 @@ Metrics::Metrics(const std::vector<std::string>& replica_names, const std::strin
                     .Help("Job store calls (SQLite, PostgreSQL), by operation")
                     .Register(r);
   for (const char* op : kJobStoreOps) store_seconds_[op] = &store.Add({{"op", op}}, kStoreCall);
+  auto& token_blocks = BuildCounter()
+                           .Name("skyreels_transformer_token_blocks_total")
+                           .Help("Transformer work in token-blocks (tokens x blocks): computed, or saved by the exact "
+                                 "savings (saved_exact) or the step cache (saved_cache)")
+                           .Register(r);
+  token_blocks_computed_ = &token_blocks.Add({{"kind", "computed"}});
+  token_blocks_saved_exact_ = &token_blocks.Add({{"kind", "saved_exact"}});
+  token_blocks_saved_cache_ = &token_blocks.Add({{"kind", "saved_cache"}});
   lease_takeovers_ = &BuildCounter()
                           .Name("skyreels_lease_takeovers_total")
                           .Help("Jobs taken over from a pod whose lease ran out")
@@ -224,6 +232,11 @@ void Metrics::replica_recovered(const ReplicaStatus& replica) {
 }
 
 void Metrics::video_chunk_encoded() { video_chunks_->Increment(); }
+void Metrics::transformer_work(int64_t computed, int64_t saved_exact, int64_t saved_cache) {
+  token_blocks_computed_->Increment(static_cast<double>(computed));
+  token_blocks_saved_exact_->Increment(static_cast<double>(saved_exact));
+  token_blocks_saved_cache_->Increment(static_cast<double>(saved_cache));
+}
 
 void Metrics::video_jobs_pending(int64_t jobs) { video_jobs_->Set(static_cast<double>(jobs)); }
 

@@ -72,6 +72,8 @@ class Metrics : public SchedulerObserver {
   void replica_changed(const ReplicaStatus& replica) override;
   void replica_recovered(const ReplicaStatus& replica) override;
   // The VAE worker (server/encoders.*): one chunk's MP4 made; jobs with MP4 work left.
+  // One transformer call's token-blocks (tokens x blocks): computed, saved exactly, saved by the step cache.
+  void transformer_work(int64_t computed, int64_t saved_exact, int64_t saved_cache);
   void video_chunk_encoded();
   void video_jobs_pending(int64_t jobs);
   // Also sets skyreels_global_queue_depth to `queued` until set_global_queue_depth() is first called.
@@ -113,6 +115,9 @@ class Metrics : public SchedulerObserver {
   std::map<std::string, prometheus::Counter*> streams_rejected_;
   std::map<std::string, prometheus::Histogram*, std::less<>> store_seconds_;
   prometheus::Counter* lease_takeovers_;
+  prometheus::Counter* token_blocks_computed_;
+  prometheus::Counter* token_blocks_saved_exact_;
+  prometheus::Counter* token_blocks_saved_cache_;
   prometheus::Gauge* global_queue_depth_;
   std::atomic<bool> global_depth_from_store_{false};
   std::mutex ready_mu_;

@@ -327,6 +327,10 @@ namespace {
 // millions of tokens (quadratic attention, gigabytes) or hundreds of chunks. Refused before it is queued.
 void check_work(const ModelJob& job, const ServerLimits& limits) {
   const auto& p = job.params();
+  if (p.cache != "none" && p.cache_scope == "request") {
+    invalid("cache_scope: request keeps the step cache from chunk to chunk, but a server runs each chunk on its own "
+            "(on any replica or pod, after a retry or a restart); use cache_scope chunk");
+  }
   if (job.max_chunk_tokens() > limits.max_chunk_tokens) {
     invalid("base_num_frames: a chunk of " + std::to_string(std::min(p.num_frames, p.base_num_frames)) + " frames at " +
             std::to_string(p.width) + "x" + std::to_string(p.height) + " is " + std::to_string(job.max_chunk_tokens()) +

@@ -77,6 +77,10 @@ struct JobRequest {
   std::optional<std::string> solver_type, final_sigmas_type;
   std::optional<bool> lower_order_final;
   std::vector<int64_t> disable_corrector;
+  // Fewer transformer passes (exact savings, step cache).
+  std::optional<bool> exact_savings;
+  std::optional<std::string> cache, cache_scope;
+  std::optional<double> cache_threshold;
   // Image-to-video (image, optionally last_image) or video extension (video).
   std::optional<PixelRequest> image, last_image, video;
   std::vector<PromptChangeRequest> prompt_changes;
@@ -93,6 +97,9 @@ struct ResolvedParams {
   std::string solver_type, final_sigmas_type;
   bool lower_order_final = true;
   std::vector<int64_t> disable_corrector;
+  bool exact_savings = true;
+  std::string cache, cache_scope;
+  double cache_threshold = 0;
 };
 
 struct ServerLimits {

@@ -221,6 +221,12 @@ ChunkResult ModelReplica::run(const ChunkWork& work, const ChunkCallbacks& callb
     if (options_.step_delay.count() > 0) std::this_thread::sleep_for(options_.step_delay);
     callbacks.on_step(row + 1, rows);
   };
+  if (options_.on_transformer_work) {
+    hooks.on_call = [this](const model::TransformerCallReport& call) {
+      options_.on_transformer_work(call.token_blocks_computed, call.token_blocks_saved_exact,
+                                   call.token_blocks_saved_cache);
+    };
+  }
   std::string bytes;  // the chunk's result, for the job store
   try {
     bytes = job->run_chunk(*model_, work.chunk_index, hooks);

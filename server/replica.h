@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,8 @@ struct ReplicaOptions {
   std::chrono::milliseconds step_delay{0};  // test hook: sleep after every denoising step
   std::chrono::milliseconds block_delay{
       0};  // test hook: sleep at every stop check (after each block, before each step)
+  // After every transformer call: token-blocks computed, saved by the exact savings, saved by the step cache.
+  std::function<void(int64_t computed, int64_t saved_exact, int64_t saved_cache)> on_transformer_work;
 };
 
 struct ReplicaInfo {

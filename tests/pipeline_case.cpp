@@ -37,6 +37,14 @@ model::GenerationParams call_params(const Json& case_json, const std::string& di
   p.seed = std::stoull(generator.substr(generator.find("manual_seed(") + 12));
   p.scheduler = model::FlowUniPCConfig::from_file(dir + "/scheduler/scheduler_config.json");
   p.flow_shift = p.scheduler.flow_shift;
+  if (case_json.contains("cache")) {  // pipeline_df_cache: diffusers' FirstBlockCache was on
+    const Json& cache = case_json.at("cache");
+    if (cache.at("kind").get<std::string>() != "first_block") throw std::runtime_error("unknown cache kind in case");
+    p.cache.kind = model::StepCacheKind::kFirstBlock;
+    p.cache.threshold = cache.at("threshold").get<double>();
+    p.cache.scope =
+        cache.at("scope").get<std::string>() == "request" ? model::StepCacheScope::kRequest : model::StepCacheScope::kChunk;
+  }
   return p;
 }
 
@@ -56,7 +64,7 @@ PipelineCase load_pipeline_case(const std::string& name, const std::string& dir)
   }
   const auto noise = load_tensors(dir + "/noise.safetensors");
   for (const auto& draw : c.json.at("noise_draws_in_order")) c.noise.push_back(noise.at(draw.at("name")));
-  c.trace = load_tensors(dir + "/trace.safetensors");
+  if (std::ifstream(dir + "/trace.safetensors")) c.trace = load_tensors(dir + "/trace.safetensors");
   c.output = load_tensors(dir + "/output.safetensors");
   return c;
 }
