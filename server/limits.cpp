@@ -6,6 +6,8 @@
 #include <fstream>
 #include <string>
 
+#include "model/diffusion_forcing.h"  // model::kDefaultKvCacheBytes
+
 namespace skyreels::server {
 
 namespace {
@@ -40,10 +42,24 @@ uint64_t device_memory_bytes(const std::string& device) {
   return bytes;
 }
 
-int64_t default_max_chunk_tokens(const ModelFootprint& model, uint64_t device_memory) {
-  if (device_memory == 0) return kAttentionTokenCeiling;
+namespace {
+
+// 80 % of the device memory less the weights and 1 GB (score blocks, latents).
+double spare_bytes(const ModelFootprint& model, uint64_t device_memory) {
   const double weights = static_cast<double>(model.parameter_count) * static_cast<double>(model.weight_bytes);
-  const double spare = 0.8 * static_cast<double>(device_memory) - weights - 1e9;
+  return 0.8 * static_cast<double>(device_memory) - weights - 1e9;
+}
+
+}  // namespace
+
+int64_t default_kv_cache_bytes(const ModelFootprint& model, uint64_t device_memory) {
+  if (device_memory == 0) return model::kDefaultKvCacheBytes;
+  return static_cast<int64_t>(std::max(0.0, spare_bytes(model, device_memory) / 5));
+}
+
+int64_t default_max_chunk_tokens(const ModelFootprint& model, uint64_t device_memory, int64_t kv_cache_bytes) {
+  if (device_memory == 0) return kAttentionTokenCeiling;
+  const double spare = spare_bytes(model, device_memory) - static_cast<double>(kv_cache_bytes);
   const double per_token = static_cast<double>(std::max<int64_t>(1, activation_bytes_per_token(model)));
   const double fits = spare > 0 ? spare / per_token : 0.0;
   return std::clamp<int64_t>(static_cast<int64_t>(fits), 1024, kAttentionTokenCeiling);

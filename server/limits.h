@@ -34,9 +34,15 @@ int64_t activation_bytes_per_token(const ModelFootprint& model);
 // CPU builds have no CUDA API; set --max-chunk-tokens from docs/OPERATIONS.md §3 instead).
 uint64_t device_memory_bytes(const std::string& device);
 
-// The default --max-chunk-tokens: what fits in 80 % of the device memory after the weights (and 1 GB for the
-// attention score blocks and the latents), never above kAttentionTokenCeiling; at least 1024.
-int64_t default_max_chunk_tokens(const ModelFootprint& model, uint64_t device_memory);
+// The default --kv-cache-bytes (exact savings keep the keys/values of final frames, issue 21): a fifth of what
+// 80 % of the device memory leaves after the weights and 1 GB; the model's default (4 GiB) when the memory is
+// unknown. It is set aside before --max-chunk-tokens is derived.
+int64_t default_kv_cache_bytes(const ModelFootprint& model, uint64_t device_memory);
+
+// The default --max-chunk-tokens: what fits in 80 % of the device memory after the weights, 1 GB for the
+// attention score blocks and the latents, and the kept keys/values (kv_cache_bytes), never above
+// kAttentionTokenCeiling; at least 1024.
+int64_t default_max_chunk_tokens(const ModelFootprint& model, uint64_t device_memory, int64_t kv_cache_bytes = 0);
 
 // The default --max-job-work, in token-forwards (tokens x denoising rows x model passes, summed over chunks).
 constexpr int64_t default_max_job_work(int64_t max_chunk_tokens, int64_t max_steps) {

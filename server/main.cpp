@@ -91,6 +91,8 @@ limits:
                               memory, at most 131072); more: INVALID_ARGUMENT naming the flag
   --max-job-work N            token-forwards of one job, tokens x rows x guidance passes summed over its chunks
                               (default: 24 chunks of --max-chunk-tokens at --max-steps with guidance)
+  --kv-cache-bytes N          memory for the kept keys/values of final frames per chunk loop (exact savings;
+                              default: a fifth of the memory left after the weights, 4 GiB when unknown)
   --max-chunks N              chunks of one job (default 64)
   --chunk-retries N           attempts after a failed chunk, on another replica when possible (default 2)
   --replica-failure-limit N   consecutive failed chunks before a replica is taken out (default 3)
@@ -147,6 +149,7 @@ struct Options {
   std::string tls_cert, tls_key, api_keys;
   int64_t max_queue = 64, max_frames = 1457, max_height = 1280, max_width = 1280, max_steps = 100;
   int64_t max_chunk_tokens = 0, max_job_work = 0;  // 0: derived (server/limits.h)
+  int64_t kv_cache_bytes = -1;                       // < 0: derived (server/limits.h)
   int64_t max_chunks = kDefaultMaxChunks;
   int chunk_retries = 2, replica_failure_limit = 3;
   double handoff_cost_seconds = 0.25;
@@ -232,6 +235,7 @@ Options parse(int argc, char** argv) {
                                          {"--block-delay-ms", {&o.block_delay_ms, 0, 600000}},
                                          {"--max-chunk-tokens", {&o.max_chunk_tokens, 1, int64_t{1} << 40}},
                                          {"--max-job-work", {&o.max_job_work, 1, int64_t{1} << 60}},
+                                         {"--kv-cache-bytes", {&o.kv_cache_bytes, 0, int64_t{1} << 50}},
                                          {"--max-chunks", {&o.max_chunks, 1, 100000}},
                                          {"--liveness-grace-seconds", {&o.liveness_grace_seconds, 1, 86400 * 7}},
                                          {"--max-jobs-per-client", {&o.transport.max_jobs_per_client, 1, 1000000}},
@@ -432,17 +436,19 @@ void set_work_limits(const Options& o, const skyreels::model::TransformerConfig&
     if (share == 0) known = false;
     if (memory == 0 || share < memory) memory = share;
   }
-  const int64_t derived_tokens = default_max_chunk_tokens(footprint, known ? memory : 0);
+  limits.kv_cache_bytes =
+      o.kv_cache_bytes >= 0 ? o.kv_cache_bytes : default_kv_cache_bytes(footprint, known ? memory : 0);
+  const int64_t derived_tokens = default_max_chunk_tokens(footprint, known ? memory : 0, limits.kv_cache_bytes);
   limits.max_chunk_tokens = o.max_chunk_tokens > 0 ? o.max_chunk_tokens : derived_tokens;
   limits.max_job_work =
       o.max_job_work > 0 ? o.max_job_work : default_max_job_work(limits.max_chunk_tokens, o.max_steps);
   limits.max_chunks = o.max_chunks;
   spdlog::info(
       "event=work_limits max_chunk_tokens={}{} max_job_work={}{} max_chunks={} device_memory_gb={:.1f} "
-      "activation_bytes_per_token={}",
+      "activation_bytes_per_token={} kv_cache_bytes={}{}",
       limits.max_chunk_tokens, o.max_chunk_tokens > 0 ? "" : " (derived)", limits.max_job_work,
       o.max_job_work > 0 ? "" : " (derived)", limits.max_chunks, known ? static_cast<double>(memory) / 1e9 : 0.0,
-      activation_bytes_per_token(footprint));
+      activation_bytes_per_token(footprint), limits.kv_cache_bytes, o.kv_cache_bytes >= 0 ? "" : " (derived)");
 }
 
 struct TempDir {

@@ -377,6 +377,7 @@ std::shared_ptr<ModelJob> ModelJob::create(const JobRequest& request, const Mode
   d.resolved = resolve_generation_params(request, ResolveContext{model.num_frame_per_block, random_seed});
   validate_generation_params(d.resolved, limits);
   d.generation = model_params(d.resolved);
+  if (limits.kv_cache_bytes >= 0) d.generation.kv_cache_max_bytes = limits.kv_cache_bytes;
   const model::GenerationParams& p = d.generation;
 
   const int sources = static_cast<int>(request.prompt_embeds.has_value()) +

@@ -115,6 +115,8 @@ struct ServerLimits {
   int64_t max_chunk_tokens = kAttentionTokenCeiling;
   int64_t max_job_work = default_max_job_work(kAttentionTokenCeiling, 100);  // 100: max_steps' default
   int64_t max_chunks = kDefaultMaxChunks;
+  // Memory for the kept keys/values of final frames per chunk loop (exact savings); < 0: the model's default.
+  int64_t kv_cache_bytes = -1;
 };
 
 // What validation needs to know about the loaded model.

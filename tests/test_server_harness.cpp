@@ -341,6 +341,11 @@ at::Tensor reference_latents(const pb::SubmitJobRequest& request) {
   if (p.has_addnoise_condition()) params.addnoise_condition = p.addnoise_condition();
   if (p.has_fps()) params.fps = p.fps();
   params.seed = p.seed();
+  if (p.has_exact_savings()) params.exact_savings = p.exact_savings();
+  if (p.has_cache() && p.cache() == "first-block") {
+    params.cache.kind = model::StepCacheKind::kFirstBlock;
+    params.cache.threshold = p.cache_threshold();
+  }
   if (p.has_scheduler()) {
     const auto& c = p.scheduler();
     if (c.has_num_train_timesteps()) params.scheduler.num_train_timesteps = c.num_train_timesteps();

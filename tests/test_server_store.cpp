@@ -119,6 +119,42 @@ TEST(JobStore, KilledAfterChunkTwoResumesAtChunkThreeAndEqualsGenerate) {
   EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
 }
 
+double metric(ServerProcess& server, const std::string& name);
+
+// Issue 21: the step cache's state belongs to one chunk's loop, so a cached long video whose chunks run on two
+// replicas, and whose server is killed mid-run and restarted, equals the single-process cached run bit for bit.
+TEST(JobStore, ACachedLongVideoOnTwoReplicasKilledMidRunEqualsTheSingleProcessCachedRun) {
+  const std::string store = new_store();
+  pb::SubmitJobRequest request = six_chunk_request(2101);
+  request.mutable_spec()->mutable_params()->set_cache("first-block");
+  request.mutable_spec()->mutable_params()->set_cache_threshold(0.5);
+  std::vector<std::string> args = store_args(store);
+  args[2] = "cpu,cpu";  // --devices: two replicas share the chunks
+  std::string id;
+  {
+    ServerProcess server(args);
+    pb::SubmitJobRequest per_request = request;
+    per_request.mutable_spec()->mutable_params()->set_cache_scope("request");
+    EXPECT_EQ(submit_status(server.client(), per_request).error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << "a request-scoped cache cannot follow chunks across replicas";
+    id = submit(server.client(), request).job_id();
+    const auto events = watch_until(server.client(), id, 0, [](const pb::JobEvent& e) {
+      return e.has_chunk_finished() && e.chunk_finished().chunk_index() == 2;
+    });
+    ASSERT_TRUE(!events.empty() && events.back().has_chunk_finished()) << "the job ended before chunk 2 finished";
+    kill_server(server);
+  }
+  ServerProcess restarted(args);
+  const pb::Job done = wait_job(restarted.client(), id);
+  ASSERT_EQ(done.state(), pb::JOB_STATE_SUCCEEDED) << done.error().message();
+  EXPECT_GT(metric(restarted, "skyreels_transformer_token_blocks_total{kind=\"saved_cache\"}"), 0)
+      << "the cache skipped nothing: the test would not see a state that travelled";
+  const at::Tensor expected = reference_latents(request);
+  const at::Tensor served = download_latents(restarted.client(), id);
+  ASSERT_TRUE(served.defined());
+  EXPECT_TRUE(at::equal(served, expected)) << "max |served - generate| = " << max_abs_diff(served, expected);
+}
+
 double metric(ServerProcess& server, const std::string& name) {
   return metric_value(http_get(server.metrics_port(), "/metrics"), name);
 }

@@ -438,6 +438,12 @@ TEST(WorkLimits, DefaultsComeFromTheDeviceMemoryAndTheModelUnderTheAttentionCeil
   EXPECT_NEAR(static_cast<double>(on_40gb), (0.8 * 40e9 - 28.58e9 - 1e9) / 137216.0, 10.0);
   EXPECT_EQ(default_max_chunk_tokens(df14b, 20'000'000'000ULL), 1024) << "weights do not fit: the floor";
   EXPECT_EQ(default_max_chunk_tokens(df14b, 0), kAttentionTokenCeiling) << "unknown memory (CUDA): the ceiling";
+  // Kept keys/values (exact savings) take a fifth of what is left, before the tokens are derived.
+  const int64_t kv = default_kv_cache_bytes(df14b, 40'000'000'000ULL);
+  EXPECT_NEAR(static_cast<double>(kv), (0.8 * 40e9 - 28.58e9 - 1e9) / 5, 1e6);
+  EXPECT_NEAR(static_cast<double>(default_max_chunk_tokens(df14b, 40'000'000'000ULL, kv)),
+              (0.8 * 40e9 - 28.58e9 - 1e9) * 0.8 / 137216.0, 10.0);
+  EXPECT_EQ(default_kv_cache_bytes(df14b, 0), int64_t{4} << 30) << "unknown memory: the model's default";
   EXPECT_EQ(default_max_job_work(131072, 100), 24LL * 131072 * 100 * 2);
   EXPECT_GT(device_memory_bytes("cpu"), 0u);
   EXPECT_EQ(device_memory_bytes("cuda:0"), 0u);
