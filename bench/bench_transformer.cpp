@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "bench/bench_util.h"
+#include "bench/random_transformer.h"
 #include "model/runtime.h"
 #include "model/transformer_skyreels_v2.h"
 
@@ -104,27 +105,6 @@ double forward_flops(const TransformerConfig& c, const Options& o) {
   return static_cast<double>(c.num_layers) * block + once;
 }
 
-// Random weights of the right scale (so activations stay finite), generated tensor by tensor to keep the peak at
-// the model's own size.
-skyreels::checkpoint::StateDict random_weights(const TransformerConfig& c, at::ScalarType dtype) {
-  at::manual_seed(0);
-  skyreels::checkpoint::StateDict out;
-  for (const auto& spec : skyreels::model::transformer_parameter_specs(c)) {
-    at::Tensor t = at::empty(spec.shape, at::kFloat);
-    const bool matrix = spec.shape.size() >= 2 && spec.name.find("scale_shift_table") == std::string::npos;
-    if (matrix) {
-      const int64_t fan_in = t.numel() / spec.shape[0];
-      t.normal_(0.0, 1.0 / std::sqrt(static_cast<double>(fan_in)));
-    } else if (spec.name.find("norm") != std::string::npos && spec.name.find(".weight") != std::string::npos) {
-      t.fill_(1.0);
-    } else {
-      t.normal_(0.0, 0.02);
-    }
-    out[spec.name] = t.to(spec.keep_fp32 ? at::kFloat : dtype);
-  }
-  return out;
-}
-
 int run_single(const Options& o) {
   const std::string dtype_name = o.dtypes.front();
   const at::ScalarType dtype = dtype_name == "bfloat16" ? at::kBFloat16 : at::kFloat;
@@ -133,7 +113,7 @@ int run_single(const Options& o) {
   if (o.layers > 0) c.num_layers = o.layers;
 
   auto start = std::chrono::steady_clock::now();
-  SkyReelsV2Transformer model(c, random_weights(c, dtype), at::kCPU, dtype);
+  SkyReelsV2Transformer model(c, skyreels::bench::random_weights(c, dtype), at::kCPU, dtype);
   const double init_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
   at::manual_seed(1);

@@ -221,15 +221,26 @@ ChunkResult ModelReplica::run(const ChunkWork& work, const ChunkCallbacks& callb
     if (options_.step_delay.count() > 0) std::this_thread::sleep_for(options_.step_delay);
     callbacks.on_step(row + 1, rows);
   };
-  if (options_.on_transformer_work) {
-    hooks.on_call = [this](const model::TransformerCallReport& call) {
+  // What the chunk's transformer calls computed against the uncached plan (logged per chunk, counted in metrics).
+  struct {
+    int64_t full = 0, computed = 0, exact = 0, cache = 0;
+  } work_done;
+  hooks.on_call = [this, &work_done](const model::TransformerCallReport& call) {
+    work_done.full += call.token_blocks_full;
+    work_done.computed += call.token_blocks_computed;
+    work_done.exact += call.token_blocks_saved_exact;
+    work_done.cache += call.token_blocks_saved_cache;
+    if (options_.on_transformer_work) {
       options_.on_transformer_work(call.token_blocks_computed, call.token_blocks_saved_exact,
                                    call.token_blocks_saved_cache);
-    };
-  }
+    }
+  };
   std::string bytes;  // the chunk's result, for the job store
   try {
     bytes = job->run_chunk(*model_, work.chunk_index, hooks);
+    spdlog::info("replica={} event=chunk_work chunk={} token_blocks_full={} computed={} saved_exact={} saved_cache={}",
+                 options_.name, work.chunk_index, work_done.full, work_done.computed, work_done.exact,
+                 work_done.cache);
   } catch (const model::GenerationCancelled&) {
     return {ChunkOutcome::Stopped, "", 0, {}};
   } catch (const std::invalid_argument& e) {

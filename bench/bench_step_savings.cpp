@@ -1,0 +1,150 @@
+// Fewer transformer passes (issue 21): token-blocks and wall time of whole diffusion-forcing generations at DF-1.3B
+// width (a few layers, random weights), uncached, with the exact savings, and with exact savings + FirstBlockCache
+// at several thresholds; max and mean |diff| of the final latents against the uncached run.
+//
+//   bench_step_savings [--layers 4] [--height 64] [--width 64] [--steps 30] [--thresholds 0.05,0.1,0.2]
+//                      [--settings async,sync,long] [--threads N]
+//
+// Settings (the SkyReels-V2 README's, scaled down in space only): async = 97 frames (25 latent), ar_step 5,
+// causal_block_size 5, one chunk; sync = the same frames with ar_step 0; long = 177 frames in chunks of 97 with
+// overlap 17, async. Guidance 1 (one pass per row) so that each row is one transformer call.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench/random_transformer.h"
+#include "model/diffusion_forcing.h"
+#include "model/runtime.h"
+#include "model/transformer_skyreels_v2.h"
+
+namespace {
+
+using namespace skyreels::model;
+
+struct Options {
+  int64_t layers = 4, height = 64, width = 64, steps = 30;
+  std::vector<double> thresholds{0.05, 0.1, 0.2};
+  std::vector<std::string> settings{"async", "sync", "long"};
+  int threads = 0;
+};
+
+std::vector<std::string> split(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');) out.push_back(item);
+  return out;
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i], value = argv[i + 1];
+    if (flag == "--layers") o.layers = std::stoll(value);
+    else if (flag == "--height") o.height = std::stoll(value);
+    else if (flag == "--width") o.width = std::stoll(value);
+    else if (flag == "--steps") o.steps = std::stoll(value);
+    else if (flag == "--threads") o.threads = std::stoi(value);
+    else if (flag == "--settings") o.settings = split(value);
+    else if (flag == "--thresholds") {
+      o.thresholds.clear();
+      for (const auto& t : split(value)) o.thresholds.push_back(std::stod(t));
+    } else {
+      throw std::invalid_argument("unknown flag " + flag);
+    }
+  }
+  return o;
+}
+
+GenerationParams setting(const std::string& name, const Options& o) {
+  GenerationParams p;
+  p.num_frames = name == "long" ? 177 : 97;
+  p.base_num_frames = 97;
+  if (name == "long") p.overlap_history = 17;
+  p.height = o.height;
+  p.width = o.width;
+  p.num_inference_steps = o.steps;
+  p.ar_step = name == "sync" ? 0 : 5;
+  p.causal_block_size = 5;
+  p.guidance_scale = 1.0;
+  p.seed = 42;
+  if (name != "async" && name != "sync" && name != "long") throw std::invalid_argument("--settings " + name);
+  return p;
+}
+
+struct Result {
+  at::Tensor latents;
+  int64_t full = 0, computed = 0, calls = 0, skipped = 0;
+  double seconds = 0;
+};
+
+Result generate_once(const SkyReelsV2Transformer& model, const GenerationParams& p, const Conditioning& c) {
+  Result r;
+  StepHooks hooks;
+  hooks.on_call = [&r](const TransformerCallReport& call) {
+    r.full += call.token_blocks_full;
+    r.computed += call.token_blocks_computed;
+    ++r.calls;
+    r.skipped += call.skipped ? 1 : 0;
+  };
+  auto noise = make_seeded_noise(*p.seed);
+  const auto start = std::chrono::steady_clock::now();
+  r.latents = generate(model, p, c, *noise, hooks);
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  skyreels::runtime::init_process(argc, argv);
+  const Options o = parse(argc, argv);
+  if (o.threads > 0) skyreels::runtime::configure_threads(o.threads);
+  TransformerConfig config = TransformerConfig::df_1_3b();
+  config.num_layers = o.layers;
+  const SkyReelsV2Transformer model(config, skyreels::bench::random_weights(config, at::kFloat), at::kCPU, at::kFloat);
+  at::manual_seed(1);
+  Conditioning conditioning;
+  conditioning.prompt_embeds = at::randn({1, 64, config.text_dim}) * 0.1;
+
+  std::printf("DF-1.3B width, %lld layers, fp32, %lldx%lld pixels, %lld steps, %d threads\n\n",
+              static_cast<long long>(o.layers), static_cast<long long>(o.height), static_cast<long long>(o.width),
+              static_cast<long long>(o.steps), at::get_num_threads());
+  std::printf("| setting | mode | calls | skipped | token-blocks computed | saved | wall s | x uncached | max |diff| | "
+              "mean |diff| |\n|---|---|---|---|---|---|---|---|---|---|\n");
+  {  // warm-up: first allocations and kernel selection out of the timings
+    GenerationParams warm = setting("async", o);
+    warm.num_inference_steps = 2;
+    generate_once(model, warm, conditioning);
+  }
+  for (const std::string& name : o.settings) {
+    const GenerationParams base = setting(name, o);
+    GenerationParams uncached = base;
+    uncached.exact_savings = false;
+    const Result reference = generate_once(model, uncached, conditioning);
+    std::vector<std::pair<std::string, GenerationParams>> modes{{"uncached", uncached}, {"exact", base}};
+    for (double t : o.thresholds) {
+      GenerationParams cached = base;
+      cached.cache.kind = StepCacheKind::kFirstBlock;
+      cached.cache.threshold = t;
+      char label[48];
+      std::snprintf(label, sizeof(label), "exact + first-block %.3g", t);
+      modes.emplace_back(label, cached);
+    }
+    for (const auto& [label, params] : modes) {
+      const Result r = label == "uncached" ? reference : generate_once(model, params, conditioning);
+      const at::Tensor diff = (r.latents - reference.latents).abs();
+      std::printf("| %s | %s | %lld | %lld | %lld | %.1f %% | %.2f | %.2f | %.3g | %.3g |\n", name.c_str(),
+                  label.c_str(), static_cast<long long>(r.calls), static_cast<long long>(r.skipped),
+                  static_cast<long long>(r.computed), 100.0 * static_cast<double>(r.full - r.computed) / r.full,
+                  r.seconds, r.seconds / reference.seconds, diff.max().item<double>(), diff.mean().item<double>());
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
