@@ -9,6 +9,8 @@
 #include <limits>
 #include <sstream>
 
+#include "model/checkpoint.h"
+#include "model/transformer_loader.h"
 #include "tests/test_util.h"
 
 namespace skyreels::test {
@@ -67,6 +69,17 @@ PipelineCase load_pipeline_case(const std::string& name, const std::string& dir)
   if (std::ifstream(dir + "/trace.safetensors")) c.trace = load_tensors(dir + "/trace.safetensors");
   c.output = load_tensors(dir + "/output.safetensors");
   return c;
+}
+
+std::unique_ptr<model::SkyReelsV2Transformer> load_fixture_transformer(const std::string& dir) {
+  using namespace model;
+  TransformerConfig config = parse_transformer_config(dir + "/config.json").config;
+  const auto source = checkpoint::Source::open(dir);
+  std::map<std::string, at::Tensor> tensors;
+  for (const auto& key : source.keys()) tensors[key] = source.tensor(key);
+  auto weights = checkpoint::place_strict(tensors, transformer_parameter_specs(config), {}, dir);
+  return std::make_unique<SkyReelsV2Transformer>(std::move(config), std::move(weights), c10::Device(c10::kCPU),
+                                                 at::kFloat);
 }
 
 std::string row_key(int64_t chunk, int64_t row, const char* what) {

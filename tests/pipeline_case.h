@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "model/diffusion_forcing.h"
+#include "model/transformer_skyreels_v2.h"
 
 namespace skyreels::test {
 
@@ -37,6 +38,9 @@ model::DenoiserInfo fixture_info(const PipelineCase& c);
 // Chunk after chunk through run_chunk, as the server runs them; checks each chunk's end latents within `atol`.
 at::Tensor run_chunks(const PipelineCase& c, const model::Denoiser& denoiser, const model::DenoiserInfo& info,
                       model::NoiseSource& noise, double atol);
+
+// A fixture's transformer (its weights/diffusers folder) on CPU in fp32, placed strictly.
+std::unique_ptr<model::SkyReelsV2Transformer> load_fixture_transformer(const std::string& weights_dir);
 
 // `skyreels generate` flags that make the fixture's call (model, prompts, every argument), without the noise source.
 std::string generate_flags(const PipelineCase& c);

@@ -82,14 +82,7 @@ void use_recorded_condition(Case& c) {
 WanVae load_vae(const Case& c) { return WanVae::load(c.dir + "/weights/vae"); }
 
 std::unique_ptr<SkyReelsV2Transformer> load_model(const Case& c) {
-  const std::string dir = c.dir + "/weights/diffusers";
-  TransformerConfig config = parse_transformer_config(dir + "/config.json").config;
-  const auto source = checkpoint::Source::open(dir);
-  std::map<std::string, at::Tensor> tensors;
-  for (const auto& key : source.keys()) tensors[key] = source.tensor(key);
-  auto weights = checkpoint::place_strict(tensors, transformer_parameter_specs(config), {}, dir);
-  return std::make_unique<SkyReelsV2Transformer>(std::move(config), std::move(weights), c10::Device(c10::kCPU),
-                                                 at::kFloat);
+  return skyreels::test::load_fixture_transformer(c.dir + "/weights/diffusers");
 }
 
 void use_encoded_condition(Case& c) {

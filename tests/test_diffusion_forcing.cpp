@@ -571,14 +571,7 @@ TEST(RunChunk, ExplainsMissingInputs) {
 // ---- with the real (tiny) transformer --------------------------------------------------------------------------
 
 std::unique_ptr<SkyReelsV2Transformer> load_fixture_model(const std::string& case_name) {
-  const std::string dir = golden_path("pipeline_df/" + case_name + "/weights/diffusers");
-  TransformerConfig config = skyreels::model::parse_transformer_config(dir + "/config.json").config;
-  const auto source = checkpoint::Source::open(dir);
-  std::map<std::string, at::Tensor> tensors;
-  for (const auto& key : source.keys()) tensors[key] = source.tensor(key);
-  auto weights = checkpoint::place_strict(tensors, transformer_parameter_specs(config), {}, dir);
-  return std::make_unique<SkyReelsV2Transformer>(std::move(config), std::move(weights), c10::Device(c10::kCPU),
-                                                 at::kFloat);
+  return skyreels::test::load_fixture_transformer(golden_path("pipeline_df/" + case_name + "/weights/diffusers"));
 }
 
 class PipelineWithTransformer : public ::testing::TestWithParam<std::string> {};

@@ -20,7 +20,6 @@
 namespace {
 
 using namespace skyreels::model;
-namespace checkpoint = skyreels::checkpoint;
 using skyreels::test::all_close;
 using skyreels::test::golden_path;
 using skyreels::test::max_abs_diff;
@@ -28,13 +27,7 @@ using skyreels::test::PipelineCase;
 using Json = nlohmann::json;
 
 std::unique_ptr<SkyReelsV2Transformer> load_model(const std::string& dir) {
-  TransformerConfig config = parse_transformer_config(dir + "/config.json").config;
-  const auto source = checkpoint::Source::open(dir);
-  std::map<std::string, at::Tensor> tensors;
-  for (const auto& key : source.keys()) tensors[key] = source.tensor(key);
-  auto weights = checkpoint::place_strict(tensors, transformer_parameter_specs(config), {}, dir);
-  return std::make_unique<SkyReelsV2Transformer>(std::move(config), std::move(weights), c10::Device(c10::kCPU),
-                                                 at::kFloat);
+  return skyreels::test::load_fixture_transformer(dir);
 }
 
 // Token-blocks of a whole generation, by what happened to them.
