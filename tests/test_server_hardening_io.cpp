@@ -340,13 +340,18 @@ TEST_F(CappedServerTest, Item11_ApiKeysWithoutTlsAreWarnedAbout) {
 // Without --api-keys on a non-loopback address the log says so. (Started by hand: the harness listens on loopback.)
 TEST(HardeningIo, Item10_NoApiKeysBeyondLoopbackIsWarnedAbout) {
   const std::string log = temp_dir("open-server") + "/server.log";
-  const std::string command = "timeout -s KILL 60 " + bin_path("skyreels-server") +
+  // $! is the server itself (no wrapper whose death would leave it running); the guard kills it on every path.
+  const std::string command = "exec " + bin_path("skyreels-server") +
                               " --demo --devices cpu --job-store memory --listen 0.0.0.0:" + std::to_string(free_port()) +
                               " --metrics-listen 127.0.0.1:" + std::to_string(free_port()) + " > " + log +
-                              " 2>&1 & echo $!";
+                              " 2>&1 < /dev/null & echo $!";
   std::string pid_text;
   ASSERT_EQ(run_command(command, &pid_text), 0);
   const pid_t pid = static_cast<pid_t>(std::stol(pid_text));
+  const std::shared_ptr<void> stop(nullptr, [pid](void*) {
+    ::kill(pid, SIGKILL);
+    for (int i = 0; i < 200 && ::kill(pid, 0) == 0; ++i) std::this_thread::sleep_for(10ms);
+  });
   std::string text;
   const auto until = Steady::now() + 60s;
   while (Steady::now() < until && text.find("event=listening") == std::string::npos) {
@@ -354,7 +359,6 @@ TEST(HardeningIo, Item10_NoApiKeysBeyondLoopbackIsWarnedAbout) {
     std::ifstream in(log);
     text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
   }
-  ::kill(pid, SIGKILL);
   EXPECT_NE(text.find("event=insecure_config listen=0.0.0.0"), std::string::npos) << text;
   EXPECT_NE(text.find("no --api-keys"), std::string::npos) << text;
 }
