@@ -30,7 +30,8 @@ namespace {
 bool parse_dtype(const std::string& s, DType& out) {
   static const std::pair<const char*, DType> table[] = {
       {"F64", DType::F64}, {"F32", DType::F32}, {"F16", DType::F16}, {"BF16", DType::BF16}, {"I64", DType::I64},
-      {"I32", DType::I32}, {"I16", DType::I16}, {"I8", DType::I8},   {"U8", DType::U8},     {"BOOL", DType::BOOL}};
+      {"I32", DType::I32}, {"I16", DType::I16}, {"I8", DType::I8},   {"U8", DType::U8},     {"BOOL", DType::BOOL},
+      {"F8_E4M3", DType::F8_E4M3}, {"F8_E5M2", DType::F8_E5M2}};
   for (const auto& [name, dtype] : table) {
     if (s == name) {
       out = dtype;
@@ -64,6 +65,10 @@ const char* dtype_name(DType dtype) {
       return "U8";
     case DType::BOOL:
       return "BOOL";
+    case DType::F8_E4M3:
+      return "F8_E4M3";
+    case DType::F8_E5M2:
+      return "F8_E5M2";
   }
   return "?";
 }
@@ -83,6 +88,8 @@ size_t dtype_size(DType dtype) {
     case DType::I8:
     case DType::U8:
     case DType::BOOL:
+    case DType::F8_E4M3:
+    case DType::F8_E5M2:
       return 1;
   }
   return 0;
@@ -107,12 +114,16 @@ at::ScalarType to_scalar_type(DType dtype) {
     case DType::I8:
       return at::kChar;
     case DType::U8:
+    case DType::F8_E4M3:
+    case DType::F8_E5M2:
       return at::kByte;
     case DType::BOOL:
       return at::kBool;
   }
   return at::kFloat;
 }
+
+bool is_fp8(DType dtype) { return dtype == DType::F8_E4M3 || dtype == DType::F8_E5M2; }
 
 DType from_scalar_type(at::ScalarType type) {
   switch (type) {
@@ -326,7 +337,11 @@ void save_streaming(const std::string& path, const std::vector<SaveItem>& items,
   for (const auto& item : items) {
     if (item.name == "__metadata__") throw FormatError("cannot write a tensor named __metadata__ to '" + path + "'");
     if (header.contains(item.name)) throw FormatError("tensor '" + item.name + "' given twice for '" + path + "'");
-    const DType dtype = from_scalar_type(item.dtype);
+    const DType dtype = item.stored_as ? *item.stored_as : from_scalar_type(item.dtype);
+    if (to_scalar_type(dtype) != item.dtype) {
+      throw FormatError("tensor '" + item.name + "' for '" + path + "': " + dtype_name(dtype) + " is written from " +
+                        c10::toString(to_scalar_type(dtype)) + " tensors, not " + c10::toString(item.dtype));
+    }
     uint64_t nbytes = 0;
     if (!checked_nbytes(item.shape, dtype_size(dtype), nbytes)) {
       throw FormatError("tensor '" + item.name + "' for '" + path + "' is too large");
