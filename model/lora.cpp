@@ -156,13 +156,13 @@ LoraFormat detect_format(const std::vector<std::string>& keys) {
   return LoraFormat::Diffusers;
 }
 
-at::Tensor float_tensor(const Reader& r, const safetensors::File& file, const std::string& key) {
+at::Tensor float_tensor(const Reader& r, const safetensors::File& file, const std::string& key, bool check_finite) {
   at::Tensor t = file.tensor(key);
   if (!at::isFloatingType(t.scalar_type())) {
     r.fail(key, std::string("is ") + safetensors::dtype_name(file.find(key)->dtype) + ", not floating point");
   }
   t = t.to(at::kFloat);
-  if (!at::isfinite(t).all().item<bool>()) r.fail(key, "contains NaN or infinite values");
+  if (check_finite && !at::isfinite(t).all().item<bool>()) r.fail(key, "contains NaN or infinite values");
   return t;
 }
 
@@ -355,7 +355,7 @@ LoraAdapter read_lora(const LoraSpec& spec) {
     ModuleParts& m = modules[internal];
     m.module = module;
     if (m.parts.count(part)) r.fail(key, "module '" + module + "' has this tensor twice (lora_A/lora_down naming)");
-    at::Tensor value = float_tensor(r, *file, key);
+    at::Tensor value = float_tensor(r, *file, key, part != Part::Alpha);  // alpha_value() names a bad alpha
     m.parts[part] = {key, value};
   }
   for (const auto& [internal, m] : modules) add_module(r, adapter, internal, m);

@@ -188,8 +188,9 @@ def main():
     dif, dif_alphas = diffusers_adapter(base, gen)
     orig = original_adapter(base, gen)
     mus = musubi_adapter(base, gen)
-    orig_converted = conv._convert_non_diffusers_wan_lora_to_diffusers(dict(orig))
-    mus_converted = conv._convert_musubi_wan_lora_to_diffusers(dict(mus))
+    # Copies: the converters scale some tensors in place (`*=`), which must not reach the adapter files.
+    orig_converted = conv._convert_non_diffusers_wan_lora_to_diffusers({k: v.clone() for k, v in orig.items()})
+    mus_converted = conv._convert_musubi_wan_lora_to_diffusers({k: v.clone() for k, v in mus.items()})
 
     cases = {
         "diffusers_format": (dif, merge(base, dif, 1.0, dif_alphas)),
