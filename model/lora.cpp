@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
@@ -177,8 +178,60 @@ double alpha_value(const Reader& r, const std::string& key, const at::Tensor& al
   return a;
 }
 
-// Builds the updates of one module from its parts.
-void add_module(const Reader& r, LoraAdapter& adapter, const std::string& internal, const ModuleParts& m) {
+// PEFT's LoraConfig as diffusers saves it in a diffusers-format file (__metadata__["lora_adapter_metadata"], JSON with
+// "transformer.lora_alpha", "transformer.alpha_pattern", ...): the alpha of modules that have no .alpha tensor.
+struct PeftConfig {
+  std::optional<double> lora_alpha;
+  std::map<std::string, double> alpha_pattern;  // module name (or its dotted suffix) -> alpha
+
+  std::optional<double> alpha_for(const std::string& module) const {
+    for (const auto& [pattern, alpha] : alpha_pattern) {
+      if (module == pattern || ends_with(module, "." + pattern)) return alpha;
+    }
+    return lora_alpha;
+  }
+};
+
+PeftConfig read_peft_config(const Reader& r, const safetensors::File& file) {
+  PeftConfig config;
+  auto it = file.metadata().find("lora_adapter_metadata");
+  if (it == file.metadata().end()) return config;
+  const std::string where = "__metadata__ lora_adapter_metadata";
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(it->second);
+  } catch (const std::exception& e) {
+    r.fail(where, std::string("is not JSON (") + e.what() + ")");
+  }
+  if (!j.is_object()) r.fail(where, "is not a JSON object");
+  auto field = [&](const std::string& name) -> const nlohmann::json* {
+    for (const std::string& key : {std::string(kDiffusersPrefix) + name, name}) {
+      if (j.contains(key) && !j[key].is_null()) return &j[key];
+    }
+    return nullptr;
+  };
+  for (const char* unsupported : {"use_rslora", "use_dora"}) {
+    if (const auto* v = field(unsupported); v != nullptr && v->is_boolean() && v->get<bool>()) {
+      r.fail(where, std::string(unsupported) + " is true; only plain LoRA (scaling alpha / r) is supported");
+    }
+  }
+  if (const auto* v = field("lora_alpha")) {
+    if (!v->is_number()) r.fail(where, "lora_alpha is not a number");
+    config.lora_alpha = v->get<double>();
+  }
+  if (const auto* v = field("alpha_pattern"); v != nullptr && v->is_object()) {
+    for (auto p = v->begin(); p != v->end(); ++p) {
+      if (!p.value().is_number()) r.fail(where, "alpha_pattern['" + p.key() + "'] is not a number");
+      config.alpha_pattern[p.key()] = p.value().get<double>();
+    }
+  }
+  return config;
+}
+
+// Builds the updates of one module from its parts. `default_alpha`: the alpha of a module without an .alpha tensor
+// (PEFT's lora_alpha from the file's metadata), else r.
+void add_module(const Reader& r, LoraAdapter& adapter, const std::string& internal, const ModuleParts& m,
+                std::optional<double> default_alpha) {
   auto part = [&](Part p) -> const std::pair<std::string, at::Tensor>* {
     auto it = m.parts.find(p);
     return it == m.parts.end() ? nullptr : &it->second;
@@ -215,7 +268,16 @@ void add_module(const Reader& r, LoraAdapter& adapter, const std::string& intern
       r.fail(down->first, "module '" + m.module + "' has no '.alpha' (musubi-tuner always writes one; diffusers "
                           "requires it)");
     }
-    const double a = alpha != nullptr ? alpha_value(r, alpha->first, alpha->second) : static_cast<double>(rank);
+    double a = static_cast<double>(rank);
+    if (alpha != nullptr) {
+      a = alpha_value(r, alpha->first, alpha->second);
+    } else if (default_alpha) {
+      if (!std::isfinite(*default_alpha) || *default_alpha <= 0) {
+        r.fail(down->first, "the lora_alpha of the file's metadata for module '" + m.module + "' is " +
+                                std::to_string(*default_alpha) + "; it must be a finite number > 0");
+      }
+      a = *default_alpha;
+    }
     alpha_over_rank = a / static_cast<double>(rank);
     adapter.updates[internal + ".weight"] = {down->first, A, B, at::Tensor(), r.spec().scale * alpha_over_rank};
     adapter.max_rank = std::max(adapter.max_rank, rank);
@@ -358,7 +420,9 @@ LoraAdapter read_lora(const LoraSpec& spec) {
     at::Tensor value = float_tensor(r, *file, key, part != Part::Alpha);  // alpha_value() names a bad alpha
     m.parts[part] = {key, value};
   }
-  for (const auto& [internal, m] : modules) add_module(r, adapter, internal, m);
+  const PeftConfig peft =
+      adapter.format == LoraFormat::Diffusers ? read_peft_config(r, *file) : PeftConfig{};
+  for (const auto& [internal, m] : modules) add_module(r, adapter, internal, m, peft.alpha_for(internal));
   if (adapter.updates.empty()) r.fail_file("changes no parameter (every key was ignored)");
   return adapter;
 }

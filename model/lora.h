@@ -4,7 +4,9 @@
 //
 // Key formats (detected as diffusers detects them, from the first key that shows one):
 //   diffusers / PEFT   transformer.<module>.lora_A.weight, .lora_B.weight, optional .lora_B.bias and .alpha
-//                      (<module>: the internal (diffusers) name of a linear layer, e.g. blocks.0.attn1.to_q)
+//                      (<module>: the internal (diffusers) name of a linear layer, e.g. blocks.0.attn1.to_q); a
+//                      module without .alpha takes lora_alpha / alpha_pattern of the PEFT config diffusers saves
+//                      in __metadata__["lora_adapter_metadata"] (use_rslora / use_dora: refused), else r
 //   original / kohya   diffusion_model.<original module>.lora_down.weight / .lora_up.weight (or lora_A / lora_B),
 //                      .alpha, .diff_b (a bias delta); diffusers' _convert_non_diffusers_wan_lora_to_diffusers
 //   musubi-tuner       lora_unet_blocks_<N>_<module>.lora_down.weight / .lora_up.weight / .alpha (alpha required);

@@ -254,3 +254,26 @@ TEST(LoraDamage, AFailedAdapterLeavesNothingHalfLoadedAndTheFileUntouched) {
   for (const auto& [name, t] : base) EXPECT_TRUE(at::equal(again.at(name), t)) << name;
   EXPECT_FALSE(at::equal(plain.at("blocks.0.attn1.to_q.weight"), base.at("blocks.0.attn1.to_q.weight")));
 }
+
+// diffusers' save_lora_weights stores PEFT's LoraConfig in the file's metadata; its lora_alpha scales every module
+// without an .alpha tensor (alpha_pattern overrides it per module), as PEFT would when diffusers loads the file.
+TEST(Lora, DiffusersFormatTakesLoraAlphaAndAlphaPatternFromTheFileMetadata) {
+  const std::string path = temp_dir("lora") + "/meta.safetensors";
+  auto tensors = st::load_all(adapter("diffusers_format"));
+  st::save(path, {tensors.begin(), tensors.end()},
+           {{"format", "pt"},
+            {"lora_adapter_metadata",
+             R"({"transformer.lora_alpha": 8, "transformer.r": 4, "transformer.alpha_pattern": {"blocks.1.ffn.net.2": 2}})"}});
+  const auto base = skyreels::test::load_tensors(base_dir() + "/diffusion_pytorch_model.safetensors");
+  const auto plain = held(load_with({{adapter("diffusers_format"), 1.0}}));
+  const auto meta = held(load_with({{path, 1.0}}));
+  auto delta = [&](const std::map<std::string, at::Tensor>& w, const std::string& n) { return w.at(n) - base.at(n); };
+  for (const char* name : {"blocks.0.attn1.to_q.weight", "blocks.1.ffn.net.0.proj.weight"}) {  // alpha 8 / r 4
+    EXPECT_TRUE(skyreels::test::all_close(delta(meta, name), 2 * delta(plain, name), 1e-6)) << name;
+  }
+  EXPECT_TRUE(skyreels::test::all_close(delta(meta, "blocks.1.ffn.net.2.weight"),  // alpha_pattern: 2 / 4
+                                        0.5 * delta(plain, "blocks.1.ffn.net.2.weight"), 1e-6));
+  EXPECT_TRUE(at::equal(meta.at("blocks.0.attn2.to_q.weight"), plain.at("blocks.0.attn2.to_q.weight")));  // .alpha
+  st::save(path, {tensors.begin(), tensors.end()}, {{"lora_adapter_metadata", R"({"transformer.use_rslora": true})"}});
+  EXPECT_HAS(lora_error(path), "use_rslora is true; only plain LoRA (scaling alpha / r) is supported");
+}
