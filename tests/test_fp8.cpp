@@ -238,6 +238,13 @@ TEST(Fp8Checkpoint, OurFp8ConvertLoadsToExactlyTheModelOfItsUpcastWeights) {
   for (const char* dtype : {"float32", "bfloat16"}) {
     EXPECT_TRUE(at::equal(forward_of(fp8_dir, dtype), forward_of(upcast, dtype))) << dtype;
   }
+  // sharded (with an index) like a 14B fp8 download: the same model
+  const std::string sharded = temp_dir("fp8") + "/sharded";
+  convert_transformer_checkpoint(fp8_dir, sharded, {"float32", 40000});
+  const std::string sharded_fp8 = temp_dir("fp8") + "/sharded_fp8";
+  convert_transformer_checkpoint(sharded, sharded_fp8, {"float8_e4m3fn", 20000});
+  EXPECT_GT(map_transformer_checkpoint(sharded_fp8).report.files.size(), 1u);
+  EXPECT_TRUE(at::equal(forward_of(sharded_fp8), forward_of(upcast)));
 }
 
 // A ComfyUI "scaled fp8" single file as it is shipped: model.diffusion_model. prefix, original names, a scaled_fp8
