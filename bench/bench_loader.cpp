@@ -16,7 +16,7 @@
 // touch seconds, and the child's peak RSS.
 // The scratch folder is deleted at the end unless --keep.
 //
-// usage: bench_loader [--dir DIR] [--keep] [--repeat N]
+// usage: bench_loader [--dir DIR] [--keep] [--repeat N] [--fp8-only]   (--fp8-only: skip read / fp32 / bf16)
 //        bench_loader --child DIR DTYPE [LORA]   (one measured load; used by the above)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -216,6 +216,7 @@ int main(int argc, char** argv) {
   }
   std::string dir = "/tmp/skyreels-bench-loader-" + std::to_string(::getpid());
   bool keep = false;
+  bool fp8_only = false;
   int repeat = 1;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -223,10 +224,12 @@ int main(int argc, char** argv) {
       dir = argv[++i];
     } else if (a == "--keep") {
       keep = true;
+    } else if (a == "--fp8-only") {
+      fp8_only = true;
     } else if (a == "--repeat" && i + 1 < argc) {
       repeat = std::max(1, std::atoi(argv[++i]));
     } else {
-      std::cerr << "usage: bench_loader [--dir DIR] [--keep] [--repeat N]\n";
+      std::cerr << "usage: bench_loader [--dir DIR] [--keep] [--repeat N] [--fp8-only]\n";
       return 2;
     }
   }
@@ -239,7 +242,7 @@ int main(int argc, char** argv) {
       const double t = seconds([&] { write_checkpoint(dir, config); });
       std::printf("wrote %.2f GB in %.1f s\n", static_cast<double>(fs::file_size(file)) / 1e9, t);
     }
-    for (int r = 0; r < repeat; ++r) {
+    for (int r = 0; r < (fp8_only ? 0 : repeat); ++r) {
       uint64_t bytes = 0;
       std::printf("page cache residency before read: %.0f%%\n", 100 * resident_fraction(file));
       const double t_read = read_whole_file(file, bytes);
@@ -269,7 +272,7 @@ int main(int argc, char** argv) {
                   t_bf16 + t_touch, (t_bf16 + t_touch) / t_read);
       std::printf("peak RSS %.2f GB\n", peak_rss_gb());
     }
-    fp8_section(dir, config);
+    for (int r = 0; r < repeat; ++r) fp8_section(dir, config);
   } catch (const std::exception& e) {
     std::cerr << "bench_loader: " << e.what() << "\n";
     if (!keep) fs::remove_all(dir);

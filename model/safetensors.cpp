@@ -12,6 +12,7 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <mutex>
 #include <nlohmann/json.hpp>
 
 #include "model/safetensors_limits.h"
@@ -26,6 +27,10 @@ namespace {
 [[noreturn]] void fail_tensor(const std::string& path, const std::string& name, const std::string& what) {
   throw FormatError("safetensors file '" + path + "', tensor '" + name + "': " + what);
 }
+
+// The mappings of open Files (begin -> end), so that release_mapped_pages never touches other memory.
+std::mutex g_mappings_mutex;
+std::map<uintptr_t, uintptr_t> g_mappings;
 
 bool parse_dtype(const std::string& s, DType& out) {
   static const std::pair<const char*, DType> table[] = {
@@ -273,6 +278,10 @@ std::shared_ptr<File> File::open(const std::string& path) {
   ::close(fd);
   if (map == MAP_FAILED) fail(path, std::string("cannot mmap: ") + std::strerror(errno));
   file->map_ = map;
+  {
+    const std::lock_guard<std::mutex> lock(g_mappings_mutex);
+    g_mappings[reinterpret_cast<uintptr_t>(map)] = reinterpret_cast<uintptr_t>(map) + file->size_;
+  }
 
   uint64_t header_len = 0;
   const auto* bytes = static_cast<const uint8_t*>(map);
@@ -293,7 +302,28 @@ std::shared_ptr<File> File::open(const std::string& path) {
 }
 
 File::~File() {
-  if (map_ != nullptr) ::munmap(map_, size_);
+  if (map_ == nullptr) return;
+  {
+    const std::lock_guard<std::mutex> lock(g_mappings_mutex);
+    g_mappings.erase(reinterpret_cast<uintptr_t>(map_));
+  }
+  ::munmap(map_, size_);
+}
+
+bool release_mapped_pages(const at::Tensor& view) {
+  if (!view.defined() || !view.device().is_cpu() || !view.is_contiguous() || view.nbytes() == 0) return false;
+  const auto begin = reinterpret_cast<uintptr_t>(view.data_ptr());
+  const uintptr_t end = begin + view.nbytes();
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t first = (begin + page - 1) / page * page;
+  const uintptr_t last = end / page * page;
+  const std::lock_guard<std::mutex> lock(g_mappings_mutex);
+  auto it = g_mappings.upper_bound(begin);
+  if (it == g_mappings.begin()) return false;
+  --it;
+  if (begin < it->first || end > it->second) return false;
+  if (last > first) ::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+  return true;
 }
 
 const TensorInfo* File::find(const std::string& name) const {

@@ -101,6 +101,11 @@ void save_streaming(const std::string& path, const std::vector<SaveItem>& items,
 void save(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
           const std::map<std::string, std::string>& metadata = {});
 
+// Drops the resident pages wholly inside a tensor that views an open File's mapping, once its bytes have been decoded
+// or copied (an fp8 load): they stop counting in the RSS and would be read from the file again if touched. Returns
+// false, doing nothing, for a tensor that views no mapping.
+bool release_mapped_pages(const at::Tensor& view);
+
 // Convenience: load every tensor as an owning CPU tensor (copied out of the mapping).
 std::map<std::string, at::Tensor> load_all(const std::string& path);
 

@@ -206,6 +206,19 @@ TEST(Fp8Safetensors, F8TensorsRoundTripAsUint8CodesWithTheirDtypeName) {
              "F8_E4M3 is written from Byte tensors, not Float");
 }
 
+TEST(Fp8Safetensors, ReleasingTheDecodedPagesOfAMappedViewKeepsItsBytesReadableFromTheFile) {
+  const std::string path = temp_dir("st") + "/big.safetensors";
+  const at::Tensor codes = at::randint(0, 255, {1 << 16}, at::kInt).to(at::kByte);  // 16 pages
+  st::save(path, {{"codes", codes}});
+  const auto file = st::File::open(path);
+  const at::Tensor view = file->tensor("codes");
+  EXPECT_TRUE(st::release_mapped_pages(view));
+  EXPECT_TRUE(at::equal(view, codes));  // read from the file again
+  const at::Tensor owned = codes.clone();
+  EXPECT_FALSE(st::release_mapped_pages(owned));  // not a mapping: untouched
+  EXPECT_TRUE(at::equal(owned, codes));
+}
+
 // ---- fp8 checkpoints load as their upcast weights ---------------------------------------------------------------
 
 TEST(Fp8Checkpoint, ConvertWritesMatrixWeightsAsE4M3AndTheRestAsStored) {
