@@ -928,12 +928,13 @@ LoadedTransformer load_transformer(const std::string& path, const TransformerLoa
                                      [&](const LoraAdapter& x) { return x.updates.count(name) != 0; });
     if (decoding == nullptr && !adapted) return at::Tensor();
     at::Tensor value = stored_value(stored, decoding);
-    if (decoding != nullptr && decoding->format) safetensors::release_mapped_pages(stored);  // the codes are done
     if (adapted) {
       if (value.data_ptr() == stored.data_ptr()) value = value.clone();  // never write into the mapping
       merge_loras(adapters, name, value);
       ++merged;
     }
+    // The stored bytes are done with: their pages leave the RSS (the value is new memory; nothing views them).
+    safetensors::release_mapped_pages(stored);
     return value;
   };
   int64_t views = 0, converted = 0, islands = 0;
