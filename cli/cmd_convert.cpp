@@ -33,8 +33,9 @@ int run_convert(const std::vector<std::string>& raw) {
   if (args.positional().size() != 2) throw skyreels::cli::UsageError("expected SRC and DST");
   skyreels::model::ConvertOptions options;
   options.dtype = args.get("dtype");
-  if (!options.dtype.empty() && options.dtype != "float32" && options.dtype != "bfloat16") {
-    throw skyreels::cli::UsageError("--dtype '" + options.dtype + "': expected float32 or bfloat16");
+  if (!options.dtype.empty() && options.dtype != "float32" && options.dtype != "bfloat16" &&
+      options.dtype != "float8_e4m3fn") {
+    throw skyreels::cli::UsageError("--dtype '" + options.dtype + "': expected float32, bfloat16 or float8_e4m3fn");
   }
   if (args.has("max-shard-size")) options.max_shard_size = parse_size(args.get("max-shard-size"));
   if (options.max_shard_size == 0) throw skyreels::cli::UsageError("--max-shard-size must be > 0");
@@ -53,12 +54,16 @@ int run_convert(const std::vector<std::string>& raw) {
 }  // namespace
 
 SKYREELS_COMMAND("convert", "rewrite a transformer checkpoint in the diffusers layout (optionally sharded, recast)",
-                 "usage: skyreels convert SRC DST [--dtype float32|bfloat16] [--max-shard-size BYTES]\n\n"
+                 "usage: skyreels convert SRC DST [--dtype float32|bfloat16|float8_e4m3fn] [--max-shard-size BYTES]\n\n"
                  "SRC: any checkpoint `skyreels inspect` accepts (diffusers, original SkyReels-V2/Wan, PR #11850\n"
                  "norm_out.linear; single, sharded or a pipeline folder). It is checked strictly first.\n"
                  "DST: a new or empty folder; receives config.json and diffusion_pytorch_model.safetensors, or\n"
                  "diffusion_pytorch_model-0000k-of-0000n.safetensors shards plus\n"
                  "diffusion_pytorch_model.safetensors.index.json when the tensors exceed --max-shard-size\n"
                  "(default 5GB; accepts bytes or KB/MB/GB/KiB/MiB/GiB).\n"
-                 "--dtype: store float32 or bfloat16 (fp32 islands stay float32); default keeps stored dtypes.",
+                 "--dtype: store float32 or bfloat16 (fp32 islands stay float32); default keeps stored dtypes.\n"
+                 "  float8_e4m3fn: matrix weights (2+ dims, not fp32 islands) as F8_E4M3 codes without scales,\n"
+                 "  rounded to nearest, ties to even, as PyTorch's .to(torch.float8_e4m3fn); a value PyTorch would\n"
+                 "  turn into NaN (|x| >= 464) is an error naming the tensor; other tensors keep their dtype.\n"
+                 "  An fp8 or scaled source needs --dtype.",
                  run_convert);

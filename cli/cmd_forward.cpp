@@ -18,7 +18,7 @@ using skyreels::cli::UsageError;
 const char* kUsage =
     "usage: skyreels forward --model DIR --inputs IN.safetensors --out OUT.safetensors\n"
     "                        [--dtype float32|bfloat16|auto] [--device cpu|cuda|cuda:N]\n"
-    "                        [--num-frame-per-block N]\n\n"
+    "                        [--num-frame-per-block N] [--lora FILE[:SCALE]]...\n\n"
     "Runs SkyReelsV2Transformer3DModel.forward once.\n"
     "  --model    a transformer checkpoint in any layout the loader accepts (see `skyreels inspect`)\n"
     "  --inputs   safetensors with hidden_states [B, C, F, H, W], timestep int64 [B] or [B, F] (per-frame,\n"
@@ -27,6 +27,8 @@ const char* kUsage =
     "  --out      safetensors with `sample` [B, out_channels, F, H, W] in the compute dtype\n"
     "  --dtype    compute dtype (default float32); fp32 islands stay fp32 either way\n"
     "  --device   default cpu\n"
+    "  --lora     a LoRA adapter merged at load (diffusers/PEFT, original/kohya or musubi keys): W + SCALE *\n"
+    "             (alpha / r) * B @ A in float32, then cast; SCALE default 1; repeatable, applied in order\n"
     "  --num-frame-per-block  block size of the block-causal self-attention mask (default: the config's value;\n"
     "             1 = no mask)";
 
@@ -43,7 +45,7 @@ const at::Tensor& required_input(const std::map<std::string, at::Tensor>& inputs
 
 int run_forward(const std::vector<std::string>& argv) {
   const Args args(argv);
-  args.reject_unknown({"model", "inputs", "out", "dtype", "device", "num-frame-per-block"});
+  args.reject_unknown({"model", "inputs", "out", "dtype", "device", "num-frame-per-block", "lora"});
   if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional().front() + "'");
   const std::string model_path = args.require("model");
   const std::string inputs_path = args.require("inputs");
@@ -52,6 +54,7 @@ int run_forward(const std::vector<std::string>& argv) {
   skyreels::model::TransformerLoadOptions options;
   options.device = args.get("device", "cpu");
   options.dtype = args.get("dtype", "float32");
+  options.loras = skyreels::cli::lora_specs_from_flags(args);
 
   const auto loaded = skyreels::model::load_transformer(model_path, options);  // logs what it found and did
   const auto& model = *loaded.model;

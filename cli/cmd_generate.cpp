@@ -49,6 +49,8 @@ const std::string kUsage =
         "  --noise FILE inject recorded noise: inject recorded noise: noise_000, noise_001, ... in diffusers' draw "
         "order\n"
         "  --dtype float32|bfloat16|auto (default float32)  --device cpu|cuda|cuda:N (default cpu)\n"
+        "  --lora FILE[:SCALE]  a LoRA adapter merged at load (diffusers/PEFT, original/kohya or musubi keys):\n"
+        "               W + SCALE * (alpha / r) * B @ A in float32, then cast; default SCALE 1; repeatable\n"
         "image-to-video and video extension (diffusers' DF ImageToVideo / VideoToVideo pipelines):\n"
         "  --vae DIR          the Wan VAE that encodes the image / video (diffusers AutoencoderKLWan folder)\n"
         "  --image PATH       first frame: PNG/JPEG, or safetensors with `image` [B, 3, H, W] float in [0, 1]\n"
@@ -231,7 +233,7 @@ int run_generate(const std::vector<std::string>& argv) {
   const Args args(argv, skyreels::cli::with_generation_switches({"pin-image-prefix"}));
   args.reject_unknown(with_generation_flags({"model", "inputs", "out", "noise", "dtype", "device", "text-encoder",
                                              "tokenizer", "max-sequence-length", "vae", "pin-image-prefix",
-                                             "cache-log", "kv-cache-bytes"}));
+                                             "cache-log", "kv-cache-bytes", "lora"}));
   if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional().front() + "'");
   const std::string model_path = args.require("model");
   if (args.has("inputs") == args.has("text-encoder")) {
@@ -270,6 +272,7 @@ int run_generate(const std::vector<std::string>& argv) {
   model::TransformerLoadOptions options;
   options.device = args.get("device", "cpu");
   options.dtype = args.get("dtype", "float32");
+  options.loras = skyreels::cli::lora_specs_from_flags(args);
   auto start = std::chrono::steady_clock::now();
   auto loaded = model::load_transformer(model_path, options);
   const auto& transformer = *loaded.model;

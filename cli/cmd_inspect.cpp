@@ -55,6 +55,10 @@ void print_analysis(const TransformerCheckpointAnalysis& a) {
     dtypes += (dtypes.empty() ? "" : ", ") + name + " x " + std::to_string(count);
   }
   print_row("stored", dtypes);
+  if (a.report.fp8_tensors > 0 || a.report.scaled_tensors > 0) {
+    print_row("fp8", std::to_string(a.report.fp8_tensors) + " tensors stored as fp8 codes, " +
+                         std::to_string(a.report.scaled_tensors) + " with a scale tensor; decoded exactly at load");
+  }
   for (const auto& note : a.report.notes) print_row("note", note);
   if (a.ok()) {
     print_row("problems", "none: this checkpoint loads");

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "model/lora.h"
 #include "server/generation_params.h"
 #include "server/generation_params_model.h"
 
@@ -146,6 +147,18 @@ server::JobRequest generation_request_from_flags(const Args& args) {
     }
   }
   return request;
+}
+
+std::vector<model::LoraSpec> lora_specs_from_flags(const Args& args) {
+  std::vector<model::LoraSpec> out;
+  for (const auto& text : args.all("lora")) {
+    try {
+      out.push_back(model::parse_lora_spec(text));
+    } catch (const std::invalid_argument& e) {
+      throw UsageError(e.what());
+    }
+  }
+  return out;
 }
 
 std::pair<int64_t, std::string> frame_and_value(const std::string& flag, const std::string& text) {

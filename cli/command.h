@@ -12,6 +12,9 @@
 namespace skyreels::server {
 struct JobRequest;
 }
+namespace skyreels::model {
+struct LoraSpec;
+}
 
 namespace skyreels::cli {
 
@@ -64,6 +67,9 @@ struct UsageError : std::runtime_error {
 // A --prompt-at / --inputs-at value: FRAME:VALUE, FRAME a pixel frame (>= 0) of the output video. Throws UsageError
 // naming `flag`.
 std::pair<int64_t, std::string> frame_and_value(const std::string& flag, const std::string& text);
+
+// Every --lora FILE[:SCALE], in order. Throws UsageError on a bad value.
+std::vector<model::LoraSpec> lora_specs_from_flags(const Args& args);
 
 }  // namespace skyreels::cli
 

@@ -230,7 +230,7 @@ std::string MatchProblems::describe() const {
 }
 
 MatchProblems match_specs(const std::map<std::string, at::Tensor>& tensors, const std::vector<ParamSpec>& specs,
-                          const KeyOrigins& origins) {
+                          const KeyOrigins& origins, const std::set<std::string>& encoded) {
   MatchProblems problems;
   std::set<std::string> expected;
   for (const auto& spec : specs) {
@@ -244,7 +244,7 @@ MatchProblems match_specs(const std::map<std::string, at::Tensor>& tensors, cons
       problems.shape_mismatch.push_back(origins.describe(spec.name) + ": checkpoint " +
                                         shape_str(it->second.sizes().vec()) + " vs model " + shape_str(spec.shape));
     }
-    if (!at::isFloatingType(it->second.scalar_type())) {
+    if (!at::isFloatingType(it->second.scalar_type()) && !encoded.count(spec.name)) {
       problems.bad_dtype.push_back(origins.describe(spec.name) + ": " + c10::toString(it->second.scalar_type()));
     }
   }
@@ -290,12 +290,18 @@ StateDict place_strict(const std::map<std::string, at::Tensor>& tensors, const s
 StateDict place_strict(const std::map<std::string, at::Tensor>& tensors, const std::vector<ParamSpec>& specs,
                        const PlaceOptions& options, const std::string& context, const KeyOrigins& origins) {
   const c10::Device device = parse_device(options.device);
-  const MatchProblems problems = match_specs(tensors, specs, origins);
+  const MatchProblems problems = match_specs(tensors, specs, origins, options.encoded);
   if (!problems.empty()) throw CheckpointError(context + ": checkpoint does not match the model" + problems.describe());
 
   StateDict out;
   for (const auto& spec : specs) {
-    const at::Tensor& src = tensors.at(spec.name);
+    const at::Tensor& stored = tensors.at(spec.name);
+    const at::Tensor value = options.value ? options.value(spec.name, stored) : at::Tensor();
+    if (!value.defined() && options.encoded.count(spec.name)) {
+      throw CheckpointError(context + ": parameter '" + origins.describe(spec.name) + "' is stored encoded (" +
+                            c10::toString(stored.scalar_type()) + " codes) and nothing decodes it");
+    }
+    const at::Tensor& src = value.defined() ? value : stored;
     const at::ScalarType target = placed_dtype(spec, options);
     if (device.is_cpu()) {
       out[spec.name] = src.to(target);  // a view of the mapping (no copy) when the dtype already matches

@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -68,9 +69,18 @@ struct ParamSpec {
   bool keep_fp32 = false;
 };
 
+// A parameter's value when it is not the stored tensor cast to its placed dtype (fp8 codes decoded and scaled, LoRA
+// adapters merged): place_strict calls it once per parameter, in spec order, with the stored tensor; it returns the
+// value as a float32 CPU tensor, or an undefined tensor to place the stored tensor as it is. Parameter by parameter,
+// so what a hook holds at a time is bounded by the largest tensor.
+using ValueHook = std::function<at::Tensor(const std::string& name, const at::Tensor& stored)>;
+
 struct PlaceOptions {
   std::string device = "cpu";         // "cpu", "cuda", "cuda:N"
   at::ScalarType dtype = at::kFloat;  // compute dtype for everything that is not an fp32 island
+  ValueHook value = nullptr;
+  // Names whose stored tensor holds codes (fp8 as uint8) that `value` decodes into floats.
+  std::set<std::string> encoded = {};
 };
 
 // Where internal names came from, so that errors name both the internal name and the checkpoint key.
@@ -97,8 +107,9 @@ struct MatchProblems {
 };
 
 // Checks `tensors` against `specs` without placing anything (what `inspect` reports).
+// `encoded`: names stored as codes that decode to floats (fp8), so not "non-floating tensors".
 MatchProblems match_specs(const std::map<std::string, at::Tensor>& tensors, const std::vector<ParamSpec>& specs,
-                          const KeyOrigins& origins = {});
+                          const KeyOrigins& origins = {}, const std::set<std::string>& encoded = {});
 
 // Strictly places `tensors` (internal name -> CPU tensor, e.g. mapped views) according to `specs`.
 // Throws CheckpointError("<context>: ...all problems...") unless every spec is matched exactly once by shape.

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <mutex>
 #include <nlohmann/json.hpp>
 
 #include "model/safetensors_limits.h"
@@ -27,10 +28,15 @@ namespace {
   throw FormatError("safetensors file '" + path + "', tensor '" + name + "': " + what);
 }
 
+// The mappings of open Files (begin -> end), so that release_mapped_pages never touches other memory.
+std::mutex g_mappings_mutex;
+std::map<uintptr_t, uintptr_t> g_mappings;
+
 bool parse_dtype(const std::string& s, DType& out) {
   static const std::pair<const char*, DType> table[] = {
       {"F64", DType::F64}, {"F32", DType::F32}, {"F16", DType::F16}, {"BF16", DType::BF16}, {"I64", DType::I64},
-      {"I32", DType::I32}, {"I16", DType::I16}, {"I8", DType::I8},   {"U8", DType::U8},     {"BOOL", DType::BOOL}};
+      {"I32", DType::I32}, {"I16", DType::I16}, {"I8", DType::I8},   {"U8", DType::U8},     {"BOOL", DType::BOOL},
+      {"F8_E4M3", DType::F8_E4M3}, {"F8_E5M2", DType::F8_E5M2}};
   for (const auto& [name, dtype] : table) {
     if (s == name) {
       out = dtype;
@@ -64,6 +70,10 @@ const char* dtype_name(DType dtype) {
       return "U8";
     case DType::BOOL:
       return "BOOL";
+    case DType::F8_E4M3:
+      return "F8_E4M3";
+    case DType::F8_E5M2:
+      return "F8_E5M2";
   }
   return "?";
 }
@@ -83,6 +93,8 @@ size_t dtype_size(DType dtype) {
     case DType::I8:
     case DType::U8:
     case DType::BOOL:
+    case DType::F8_E4M3:
+    case DType::F8_E5M2:
       return 1;
   }
   return 0;
@@ -107,12 +119,16 @@ at::ScalarType to_scalar_type(DType dtype) {
     case DType::I8:
       return at::kChar;
     case DType::U8:
+    case DType::F8_E4M3:
+    case DType::F8_E5M2:
       return at::kByte;
     case DType::BOOL:
       return at::kBool;
   }
   return at::kFloat;
 }
+
+bool is_fp8(DType dtype) { return dtype == DType::F8_E4M3 || dtype == DType::F8_E5M2; }
 
 DType from_scalar_type(at::ScalarType type) {
   switch (type) {
@@ -262,6 +278,10 @@ std::shared_ptr<File> File::open(const std::string& path) {
   ::close(fd);
   if (map == MAP_FAILED) fail(path, std::string("cannot mmap: ") + std::strerror(errno));
   file->map_ = map;
+  {
+    const std::lock_guard<std::mutex> lock(g_mappings_mutex);
+    g_mappings[reinterpret_cast<uintptr_t>(map)] = reinterpret_cast<uintptr_t>(map) + file->size_;
+  }
 
   uint64_t header_len = 0;
   const auto* bytes = static_cast<const uint8_t*>(map);
@@ -282,7 +302,28 @@ std::shared_ptr<File> File::open(const std::string& path) {
 }
 
 File::~File() {
-  if (map_ != nullptr) ::munmap(map_, size_);
+  if (map_ == nullptr) return;
+  {
+    const std::lock_guard<std::mutex> lock(g_mappings_mutex);
+    g_mappings.erase(reinterpret_cast<uintptr_t>(map_));
+  }
+  ::munmap(map_, size_);
+}
+
+bool release_mapped_pages(const at::Tensor& view) {
+  if (!view.defined() || !view.device().is_cpu() || !view.is_contiguous() || view.nbytes() == 0) return false;
+  const auto begin = reinterpret_cast<uintptr_t>(view.data_ptr());
+  const uintptr_t end = begin + view.nbytes();
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t first = (begin + page - 1) / page * page;
+  const uintptr_t last = end / page * page;
+  const std::lock_guard<std::mutex> lock(g_mappings_mutex);
+  auto it = g_mappings.upper_bound(begin);
+  if (it == g_mappings.begin()) return false;
+  --it;
+  if (begin < it->first || end > it->second) return false;
+  if (last > first) ::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+  return true;
 }
 
 const TensorInfo* File::find(const std::string& name) const {
@@ -326,7 +367,11 @@ void save_streaming(const std::string& path, const std::vector<SaveItem>& items,
   for (const auto& item : items) {
     if (item.name == "__metadata__") throw FormatError("cannot write a tensor named __metadata__ to '" + path + "'");
     if (header.contains(item.name)) throw FormatError("tensor '" + item.name + "' given twice for '" + path + "'");
-    const DType dtype = from_scalar_type(item.dtype);
+    const DType dtype = item.stored_as ? *item.stored_as : from_scalar_type(item.dtype);
+    if (to_scalar_type(dtype) != item.dtype) {
+      throw FormatError("tensor '" + item.name + "' for '" + path + "': " + dtype_name(dtype) + " is written from " +
+                        c10::toString(to_scalar_type(dtype)) + " tensors, not " + c10::toString(item.dtype));
+    }
     uint64_t nbytes = 0;
     if (!checked_nbytes(item.shape, dtype_size(dtype), nbytes)) {
       throw FormatError("tensor '" + item.name + "' for '" + path + "' is too large");

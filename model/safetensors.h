@@ -10,6 +10,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -23,11 +24,14 @@ class FormatError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-enum class DType { F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL };
+// F8_E4M3 / F8_E5M2: fp8 (float8_e4m3fn / float8_e5m2, model/fp8.h). LibTorch 1.13 has no fp8 type: their tensors are
+// uint8 tensors of the codes, to be decoded with fp8::decode.
+enum class DType { F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL, F8_E4M3, F8_E5M2 };
 
 const char* dtype_name(DType dtype);  // "F32", ...
 size_t dtype_size(DType dtype);       // bytes per element
-at::ScalarType to_scalar_type(DType dtype);
+at::ScalarType to_scalar_type(DType dtype);  // fp8: at::kByte (the codes)
+bool is_fp8(DType dtype);
 DType from_scalar_type(at::ScalarType type);  // throws FormatError for types safetensors cannot hold
 
 struct TensorInfo {
@@ -84,6 +88,8 @@ struct SaveItem {
   at::ScalarType dtype = at::kFloat;
   std::vector<int64_t> shape;
   std::function<at::Tensor()> produce;  // must return exactly `dtype` and `shape` (any device, any layout)
+  // The dtype written to the header when it is not from_scalar_type(dtype): F8_E4M3 / F8_E5M2 for uint8 codes.
+  std::optional<DType> stored_as = std::nullopt;
 };
 
 // Writes `path` atomically (to path + ".partial", renamed at the end; removed on failure). The data area is aligned
@@ -94,6 +100,11 @@ void save_streaming(const std::string& path, const std::vector<SaveItem>& items,
 // Writes tensors (any device, any layout; stored contiguous, little-endian) in the given order.
 void save(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
           const std::map<std::string, std::string>& metadata = {});
+
+// Drops the resident pages wholly inside a tensor that views an open File's mapping, once its bytes have been decoded
+// or copied (an fp8 load): they stop counting in the RSS and would be read from the file again if touched. Returns
+// false, doing nothing, for a tensor that views no mapping.
+bool release_mapped_pages(const at::Tensor& view);
 
 // Convenience: load every tensor as an owning CPU tensor (copied out of the mapping).
 std::map<std::string, at::Tensor> load_all(const std::string& path);

@@ -159,8 +159,8 @@ void fold_norm_out_linear(TransformerCheckpointAnalysis& a, const std::string& p
                          "norm_out.linear.*' are present: the output modulation is ambiguous");
     return;
   }
-  const at::Tensor w = w_it->second;
-  const at::Tensor b = b_it->second;
+  const at::Tensor w = a.value(wkey);
+  const at::Tensor b = a.value(bkey);
   const std::string wname = "'" + prefix + wkey + "'";
   if (w.dim() != 2 || w.size(0) != 2 * w.size(1)) {
     a.problems.push_back(wname + " has shape " + shape_of(w) + "; the norm_out.linear layout needs [2D, D]");
@@ -172,7 +172,11 @@ void fold_norm_out_linear(TransformerCheckpointAnalysis& a, const std::string& p
                          "] to match " + wname + " " + shape_of(w));
     return;
   }
-  if (!at::isFloatingType(w.scalar_type()) || !at::isFloatingType(b.scalar_type())) {
+  if (!at::isFloatingType(w_it->second.scalar_type()) && !a.decodings.count(wkey)) {
+    a.problems.push_back(wname + " / bias are not floating point");
+    return;
+  }
+  if (!at::isFloatingType(b_it->second.scalar_type()) && !a.decodings.count(bkey)) {
     a.problems.push_back(wname + " / bias are not floating point");
     return;
   }
@@ -189,7 +193,10 @@ void fold_norm_out_linear(TransformerCheckpointAnalysis& a, const std::string& p
     a.problems.push_back(os.str());
     return;
   }
-  a.tensors["scale_shift_table"] = b.view({1, 2, D});  // still a view of the mapped bias
+  // Still a view of the mapped bias, unless it had to be decoded (fp8 or scaled: its float32 value, 2D numbers).
+  a.tensors["scale_shift_table"] = (a.decodings.count(bkey) ? b : b_it->second).view({1, 2, D});
+  a.decodings.erase(wkey);
+  a.decodings.erase(bkey);
   a.origins.source_key["scale_shift_table"] = prefix + bkey;
   a.origins.source_key.erase(wkey);
   a.origins.source_key.erase(bkey);
@@ -449,6 +456,145 @@ void map_keys(const checkpoint::Source& src, TransformerLayout layout, Transform
   }
 }
 
+std::set<std::string> encoded_names(const TransformerCheckpointAnalysis& a) {
+  std::set<std::string> out;
+  for (const auto& [name, d] : a.decodings) {
+    if (d.format) out.insert(name);
+  }
+  return out;
+}
+
+std::string last_component(const std::string& name) {
+  const size_t dot = name.rfind('.');
+  return dot == std::string::npos ? name : name.substr(dot + 1);
+}
+
+// ---- fp8 and scale tensors ---------------------------------------------------------------------------------------
+// Conventions of the fp8 files in circulation (ComfyUI and its wrappers, llm-compressor / vLLM / ModelOpt):
+//   <module>.scale_weight   ComfyUI "scaled fp8": weight = fp8 codes x scale_weight (with a `scaled_fp8` marker)
+//   <module>.weight_scale   compressed-tensors / vLLM / ModelOpt: the same product
+//   <module>.scale_input, <module>.input_scale   activation scales for an fp8 matmul; weights are upcast here, so
+//                           they are dropped (noted)
+//   scaled_fp8              ComfyUI's marker (an empty tensor whose dtype is the fp8 format): dropped (noted)
+// Any other tensor whose last name part mentions "scale" (e.g. DeepSeek-style block-wise weight_scale_inv) is refused
+// by name rather than loaded as a stray parameter or applied wrongly.
+struct ScaleConvention {
+  const char* suffix;  // last name part
+  bool weight_scale;   // true: scales <module>.weight; false: an activation scale, dropped
+};
+constexpr ScaleConvention kScaleConventions[] = {
+    {"scale_weight", true}, {"weight_scale", true}, {"scale_input", false}, {"input_scale", false}};
+constexpr const char* kScaledFp8Marker = "scaled_fp8";
+
+void erase_tensor(TransformerCheckpointAnalysis& a, const std::string& name) {
+  a.tensors.erase(name);
+  a.origins.source_key.erase(name);
+}
+
+void collect_decodings(const checkpoint::Source& src, TransformerCheckpointAnalysis& a) {
+  auto key_of = [&](const std::string& name) {
+    auto it = a.origins.source_key.find(name);
+    return it == a.origins.source_key.end() ? name : it->second;
+  };
+  for (const auto& [name, key] : a.origins.source_key) {
+    const safetensors::DType dtype = src.info(key).dtype;
+    if (safetensors::is_fp8(dtype)) {
+      a.decodings[name].format = dtype == safetensors::DType::F8_E4M3 ? fp8::Format::E4M3FN : fp8::Format::E5M2;
+    }
+  }
+  if (a.tensors.count(kScaledFp8Marker)) {
+    a.report.notes.push_back(std::string("'") + key_of(kScaledFp8Marker) + "': ComfyUI scaled-fp8 marker (" +
+                             safetensors::dtype_name(src.info(key_of(kScaledFp8Marker)).dtype) + "), dropped");
+    a.decodings.erase(kScaledFp8Marker);
+    erase_tensor(a, kScaledFp8Marker);
+  }
+  std::vector<std::string> names;
+  for (const auto& [name, t] : a.tensors) names.push_back(name);
+  int64_t dropped_inputs = 0;
+  std::map<std::string, int64_t> scale_kinds;
+  for (const auto& name : names) {
+    const std::string part = last_component(name);
+    if (part.find("scale") == std::string::npos || part == "scale_shift_table") continue;
+    const std::string key = key_of(name);
+    const ScaleConvention* convention = nullptr;
+    for (const auto& c : kScaleConventions) {
+      if (part == c.suffix) convention = &c;
+    }
+    if (convention == nullptr) {
+      a.problems.push_back("'" + key +
+                           "': unknown scale tensor (supported: <module>.scale_weight and <module>.weight_scale, "
+                           "one scale per tensor or per output row; scale_input / input_scale are dropped)");
+      continue;
+    }
+    const at::Tensor scale = a.tensors.at(name);
+    const bool scale_is_fp8 = a.decodings.count(name) != 0;
+    a.decodings.erase(name);
+    erase_tensor(a, name);
+    if (!convention->weight_scale) {
+      ++dropped_inputs;
+      continue;
+    }
+    const std::string target = name.substr(0, name.size() - part.size()) + "weight";
+    auto w = a.tensors.find(target);
+    if (w == a.tensors.end()) {
+      a.problems.push_back("'" + key + "': a weight scale, but the checkpoint has no '" +
+                           key.substr(0, key.size() - part.size()) + "weight' to scale");
+      continue;
+    }
+    if (scale_is_fp8 || !at::isFloatingType(scale.scalar_type())) {
+      a.problems.push_back("'" + key + "': a weight scale must be stored as F32, BF16 or F16");
+      continue;
+    }
+    const int64_t rows = w->second.dim() > 0 ? w->second.size(0) : 1;
+    const bool per_tensor = scale.numel() == 1;
+    const bool per_row = scale.numel() == rows && (scale.dim() == 1 || (scale.dim() == 2 && scale.size(1) == 1));
+    if (!per_tensor && !per_row) {
+      a.problems.push_back("'" + key + "': scale of shape " + shape_of(scale) + " for '" + key_of(target) + "' " +
+                           shape_of(w->second) + "; expected one value, or one per output row [" +
+                           std::to_string(rows) + "]");
+      continue;
+    }
+    at::Tensor s = scale.to(at::kFloat).reshape({per_tensor ? 1 : rows});
+    if (!(at::isfinite(s).all().item<bool>() && (s > 0).all().item<bool>())) {
+      a.problems.push_back("'" + key + "': scale is not a finite positive number (" +
+                           std::to_string(s.min().item<double>()) + " ... " + std::to_string(s.max().item<double>()) +
+                           ")");
+      continue;
+    }
+    if (!per_tensor) {
+      std::vector<int64_t> shape(static_cast<size_t>(w->second.dim()), 1);
+      shape[0] = rows;
+      s = s.view(shape);
+    }
+    StoredDecoding& d = a.decodings[target];
+    d.scale = s;
+    d.scale_key = key;
+    ++scale_kinds[part];
+  }
+  for (const auto& [name, d] : a.decodings) {
+    a.report.fp8_tensors += d.format ? 1 : 0;
+    a.report.scaled_tensors += d.scale.defined() ? 1 : 0;
+  }
+  if (a.report.fp8_tensors > 0) {
+    std::map<std::string, int64_t> formats;
+    for (const auto& [name, d] : a.decodings) {
+      if (d.format) formats[fp8::format_name(*d.format)] += 1;
+    }
+    std::string list;
+    for (const auto& [f, n] : formats) list += (list.empty() ? "" : ", ") + std::to_string(n) + " " + f;
+    a.report.notes.push_back("fp8: " + list + " tensors, decoded exactly (256-entry table) to the compute dtype at "
+                             "load, tensor by tensor");
+  }
+  for (const auto& [kind, n] : scale_kinds) {
+    a.report.notes.push_back("scales: " + std::to_string(n) + " '<module>." + kind +
+                             "' tensors applied in float32 (value = stored value x scale) before the cast");
+  }
+  if (dropped_inputs > 0) {
+    a.report.notes.push_back("dropped " + std::to_string(dropped_inputs) +
+                             " activation scales (scale_input / input_scale): weights are upcast, no fp8 matmul");
+  }
+}
+
 void read_config(TransformerCheckpointAnalysis& a, const std::string& folder) {
   const fs::path config_path = fs::path(folder) / "config.json";
   if (fs::exists(config_path)) {
@@ -487,7 +633,7 @@ void check_against_model(TransformerCheckpointAnalysis& a) {
     return;  // the parameter list of an unsupported config would only add noise
   }
   auto duplicates = std::move(a.match.duplicates);
-  a.match = checkpoint::match_specs(a.tensors, transformer_parameter_specs(*a.config), a.origins);
+  a.match = checkpoint::match_specs(a.tensors, transformer_parameter_specs(*a.config), a.origins, encoded_names(a));
   a.match.duplicates = std::move(duplicates);
 }
 
@@ -707,6 +853,7 @@ TransformerCheckpointAnalysis analyze_transformer_checkpoint(const std::string& 
   a.origins.expected_key = [layout, prefix](const std::string& internal) {
     return prefix + transformer_checkpoint_key(layout, internal);
   };
+  collect_decodings(src, a);
   if (layout == TransformerLayout::NormOutLinear) fold_norm_out_linear(a, prefix);
 
   const std::string folder = src.folder().empty() ? std::string(".") : src.folder();
@@ -719,7 +866,32 @@ TransformerCheckpointAnalysis analyze_transformer_checkpoint(const std::string& 
 MappedTransformerCheckpoint map_transformer_checkpoint(const std::string& path) {
   TransformerCheckpointAnalysis a = analyze_transformer_checkpoint(path);
   if (!a.ok()) throw CheckpointError(a.error_message());
-  return {*a.config, std::move(a.tensors), std::move(a.report)};
+  return {*a.config, std::move(a.tensors), std::move(a.decodings), std::move(a.report)};
+}
+
+at::Tensor stored_value(const at::Tensor& stored, const StoredDecoding* decoding) {
+  if (decoding == nullptr) return stored.to(at::kFloat);
+  at::Tensor value = decoding->format ? fp8::decode(stored, *decoding->format) : stored.to(at::kFloat);
+  if (decoding->scale.defined()) value = value * decoding->scale;
+  return value;
+}
+
+namespace {
+at::Tensor value_in(const std::map<std::string, at::Tensor>& tensors, const StoredDecodings& decodings,
+                    const std::string& name) {
+  auto it = tensors.find(name);
+  if (it == tensors.end()) throw CheckpointError("checkpoint has no tensor '" + name + "'");
+  auto d = decodings.find(name);
+  return stored_value(it->second, d == decodings.end() ? nullptr : &d->second);
+}
+}  // namespace
+
+at::Tensor MappedTransformerCheckpoint::value(const std::string& name) const {
+  return value_in(tensors, decodings, name);
+}
+
+at::Tensor TransformerCheckpointAnalysis::value(const std::string& name) const {
+  return value_in(tensors, decodings, name);
 }
 
 LoadedTransformer load_transformer(const std::string& path, const TransformerLoadOptions& options) {
@@ -740,20 +912,55 @@ LoadedTransformer load_transformer(const std::string& path, const TransformerLoa
                a.report.config_source);
   for (const auto& note : a.report.notes) spdlog::info("transformer mapping: {}", note);
 
-  const checkpoint::PlaceOptions place{options.device, dtype};
   const auto specs = transformer_parameter_specs(*a.config);
+  std::vector<LoraAdapter> adapters;
+  for (const auto& spec : options.loras) adapters.push_back(read_lora(spec));
+  check_loras(adapters, specs);
+
+  checkpoint::PlaceOptions place{options.device, dtype};
+  place.encoded = encoded_names(a);
+  int64_t merged = 0;
+  // fp8 codes decoded (and scales applied) and adapters merged in float32, one parameter at a time.
+  place.value = [&](const std::string& name, const at::Tensor& stored) -> at::Tensor {
+    auto d = a.decodings.find(name);
+    const StoredDecoding* decoding = d == a.decodings.end() ? nullptr : &d->second;
+    const bool adapted = std::any_of(adapters.begin(), adapters.end(),
+                                     [&](const LoraAdapter& x) { return x.updates.count(name) != 0; });
+    if (decoding == nullptr && !adapted) return at::Tensor();
+    at::Tensor value = stored_value(stored, decoding);
+    if (adapted) {
+      if (value.data_ptr() == stored.data_ptr()) value = value.clone();  // never write into the mapping
+      merge_loras(adapters, name, value);
+      ++merged;
+    }
+    // The stored bytes are done with: their pages leave the RSS (the value is new memory; nothing views them).
+    safetensors::release_mapped_pages(stored);
+    return value;
+  };
   int64_t views = 0, converted = 0, islands = 0;
   for (const auto& spec : specs) {
     const at::Tensor& t = a.tensors.at(spec.name);
     islands += spec.keep_fp32 ? 1 : 0;
-    const bool same = t.scalar_type() == checkpoint::placed_dtype(spec, place);
+    const bool same = t.scalar_type() == checkpoint::placed_dtype(spec, place) && !a.decodings.count(spec.name) &&
+                      std::none_of(adapters.begin(), adapters.end(),
+                                   [&](const LoraAdapter& x) { return x.updates.count(spec.name) != 0; });
     (device.is_cpu() && same ? views : converted) += 1;
   }
   checkpoint::StateDict weights =
       checkpoint::place_strict(a.tensors, specs, place, "transformer checkpoint '" + a.path + "'", a.origins);
   a.tensors.clear();  // converted tensors no longer need the mapping; zero-copy ones keep it alive themselves
+  for (const auto& adapter : adapters) {
+    a.report.loras.push_back(lora_report(adapter));
+    const LoraReport& r = a.report.loras.back();
+    a.report.notes.push_back("LoRA '" + r.path + "' (" + r.format + " format, rank <= " + std::to_string(r.max_rank) +
+                             ", scale " + std::to_string(r.scale) + "): " + std::to_string(r.parameters) +
+                             " parameters merged in float32" +
+                             (r.ignored ? ", " + std::to_string(r.ignored) + " keys ignored as diffusers does" : ""));
+  }
   a.report.notes.push_back("placed on " + device.str() + " as " + dtype_name + ": " + std::to_string(islands) +
-                           " fp32-island tensors kept float32, " + std::to_string(converted) + " copied/converted, " +
+                           " fp32-island tensors kept float32, " + std::to_string(converted) + " copied/converted" +
+                           (a.report.fp8_tensors ? " (" + std::to_string(a.report.fp8_tensors) + " from fp8)" : "") +
+                           (merged ? " (" + std::to_string(merged) + " with LoRA merged)" : "") + ", " +
                            std::to_string(views) + " zero-copy views of the file");
 
   LoadedTransformer out;
@@ -773,8 +980,10 @@ namespace {
 
 struct PlannedTensor {
   std::string name;
-  at::Tensor source;
-  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  at::ScalarType dtype;  // of the tensor produce() returns
+  std::optional<safetensors::DType> stored_as;
+  std::function<at::Tensor()> produce;
   uint64_t bytes;
 };
 
@@ -821,9 +1030,10 @@ ConvertResult convert_transformer_checkpoint(const std::string& src, const std::
                                              const ConvertOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
   std::optional<at::ScalarType> target;
-  if (!options.dtype.empty()) {
+  const bool to_fp8 = options.dtype == "float8_e4m3fn";
+  if (!options.dtype.empty() && !to_fp8) {
     if (options.dtype != "float32" && options.dtype != "bfloat16") {
-      throw CheckpointError("convert --dtype '" + options.dtype + "': expected float32 or bfloat16");
+      throw CheckpointError("convert --dtype '" + options.dtype + "': expected float32, bfloat16 or float8_e4m3fn");
     }
     target = checkpoint::parse_dtype(options.dtype);
   }
@@ -834,11 +1044,34 @@ ConvertResult convert_transformer_checkpoint(const std::string& src, const std::
   TransformerCheckpointAnalysis a = analyze_transformer_checkpoint(src);
   if (!a.ok()) throw CheckpointError(a.error_message());
 
+  if (!a.decodings.empty() && options.dtype.empty()) {
+    throw CheckpointError("convert: '" + a.path + "' has " + std::to_string(a.decodings.size()) +
+                          " fp8 or scaled tensors, which the diffusers layout cannot hold as stored; pass --dtype "
+                          "float32, bfloat16 or float8_e4m3fn");
+  }
   std::vector<PlannedTensor> planned;
   for (const auto& spec : transformer_parameter_specs(*a.config)) {
-    const at::Tensor& t = a.tensors.at(spec.name);
-    const at::ScalarType dtype = !target ? t.scalar_type() : (spec.keep_fp32 ? at::kFloat : *target);
-    planned.push_back({spec.name, t, dtype, static_cast<uint64_t>(t.numel()) * c10::elementSize(dtype)});
+    const at::Tensor t = a.tensors.at(spec.name);
+    auto d = a.decodings.find(spec.name);
+    const std::optional<StoredDecoding> decoding =
+        d == a.decodings.end() ? std::nullopt : std::optional<StoredDecoding>(d->second);
+    PlannedTensor p{spec.name, t.sizes().vec(), t.scalar_type(), std::nullopt, nullptr, 0};
+    if (to_fp8 && !spec.keep_fp32 && t.dim() >= 2) {
+      p.dtype = at::kByte;
+      p.stored_as = safetensors::DType::F8_E4M3;
+      const std::string what = "convert to float8_e4m3fn: tensor '" + spec.name + "'";
+      p.produce = [t, decoding, what] {
+        return fp8::encode_e4m3fn(stored_value(t, decoding ? &*decoding : nullptr), what);
+      };
+    } else {
+      p.dtype = target ? (spec.keep_fp32 ? at::kFloat : *target) : (decoding ? at::kFloat : t.scalar_type());
+      const at::ScalarType dtype = p.dtype;
+      p.produce = [t, decoding, dtype] {
+        return decoding ? stored_value(t, &*decoding).to(dtype) : t.to(dtype);
+      };
+    }
+    p.bytes = static_cast<uint64_t>(t.numel()) * (p.stored_as ? 1 : c10::elementSize(p.dtype));
+    planned.push_back(std::move(p));
   }
   std::sort(planned.begin(), planned.end(), [](const auto& x, const auto& y) { return x.name < y.name; });
   const auto shards = plan_shards(std::move(planned), options.max_shard_size);
@@ -854,7 +1087,7 @@ ConvertResult convert_transformer_checkpoint(const std::string& src, const std::
           shards.size() == 1 ? "diffusion_pytorch_model.safetensors" : shard_name(i, shards.size());
       std::vector<safetensors::SaveItem> items;
       for (const auto& t : shards[i]) {
-        items.push_back({t.name, t.dtype, t.source.sizes().vec(), [t] { return t.source.to(t.dtype); }});
+        items.push_back({t.name, t.dtype, t.shape, t.produce, t.stored_as});
         weight_map[t.name] = file;
         result.bytes += t.bytes;
       }
@@ -878,7 +1111,9 @@ ConvertResult convert_transformer_checkpoint(const std::string& src, const std::
   }
   spdlog::info("converted '{}' (layout {}) to diffusers layout in '{}': {} file(s), {} of tensors{}, {:.2f} s", a.path,
                layout_name(a.report.layout), dst, result.files.size(), gb(result.bytes),
-               target ? " as " + options.dtype + " (fp32 islands kept float32)" : std::string(" in stored dtypes"),
+               to_fp8   ? " with matrix weights as float8_e4m3fn"
+               : target ? " as " + options.dtype + " (fp32 islands kept float32)"
+                        : std::string(" in stored dtypes"),
                seconds_since(t0));
   return result;
 }

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "model/fp8.h"
+#include "model/lora.h"
 #include "model/transformer_skyreels_v2.h"
 
 namespace skyreels::model {
@@ -21,7 +23,22 @@ const char* layout_name(TransformerLayout layout);  // "diffusers", "original", 
 struct TransformerLoadOptions {
   std::string device = "cpu";     // cpu, cuda, cuda:N
   std::string dtype = "float32";  // float32, bfloat16, auto (runtime::resolve_dtype_name)
+  // LoRA adapters merged into the weights at load, in float32, in this order (model/lora.h).
+  std::vector<LoraSpec> loras = {};
 };
+
+// How a stored tensor becomes its value, when it is not just the stored tensor: fp8 codes (a uint8 view) decoded
+// exactly, and/or a scale tensor the file carries for it (value = decoded value x scale, in float32; the scale is a
+// scalar, or one value per output row).
+struct StoredDecoding {
+  std::optional<fp8::Format> format;  // set: the stored tensor holds codes of this format
+  at::Tensor scale;                   // defined: multiply by it (float32, broadcast over the rows)
+  std::string scale_key;              // the checkpoint key of the scale
+};
+using StoredDecodings = std::map<std::string, StoredDecoding>;  // internal name -> decoding
+
+// The float32 value of a stored tensor: `stored` itself converted, or decoded (and scaled) when `decoding` says so.
+at::Tensor stored_value(const at::Tensor& stored, const StoredDecoding* decoding);
 
 // What the loader found and did; also what `skyreels inspect` prints.
 struct TransformerLoadReport {
@@ -29,7 +46,10 @@ struct TransformerLoadReport {
   std::string config_source;  // "config.json (diffusers)", "config.json (original)", "inferred ..."
   std::vector<std::string> files;
   std::vector<std::string> notes;                // mapping applied, conversions, inferences
-  std::map<std::string, int64_t> stored_dtypes;  // "F32" -> tensor count
+  std::map<std::string, int64_t> stored_dtypes;  // "F32" -> tensor count (fp8 ones as "F8_E4M3" / "F8_E5M2")
+  int64_t fp8_tensors = 0;                       // parameters stored as fp8 codes
+  int64_t scaled_tensors = 0;                    // parameters with a scale tensor (ComfyUI scaled_fp8, ...)
+  std::vector<LoraReport> loras;                 // adapters merged, in order
   int64_t parameter_count = 0;
   uint64_t bytes = 0;
   double seconds = 0.0;
@@ -48,7 +68,9 @@ LoadedTransformer load_transformer(const std::string& path, const TransformerLoa
 struct MappedTransformerCheckpoint {
   TransformerConfig config;
   std::map<std::string, at::Tensor> tensors;  // internal name -> CPU tensor as stored (mapped, not copied)
+  StoredDecodings decodings;                  // tensors stored as fp8 codes or with a scale
   TransformerLoadReport report;
+  at::Tensor value(const std::string& name) const;  // float32 value of a tensor (fp8 decoded and scaled)
 };
 MappedTransformerCheckpoint map_transformer_checkpoint(const std::string& path);
 
@@ -93,12 +115,14 @@ struct TransformerCheckpointAnalysis {
   std::string path;                           // what was read (a pipeline's transformer/ folder, for instance)
   std::optional<TransformerConfig> config;    // absent when it could not be read or inferred
   std::map<std::string, at::Tensor> tensors;  // internal name -> CPU tensor as stored (mapped views)
+  StoredDecodings decodings;                  // tensors stored as fp8 codes or with a scale
   checkpoint::KeyOrigins origins;             // internal name -> checkpoint key
   TransformerLoadReport report;
   std::vector<std::string> problems;  // config and layout problems, each naming its field/key/file
   checkpoint::MatchProblems match;    // strict comparison with the model's parameters
   bool ok() const { return problems.empty() && match.empty(); }
   std::string error_message() const;  // every problem in one message
+  at::Tensor value(const std::string& name) const;  // float32 value of a tensor (fp8 decoded and scaled)
 };
 TransformerCheckpointAnalysis analyze_transformer_checkpoint(const std::string& path);
 
@@ -106,8 +130,12 @@ TransformerCheckpointAnalysis analyze_transformer_checkpoint(const std::string& 
 // diffusion_pytorch_model.safetensors, or shards diffusion_pytorch_model-0000k-of-0000n.safetensors with
 // diffusion_pytorch_model.safetensors.index.json when it is larger than max_shard_size. `dst` must not exist or be
 // empty. The source is checked strictly first; nothing is written for a checkpoint that would not load.
+// --dtype float8_e4m3fn stores every matrix weight (2 or more dims, not an fp32 island) as F8_E4M3 codes
+// (fp8::encode_e4m3fn: round to nearest, ties to even, as PyTorch's .to(torch.float8_e4m3fn); a value PyTorch would
+// turn into NaN is an error naming the tensor), without scales; other tensors keep their stored dtype. An fp8 source
+// needs a --dtype (there is no diffusers layout for its scales).
 struct ConvertOptions {
-  std::string dtype;                           // "" keeps stored dtypes; float32 or bfloat16 (fp32 islands stay fp32)
+  std::string dtype;  // "" keeps stored dtypes; float32, bfloat16 (fp32 islands stay fp32) or float8_e4m3fn
   uint64_t max_shard_size = 5'000'000'000ull;  // bytes per shard, 5 GB like diffusers' save_pretrained
 };
 struct ConvertResult {

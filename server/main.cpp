@@ -70,6 +70,9 @@ model:
   --devices LIST              auto (default: every CUDA device, else one CPU replica), cpu, cuda:0,cuda:1;
                               repeats such as cpu,cpu make several replicas; CPU replicas split the cores evenly
   --dtype auto|float32|bfloat16   (default auto: bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16)
+  --lora FILE[:SCALE]         a LoRA adapter (diffusers/PEFT, original/kohya or musubi keys, as diffusers reads
+                              them) merged into the weights at load: W + SCALE * (alpha / r) * B @ A in float32,
+                              then cast (default SCALE 1); repeatable, applied in order. GetServerInfo lists them
 network:
   --listen HOST:PORT          gRPC (default 0.0.0.0:50051)
   --metrics-listen HOST:PORT  Prometheus /metrics (default 0.0.0.0:9090)
@@ -163,6 +166,7 @@ struct Options {
   std::string data_dir = "./skyreels-data";
   std::string job_store;  // empty: sqlite:<data_dir>/jobs.sqlite
   std::string pod_name;   // empty: $HOSTNAME, else the host name
+  std::vector<skyreels::model::LoraSpec> loras;  // --lora, in order
   double lease_seconds = 30;
   TransportLimits transport;
 };
@@ -264,7 +268,13 @@ Options parse(int argc, char** argv) {
       if (i + 1 >= argc) throw UsageError(flag + ": needs a value");
       return std::string(argv[++i]);
     };
-    if (auto s = strings.find(flag); s != strings.end()) {
+    if (flag == "--lora") {
+      try {
+        o.loras.push_back(skyreels::model::parse_lora_spec(take()));
+      } catch (const std::invalid_argument& e) {
+        throw UsageError(e.what());
+      }
+    } else if (auto s = strings.find(flag); s != strings.end()) {
       *s->second = take();
     } else if (auto n = ints.find(flag); n != ints.end()) {
       *n->second.target = to_int(flag, take(), n->second.lo, n->second.hi);
@@ -478,6 +488,15 @@ int serve(const Options& o, Signals& signals) {
   if (!o.tokenizer.empty() && o.text_encoder.empty()) throw UsageError("--tokenizer needs --text-encoder");
   const auto mapped = skyreels::model::map_transformer_checkpoint(model_path);  // validates before any replica loads
   const auto& config = mapped.config;
+  // Adapters too: a bad one stops the start here, naming its key, not in every replica.
+  std::vector<skyreels::model::LoraAdapter> adapters;
+  for (const auto& spec : o.loras) adapters.push_back(skyreels::model::read_lora(spec));
+  skyreels::model::check_loras(adapters, skyreels::model::transformer_parameter_specs(config));
+  for (const auto& a : adapters) {
+    const auto r = skyreels::model::lora_report(a);
+    spdlog::info("event=lora path={} scale={} format={} parameters={} max_rank={} ignored_keys={}", r.path, r.scale,
+                 r.format, r.parameters, r.max_rank, r.ignored);
+  }
 
   // ---- replicas ----
   auto plans = plan_replicas(o.devices, skyreels::runtime::available_cores(), cuda_device_count());
@@ -493,6 +512,7 @@ int serve(const Options& o, Signals& signals) {
     };
     plan.dtype = o.dtype;
     plan.model_path = model_path;
+    plan.loras = o.loras;
     plan.faults = faults;
     plan.step_delay = std::chrono::milliseconds(o.step_delay_ms);
     plan.block_delay = std::chrono::milliseconds(o.block_delay_ms);
@@ -512,7 +532,7 @@ int serve(const Options& o, Signals& signals) {
   if (!o.text_encoder.empty()) {
     text_encoder = load_text_encoder(o.text_encoder, o.tokenizer, plans.front().device, o.dtype, config.text_dim);
   }
-  Metrics metrics(names, SKYREELS_VERSION);
+  Metrics metrics(names, SKYREELS_VERSION, skyreels::model::describe_loras(o.loras));
   work_sink->store(&metrics);
   const std::shared_ptr<void> unsink(nullptr, [work_sink](void*) { work_sink->store(nullptr); });
   store = std::make_unique<TimedJobStore>(std::move(store), metrics.store_call_report());  // before its first use
@@ -569,6 +589,11 @@ int serve(const Options& o, Signals& signals) {
   summary.patch_size = {config.patch_size[0], config.patch_size[1], config.patch_size[2]};
   summary.inject_sample_info = config.inject_sample_info;
   summary.num_frame_per_block = config.num_frame_per_block;
+  for (const auto& a : adapters) {
+    const auto r = skyreels::model::lora_report(a);
+    summary.loras.push_back({r.path, r.scale, r.format, r.parameters, r.max_rank});
+  }
+  adapters.clear();  // the replicas read their own copies; these only checked the files
   service_config.replicas = descriptions;
   service_config.api_keys = &keys;
   service_config.text_encoder = text_encoder;

@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <stdexcept>
 #include <string_view>
 
@@ -62,7 +63,7 @@ std::pair<std::string, int> split_host_port(const std::string& text, const std::
   return {host.empty() ? "0.0.0.0" : host, std::stoi(port)};
 }
 
-Metrics::Metrics(const std::vector<std::string>& replica_names, const std::string& version)
+Metrics::Metrics(const std::vector<std::string>& replica_names, const std::string& version, const std::string& loras)
     : registry_(std::make_shared<prometheus::Registry>()) {
   using prometheus::BuildCounter;
   using prometheus::BuildGauge;
@@ -167,7 +168,9 @@ Metrics::Metrics(const std::vector<std::string>& replica_names, const std::strin
                              .Help("Jobs queued in the whole job store (the same on every pod sharing it)")
                              .Register(r)
                              .Add({});
-  BuildGauge().Name("skyreels_build_info").Help("Build information").Register(r).Add({{"version", version}}).Set(1);
+  std::map<std::string, std::string> build_labels = {{"version", version}};
+  if (!loras.empty()) build_labels["loras"] = loras;  // FILE:SCALE,... of the adapters merged at load
+  BuildGauge().Name("skyreels_build_info").Help("Build information").Register(r).Add(build_labels).Set(1);
 }
 
 Metrics::~Metrics() { stop(); }

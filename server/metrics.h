@@ -45,7 +45,8 @@ inline constexpr size_t kMaxScrapeRequestBytes = 16384;
 
 class Metrics : public SchedulerObserver {
  public:
-  Metrics(const std::vector<std::string>& replica_names, const std::string& version);
+  // `loras`: the adapters in effect (model::describe_loras); when non-empty, skyreels_build_info gets a `loras` label.
+  Metrics(const std::vector<std::string>& replica_names, const std::string& version, const std::string& loras = "");
   ~Metrics() override;
 
   // Binds HOST:PORT (port 0 picks a free one) and serves GET /metrics on a thread. Throws std::runtime_error.

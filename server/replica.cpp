@@ -160,6 +160,7 @@ void ModelReplica::start() {
   model::TransformerLoadOptions load;
   load.device = options_.device;
   load.dtype = options_.dtype;
+  load.loras = options_.loras;
   spdlog::info("replica={} event=loading device={} dtype={} threads={} model={}", options_.name, options_.device,
                options_.dtype, options_.threads, options_.model_path);
   model::LoadedTransformer loaded = model::load_transformer(options_.model_path, load);

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "model/lora.h"
 #include "server/replica_pool.h"
 
 namespace skyreels::model {
@@ -39,6 +40,7 @@ struct ReplicaOptions {
   std::string device;  // torch device, e.g. "cpu", "cuda:1"
   std::string dtype = "auto";
   std::string model_path;
+  std::vector<model::LoraSpec> loras;  // merged into the weights at load (--lora)
   int threads = 0;  // intra-op threads for this replica's worker thread; 0 = leave as is
   std::vector<FaultRule> faults;
   std::chrono::milliseconds step_delay{0};  // test hook: sleep after every denoising step

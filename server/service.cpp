@@ -573,6 +573,14 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
     for (int64_t p : m.patch_size) model->add_patch_size(p);
     model->set_inject_sample_info(m.inject_sample_info);
     model->set_num_frame_per_block(m.num_frame_per_block);
+    for (const auto& lora : m.loras) {
+      auto* l = model->add_loras();
+      l->set_path(lora.path);
+      l->set_scale(lora.scale);
+      l->set_format(lora.format);
+      l->set_parameters(lora.parameters);
+      l->set_max_rank(static_cast<int32_t>(lora.max_rank));
+    }
     const auto statuses = scheduler_.replicas();
     for (size_t i = 0; i < statuses.size(); ++i) {
       auto* r = response->add_replicas();

@@ -37,6 +37,14 @@ struct ModelSummary {
   std::vector<int64_t> patch_size{1, 2, 2};
   bool inject_sample_info = false;
   int64_t num_frame_per_block = 1;
+  struct Lora {
+    std::string path;
+    double scale = 1.0;
+    std::string format;
+    int64_t parameters = 0;
+    int64_t max_rank = 0;
+  };
+  std::vector<Lora> loras;  // --lora adapters merged at load, in order
 };
 
 // Caps that keep one client from starving the others or the server (flags of the same names; defaults here only).

@@ -19,6 +19,7 @@ namespace fs = std::filesystem;
 namespace st = skyreels::safetensors;
 namespace ck = skyreels::checkpoint;
 using namespace skyreels::model;
+using skyreels::test::error_of;
 using skyreels::test::golden_path;
 using skyreels::test::temp_dir;
 
@@ -41,39 +42,17 @@ std::string copy_of(const std::string& golden_case, const std::string& layout) {
   return dir;
 }
 
-// Every error the loader can raise for a path, as text ("" when it loads).
-std::string error_of(const std::function<void()>& action) {
-  try {
-    action();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
-
 std::string load_error(const std::string& path) {
   return error_of([&] { map_transformer_checkpoint(path); });
 }
 
-::testing::AssertionResult has_text(const std::string& text, const std::string& part) {
-  if (text.find(part) != std::string::npos) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "expected \"" << part << "\" in:\n" << text;
-}
-#define EXPECT_HAS(text, part) EXPECT_TRUE(has_text((text), (part)))
-
 // Rewrites the JSON header of a safetensors file in place; the data area is kept byte for byte.
 void edit_header(const std::string& path, const std::function<void(nlohmann::json&)>& edit) {
-  std::ifstream in(path, std::ios::binary);
-  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  uint64_t len = 0;
-  for (int i = 7; i >= 0; --i) len = (len << 8) | static_cast<unsigned char>(bytes[static_cast<size_t>(i)]);
-  nlohmann::json header = nlohmann::json::parse(bytes.substr(8, len));
-  edit(header);
-  std::string text = header.dump();
-  while ((8 + text.size()) % 8 != 0) text.push_back(' ');
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  for (int i = 0; i < 8; ++i) out.put(static_cast<char>((text.size() >> (8 * i)) & 0xff));
-  out << text << bytes.substr(8 + len);
+  skyreels::test::edit_header_text(path, [&](std::string& text) {
+    nlohmann::json header = nlohmann::json::parse(text);
+    edit(header);
+    text = header.dump();
+  });
 }
 
 // Rewrites a safetensors file through a map of tensors (to add or change tensors).
@@ -514,4 +493,39 @@ TEST(TransformerLoaderDamage, ForeignOrMixedKeysAreNotGuessed) {
   edit_tensors(dir + "/model.safetensors", [](auto& t) { t["proj_out.weight"] = at::ones({64, 24}); });
   EXPECT_HAS(load_error(dir), "mixes original SkyReels-V2/Wan key names");
   EXPECT_HAS(load_error(dir + "/nothing-here"), "does not exist");
+}
+
+// ---- fp8 headers (issue 23) --------------------------------------------------------------------------------------
+
+TEST(TransformerLoaderDamage, Fp8HeaderWhoseByteLengthIsNotOneBytePerElementNamesTheTensor) {
+  const std::string dir = copy_of("t1_tiny_df_fps", "diffusers");
+  // proj_out.bias: 64 float32 = 256 bytes; as F8_E4M3 the header now claims 64 one-byte codes in 256 bytes.
+  edit_header(dir + "/diffusion_pytorch_model.safetensors", [](auto& h) { h["proj_out.bias"]["dtype"] = "F8_E4M3"; });
+  EXPECT_HAS(load_error(dir), "tensor 'proj_out.bias': byte length 256 does not match shape x F8_E4M3 = 64");
+}
+
+TEST(TransformerLoaderDamage, Fp8HeaderPastTheDataAreaAndUnknownFp8VariantsAreNamed) {
+  const std::string dir = copy_of("t1_tiny_df_fps", "diffusers");
+  const std::string file = dir + "/diffusion_pytorch_model.safetensors";
+  edit_header(file, [](auto& h) {
+    h["proj_out.bias"]["dtype"] = "F8_E5M2";
+    h["proj_out.bias"]["data_offsets"][1] = h["proj_out.bias"]["data_offsets"][0].template get<uint64_t>() + 64;
+  });
+  EXPECT_EQ(load_error(dir), "");  // a consistent F8_E5M2 header loads (its first 64 bytes are codes now)
+  edit_header(file, [](auto& h) {
+    h["proj_out.bias"]["shape"] = {1u << 20};
+    h["proj_out.bias"]["data_offsets"][1] = h["proj_out.bias"]["data_offsets"][0].template get<uint64_t>() + (1u << 20);
+  });
+  EXPECT_HAS(load_error(dir), "tensor 'proj_out.bias': data_offsets end");
+  EXPECT_HAS(load_error(dir), "is past the data area");
+  edit_header(file, [](auto& h) { h["proj_out.bias"]["dtype"] = "F8_E4M3FNUZ"; });
+  EXPECT_HAS(load_error(dir), "tensor 'proj_out.bias': unknown dtype 'F8_E4M3FNUZ'");
+}
+
+TEST(TransformerLoaderDamage, Fp8TensorWithAShapeThatDoesNotMatchTheModelIsNamed) {
+  const std::string dst = temp_dir("fp8") + "/out";
+  convert_transformer_checkpoint(weights("t1_tiny_df_fps", "original"), dst, {"float8_e4m3fn", 5'000'000'000ull});
+  edit_header(dst + "/diffusion_pytorch_model.safetensors",
+              [](auto& h) { h["blocks.0.attn1.to_q.weight"]["shape"] = {12, 48}; });
+  EXPECT_HAS(load_error(dst), "blocks.0.attn1.to_q.weight: checkpoint [12, 48] vs model [24, 24]");
 }

@@ -14,6 +14,7 @@
 
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
+#include "model/safetensors.h"
 #include "model/text_encoding.h"
 #include "model/umt5_encoder.h"
 #include "model/vae_wan.h"
@@ -480,6 +481,45 @@ TEST(FaultServerTest, ChunksFailingOnAReplicaAreRetriedElsewhereWithAnUnchangedR
   EXPECT_EQ(metric_value(text, "skyreels_chunk_retries_total"), 2);
   EXPECT_EQ(health_status(server.address(), ""), grpc::health::v1::HealthCheckResponse::SERVING)
       << "one healthy replica still serves";
+}
+
+// ---- LoRA adapters (issue 23) -----------------------------------------------------------------------------------
+
+TEST(LoraServerTest, GetServerInfoAndBuildInfoListTheAdaptersInEffect) {
+  const std::string model = golden_path("transformer_forward/t1_tiny_df_fps/weights/diffusers");
+  const std::string musubi = data_path("lora/musubi_format.safetensors");
+  const std::string original = data_path("lora/original_format.safetensors");
+  ServerProcess server({"--model", model, "--devices", "cpu", "--lora", musubi + ":0.5", "--lora", original});
+  auto ctx = server.client().context(10);
+  pb::ServerInfo info;
+  ASSERT_TRUE(server.client().stub().GetServerInfo(ctx.get(), pb::GetServerInfoRequest(), &info).ok());
+  ASSERT_EQ(info.model().loras_size(), 2);
+  EXPECT_EQ(info.model().loras(0).path(), musubi);
+  EXPECT_EQ(info.model().loras(0).scale(), 0.5);
+  EXPECT_EQ(info.model().loras(0).format(), "musubi");
+  EXPECT_EQ(info.model().loras(0).parameters(), 20);
+  EXPECT_EQ(info.model().loras(0).max_rank(), 4);
+  EXPECT_EQ(info.model().loras(1).format(), "original");
+  EXPECT_EQ(info.model().loras(1).scale(), 1.0);
+  const std::string text = http_get(server.metrics_port(), "/metrics");
+  EXPECT_NE(text.find("skyreels_build_info{loras=\"musubi_format.safetensors:0.5,original_format.safetensors:1\","),
+            std::string::npos)
+      << text.substr(0, 2000);
+}
+
+TEST(LoraServerTest, ADamagedAdapterStopsTheStartNamingItsKey) {
+  const std::string bad = temp_dir("lora") + "/bad.safetensors";
+  auto tensors = load_tensors(data_path("lora/musubi_format.safetensors"));
+  tensors.erase("lora_unet_blocks_1_ffn_2.alpha");
+  safetensors::save(bad, {tensors.begin(), tensors.end()});
+  ServerProcess server({"--model", golden_path("transformer_forward/t1_tiny_df_fps/weights/diffusers"), "--devices",
+                        "cpu", "--lora", bad},
+                       false);
+  EXPECT_NE(server.wait_exit(60s), 0);
+  EXPECT_NE(server.log().find("key 'lora_unet_blocks_1_ffn_2.lora_down.weight': module 'blocks_1_ffn_2' has no "
+                              "'.alpha'"),
+            std::string::npos)
+      << server.log();
 }
 
 // ---- drain on SIGTERM -------------------------------------------------------------------------------------------

@@ -471,6 +471,13 @@ TEST(FaultRules, KindsAreErrorOomAndDead) {
   EXPECT_THROW(parse_fault_rules("cpu:0@1:melt"), std::invalid_argument);
 }
 
+TEST(Metrics, BuildInfoNamesTheLoraAdaptersInEffectOnlyWhenThereAreAny) {
+  EXPECT_NE(Metrics({"cpu:0"}, "9.9.9", "style.safetensors:0.8,fast.safetensors:1").render().find(
+                "skyreels_build_info{loras=\"style.safetensors:0.8,fast.safetensors:1\",version=\"9.9.9\"} 1"),
+            std::string::npos);
+  EXPECT_NE(Metrics({"cpu:0"}, "9.9.9").render().find("skyreels_build_info{version=\"9.9.9\"} 1"), std::string::npos);
+}
+
 TEST(Metrics, FreshExpositionHasEveryLabelValueAtZero) {
   Metrics metrics({"cpu:0", "cuda:1"}, "9.9.9");
   const std::string text = metrics.render();

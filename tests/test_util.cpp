@@ -6,6 +6,8 @@
 #include <array>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <sstream>
 
 #include "model/safetensors.h"
@@ -61,6 +63,34 @@ double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
      << over.sum().item<int64_t>() << " of " << a.numel() << " elements out of tolerance"
      << (nan_mismatch ? ", NaN positions differ" : "");
   return ::testing::AssertionFailure() << os.str();
+}
+
+std::string error_of(const std::function<void()>& action) {
+  try {
+    action();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+::testing::AssertionResult has_text(const std::string& text, const std::string& part) {
+  if (text.find(part) != std::string::npos) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "expected \"" << part << "\" in:\n" << text;
+}
+
+void edit_header_text(const std::string& path, const std::function<void(std::string&)>& edit) {
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  in.close();
+  uint64_t len = 0;
+  for (int i = 7; i >= 0; --i) len = (len << 8) | static_cast<unsigned char>(bytes[static_cast<size_t>(i)]);
+  std::string text = bytes.substr(8, len);
+  edit(text);
+  while ((8 + text.size()) % 8 != 0) text.push_back(' ');
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  for (int i = 0; i < 8; ++i) out.put(static_cast<char>((text.size() >> (8 * i)) & 0xff));
+  out << text << bytes.substr(8 + len);
 }
 
 int run_command(const std::string& command, std::string* output) {

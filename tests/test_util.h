@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <map>
 #include <string>
 
@@ -25,6 +26,16 @@ std::map<std::string, at::Tensor> load_tensors(const std::string& path);
 double max_abs_diff(const at::Tensor& a, const at::Tensor& b);
 ::testing::AssertionResult all_close(const at::Tensor& actual, const at::Tensor& expected, double atol,
                                      double rtol = 0.0);
+
+// The message of whatever `action` throws ("" when it does not throw).
+std::string error_of(const std::function<void()>& action);
+// Success when `text` contains `part`; the failure shows the whole text.
+::testing::AssertionResult has_text(const std::string& text, const std::string& part);
+#define EXPECT_HAS(text, part) EXPECT_TRUE(::skyreels::test::has_text((text), (part)))
+
+// Rewrites the JSON header of a safetensors file in place (as text through `edit`); the data area is kept byte for
+// byte, so a header can be made to lie about it.
+void edit_header_text(const std::string& path, const std::function<void(std::string&)>& edit);
 
 // Runs a shell command, returns its exit status; output captured into `output` when given.
 int run_command(const std::string& command, std::string* output = nullptr);
