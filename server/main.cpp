@@ -497,11 +497,12 @@ int serve(const Options& o, Signals& signals) {
   }
 
   // ---- optional model parts, metrics, scheduler ----
+  Metrics metrics(names, SKYREELS_VERSION);
   TextEncoderFn text_encoder;
   if (!o.text_encoder.empty()) {
-    text_encoder = load_text_encoder(o.text_encoder, o.tokenizer, plans.front().device, o.dtype, config.text_dim);
+    text_encoder =
+        load_text_encoder(o.text_encoder, o.tokenizer, plans.front().device, o.dtype, config.text_dim, &metrics);
   }
-  Metrics metrics(names, SKYREELS_VERSION);
   store = std::make_unique<TimedJobStore>(std::move(store), metrics.store_call_report());  // before its first use
   std::unique_ptr<VideoEncoder> video;
   if (!o.vae.empty()) {
