@@ -4,10 +4,8 @@
 
 #include <algorithm>
 #include <chrono>
-#include <functional>
 
 namespace skyreels::bench {
-namespace {
 
 double best_seconds(int repeats, const std::function<void()>& f) {
   f();  // warm-up: first-touch pages, oneDNN primitive creation
@@ -19,8 +17,6 @@ double best_seconds(int repeats, const std::function<void()>& f) {
   }
   return best;
 }
-
-}  // namespace
 
 Peaks measure_peaks(at::ScalarType dtype, int repeats, int64_t matmul_n) {
   at::manual_seed(0);

@@ -5,12 +5,17 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
+
 namespace skyreels::bench {
 
 struct Peaks {
   double matmul_gflops = 0;  // at::mm, [n, n] x [n, n]
   double conv_gflops = 0;    // 3x3x3 convolution (oneDNN), 128 -> 128 channels, 8 frames of 48x48
 };
+
+// The best wall seconds of `repeats` runs of `f`, after one untimed warm-up run.
+double best_seconds(int repeats, const std::function<void()>& f);
 
 // Best of `repeats` timed runs after one warm-up; float32 or bfloat16.
 Peaks measure_peaks(at::ScalarType dtype, int repeats = 3, int64_t matmul_n = 2048);

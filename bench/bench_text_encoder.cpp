@@ -30,6 +30,7 @@
 
 namespace {
 
+using skyreels::bench::best_seconds;
 using skyreels::model::UMT5Config;
 using skyreels::model::UMT5Encoder;
 
@@ -104,17 +105,6 @@ std::pair<at::Tensor, at::Tensor> rows(const std::vector<int64_t>& lengths, int6
   return {ids, mask};
 }
 
-double best_seconds(int repeats, const std::function<void()>& f) {
-  f();  // warm-up
-  double best = 1e30;
-  for (int i = 0; i < std::max(1, repeats); ++i) {
-    const auto start = std::chrono::steady_clock::now();
-    f();
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-  }
-  return best;
-}
-
 void run(const Options& o, const std::string& dtype_name) {
   const at::ScalarType dtype = dtype_name == "bfloat16" ? at::kBFloat16 : at::kFloat;
   UMT5Config c = UMT5Config::umt5_xxl();
@@ -151,6 +141,15 @@ void run(const Options& o, const std::string& dtype_name) {
   report("padded to 512, two singles", {{1, o.max_len}, {1, o.max_len}});
   report("pad-aware, one batch of 2", {{2, longest}});
   report("pad-aware, two singles", {{1, la}, {1, lb}});
+  if (dtype != at::kFloat) {
+    // The same weights in float32: how far this dtype's rows are (UMT5-XXL's final norm makes rows of ~unit RMS).
+    const auto reference = random_encoder(c, at::kFloat);
+    const auto [ids, mask] = rows({la, lb}, longest);
+    const at::Tensor a = encoder->forward(ids, mask).to(at::kFloat), b = reference->forward(ids, mask);
+    std::printf("%s vs float32, same weights: max |diff| %.3e, mean |diff| %.3e, max |float32| %.3e\n",
+                dtype_name.c_str(), (a - b).abs().max().item<double>(), (a - b).abs().mean().item<double>(),
+                b.abs().max().item<double>());
+  }
 }
 
 }  // namespace

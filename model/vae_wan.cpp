@@ -727,21 +727,22 @@ at::Tensor WanVae::decode(const at::Tensor& z, int64_t frames_per_call) const {
 
 // The largest live set is at the decoder's last levels: the nearest-upsampled input of the last spatial upsampler
 // (2 * dim channels at full size) and the full-size residual blocks' tensors (input, norm, silu, padded copy, conv
-// out, sum: about 6 of dim channels), temporal_factor frames per latent frame. Measured with bench_vae
-// (--calibrate): fp32 decode at 64x64 peaks 36-40 MiB above the weights per latent frame, the estimate is 48 MiB.
+// out, sum: about 6 of dim channels), temporal_factor frames per latent frame, plus the allocator's slack: 10 tensors
+// of dim channels. Measured (bench_vae --mode stream, fp32, 64x64, docs/BENCHMARKS.md): peak RSS above the weights
+// 522 MiB at 4 latent frames per call, about 1.1 GiB at 21; the estimate is 60 MiB per latent frame there.
 int64_t WanVae::decode_bytes_per_latent_frame(int64_t batch, int64_t h, int64_t w) const {
   const WanVaeConfig& c = impl_->config;
   const int64_t pixels = h * w * c.spatial_factor() * c.spatial_factor();
   const int64_t element = static_cast<int64_t>(c10::elementSize(impl_->dtype));
-  return batch * c.temporal_factor() * pixels * c.decoder_dim() * element * 8;
+  return batch * c.temporal_factor() * pixels * c.decoder_dim() * element * 10;
 }
 
-// The encoder's first level: base_dim channels at full size, 4 frames per chunk (plus 2 cached), the same 8 live
+// The encoder's first level: base_dim channels at full size, 4 frames per chunk (plus 2 cached), the same 10 live
 // tensors.
 int64_t WanVae::encode_bytes_per_chunk(int64_t batch, int64_t h, int64_t w) const {
   const WanVaeConfig& c = impl_->config;
   const int64_t element = static_cast<int64_t>(c10::elementSize(impl_->dtype));
-  return batch * c.temporal_factor() * h * w * c.base_dim * element * 8;
+  return batch * c.temporal_factor() * h * w * c.base_dim * element * 10;
 }
 
 int64_t WanVae::decode_frames_per_call(int64_t batch, int64_t h, int64_t w, int64_t budget_bytes) const {

@@ -59,7 +59,8 @@ struct WanVaeConfig {
 std::vector<checkpoint::ParamSpec> wan_vae_parameter_specs(const WanVaeConfig& config);
 
 // The activation memory the decoder and encoder may use per call (the model's weights not counted): frames per call
-// are the most that fit (at least 1). 1 GiB: 64x64 video decodes 16 latent frames per call, 480x832 one.
+// are the most that fit (at least 1). 1 GiB: 64x64 video decodes 17 latent frames per call, 480x832 one (which is
+// diffusers' order). On this project's CPU the decode is compute-bound either way (docs/BENCHMARKS.md).
 inline constexpr int64_t kVaeMemoryBudgetBytes = int64_t{1} << 30;
 
 class WanVaeError : public std::runtime_error {
