@@ -115,13 +115,16 @@ class WanVae {
 
   // The posterior of `video` ([B, in_channels, T, H, W] in [-1, 1]): frames are taken as 1, then chunks of 4;
   // trailing frames beyond 1 + 4k are dropped as diffusers does (with a warning). `chunks_per_call` chunks of 4 go
-  // through the encoder at once: 0 derives it from kVaeMemoryBudgetBytes, 1 is diffusers' order.
+  // through the encoder at once: 0 derives it from kVaeMemoryBudgetBytes, 1 (the default) is diffusers' order. The
+  // default stays 1: batched it is as fast on CPU (bench_vae) but oneDNN's larger convolutions round differently
+  // with another thread count, and image / video conditioning must give the same latents bit for bit in the server
+  // (any replica, any threads) as in `skyreels generate` (test_server_conditioning).
   struct Posterior {
     at::Tensor mean;    // [B, z_dim, 1 + (T-1)/4, H/8, W/8]; also the mode()
     at::Tensor logvar;  // clamped to [-30, 20]
     const at::Tensor& mode() const { return mean; }
   };
-  Posterior encode(const at::Tensor& video, int64_t chunks_per_call = 0) const;
+  Posterior encode(const at::Tensor& video, int64_t chunks_per_call = 1) const;
 
   struct Impl;
 
