@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 
@@ -70,10 +71,12 @@ void decode_to_mp4(const skyreels::model::WanVae& vae, const at::Tensor& z, cons
   const int height = static_cast<int>(z.size(3) * spatial);
   for (int64_t b = 0; b < z.size(0); ++b) {
     const std::string path = item_path(out, b);
-    skyreels::model::WanVaeDecodeSession session(vae);
+    // As many latent frames per call as the memory budget allows: each call's pixels go to the writer and are gone.
+    const int64_t per_call = vae.decode_frames_per_call(1, z.size(3), z.size(4));
+    skyreels::model::WanVaeDecodeSession session(vae, per_call);
     skyreels::video::Mp4Writer writer(path, width, height, options);
-    for (int64_t f = 0; f < z.size(2); ++f) {
-      const at::Tensor pixels = session.decode(z.narrow(0, b, 1).narrow(2, f, 1));
+    for (int64_t f = 0; f < z.size(2); f += per_call) {
+      const at::Tensor pixels = session.decode(z.narrow(0, b, 1).narrow(2, f, std::min(per_call, z.size(2) - f)));
       writer.write_video(pixels[0]);
     }
     writer.finish();

@@ -47,7 +47,7 @@ int run_encode_text(const std::vector<std::string>& argv) {
   skyreels::model::TextEncoderOptions options;
   options.device = args.get("device", "cpu");
   options.dtype = args.get("dtype", "float32");
-  options.cache_capacity = 0;
+  options.cache_bytes = 0;
   const auto t0 = std::chrono::steady_clock::now();
   auto encoder = skyreels::model::TextEncoder::load(encoder_dir, args.get("tokenizer", ""), options);
   const auto t1 = std::chrono::steady_clock::now();

@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <filesystem>
 #include <stdexcept>
 
@@ -47,12 +49,26 @@ std::unique_ptr<TextEncoder> TextEncoder::load(const std::string& text_encoder_p
     spdlog::warn("tokenizer '{}' has {} ids but the text encoder embeds only {}; larger ids will be rejected", tok,
                  tokenizer.vocab_size(), loaded.model->config().vocab_size);
   }
-  return std::make_unique<TextEncoder>(std::move(loaded.model), std::move(tokenizer), options.cache_capacity);
+  std::error_code ec;
+  const fs::path where = fs::weakly_canonical(text_encoder_path, ec);
+  const std::string identity = (ec ? text_encoder_path : where.string()) + "|" +
+                               c10::toString(loaded.model->compute_dtype()) + "|" + loaded.model->device().str() +
+                               "|" + tok;
+  return std::make_unique<TextEncoder>(std::move(loaded.model), std::move(tokenizer), options.cache_bytes, identity);
 }
 
-TextEncoder::TextEncoder(std::unique_ptr<UMT5Encoder> encoder, T5Tokenizer tokenizer, size_t cache_capacity)
-    : encoder_(std::move(encoder)), tokenizer_(std::move(tokenizer)), capacity_(cache_capacity) {
+TextEncoder::TextEncoder(std::unique_ptr<UMT5Encoder> encoder, T5Tokenizer tokenizer, size_t cache_bytes,
+                         std::string identity)
+    : encoder_(std::move(encoder)),
+      tokenizer_(std::move(tokenizer)),
+      capacity_bytes_(cache_bytes),
+      identity_(std::move(identity)) {
   if (!encoder_) throw std::invalid_argument("TextEncoder: no encoder");
+  if (identity_.empty()) {
+    // No name: this instance alone (its address) and its dtype.
+    identity_ = "encoder@" + std::to_string(reinterpret_cast<uintptr_t>(encoder_.get())) + "|" +
+                c10::toString(encoder_->compute_dtype());
+  }
 }
 
 TextEncoder::~TextEncoder() = default;
@@ -76,48 +92,111 @@ TokenizedPrompts TextEncoder::tokenize(const std::vector<std::string>& prompts, 
 }
 
 at::Tensor TextEncoder::encode_uncached(const TokenizedPrompts& tokens) const {
-  const at::Tensor hidden = encoder_->forward(tokens.input_ids, tokens.attention_mask);
-  return umt5_zero_pad_rows(hidden, tokens.attention_mask);
+  const at::Tensor lengths_t = tokens.attention_mask.sum(1);
+  std::vector<int64_t> lengths;
+  for (int64_t k = 0; k < lengths_t.size(0); ++k) lengths.push_back(lengths_t[k].item<int64_t>());
+  const auto groups = choose_batches(lengths);
+  if (groups.size() == 1) return encode_batch(tokens.input_ids, tokens.attention_mask);
+  std::vector<at::Tensor> rows(lengths.size());
+  for (const auto& group : groups) {
+    const at::Tensor pick = at::tensor(std::vector<int64_t>(group.begin(), group.end()), at::kLong);
+    const at::Tensor embeds =
+        encode_batch(tokens.input_ids.index_select(0, pick), tokens.attention_mask.index_select(0, pick));
+    for (size_t k = 0; k < group.size(); ++k) rows[group[k]] = embeds[static_cast<int64_t>(k)];
+  }
+  return at::stack(rows, 0);
 }
 
-at::Tensor TextEncoder::encode(const std::vector<std::string>& prompts, int64_t max_sequence_length) const {
+// Pad-aware: only the longest row's positions go through the encoder; the rest of every row is zero, as the
+// pipeline makes it.
+at::Tensor TextEncoder::encode_batch(const at::Tensor& input_ids, const at::Tensor& attention_mask) const {
+  const int64_t width = attention_mask.size(1);
+  const int64_t longest = std::max<int64_t>(1, attention_mask.sum(1).max().item<int64_t>());
+  const at::Tensor mask = attention_mask.narrow(1, 0, longest);
+  const at::Tensor hidden = umt5_zero_pad_rows(encoder_->forward(input_ids.narrow(1, 0, longest), mask), mask);
+  if (longest == width) return hidden;
+  at::Tensor out = at::zeros({hidden.size(0), width, hidden.size(2)}, hidden.options());
+  out.narrow(1, 0, longest).copy_(hidden);
+  return out;
+}
+
+std::vector<std::vector<size_t>> TextEncoder::choose_batches(const std::vector<int64_t>& lengths) {
+  if (lengths.empty()) return {};
+  int64_t longest = 0, total = 0;
+  for (int64_t l : lengths) {
+    longest = std::max(longest, std::max<int64_t>(1, l));
+    total += std::max<int64_t>(1, l);
+  }
+  const int64_t padded = longest * static_cast<int64_t>(lengths.size());
+  std::vector<std::vector<size_t>> out;
+  if (padded <= kMaxBatchTokens && static_cast<double>(padded) <= kBatchPaddingSlack * static_cast<double>(total)) {
+    out.emplace_back();
+    for (size_t i = 0; i < lengths.size(); ++i) out.back().push_back(i);
+  } else {
+    for (size_t i = 0; i < lengths.size(); ++i) out.push_back({i});
+  }
+  return out;
+}
+
+at::Tensor TextEncoder::encode(const std::vector<std::string>& prompts, int64_t max_sequence_length,
+                               TextEncodeStats* call_stats) const {
   if (prompts.empty()) throw std::invalid_argument("TextEncoder: no prompts to encode");
   std::vector<at::Tensor> rows(prompts.size());
-  std::vector<size_t> missing;
-  const std::string length_tag = std::to_string(max_sequence_length) + "\n";
+  std::vector<size_t> missing;           // first occurrence of each text not in the cache
+  std::vector<size_t> same(prompts.size());  // the row a repeated text takes its value from
+  TextEncodeStats local;
+  const std::string prefix = identity_ + "\n" + std::to_string(max_sequence_length) + "\n";
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    std::unordered_map<std::string, size_t> first;
     for (size_t i = 0; i < prompts.size(); ++i) {
-      auto it = capacity_ ? index_.find(length_tag + prompts[i]) : index_.end();
+      same[i] = i;
+      auto seen = first.find(prompts[i]);
+      if (seen != first.end()) {  // the same text earlier in this call: encoded (or served) once
+        same[i] = seen->second;
+        ++local.hits;
+        continue;
+      }
+      first.emplace(prompts[i], i);
+      auto it = capacity_bytes_ ? index_.find(prefix + prompts[i]) : index_.end();
       if (it != index_.end()) {
         lru_.splice(lru_.begin(), lru_, it->second);
         rows[i] = it->second->second;
-        ++stats_.hits;
+        ++local.hits;
       } else {
         missing.push_back(i);
-        ++stats_.misses;
+        ++local.misses;
       }
     }
+    stats_.hits += local.hits;
+    stats_.misses += local.misses;
   }
   if (!missing.empty()) {
     std::vector<std::string> todo;
     for (size_t i : missing) todo.push_back(prompts[i]);
-    // One batch for every miss, as the pipeline encodes its prompts (rows do not interact).
     const at::Tensor embeds = encode_uncached(tokenize(todo, max_sequence_length));
+    for (size_t k = 0; k < missing.size(); ++k) rows[missing[k]] = embeds[static_cast<int64_t>(k)];
     std::lock_guard<std::mutex> lock(mutex_);
-    for (size_t k = 0; k < missing.size(); ++k) {
-      rows[missing[k]] = embeds[static_cast<int64_t>(k)];
-      if (!capacity_) continue;
-      const Key key = length_tag + prompts[missing[k]];
-      if (index_.count(key)) continue;                    // another thread got there first
-      lru_.emplace_front(key, rows[missing[k]].clone());  // own copy: the batch tensor can go
+    for (size_t i : missing) {
+      if (!capacity_bytes_) continue;
+      const size_t bytes = static_cast<size_t>(rows[i].numel()) * rows[i].element_size();
+      const Key key = prefix + prompts[i];
+      if (bytes > capacity_bytes_ || index_.count(key)) continue;  // too big to keep; or another thread got there
+      lru_.emplace_front(key, rows[i].clone());                      // own copy: the batch tensor can go
       index_[key] = lru_.begin();
-      while (lru_.size() > capacity_) {
+      bytes_ += bytes;
+      while (bytes_ > capacity_bytes_) {
+        const at::Tensor& last = lru_.back().second;
+        bytes_ -= static_cast<size_t>(last.numel()) * last.element_size();
         index_.erase(lru_.back().first);
         lru_.pop_back();
       }
     }
   }
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    if (same[i] != i) rows[i] = rows[same[i]];
+  }
+  if (call_stats) *call_stats = local;
   return at::stack(rows, 0);
 }
 
@@ -125,6 +204,7 @@ TextEncoder::CacheStats TextEncoder::cache_stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   CacheStats s = stats_;
   s.entries = lru_.size();
+  s.bytes = bytes_;
   return s;
 }
 
@@ -132,6 +212,7 @@ void TextEncoder::clear_cache() {
   std::lock_guard<std::mutex> lock(mutex_);
   lru_.clear();
   index_.clear();
+  bytes_ = 0;
 }
 
 }  // namespace skyreels::model

@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -104,18 +106,37 @@ struct CausalConv3d {
 
   // `cache` (may be undefined) holds the previous frames; it replaces that much of the causal zero padding.
   at::Tensor forward(at::Tensor x, const at::Tensor& cache = {}) const {
-    int64_t pad_front = 2 * padding[0];
-    if (cache.defined() && pad_front > 0) {
-      x = at::cat({cache.to(x.device()), x}, 2);
-      pad_front -= cache.size(2);
-    }
-    if (pad_front > 0 || padding[1] > 0 || padding[2] > 0) {
-      x = at::constant_pad_nd(x, {padding[2], padding[2], padding[1], padding[1], pad_front, 0}, 0.0);
-    }
+    const int64_t pad_t = 2 * padding[0], pad_h = padding[1], pad_w = padding[2];
+    if (pad_t > 0 || pad_h > 0 || pad_w > 0) x = padded_input(x, pad_t > 0 ? cache : at::Tensor(), pad_t, pad_h, pad_w);
     if (use_onednn(x)) {
       return at::mkldnn_convolution(x, weight, bias, {0, 0, 0}, {stride[0], stride[1], stride[2]}, {1, 1, 1}, 1);
     }
     return at::conv3d(x, weight, bias, {stride[0], stride[1], stride[2]});
+  }
+
+  // diffusers' cat([cache, x], time) then zero padding (causal in time), written in one pass into one buffer: only
+  // the borders are zeroed, the cached frames and x are copied once.
+  static at::Tensor padded_input(const at::Tensor& x, const at::Tensor& cache, int64_t pad_t, int64_t pad_h,
+                                 int64_t pad_w) {
+    const int64_t cached = cache.defined() ? cache.size(2) : 0, t = x.size(2), h = x.size(3), w = x.size(4);
+    const int64_t zeros_t = pad_t - cached;
+    at::Tensor buf = at::empty({x.size(0), x.size(1), pad_t + t, h + 2 * pad_h, w + 2 * pad_w}, x.options());
+    if (zeros_t > 0) buf.narrow(2, 0, zeros_t).zero_();
+    at::Tensor rest = buf.narrow(2, std::max<int64_t>(zeros_t, 0), pad_t + t - std::max<int64_t>(zeros_t, 0));
+    if (pad_h > 0) {
+      rest.narrow(3, 0, pad_h).zero_();
+      rest.narrow(3, h + pad_h, pad_h).zero_();
+    }
+    if (pad_w > 0) {
+      rest.narrow(4, 0, pad_w).zero_();
+      rest.narrow(4, w + pad_w, pad_w).zero_();
+    }
+    auto interior = [&](int64_t start, int64_t frames) {
+      return buf.narrow(2, start, frames).narrow(3, pad_h, h).narrow(4, pad_w, w);
+    };
+    if (cached > 0) interior(zeros_t, cached).copy_(cache);
+    interior(pad_t, t).copy_(x);
+    return buf;
   }
 
   // LibTorch's heuristic sends fp32 CPU conv3d with few channels x frames x rows to its native path, 3-6x slower
@@ -289,13 +310,19 @@ struct Resample {
 
  private:
   // The first latent frame passes alone ("Rep"); afterwards time_conv doubles every frame: channels [0, c) give
-  // frame 2i, [c, 2c) frame 2i+1.
+  // frame 2i, [c, 2c) frame 2i+1. A first call with several frames is that first frame, then the rest as the next
+  // call (which sees zeros, not the first frame, before it: diffusers' "Rep" slot).
   at::Tensor upsample_time(const at::Tensor& x, FeatCache& cache) const {
     Slot& slot = cache.next();
     if (slot.state == Slot::State::kEmpty) {
       slot.state = Slot::State::kRep;
-      return x;
+      if (x.size(2) == 1) return x;
+      return at::cat({x.narrow(2, 0, 1), double_frames(x.narrow(2, 1, x.size(2) - 1), slot)}, 2);
     }
+    return double_frames(x, slot);
+  }
+
+  at::Tensor double_frames(const at::Tensor& x, Slot& slot) const {
     at::Tensor keep = last_frames(x, kCacheT).clone();
     if (keep.size(2) < kCacheT) {
       keep = at::cat({slot.has_tensor() ? last_frames(slot.frames, 1) : at::zeros_like(keep), keep}, 2);
@@ -406,7 +433,7 @@ struct Decoder {
     conv_out = CausalConv3d(b, "decoder.conv_out", dims.back(), c.out_channels, {3, 3, 3}, {1, 1, 1}, {1, 1, 1});
   }
 
-  // One latent frame (after post_quant_conv) -> 1 pixel frame the first time, 4 afterwards.
+  // n latent frames (after post_quant_conv) -> 1 + 4(n - 1) pixel frames the first time, 4n afterwards.
   at::Tensor forward(const at::Tensor& x, FeatCache& cache) const {
     cache.start_call();
     at::Tensor h = cached_conv(conv_in, x, cache);
@@ -676,26 +703,57 @@ at::Tensor WanVae::post_quant_conv(const at::Tensor& z) const {
   return impl_->model.post_quant_conv.forward(impl_->prepare(z));
 }
 
-at::Tensor WanVae::decode(const at::Tensor& z) const {
+at::Tensor WanVae::decode(const at::Tensor& z, int64_t frames_per_call) const {
   check_input(z, impl_->config.z_dim, "z", "[B, z_dim, F, h, w]");
   if (z.size(2) < 1) throw std::invalid_argument("Wan VAE decode: z has no frames");
-  // Frame by frame into a preallocated video: the parts are never all held twice.
-  WanVaeDecodeSession session(*this);
+  if (frames_per_call <= 0) frames_per_call = decode_frames_per_call(z.size(0), z.size(3), z.size(4));
+  // Call by call into a preallocated video: the parts are never all held twice.
+  WanVaeDecodeSession session(*this, frames_per_call);
   at::Tensor video;
   int64_t filled = 0;
-  for (int64_t f = 0; f < z.size(2); ++f) {
-    const at::Tensor part = session.decode(z.narrow(2, f, 1), true);
+  for (int64_t f = 0; f < z.size(2);) {
+    const int64_t n = std::min(z.size(2) - f, frames_per_call);
+    const at::Tensor part = session.decode(z.narrow(2, f, n), true);
     if (!video.defined()) {
       video = at::empty({part.size(0), part.size(1), impl_->config.pixel_frames(z.size(2)), part.size(3), part.size(4)},
                         part.options());
     }
     video.narrow(2, filled, part.size(2)).copy_(part);
     filled += part.size(2);
+    f += n;
   }
   return video;
 }
 
-WanVae::Posterior WanVae::encode(const at::Tensor& video) const {
+// The largest live set is at the decoder's last levels: the nearest-upsampled input of the last spatial upsampler
+// (2 * dim channels at full size) and the full-size residual blocks' tensors (input, norm, silu, padded copy, conv
+// out, sum: about 6 of dim channels), temporal_factor frames per latent frame, plus the allocator's slack: 10 tensors
+// of dim channels. Measured (bench_vae --mode stream, fp32, 64x64, docs/BENCHMARKS.md): peak RSS above the weights
+// 522 MiB at 4 latent frames per call, about 1.1 GiB at 21; the estimate is 60 MiB per latent frame there.
+int64_t WanVae::decode_bytes_per_latent_frame(int64_t batch, int64_t h, int64_t w) const {
+  const WanVaeConfig& c = impl_->config;
+  const int64_t pixels = h * w * c.spatial_factor() * c.spatial_factor();
+  const int64_t element = static_cast<int64_t>(c10::elementSize(impl_->dtype));
+  return batch * c.temporal_factor() * pixels * c.decoder_dim() * element * 10;
+}
+
+// The encoder's first level: base_dim channels at full size, 4 frames per chunk (plus 2 cached), the same 10 live
+// tensors.
+int64_t WanVae::encode_bytes_per_chunk(int64_t batch, int64_t h, int64_t w) const {
+  const WanVaeConfig& c = impl_->config;
+  const int64_t element = static_cast<int64_t>(c10::elementSize(impl_->dtype));
+  return batch * c.temporal_factor() * h * w * c.base_dim * element * 10;
+}
+
+int64_t WanVae::decode_frames_per_call(int64_t batch, int64_t h, int64_t w, int64_t budget_bytes) const {
+  return std::max<int64_t>(1, budget_bytes / std::max<int64_t>(1, decode_bytes_per_latent_frame(batch, h, w)));
+}
+
+int64_t WanVae::encode_chunks_per_call(int64_t batch, int64_t h, int64_t w, int64_t budget_bytes) const {
+  return std::max<int64_t>(1, budget_bytes / std::max<int64_t>(1, encode_bytes_per_chunk(batch, h, w)));
+}
+
+WanVae::Posterior WanVae::encode(const at::Tensor& video, int64_t chunks_per_call) const {
   const WanVaeConfig& c = impl_->config;
   check_input(video, c.in_channels, "video", "[B, C, T, H, W]");
   const at::Tensor x = impl_->prepare(video);
@@ -705,13 +763,16 @@ WanVae::Posterior WanVae::encode(const at::Tensor& video) const {
     spdlog::warn("Wan VAE encode: {} frames is not 1 + 4k; the last {} frame(s) are dropped (as diffusers does)",
                  frames, (frames - 1) % 4);
   }
+  if (chunks_per_call <= 0) chunks_per_call = encode_chunks_per_call(x.size(0), x.size(3), x.size(4));
+  // The first frame alone (its downsamplers keep it whole), then chunks_per_call chunks of 4 per call: the strided
+  // time convolutions see the same frames, as each chunk of 4 has an even length at every level.
   FeatCache cache;
-  std::vector<at::Tensor> outs;
-  for (int64_t i = 0; i < chunks; ++i) {
-    const at::Tensor chunk = i == 0 ? x.narrow(2, 0, 1) : x.narrow(2, 1 + 4 * (i - 1), 4);
-    outs.push_back(impl_->model.encoder.forward(chunk, cache));
+  std::vector<at::Tensor> outs{impl_->model.encoder.forward(x.narrow(2, 0, 1), cache)};
+  for (int64_t i = 1; i < chunks; i += chunks_per_call) {
+    const int64_t n = std::min(chunks_per_call, chunks - i);
+    outs.push_back(impl_->model.encoder.forward(x.narrow(2, 1 + 4 * (i - 1), 4 * n), cache));
   }
-  const at::Tensor h = impl_->model.quant_conv.forward(at::cat(outs, 2));
+  const at::Tensor h = impl_->model.quant_conv.forward(outs.size() == 1 ? outs[0] : at::cat(outs, 2));
   Posterior p;
   p.mean = h.narrow(1, 0, c.z_dim);
   p.logvar = at::clamp(h.narrow(1, c.z_dim, c.z_dim), -30.0, 20.0);
@@ -724,7 +785,8 @@ struct WanVaeDecodeSession::Cache {
   FeatCache feat;
 };
 
-WanVaeDecodeSession::WanVaeDecodeSession(const WanVae& vae) : vae_(vae), cache_(std::make_unique<Cache>()) {}
+WanVaeDecodeSession::WanVaeDecodeSession(const WanVae& vae, int64_t frames_per_call)
+    : vae_(vae), cache_(std::make_unique<Cache>()), frames_per_call_(std::max<int64_t>(0, frames_per_call)) {}
 WanVaeDecodeSession::~WanVaeDecodeSession() = default;
 
 at::Tensor WanVaeDecodeSession::decode(const at::Tensor& z, bool clamp) {
@@ -738,12 +800,14 @@ at::Tensor WanVaeDecodeSession::decode(const at::Tensor& z, bool clamp) {
                                 list_str(shape));
   }
   if (z.size(2) < 1) throw std::invalid_argument("Wan VAE decode session: z has no frames");
+  if (frames_per_call_ == 0) frames_per_call_ = vae_.decode_frames_per_call(z.size(0), z.size(3), z.size(4));
   // post_quant_conv is 1x1x1, so applying it per call equals diffusers' whole-sequence application.
   const at::Tensor x = impl.model.post_quant_conv.forward(impl.prepare(z));
   std::vector<at::Tensor> outs;
-  for (int64_t i = 0; i < x.size(2); ++i) {
-    outs.push_back(impl.model.decoder.forward(x.narrow(2, i, 1), cache_->feat));
-    ++frames_done_;
+  for (int64_t i = 0; i < x.size(2); i += frames_per_call_) {
+    const int64_t n = std::min(frames_per_call_, x.size(2) - i);
+    outs.push_back(impl.model.decoder.forward(x.narrow(2, i, n), cache_->feat));
+    frames_done_ += n;
   }
   at::Tensor out = outs.size() == 1 ? outs[0] : at::cat(outs, 2);
   return clamp ? at::clamp(out, -1.0, 1.0) : out;

@@ -1,9 +1,15 @@
 // The Wan 2.1 causal 3-D VAE (diffusers' AutoencoderKLWan), one file holding its own layers (vae_wan.cpp).
 //
-// Decoding runs one latent frame at a time through a per-convolution feature cache (the last CACHE_T = 2 frames each
-// causal convolution saw), exactly as diffusers does; a DecodeSession keeps that cache between calls, so a long
-// video can be decoded chunk by chunk (and written out as it goes) with memory that does not grow with its length.
-// Encoding runs over 1 frame, then chunks of 4, through the encoder's own cache.
+// Decoding runs through a per-convolution feature cache (the last CACHE_T = 2 frames each causal convolution saw), as
+// diffusers does; a DecodeSession keeps that cache between calls, so a long video can be decoded chunk by chunk (and
+// written out as it goes) with memory that does not grow with its length. diffusers decodes one latent frame per
+// decoder call; every layer is causal in time (or per frame), so several latent frames per call give the same video
+// (to float rounding: ≤ 1e-5 in tests) with fewer, larger convolutions. The number per call comes from a memory
+// budget (kVaeMemoryBudgetBytes), so memory stays flat with the video's length; frames_per_call = 1 is diffusers'
+// frame-by-frame order. The one first-frame rule (the temporal upsamplers let the very first latent frame through
+// without their time_conv, and the next frames see zeros before them, diffusers' "Rep") holds inside a call too.
+// Encoding runs over 1 frame, then chunks of 4 (several chunks of 4 per call the same way), through the encoder's
+// own cache.
 //
 // Internal parameter names are diffusers' names (encoder.*, decoder.*, quant_conv.*, post_quant_conv.*), so the
 // diffusers layout (config.json + diffusion_pytorch_model.safetensors) loads as it is.
@@ -52,6 +58,11 @@ struct WanVaeConfig {
 // Every parameter of the model (encoder, decoder, quant convs), with its shape, in diffusers' names.
 std::vector<checkpoint::ParamSpec> wan_vae_parameter_specs(const WanVaeConfig& config);
 
+// The activation memory the decoder and encoder may use per call (the model's weights not counted): frames per call
+// are the most that fit (at least 1). 1 GiB: 64x64 video decodes 17 latent frames per call, 480x832 one (which is
+// diffusers' order). On this project's CPU the decode is compute-bound either way (docs/BENCHMARKS.md).
+inline constexpr int64_t kVaeMemoryBudgetBytes = int64_t{1} << 30;
+
 class WanVaeError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
@@ -87,18 +98,33 @@ class WanVae {
   at::Tensor post_quant_conv(const at::Tensor& z) const;
 
   // z: [B, z_dim, F, h, w] in the VAE's own latent space. Returns [B, out_channels, 1 + 4(F-1), 8h, 8w] clamped to
-  // [-1, 1], in the VAE's dtype. Memory for the activations is that of one latent frame; the output is the whole
-  // video (use a DecodeSession to hand frames on as they come).
-  at::Tensor decode(const at::Tensor& z) const;
+  // [-1, 1], in the VAE's dtype. `frames_per_call` latent frames go through the decoder at once: 0 derives it from
+  // kVaeMemoryBudgetBytes (decode_frames_per_call), 1 is diffusers' frame by frame. Memory for the activations is
+  // that of one call; the output is the whole video (use a DecodeSession to hand frames on as they come).
+  at::Tensor decode(const at::Tensor& z, int64_t frames_per_call = 0) const;
+
+  // Estimated activation bytes of one decoder call on one latent frame of batch `batch` and latent size h x w, and
+  // of one encoder call on 4 pixel frames of that (pixel) size / 8: the largest level's live tensors.
+  int64_t decode_bytes_per_latent_frame(int64_t batch, int64_t h, int64_t w) const;
+  int64_t encode_bytes_per_chunk(int64_t batch, int64_t h, int64_t w) const;
+  // Latent frames per decoder call / chunks of 4 pixel frames per encoder call within `budget_bytes` (>= 1).
+  int64_t decode_frames_per_call(int64_t batch, int64_t h, int64_t w,
+                                 int64_t budget_bytes = kVaeMemoryBudgetBytes) const;
+  int64_t encode_chunks_per_call(int64_t batch, int64_t h, int64_t w,
+                                 int64_t budget_bytes = kVaeMemoryBudgetBytes) const;
 
   // The posterior of `video` ([B, in_channels, T, H, W] in [-1, 1]): frames are taken as 1, then chunks of 4;
-  // trailing frames beyond 1 + 4k are dropped as diffusers does (with a warning).
+  // trailing frames beyond 1 + 4k are dropped as diffusers does (with a warning). `chunks_per_call` chunks of 4 go
+  // through the encoder at once: 0 derives it from kVaeMemoryBudgetBytes, 1 (the default) is diffusers' order. The
+  // default stays 1: batched it is as fast on CPU (bench_vae) but oneDNN's larger convolutions round differently
+  // with another thread count, and image / video conditioning must give the same latents bit for bit in the server
+  // (any replica, any threads) as in `skyreels generate` (test_server_conditioning).
   struct Posterior {
     at::Tensor mean;    // [B, z_dim, 1 + (T-1)/4, H/8, W/8]; also the mode()
     at::Tensor logvar;  // clamped to [-30, 20]
     const at::Tensor& mode() const { return mean; }
   };
-  Posterior encode(const at::Tensor& video) const;
+  Posterior encode(const at::Tensor& video, int64_t chunks_per_call = 1) const;
 
   struct Impl;
 
@@ -107,12 +133,13 @@ class WanVae {
   friend class WanVaeDecodeSession;
 };
 
-// Decoding of one video, latent frame by latent frame, keeping the causal cache between calls: decoding a latent
-// sequence in any split gives what decode() gives for the whole (to float rounding). Not thread-safe; one per video.
-// The WanVae must outlive it.
+// Decoding of one video, keeping the causal cache between calls: decoding a latent sequence in any split gives what
+// decode() gives for the whole (to float rounding). Each call runs the decoder on `frames_per_call` latent frames at
+// a time (0: decode_frames_per_call at the first call's size; 1: diffusers' frame by frame). Not thread-safe; one
+// per video. The WanVae must outlive it.
 class WanVaeDecodeSession {
  public:
-  explicit WanVaeDecodeSession(const WanVae& vae);
+  explicit WanVaeDecodeSession(const WanVae& vae, int64_t frames_per_call = 0);
   ~WanVaeDecodeSession();
   WanVaeDecodeSession(const WanVaeDecodeSession&) = delete;
   WanVaeDecodeSession& operator=(const WanVaeDecodeSession&) = delete;
@@ -122,12 +149,15 @@ class WanVaeDecodeSession {
   // decoder output (diffusers clamps the concatenation, which is the same thing).
   at::Tensor decode(const at::Tensor& z, bool clamp = true);
   int64_t latent_frames_done() const { return frames_done_; }
+  // Latent frames per decoder call: as given, or (0) as derived at the first call; 0 before it.
+  int64_t frames_per_call() const { return frames_per_call_; }
 
  private:
   const WanVae& vae_;
   struct Cache;
   std::unique_ptr<Cache> cache_;
   int64_t frames_done_ = 0;
+  int64_t frames_per_call_ = 0;
   std::vector<int64_t> shape_;  // B, h, w of the first call
 };
 

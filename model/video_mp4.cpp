@@ -70,9 +70,13 @@ at::Tensor to_rgb_uint8(const at::Tensor& video) {
     throw VideoError("to_rgb_uint8: expected a float video [3, T, H, W], got dims " + std::to_string(video.dim()));
   }
   // diffusers: (x / 2 + 0.5).clamp(0, 1) in float32, then (frame * 255).astype(np.uint8), which truncates.
-  const at::Tensor x = video.to(at::kCPU, at::kFloat);
-  const at::Tensor scaled = (x * 0.5f + 0.5f).clamp(0.0, 1.0) * 255.0f;
-  return scaled.to(at::kByte).permute({1, 2, 3, 0}).contiguous();
+  // The same ops in place on one float temporary, and the truncating cast written straight into the [T, H, W, 3]
+  // frames: two full-size buffers instead of six (the VAE's frames go to the encoder chunk after chunk).
+  at::Tensor scaled = video.to(at::kCPU, at::kFloat) * 0.5f;
+  scaled.add_(0.5f).clamp_(0.0, 1.0).mul_(255.0f);
+  at::Tensor frames = at::empty({video.size(1), video.size(2), video.size(3), 3}, at::TensorOptions().dtype(at::kByte));
+  frames.copy_(scaled.permute({1, 2, 3, 0}));
+  return frames;
 }
 
 at::Tensor from_rgb_uint8(const at::Tensor& frames) {

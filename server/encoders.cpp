@@ -22,7 +22,7 @@
 namespace skyreels::server {
 
 TextEncoderFn load_text_encoder(const std::string& path, const std::string& tokenizer, const std::string& device,
-                                const std::string& dtype, int64_t text_dim) {
+                                const std::string& dtype, int64_t text_dim, Metrics* metrics) {
   model::TextEncoderOptions options;
   options.device = device;
   options.dtype = dtype;
@@ -46,19 +46,27 @@ TextEncoderFn load_text_encoder(const std::string& path, const std::string& toke
                              " does not match the transformer's text_dim " + std::to_string(text_dim));
   }
   spdlog::info("event=text_encoder_loaded path={} device={} hidden_size={}", path, device, text_dim);
-  return [encoder](const std::string& text) {
+  return [encoder, metrics](const std::vector<std::string>& texts) {
     c10::InferenceMode inference;
     at::Tensor embeds;
+    model::TextEncodeStats stats;
     try {
-      embeds = encoder->encode({text}).to(at::kCPU, at::kFloat).contiguous();  // [1, 512, text_dim]
+      embeds = encoder->encode(texts, 512, &stats).to(at::kCPU, at::kFloat).contiguous();  // [N, 512, text_dim]
     } catch (const std::invalid_argument& e) {
       throw ValidationError(std::string("text.prompt: ") + e.what());
     }
-    RawTensor raw;
-    raw.dtype = "F32";
-    raw.shape = embeds.sizes().vec();
-    raw.data.assign(reinterpret_cast<const char*>(embeds.data_ptr<float>()), embeds.numel() * sizeof(float));
-    return raw;
+    if (metrics) metrics->text_embedding_cache(stats.hits, stats.misses, encoder->cache_stats().bytes);
+    std::vector<RawTensor> out;
+    const size_t row_bytes = static_cast<size_t>(embeds.numel() / embeds.size(0)) * sizeof(float);
+    for (int64_t i = 0; i < embeds.size(0); ++i) {
+      RawTensor raw;
+      raw.dtype = "F32";
+      raw.shape = {1, embeds.size(1), embeds.size(2)};
+      const char* data = reinterpret_cast<const char*>(embeds.data_ptr<float>()) + static_cast<size_t>(i) * row_bytes;
+      raw.data.assign(data, row_bytes);
+      out.push_back(std::move(raw));
+    }
+    return out;
   };
 }
 

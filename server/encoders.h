@@ -23,10 +23,11 @@ class WanVae;
 
 namespace skyreels::server {
 
-// Loads the UMT5 text encoder; the function returns F32 [1, T, text_dim] (T = 512) for one prompt. Throws when its
-// hidden size is not the transformer's text_dim.
+// Loads the UMT5 text encoder; the function returns F32 [1, T, text_dim] (T = 512) per text, all texts of a call in
+// one TextEncoder::encode (cached by text and encoder, pad-aware, batched where that is faster). Each call's cache
+// hits and misses go to `metrics` (may be null). Throws when its hidden size is not the transformer's text_dim.
 TextEncoderFn load_text_encoder(const std::string& path, const std::string& tokenizer, const std::string& device,
-                                const std::string& dtype, int64_t text_dim);
+                                const std::string& dtype, int64_t text_dim, Metrics* metrics = nullptr);
 
 // Decodes a job's chunk latents with the Wan VAE (a decode session per job keeps the causal cache between chunks)
 // and encodes them into one fragmented MP4 per job: chunk 0's segment is the init segment plus its fragment, later

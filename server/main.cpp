@@ -528,13 +528,14 @@ int serve(const Options& o, Signals& signals) {
   }
 
   // ---- optional model parts, metrics, scheduler ----
-  TextEncoderFn text_encoder;
-  if (!o.text_encoder.empty()) {
-    text_encoder = load_text_encoder(o.text_encoder, o.tokenizer, plans.front().device, o.dtype, config.text_dim);
-  }
   Metrics metrics(names, SKYREELS_VERSION, skyreels::model::describe_loras(o.loras));
   work_sink->store(&metrics);
   const std::shared_ptr<void> unsink(nullptr, [work_sink](void*) { work_sink->store(nullptr); });
+  TextEncoderFn text_encoder;
+  if (!o.text_encoder.empty()) {
+    text_encoder =
+        load_text_encoder(o.text_encoder, o.tokenizer, plans.front().device, o.dtype, config.text_dim, &metrics);
+  }
   store = std::make_unique<TimedJobStore>(std::move(store), metrics.store_call_report());  // before its first use
   std::unique_ptr<VideoEncoder> video;
   if (!o.vae.empty()) {

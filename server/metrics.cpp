@@ -145,6 +145,21 @@ Metrics::Metrics(const std::vector<std::string>& replica_names, const std::strin
                               .Help("Text prompt encodes (UMT5), in the submitting call")
                               .Register(r)
                               .Add({}, kStep);
+  text_cache_hits_ = &BuildCounter()
+                          .Name("skyreels_text_embedding_cache_hits_total")
+                          .Help("Texts whose embeddings came from the text encoder's cache (not encoded again)")
+                          .Register(r)
+                          .Add({});
+  text_cache_misses_ = &BuildCounter()
+                            .Name("skyreels_text_embedding_cache_misses_total")
+                            .Help("Texts encoded by the text encoder (not in its cache)")
+                            .Register(r)
+                            .Add({});
+  text_cache_bytes_ = &BuildGauge()
+                           .Name("skyreels_text_embedding_cache_bytes")
+                           .Help("Bytes of embeddings held by the text encoder's cache")
+                           .Register(r)
+                           .Add({});
   auto& store = BuildHistogram()
                     .Name("skyreels_job_store_seconds")
                     .Help("Job store calls (SQLite, PostgreSQL), by operation")
@@ -188,6 +203,12 @@ void Metrics::rejected(const std::string& reason) {
 void Metrics::set_streams_open(int64_t open) { streams_open_->Set(static_cast<double>(open)); }
 
 void Metrics::text_encoded(double seconds) { text_encode_seconds_->Observe(seconds); }
+
+void Metrics::text_embedding_cache(uint64_t hits, uint64_t misses, size_t bytes) {
+  text_cache_hits_->Increment(static_cast<double>(hits));
+  text_cache_misses_->Increment(static_cast<double>(misses));
+  text_cache_bytes_->Set(static_cast<double>(bytes));
+}
 
 void Metrics::stream_rejected(const std::string& reason) {
   auto it = streams_rejected_.find(reason);

@@ -58,6 +58,8 @@ class Metrics : public SchedulerObserver {
   void rejected(const std::string& reason);
   void set_streams_open(int64_t open);
   void text_encoded(double seconds);
+  // One encoder call of the text embedding cache: rows served from it, rows encoded, bytes it holds now.
+  void text_embedding_cache(uint64_t hits, uint64_t misses, size_t bytes);
   void stream_rejected(const std::string& reason);
 
   // SchedulerObserver
@@ -113,6 +115,9 @@ class Metrics : public SchedulerObserver {
   prometheus::Gauge* video_jobs_;
   prometheus::Gauge* streams_open_;
   prometheus::Histogram* text_encode_seconds_;
+  prometheus::Counter* text_cache_hits_;
+  prometheus::Counter* text_cache_misses_;
+  prometheus::Gauge* text_cache_bytes_;
   std::map<std::string, prometheus::Counter*> streams_rejected_;
   std::map<std::string, prometheus::Histogram*, std::less<>> store_seconds_;
   prometheus::Counter* lease_takeovers_;

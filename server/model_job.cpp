@@ -252,8 +252,40 @@ uint64_t fingerprint_of(const JobRequest& r) {
 
 // ---- prompt changes ---------------------------------------------------------------------------------------------
 
+// Every text of a request, in order: the prompt, the negative prompt (with guidance), then each prompt change's
+// text; checked before anything is encoded.
+std::vector<std::string> request_texts(const JobRequest& r, bool guidance, const TextEncoderFn& text_encoder) {
+  std::vector<std::string> texts;
+  if (r.prompt) {
+    if (!text_encoder) {
+      throw PreconditionError(
+          "text: this server has no text encoder (start it with --text-encoder and "
+          "--tokenizer), send prompt embeddings instead");
+    }
+    if (r.prompt->empty()) invalid("text.prompt: must not be empty");
+    if (r.prompt->size() > kMaxPromptBytes || r.negative_prompt.value_or("").size() > kMaxPromptBytes) {
+      invalid("text.prompt: longer than " + std::to_string(kMaxPromptBytes) + " bytes");
+    }
+    texts.push_back(*r.prompt);
+    if (guidance) texts.push_back(r.negative_prompt.value_or(""));
+  }
+  for (size_t i = 0; i < r.prompt_changes.size(); ++i) {
+    const PromptChangeRequest& c = r.prompt_changes[i];
+    if (!c.text) continue;
+    const std::string field = "prompt_changes[" + std::to_string(i) + "]";
+    if (!text_encoder) throw PreconditionError(field + ".text: this server has no text encoder; send embeddings");
+    if (c.text->empty() || c.text->size() > kMaxPromptBytes) {
+      invalid(field + ".text: must be 1 to " + std::to_string(kMaxPromptBytes) + " bytes");
+    }
+    texts.push_back(*c.text);
+  }
+  return texts;
+}
+
+// `encoded(text)`: the embeddings of a text of request_texts().
 std::vector<model::PromptChange> prompt_changes(const JobRequest& r, const ModelDescription& model,
-                                                const ServerLimits& limits, const TextEncoderFn& text_encoder) {
+                                                const ServerLimits& limits,
+                                                const std::function<RawTensor(const std::string&)>& encoded) {
   check_range("prompt_changes (count)", static_cast<int64_t>(r.prompt_changes.size()), 0, limits.max_prompt_changes);
   std::vector<model::PromptChange> out;
   int64_t previous = -1;
@@ -266,11 +298,7 @@ std::vector<model::PromptChange> prompt_changes(const JobRequest& r, const Model
     model::PromptChange change;
     change.from_frame = c.from_frame;
     if (c.text) {
-      if (!text_encoder) throw PreconditionError(field + ".text: this server has no text encoder; send embeddings");
-      if (c.text->empty() || c.text->size() > kMaxPromptBytes) {
-        invalid(field + ".text: must be 1 to " + std::to_string(kMaxPromptBytes) + " bytes");
-      }
-      change.prompt_embeds = embeddings(text_encoder(*c.text), field + ".text", model, limits);
+      change.prompt_embeds = embeddings(encoded(*c.text), field + ".text", model, limits);
     } else {
       change.prompt_embeds = embeddings(*c.prompt_embeds, field + ".prompt_embeds", model, limits);
       if (c.negative_prompt_embeds) {
@@ -390,18 +418,21 @@ std::shared_ptr<ModelJob> ModelJob::create(const JobRequest& request, const Mode
   std::optional<RawTensor> prompt = request.prompt_embeds;
   std::optional<RawTensor> negative = request.negative_prompt_embeds;
   if (request.embeddings_safetensors) parse_embeddings_file(*request.embeddings_safetensors, prompt, negative);
+  // Every text of the request in one encoder call (prompt-change texts included).
+  const std::vector<std::string> texts = request_texts(request, p.guidance_scale > 1.0, text_encoder);
+  std::vector<RawTensor> encoded_texts;
+  if (!texts.empty()) {
+    encoded_texts = text_encoder(texts);
+    if (encoded_texts.size() != texts.size()) throw std::logic_error("text encoder: one result per text expected");
+  }
+  auto encoded = [&](const std::string& text) -> const RawTensor& {
+    const auto it = std::find(texts.begin(), texts.end(), text);
+    if (it == texts.end()) throw std::logic_error("text encoder: a text of the request was not encoded");
+    return encoded_texts[static_cast<size_t>(it - texts.begin())];
+  };
   if (request.prompt) {
-    if (!text_encoder) {
-      throw PreconditionError(
-          "text: this server has no text encoder (start it with --text-encoder and "
-          "--tokenizer), send prompt embeddings instead");
-    }
-    if (request.prompt->empty()) invalid("text.prompt: must not be empty");
-    if (request.prompt->size() > kMaxPromptBytes || request.negative_prompt.value_or("").size() > kMaxPromptBytes) {
-      invalid("text.prompt: longer than " + std::to_string(kMaxPromptBytes) + " bytes");
-    }
-    prompt = text_encoder(*request.prompt);
-    if (p.guidance_scale > 1.0) negative = text_encoder(request.negative_prompt.value_or(""));
+    prompt = encoded(*request.prompt);
+    if (p.guidance_scale > 1.0) negative = encoded(request.negative_prompt.value_or(""));
   }
   d.conditioning.prompt_embeds = embeddings(*prompt, "prompt_embeds", model, limits);
   if (p.guidance_scale > 1.0) {
@@ -411,7 +442,7 @@ std::shared_ptr<ModelJob> ModelJob::create(const JobRequest& request, const Mode
     }
     d.conditioning.negative_prompt_embeds = embeddings(*negative, "negative_prompt_embeds", model, limits);
   }
-  d.conditioning.prompt_changes = prompt_changes(request, model, limits, text_encoder);
+  d.conditioning.prompt_changes = prompt_changes(request, model, limits, encoded);
 
   if (request.image || request.video) {
     if (!vae) {

@@ -127,8 +127,10 @@ struct ModelDescription {
   int64_t patch_size[3] = {1, 2, 2};  // latent positions per transformer token (frames, height, width)
 };
 
-// Turns a text prompt into [1, T, text_dim] float32 embeddings (data as raw F32 bytes); unset: no text encoder.
-using TextEncoderFn = std::function<RawTensor(const std::string& text)>;
+// Turns text prompts into [1, T, text_dim] float32 embeddings each (data as raw F32 bytes), one call per submission
+// for all its texts (prompt, negative prompt, prompt changes), so the encoder can batch them and encode a text
+// that occurs twice once; unset: no text encoder.
+using TextEncoderFn = std::function<std::vector<RawTensor>(const std::vector<std::string>& texts)>;
 
 // A chunk's place in the whole video.
 struct ChunkLayout {

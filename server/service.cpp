@@ -739,14 +739,14 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
   };
   TextEncoderFn gated_text_encoder() {
     if (!config_.text_encoder) return {};
-    return [this](const std::string& text) {
+    return [this](const std::vector<std::string>& texts) {
       auto pass = encodes_.try_enter();
       if (!pass) {
         throw EncoderBusy("text encoder busy: " + std::to_string(encodes_.limit()) +
                           " prompts being encoded (--max-concurrent-encodes)");
       }
       const auto start = Clock::now();
-      RawTensor out = config_.text_encoder(text);
+      std::vector<RawTensor> out = config_.text_encoder(texts);
       const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
       last_encode_seconds_ = seconds;
       if (config_.metrics) config_.metrics->text_encoded(seconds);

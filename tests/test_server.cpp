@@ -744,5 +744,42 @@ TEST(TextServerTest, TextPromptGivesTheVideoOfItsEncodedEmbeddings) {
   EXPECT_TRUE(all_close(a, b, kAtol)) << max_abs_diff(a, b);
 }
 
+// Issue 24: a text is encoded once per server, whether it comes back in a resubmission, as the negative prompt of
+// every job, or as a prompt change repeated within a job (skyreels_text_embedding_cache_*_total).
+TEST(TextServerTest, AResubmittedPromptAndRepeatedPromptChangesAreEncodedOnce) {
+  const std::string encoder_dir = temp_dir("tiny-umt5-cache");
+  model::write_tiny_text_encoder(encoder_dir, 32, 7);
+  ServerProcess server({"--demo", "--devices", "cpu", "--dtype", "float32", "--text-encoder", encoder_dir,
+                        "--tokenizer", golden_path("umt5_encoder/e3_prompts_to_embeds/tokenizer")});
+  auto metric = [&](const std::string& name) { return metric_value(http_get(server.metrics_port(), "/metrics"), name); };
+  const std::string cat = "A cat walks on the grass, realistic style.", dog = "A dog runs along the beach.";
+  auto request = [&](uint64_t seed) {
+    pb::SubmitJobRequest r = long_video_request(seed, 1);  // guidance 5: the negative prompt "" is encoded too
+    r.mutable_spec()->mutable_text()->set_prompt(cat);
+    int64_t from = 17;
+    for (const std::string& text : {dog, cat, dog}) {  // changes back and forth
+      auto* change = r.mutable_spec()->add_prompt_changes();
+      change->set_from_frame(from);
+      change->set_text(text);
+      from += 8;
+    }
+    return r;
+  };
+  EXPECT_EQ(metric("skyreels_text_embedding_cache_misses_total"), 0);
+  const pb::Job first = wait_job(server.client(), submit(server.client(), request(901)).job_id());
+  ASSERT_EQ(first.state(), pb::JOB_STATE_SUCCEEDED) << first.error().message();
+  // Five texts, three distinct: the cat prompt, "", the dog change.
+  EXPECT_EQ(metric("skyreels_text_embedding_cache_misses_total"), 3);
+  EXPECT_EQ(metric("skyreels_text_embedding_cache_hits_total"), 2);
+  EXPECT_GT(metric("skyreels_text_embedding_cache_bytes"), 0);
+
+  // Resubmitted (another seed, so another job): nothing is encoded again.
+  const pb::Job second = wait_job(server.client(), submit(server.client(), request(902)).job_id());
+  ASSERT_EQ(second.state(), pb::JOB_STATE_SUCCEEDED) << second.error().message();
+  EXPECT_EQ(metric("skyreels_text_embedding_cache_misses_total"), 3);
+  EXPECT_EQ(metric("skyreels_text_embedding_cache_hits_total"), 7);
+  EXPECT_EQ(metric("skyreels_text_encode_seconds_count"), 2) << "one encoder call per submission";
+}
+
 }  // namespace
 }  // namespace skyreels::test

@@ -313,6 +313,65 @@ TEST(TextEncoding, CacheServesRepeatedPromptsWithIdenticalRows) {
   EXPECT_EQ(te->cache_stats().entries, prompts.size() + 1);
 }
 
+TEST(TextEncoding, PadAwareEncodeEqualsTheFullPaddedForward) {
+  auto te = TextEncoder::load(case_path("e3_prompts_to_embeds") + "/weights/transformers",
+                              case_path("e3_prompts_to_embeds") + "/tokenizer");
+  const auto tokens = te->tokenize({"a fox in the snow", "A cat walks on the grass, realistic style.", ""}, 64);
+  ASSERT_LT(tokens.attention_mask.sum(1).max().item<int64_t>(), 64) << "the case must have padding to cut";
+  const at::Tensor full = skyreels::model::umt5_zero_pad_rows(
+      te->encoder().forward(tokens.input_ids, tokens.attention_mask), tokens.attention_mask);
+  const at::Tensor cut = te->encode_uncached(tokens);
+  ASSERT_EQ(cut.sizes(), full.sizes());
+  EXPECT_TRUE(skyreels::test::all_close(cut, full, 1e-5, 1e-5));
+}
+
+TEST(TextEncoding, BatchesOnlyRowsOfAlmostEqualLength) {
+  using Groups = std::vector<std::vector<size_t>>;
+  EXPECT_EQ(TextEncoder::choose_batches({60, 120}), (Groups{{0}, {1}}));
+  EXPECT_EQ(TextEncoder::choose_batches({100, 105}), (Groups{{0, 1}}));
+  EXPECT_EQ(TextEncoder::choose_batches({7}), (Groups{{0}}));
+  EXPECT_EQ(TextEncoder::choose_batches({512, 512}), (Groups{{0}, {1}})) << "long rows: two singles are faster";
+  EXPECT_EQ(TextEncoder::choose_batches({1, 1, 1}), (Groups{{0, 1, 2}}));
+}
+
+TEST(TextEncoding, ATextTwiceInOneCallIsEncodedOnce) {
+  auto te = TextEncoder::load(case_path("e3_prompts_to_embeds") + "/weights/transformers",
+                              case_path("e3_prompts_to_embeds") + "/tokenizer");
+  skyreels::model::TextEncodeStats stats;
+  const at::Tensor out = te->encode({"a fox", "", "a fox"}, 16, &stats);
+  EXPECT_EQ(stats.misses, 2u);
+  EXPECT_EQ(stats.hits, 1u);
+  EXPECT_TRUE(at::equal(out[0], out[2]));
+  te->encode({"", "a fox"}, 16, &stats);
+  EXPECT_EQ(stats.misses, 0u);
+  EXPECT_EQ(stats.hits, 2u);
+  EXPECT_EQ(te->cache_stats().misses, 2u);
+  EXPECT_EQ(te->cache_stats().hits, 3u);
+}
+
+TEST(TextEncoding, CacheIsBoundedByBytesAndKeyedByTheEncoder) {
+  const std::string weights = case_path("e3_prompts_to_embeds") + "/weights/transformers";
+  const std::string tokenizer = case_path("e3_prompts_to_embeds") + "/tokenizer";
+  skyreels::model::TextEncoderOptions options;
+  options.cache_bytes = 2 * 16 * 32 * sizeof(float);  // two rows of 16 tokens x d_model 32
+  auto te = TextEncoder::load(weights, tokenizer, options);
+  te->encode({"one"}, 16);
+  te->encode({"two"}, 16);
+  te->encode({"three"}, 16);
+  EXPECT_EQ(te->cache_stats().entries, 2u);
+  EXPECT_EQ(te->cache_stats().bytes, options.cache_bytes);
+  skyreels::model::TextEncodeStats stats;
+  te->encode({"one"}, 16, &stats);  // the least recently used went first
+  EXPECT_EQ(stats.misses, 1u);
+  te->encode({"three"}, 16, &stats);
+  EXPECT_EQ(stats.hits, 1u);
+  // The identity names the weights and the dtype: the same folder in bf16 is another encoder.
+  options.dtype = "bfloat16";
+  auto bf16 = TextEncoder::load(weights, tokenizer, options);
+  EXPECT_NE(bf16->identity(), te->identity());
+  EXPECT_EQ(TextEncoder::load(weights, tokenizer)->identity(), te->identity());
+}
+
 TEST(TextEncoding, TokenizerIsFoundNextToAPipelineTextEncoder) {
   const std::string root = skyreels::test::temp_dir("pipeline");
   fs::copy(case_path("e3_prompts_to_embeds") + "/weights/transformers", root + "/text_encoder");

@@ -186,6 +186,63 @@ TEST(WanVaeDecode, ChunkedSessionEqualsWholeSequenceDecode) {
   EXPECT_TRUE(all_close(at::cat({first, rest}, 2), whole_unclamped(), 1e-5));
 }
 
+// Several latent frames per decoder call (the first call included: its temporal upsamplers pass the first frame
+// alone and let the next ones see zeros, diffusers' "Rep") equal diffusers' frame-by-frame order.
+TEST(WanVaeDecode, SeveralFramesPerCallEqualFrameByFrame) {
+  at::manual_seed(5);
+  const at::Tensor z = at::randn({1, 16, 7, 4, 6});
+  WanVaeDecodeSession by_frame(fixture_vae(), 1);
+  const at::Tensor expected = by_frame.decode(z, false);
+  ASSERT_EQ(expected.size(2), 25);
+  for (int64_t per_call : {2, 3, 7}) {
+    WanVaeDecodeSession session(fixture_vae(), per_call);
+    EXPECT_EQ(session.frames_per_call(), per_call);
+    // Uneven session calls too: the split into calls and into decoder calls must not matter.
+    const at::Tensor a = session.decode(z.narrow(2, 0, 3), false);
+    const at::Tensor b = session.decode(z.narrow(2, 3, 1), false);
+    const at::Tensor c = session.decode(z.narrow(2, 4, 3), false);
+    EXPECT_EQ(a.size(2), 9);
+    EXPECT_EQ(session.latent_frames_done(), 7);
+    EXPECT_TRUE(all_close(at::cat({a, b, c}, 2), expected, 1e-5)) << per_call << " frames per call";
+  }
+  EXPECT_TRUE(all_close(fixture_vae().decode(z, 4), at::clamp(expected, -1.0, 1.0), 1e-5));
+}
+
+TEST(WanVaeDecode, BatchedDecodeOfTheFixtureMatchesDiffusers) {
+  EXPECT_TRUE(all_close(fixture_vae().decode(fixture_z(), 3), outputs().at("video"), kTol));
+  EXPECT_TRUE(all_close(fixture_vae().decode(fixture_z(), 1), outputs().at("video"), kTol));
+}
+
+TEST(WanVaeDecode, FramesPerCallFollowTheMemoryBudgetNotTheVideoLength) {
+  const WanVae& vae = fixture_vae();
+  const int64_t per_frame = vae.decode_bytes_per_latent_frame(1, 8, 8);
+  EXPECT_EQ(per_frame, vae.decode_bytes_per_latent_frame(1, 4, 16)) << "pixels count, not their shape";
+  EXPECT_EQ(vae.decode_bytes_per_latent_frame(2, 8, 8), 2 * per_frame);
+  EXPECT_EQ(vae.decode_frames_per_call(1, 8, 8, 5 * per_frame + 1), 5);
+  EXPECT_EQ(vae.decode_frames_per_call(1, 8, 8, per_frame / 2), 1) << "at least one frame";
+  EXPECT_EQ(vae.decode_frames_per_call(1, 16, 16, 8 * per_frame), 2) << "4x the pixels, a quarter of the frames";
+  // The default session derives it at its first call, from that call's size, and keeps it.
+  WanVaeDecodeSession session(vae);
+  EXPECT_EQ(session.frames_per_call(), 0);
+  session.decode(at::zeros({1, 16, 2, 4, 6}));
+  EXPECT_EQ(session.frames_per_call(), vae.decode_frames_per_call(1, 4, 6));
+  EXPECT_GE(session.frames_per_call(), 1);
+}
+
+TEST(WanVaeEncode, SeveralChunksPerCallEqualOneChunkPerCall) {
+  at::manual_seed(6);
+  const at::Tensor video = at::rand({1, 3, 17, 32, 48}) * 2 - 1;
+  const auto expected = fixture_vae().encode(video, 1);
+  ASSERT_EQ(expected.mean.size(2), 5);
+  for (int64_t per_call : {2, 3, 4}) {
+    const auto p = fixture_vae().encode(video, per_call);
+    EXPECT_TRUE(all_close(p.mean, expected.mean, 1e-5)) << per_call;
+    EXPECT_TRUE(all_close(p.logvar, expected.logvar, 1e-5)) << per_call;
+  }
+  const auto golden = fixture_vae().encode(outputs().at("video"), 2);
+  EXPECT_TRUE(all_close(golden.mean, outputs().at("encode_mean"), kTol));
+}
+
 TEST(WanVaeDecode, SessionRejectsAChangedFrameSize) {
   WanVaeDecodeSession session(fixture_vae());
   session.decode(at::zeros({1, 16, 1, 4, 6}));

@@ -42,6 +42,16 @@ TEST(VideoConversion, MapsMinusOneToZeroAndOneTo255AndTruncatesLikeDiffusers) {
   for (int i = 0; i < 6; ++i) EXPECT_EQ(rgb[0][0][i][0].item<int>(), expected[i]) << "element " << i;
 }
 
+TEST(VideoConversion, RandomFramesKeepTheirChannelsAndEqualThePipelineFormula) {
+  at::manual_seed(3);
+  const at::Tensor v = at::randn({3, 2, 5, 7}) * 0.7;  // some values out of [-1, 1]
+  const at::Tensor rgb = sv::to_rgb_uint8(v.narrow(3, 1, 6));  // a strided view, as the VAE worker may hand on
+  const at::Tensor expected = ((v.narrow(3, 1, 6) * 0.5f + 0.5f).clamp(0.0, 1.0) * 255.0f).to(at::kByte);
+  ASSERT_EQ(rgb.sizes(), (at::IntArrayRef{2, 5, 6, 3}));
+  EXPECT_TRUE(rgb.is_contiguous());
+  EXPECT_TRUE(at::equal(rgb, expected.permute({1, 2, 3, 0})));
+}
+
 TEST(VideoConversion, FromRgbIsTheInverseScale) {
   const at::Tensor rgb = at::tensor({0, 255, 51}, at::kByte).view({1, 1, 1, 3});
   const at::Tensor v = sv::from_rgb_uint8(rgb);
