@@ -9,7 +9,6 @@
 #include <functional>
 #include <iostream>
 #include <map>
-#include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
 
@@ -141,20 +140,9 @@ struct TransformerWork {
   }
 };
 
-// Every step-cache decision, in the format of the pipeline_df_cache fixtures' decisions.json.
 void write_cache_log(const std::string& path, const std::vector<model::TransformerCallReport>& calls) {
-  nlohmann::json out = nlohmann::json::array();
-  for (const auto& c : calls) {
-    out.push_back({{"chunk", c.chunk},
-                   {"row", c.row},
-                   {"context", c.unconditional ? "uncond" : "cond"},
-                   {"rel", c.rel ? nlohmann::json(*c.rel) : nlohmann::json()},
-                   {"skipped", c.skipped},
-                   {"source", c.source ? nlohmann::json::array({c.source->first, c.source->second})
-                                       : nlohmann::json()}});
-  }
   std::ofstream file(path);
-  file << out.dump(1) << "\n";
+  file << model::step_cache_decisions_json(calls);
   if (!file) throw std::runtime_error(path + ": cannot write the cache log");
 }
 

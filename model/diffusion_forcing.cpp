@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "model/transformer_skyreels_v2.h"
@@ -233,9 +234,9 @@ void validate_basic(const GenerationParams& p, int64_t block) {
 // Stock FirstBlockCache compares a call with the last call of another chunk: chunks of another length crash it.
 void refuse_request_scope_over_unequal_chunks(const GenerationParams& p, const ChunkPlan& plan) {
   if (p.cache.kind == StepCacheKind::kNone || p.cache.scope != StepCacheScope::kRequest) return;
+  const int64_t first = plan.chunks.front().num_latent_frames + plan.chunks.front().suffix_frames;
   for (const ChunkSpec& c : plan.chunks) {
     const int64_t frames = c.num_latent_frames + c.suffix_frames;
-    const int64_t first = plan.chunks.front().num_latent_frames + plan.chunks.front().suffix_frames;
     require(frames == first, "cache_scope: request keeps the step cache across chunks, which needs chunks of one "
                              "length; chunk " + std::to_string(c.index) + " has " + std::to_string(frames) +
                                  " latent frames, chunk 0 has " + std::to_string(first) + " (use cache_scope chunk)");
@@ -837,11 +838,30 @@ class DenoiseCache {
 
 std::shared_ptr<DenoiseCache> make_denoise_cache() { return std::make_shared<DenoiseCache>(); }
 
+std::string step_cache_decisions_json(const std::vector<TransformerCallReport>& calls) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const TransformerCallReport& c : calls) {
+    if (!c.step_cache) continue;
+    out.push_back({{"chunk", c.chunk},
+                   {"row", c.row},
+                   {"context", c.unconditional ? "uncond" : "cond"},
+                   {"rel", c.rel ? nlohmann::json(*c.rel) : nlohmann::json()},
+                   {"skipped", c.skipped},
+                   {"source", c.source ? nlohmann::json::array({c.source->first, c.source->second})
+                                       : nlohmann::json()}});
+  }
+  return out.dump(1) + "\n";
+}
+
 namespace {
 
 // Frames of a call the exact savings leave out: [end, F) have not started (nothing before them attends to them
 // under the block-causal mask), [0, keep) are final whole blocks whose keys / values are kept (within the memory
 // budget), of which [0, reuse) are already kept.
+int64_t tokens_per_frame(const at::Tensor& latents, const TransformerConfig& config) {
+  return (latents.size(3) / config.patch_size[1]) * (latents.size(4) / config.patch_size[2]);
+}
+
 struct CallSavings {
   int64_t end = 0, keep = 0, reuse = 0;
 };
@@ -867,11 +887,9 @@ CallSavings plan_call_savings(const DenoiseCall& call, const GenerationParams& p
   if (first_block && p.cache.scope == StepCacheScope::kRequest) return s;
   int64_t settled = 0;
   while (settled < s.end && call.final_frames[static_cast<size_t>(settled)]) ++settled;
-  const int64_t tokens_per_frame =
-      (call.latent_model_input.size(3) / config.patch_size[1]) * (call.latent_model_input.size(4) / config.patch_size[2]);
   const int64_t layers = config.num_layers - (first_block ? 1 : 0);
-  const int64_t frame_bytes =
-      2 * layers * call.latent_model_input.size(0) * tokens_per_frame * config.inner_dim() * element_bytes;
+  const int64_t frame_bytes = 2 * layers * call.latent_model_input.size(0) *
+                              tokens_per_frame(call.latent_model_input, config) * config.inner_dim() * element_bytes;
   const int64_t budget_frames = frame_bytes > 0 ? p.kv_cache_max_bytes / 2 / frame_bytes : 0;  // 2 contexts
   s.keep = whole_blocks(std::min({settled, budget_frames, s.end - block}));
   s.keep = std::max<int64_t>(s.keep, 0);
@@ -934,9 +952,8 @@ Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const Generati
       report.chunk = call.chunk;
       report.row = call.row;
       report.unconditional = call.unconditional;
-      const int64_t tokens_per_frame =
-          (input.size(3) / model.config().patch_size[1]) * (input.size(4) / model.config().patch_size[2]);
-      report.token_blocks_full = input.size(0) * frames * tokens_per_frame * model.config().num_layers;
+      report.token_blocks_full =
+          input.size(0) * frames * tokens_per_frame(input, model.config()) * model.config().num_layers;
       report.token_blocks_computed = stats.token_blocks_computed;
       report.token_blocks_saved_cache = stats.token_blocks_cached;
       report.token_blocks_saved_exact =

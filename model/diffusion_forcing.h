@@ -206,6 +206,10 @@ struct StepHooks {
 class DenoiseCache;
 std::shared_ptr<DenoiseCache> make_denoise_cache();
 
+// The step-cache decisions among `calls` as JSON, in the format of the pipeline_df_cache fixtures' decisions.json
+// (`skyreels generate --cache-log`).
+std::string step_cache_decisions_json(const std::vector<TransformerCallReport>& calls);
+
 struct GenerationCancelled : std::runtime_error {
   using std::runtime_error::runtime_error;
 };

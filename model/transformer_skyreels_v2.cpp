@@ -329,7 +329,6 @@ TransformerCallState& TransformerCallState::operator=(TransformerCallState&&) no
 void TransformerCallState::reset() { *impl_ = Impl(); }
 void TransformerCallState::reset_kv() { impl_->reset_kv(); }
 int64_t TransformerCallState::kept_frames() const { return impl_->kept_frames; }
-bool TransformerCallState::has_first_block_state() const { return impl_->prev_residual.defined(); }
 int64_t TransformerCallState::kept_bytes() const {
   int64_t bytes = 0;
   for (const auto* list : {&impl_->k, &impl_->v}) {
@@ -840,7 +839,9 @@ at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) co
       slot = {&state->k[static_cast<size_t>(l)], &state->v[static_cast<size_t>(l)], reuse * g.tokens_per_frame,
               savings.keep * g.tokens_per_frame};
     }
-    const Tensor block_in = x;  // block_forward never writes its input in place
+    // FirstBlockCache's residual needs block 0's input (block_forward never writes it in place); elsewhere the
+    // input is released inside the block as usual.
+    const Tensor block_in = first_block && l == 0 ? x : Tensor();
     x = m.block_forward(m.blocks[static_cast<size_t>(l)], std::move(x), context, per_frame(modulation, first),
                         rope_from(first), sub, causal_block_tokens, kept_layer ? &slot : nullptr);
     stats.token_blocks_computed += g.batch * sub.tokens;

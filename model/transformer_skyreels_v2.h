@@ -70,7 +70,6 @@ class TransformerCallState {
   void reset_kv();                     // the kept keys/values only (FirstBlockCache state stays)
   int64_t kept_frames() const;         // leading frames whose keys/values every layer keeps
   int64_t kept_bytes() const;          // memory the kept keys/values take
-  bool has_first_block_state() const;  // a computed call left a residual to compare with
 
   struct Impl;  // defined in transformer_skyreels_v2.cpp only
   Impl& impl() const { return *impl_; }

@@ -219,18 +219,9 @@ TEST(ExactSavings, TheTransformerRefusesReuseItCannotHonour) {
 
 Json read_json(const std::string& path) { return Json::parse(std::ifstream(path)); }
 
-// decisions.json's form of our reports.
+// decisions.json's form of our reports (what `skyreels generate --cache-log` writes).
 Json decisions_of(const std::vector<TransformerCallReport>& calls) {
-  Json out = Json::array();
-  for (const auto& c : calls) {
-    out.push_back({{"chunk", c.chunk},
-                   {"row", c.row},
-                   {"context", c.unconditional ? "uncond" : "cond"},
-                   {"rel", c.rel ? Json(*c.rel) : Json()},
-                   {"skipped", c.skipped},
-                   {"source", c.source ? Json::array({c.source->first, c.source->second}) : Json()}});
-  }
-  return out;
+  return Json::parse(step_cache_decisions_json(calls));
 }
 
 void expect_same_decisions(const Json& ours, const Json& theirs) {
