@@ -147,6 +147,10 @@ TEST(GenerationParams, TheTableDefaultsAreTheModelsOwn) {
   EXPECT_EQ(p.scheduler.solver_type, expected.scheduler.solver_type);
   EXPECT_EQ(p.scheduler.final_sigmas_type, expected.scheduler.final_sigmas_type);
   EXPECT_EQ(p.scheduler.disable_corrector, expected.scheduler.disable_corrector);
+  EXPECT_EQ(p.exact_savings, expected.exact_savings);
+  EXPECT_EQ(p.cache.kind, expected.cache.kind);
+  EXPECT_EQ(p.cache.threshold, expected.cache.threshold);
+  EXPECT_EQ(p.cache.scope, expected.cache.scope);
 }
 
 // ---- validation ---------------------------------------------------------------------------------------------------
