@@ -7,6 +7,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "server/dispatch_policy.h"
+
 namespace skyreels::server {
 
 namespace {
@@ -63,12 +65,13 @@ std::shared_ptr<const ApiKeys::Table> ApiKeys::read(const std::string& path) {
       ClientLimits& l = entry.client.limits;
       if (take_limit(word, "max_priority", -10, 10, &l.max_priority, where) ||
           take_limit(word, "max_jobs", 1, 1000000, &l.max_jobs, where) ||
-          take_limit(word, "max_streams", 1, 1000000, &l.max_streams, where)) {
+          take_limit(word, "max_streams", 1, 1000000, &l.max_streams, where) ||
+          take_limit(word, "weight", 1, policy::kMaxClientWeight, &l.weight, where)) {
         continue;
       }
       if (!entry.client.name.empty() || word.find('=') != std::string::npos) {
         throw std::runtime_error(where + ": expected 'KEY [CLIENT_NAME] [max_priority=N] [max_jobs=N] " +
-                                 "[max_streams=N]', found '" + word + "'");
+                                 "[max_streams=N] [weight=N]', found '" + word + "'");
       }
       entry.client.name = word;
     }

@@ -1,5 +1,6 @@
 // API keys (--api-keys FILE). One key per line, optionally followed by a client name and per-client limits:
-//   KEY [CLIENT_NAME] [max_priority=N] [max_jobs=N] [max_streams=N]
+//   KEY [CLIENT_NAME] [max_priority=N] [max_jobs=N] [max_streams=N] [weight=N]
+// weight: the client's share of the replicas against other clients' (1 to policy::kMaxClientWeight, default 1).
 // Blank lines and lines starting with '#' are ignored; keys have at least kMinApiKeyLength characters. A job belongs
 // to the client whose key submitted it; other clients get NOT_FOUND for it. Keys are compared in constant time.
 // reload() (SIGHUP) swaps in the file's current content atomically; a broken file keeps the old keys.
@@ -20,6 +21,7 @@ struct ClientLimits {
   std::optional<int> max_priority;
   std::optional<int64_t> max_jobs;
   std::optional<int64_t> max_streams;
+  std::optional<int> weight;
 };
 
 struct ClientIdentity {

@@ -6,6 +6,7 @@ namespace skyreels::server::policy {
 
 bool dispatch_before(const JobKey& a, const JobKey& b) {
   if (a.priority != b.priority) return a.priority > b.priority;
+  if (a.client_service != b.client_service) return a.client_service < b.client_service;
   if (a.fair_key != b.fair_key) return a.fair_key < b.fair_key;
   return a.order < b.order;
 }
@@ -13,6 +14,14 @@ bool dispatch_before(const JobKey& a, const JobKey& b) {
 int64_t fair_share_start(const std::vector<int64_t>& active_fair_keys) {
   if (active_fair_keys.empty()) return 0;
   return *std::min_element(active_fair_keys.begin(), active_fair_keys.end());
+}
+
+int64_t charge_chunk(int weight) { return kServicePerChunk / std::clamp(weight, 1, kMaxClientWeight); }
+
+int64_t client_share_start(int64_t own, const std::vector<int64_t>& active_client_services) {
+  if (active_client_services.empty()) return std::max<int64_t>(own, 0);
+  const int64_t least = *std::min_element(active_client_services.begin(), active_client_services.end());
+  return std::max(own, least);
 }
 
 int choose_replica(const JobPlacement& job, const std::vector<ReplicaView>& replicas, double handoff_cost_seconds,

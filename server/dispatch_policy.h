@@ -13,16 +13,31 @@ namespace skyreels::server::policy {
 // What the order of ready jobs depends on.
 struct JobKey {
   int priority = 0;      // higher first
-  int64_t fair_key = 0;  // attained service (vbase + chunks run): fewer first
+  int64_t fair_key = 0;  // the job's attained service within its client (vbase + chunks run): fewer first
   uint64_t order = 0;    // submission order: earlier first
+  int64_t client_service = 0;  // its client's attained service (see charge_chunk): less first, after priority
 };
 
-// True when `a` is dispatched before `b`: priority, then least attained service, then submission order.
+// True when `a` is dispatched before `b`: priority, then the least attained service of the job's client (API key,
+// else peer address), then the least attained service of the job within its client, then submission order. A tenant
+// with many jobs therefore gets its share of the replicas, not one share per job.
 bool dispatch_before(const JobKey& a, const JobKey& b);
 
-// Where a new job starts in the fair share (its JobKey::fair_key before any chunk): the least attained service among
-// the active jobs, 0 when there is none. It then neither jumps ahead of them nor waits for the service they had.
+// Where a new job starts in its client's share (its JobKey::fair_key before any chunk): the least attained service
+// among the client's active jobs, 0 when there is none. It then neither jumps ahead of them nor waits for the
+// service they had.
 int64_t fair_share_start(const std::vector<int64_t>& active_fair_keys);
+
+// Client shares. A client's service grows by charge_chunk(weight) per chunk run for it: weight N (the key file's
+// `weight=N`, 1 by default) buys N times the chunks of a weight-1 client while both wait. The unit divides evenly by
+// every weight up to 16, so equal weights tie exactly.
+inline constexpr int64_t kServicePerChunk = 720720;
+inline constexpr int kMaxClientWeight = 100;
+int64_t charge_chunk(int weight);  // weight clamped to [1, kMaxClientWeight]
+// The service a client starts from when it becomes active (it had no unfinished job): its own service when it has
+// one, but never below the least service among the clients that are active now (a client that was away does not
+// bank the time it was away; one that was ahead stays ahead). `own` < 0: the client has no service on record.
+int64_t client_share_start(int64_t own, const std::vector<int64_t>& active_client_services);
 
 struct ReplicaView {
   bool healthy = false;

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -136,6 +137,7 @@ void VideoEncoder::want(const JobSnapshot& job) {
     } else {
       Entry entry;
       entry.id = job.id;
+      entry.owner = job.owner;
       entry.job = job.description;
       entry.available = job.chunks_done;
       wanted_.emplace(job.id, std::move(entry));
@@ -183,11 +185,57 @@ void VideoEncoder::job_finished(const JobSnapshot& job) {
   if (job.state == JobState::Succeeded) return;  // its wanted chunks are still encoded
   {
     std::lock_guard<std::mutex> lock(mu_);
-    // Drops the job's pending work and its decode cache (a chunk being encoded right now finishes on its own copy).
-    if (wanted_.erase(job.id) == 0) return;
-    spdlog::info("job={} event=video_dropped state={}", job.id, job_state_name(job.state));
-    fail_locked(job.id, std::string("the job ended ") + job_state_name(job.state) + " before its MP4 was complete");
-    publish_locked();
+    drop_locked(job.id, job.state);
+  }
+  cv_.notify_all();
+}
+
+// Drops the job's pending work and its decode cache (a chunk being encoded right now finishes on its own copy).
+void VideoEncoder::drop_locked(const std::string& id, JobState state) {
+  if (wanted_.erase(id) == 0) return;
+  spdlog::info("job={} event=video_dropped state={}", id, job_state_name(state));
+  fail_locked(id, std::string("the job ended ") + job_state_name(state) + " before its MP4 was complete");
+  publish_locked();
+}
+
+void VideoEncoder::follow_with(JobLookup lookup) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return !catching_up_; });
+  lookup_ = std::move(lookup);
+}
+
+// Entries waiting for a chunk read their job again (without the lock: a store read per job).
+void VideoEncoder::catch_up(std::unique_lock<std::mutex>& lock) {
+  last_catch_up_ = Clock::now();
+  if (!lookup_) return;
+  std::vector<std::pair<std::string, std::string>> waiting;  // (id, owner)
+  for (const auto& [id, entry] : wanted_) {
+    if (entry.next_chunk >= entry.available) waiting.emplace_back(id, entry.owner);
+  }
+  if (waiting.empty()) return;
+  const JobLookup lookup = lookup_;
+  catching_up_ = true;
+  lock.unlock();
+  std::vector<std::pair<std::string, std::optional<JobSnapshot>>> seen;
+  for (const auto& [id, owner] : waiting) {
+    try {
+      seen.emplace_back(id, lookup(id, owner));
+    } catch (const std::exception& e) {  // the store is away: look again next time
+      spdlog::warn("job={} event=video_catch_up_failed error=\"{}\"", id, e.what());
+    }
+  }
+  lock.lock();
+  catching_up_ = false;
+  for (const auto& [id, job] : seen) {
+    auto it = wanted_.find(id);
+    if (it == wanted_.end()) continue;
+    if (!job) {
+      drop_locked(id, JobState::Failed);  // dropped by retention meanwhile
+    } else if (is_terminal(job->state) && job->state != JobState::Succeeded) {
+      drop_locked(id, job->state);
+    } else {
+      it->second.available = std::max(it->second.available, job->chunks_done);
+    }
   }
   cv_.notify_all();
 }
@@ -217,8 +265,14 @@ void VideoEncoder::loop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     Entry* entry = nullptr;
-    cv_.wait(lock, [&] { return stopping_ || (entry = next_work_locked()) != nullptr; });
+    const bool woken = cv_.wait_until(lock, last_catch_up_ + kCatchUpPeriod,
+                                      [&] { return stopping_ || (entry = next_work_locked()) != nullptr; });
     if (stopping_) return;
+    if (Clock::now() >= last_catch_up_ + kCatchUpPeriod) {
+      catch_up(lock);  // also between chunks of busy work: a job waiting on another pod is not starved
+      continue;
+    }
+    if (!woken) continue;
     // Copies: the entry may be dropped (its job cancelled) while the chunk is encoded.
     const std::string id = entry->id;
     const std::shared_ptr<const JobDescription> job = entry->job;
@@ -304,8 +358,11 @@ std::string VideoEncoder::encode(const std::string& id, const JobDescription& jo
         static_cast<int>(job.params.width), static_cast<int>(job.params.height), options);
   }
   if (!state) throw std::logic_error("no decode session (an earlier chunk failed)");
+  const auto t0 = std::chrono::steady_clock::now();
   const at::Tensor frames = state->session->decode(vae_->denormalize(latents.to(vae_->device())));  // [1,3,T,H,W]
-  state->writer->write_video(frames.select(0, 0).to(at::kCPU, at::kFloat));
+  const at::Tensor host = frames.select(0, 0).to(at::kCPU, at::kFloat);  // waits for the device: the decode's end
+  if (metrics_) metrics_->vae_call("decode", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  state->writer->write_video(host);
   state->writer->end_segment();
   if (chunk + 1 == static_cast<int64_t>(job.chunks.size())) state->writer->finish();
   return std::exchange(state->pending, {});

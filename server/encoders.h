@@ -3,12 +3,15 @@
 // order).
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -61,6 +64,12 @@ class VideoEncoder : public SchedulerObserver {
   void job_finished(const JobSnapshot& job) override;
   // Blocks until no wanted chunk is left to encode, or `until`; true when idle (used by the drain).
   bool wait_idle(Clock::time_point until);
+  // How the encoder reads a job's committed state (JobQueue::get): chunks committed where it never hears of them (by
+  // another pod) and jobs that ended there are caught up from it every kCatchUpPeriod. follow_with({}) before the
+  // queue goes: it returns once no lookup is running.
+  using JobLookup = std::function<std::optional<JobSnapshot>(const std::string& id, const std::string& owner)>;
+  static constexpr std::chrono::milliseconds kCatchUpPeriod{500};
+  void follow_with(JobLookup lookup);
   // The loaded VAE, shared with jobs that encode image / video conditioning (its encode and decode may run
   // concurrently).
   std::shared_ptr<const model::WanVae> vae() const { return vae_; }
@@ -70,12 +79,15 @@ class VideoEncoder : public SchedulerObserver {
   struct VideoState;
   struct Entry {
     std::string id;
+    std::string owner;
     std::shared_ptr<const JobDescription> job;
     int64_t next_chunk = 0;  // next chunk to encode
     int64_t available = 0;   // chunks whose latents exist
     std::shared_ptr<VideoState> state;
   };
   void loop();
+  void catch_up(std::unique_lock<std::mutex>& lock);
+  void drop_locked(const std::string& id, JobState state);
   // Decodes chunk `chunk` of job `id` (its latents read from the store); returns its MP4 segment.
   std::string encode(const std::string& id, const JobDescription& job, int64_t chunk,
                      std::shared_ptr<VideoState>& state);
@@ -102,6 +114,9 @@ class VideoEncoder : public SchedulerObserver {
   bool stopping_ = false;
   std::vector<FaultRule> faults_;
   int64_t encodes_ = 0;  // chunk encodes started, for faults_
+  JobLookup lookup_;
+  bool catching_up_ = false;  // a lookup runs without the lock
+  Clock::time_point last_catch_up_{};
   std::thread thread_;
 };
 

@@ -7,7 +7,8 @@
 // Claim order (the in-memory policy of dispatch_policy.h, over the whole store):
 //   ready     = unfinished job (queued or running), cancel not requested, chunks_done < chunk_count, and no live lease
 //               (none, released, or expired);
-//   order     = priority desc, then attained service (vbase + chunks_done) asc, then submission order asc;
+//   order     = policy::dispatch_before: priority desc, then the client's attained service asc (the store keeps it
+//               per client, charged at each claim), then the job's (vbase + chunks_done) asc, then submission order;
 //   affinity  = among the first kAffinityWindow ready jobs that tie with the first on priority AND attained service,
 //               the first whose previous chunk ran on the claiming replica is taken (its state is already there);
 //               else the first in order. Affinity never overrides the order itself, so jobs still interleave at chunk
@@ -16,9 +17,11 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "server/job_store.h"
@@ -57,10 +60,11 @@ struct AdmissionLimits {
 };
 
 struct InsertOutcome {
-  enum class Refusal { None, QueueFull, ClientQueueFull };
+  enum class Refusal { None, QueueFull, ClientQueueFull, IdTaken };
   std::string job_id;  // the job now stored under (owner, idempotency_key): the new one or the one already there
   bool inserted = false;
   uint64_t fingerprint = 0;  // of the stored job's request (differs from the caller's: the key was reused)
+  std::string fingerprint_v2;  // the stored job's ("" when stored before v2)
   uint64_t order = 0;        // the stored job's submission order
   int64_t vbase = 0;         // the stored job's fair-share start
   Refusal refused = Refusal::None;  // not inserted because a limit was reached (job_id empty)
@@ -76,6 +80,8 @@ struct AdmissionCounts {
 struct JobChanges {
   std::vector<std::string> job_ids;  // in arrival order, may repeat
   bool missed = false;               // the listening connection was lost meanwhile: re-read what matters
+  // Step progress some pod published (LeaseStore::publish_step): (job id, event); the job is in job_ids too.
+  std::vector<std::pair<std::string, StoredEvent>> steps;
 };
 
 // One LISTEN connection; used by one thread. Notifications are only hints: poll as well (a lease expiring sends none).
@@ -124,7 +130,9 @@ class LeaseStore {
   // least attained service among unfinished jobs, 0 when none); job.order and job.vbase are ignored.
   // `limits` are checked in the same transaction, serialised across pods, so the queue limit holds globally; a key
   // naming an existing job returns that job whatever the limits.
-  virtual InsertOutcome insert_job_once(StoredJob job, AdmissionLimits limits = {}) = 0;
+  // An id that is already taken (a live job or a tombstone) stores nothing and answers Refusal::IdTaken: the caller
+  // retries with a fresh id (insert_with_fresh_ids).
+  virtual InsertOutcome insert_job_once(const StoredJob& job, AdmissionLimits limits = {}) = 0;
   virtual AdmissionCounts admission_counts(const std::string& client) const = 0;
   // Unfinished jobs without a live lease (waiting for a replica), all pods.
   virtual int64_t queue_depth() const = 0;
@@ -137,6 +145,9 @@ class LeaseStore {
   virtual std::vector<uint64_t> append_events(const std::string& job_id, const std::vector<std::string>& events) = 0;
   virtual uint64_t reserve_sequences(const std::string& job_id, int64_t count) = 0;
 
+  // Step progress of a chunk running here, for watchers on every pod: a notification only (nothing is stored), with
+  // a sequence number from reserve_sequences. Callers coalesce (a few per second per chunk at most).
+  virtual void publish_step(const std::string& job_id, const StoredEvent& event) = 0;
   // A LISTEN on kChangesChannel over its own connection.
   virtual std::unique_ptr<ChangeListener> listen() = 0;
   // Readiness: the store answers now (false during an outage or a reconnect back-off).
@@ -150,7 +161,14 @@ struct ClaimCandidate {
   int priority = 0;
   int64_t service = 0;  // vbase + chunks_done
   std::string previous_replica;
+  int64_t client_service = 0;  // the job's client's (policy::JobKey::client_service)
 };
 std::vector<size_t> claim_preference(const std::vector<ClaimCandidate>& candidates, const std::string& replica);
+
+// Inserts `job` under fresh ids from `new_id` until one is not taken (at most kIdAttempts; 128 random bits make a
+// second attempt already astronomically rare). Returns the last outcome; job.id is the id it was tried under.
+inline constexpr int kIdAttempts = 8;
+InsertOutcome insert_with_fresh_ids(LeaseStore& store, StoredJob& job, const AdmissionLimits& limits,
+                                    const std::function<std::string()>& new_id);
 
 }  // namespace skyreels::server

@@ -1,4 +1,5 @@
-// open_job_store(): the --job-store spec to a backend.
+// open_job_store(): the --job-store spec to a backend; the deadline of store calls.
+#include <algorithm>
 #include <memory>
 
 #include "server/job_store.h"
@@ -11,7 +12,23 @@ namespace skyreels::server {
 
 namespace {
 
+thread_local std::chrono::steady_clock::time_point call_deadline = std::chrono::steady_clock::time_point::max();
+
 // PATH with an optional "?synchronous=normal|full".
+}  // namespace
+
+StoreCallDeadline::StoreCallDeadline(std::chrono::steady_clock::time_point until) : previous_(call_deadline) {
+  call_deadline = std::min(call_deadline, until);
+}
+
+StoreCallDeadline::~StoreCallDeadline() { call_deadline = previous_; }
+
+std::chrono::steady_clock::time_point store_call_deadline() {
+  return std::min(call_deadline, std::chrono::steady_clock::now() + kStoreCallTimeout);
+}
+
+namespace {
+
 std::unique_ptr<JobStore> open_sqlite(const std::string& spec) {
   std::string path = spec;
   bool full = false;

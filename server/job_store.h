@@ -5,6 +5,7 @@
 // method is safe to call from any thread (the SQLite backend serialises on its own mutex).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -30,6 +31,7 @@ struct StoredJob {
   std::optional<int64_t> deadline_ms;
   std::string idempotency_key;
   uint64_t fingerprint = 0;
+  std::string fingerprint_v2;  // "sha256:..." ("" for jobs stored before it existed: then `fingerprint` decides)
   std::string state;       // job_state_name()
   std::string error_kind;  // error_kind_name()
   std::string error;
@@ -39,6 +41,8 @@ struct StoredJob {
   int retries = 0;
   int handoffs = 0;
   std::string request;  // the canonical request with the conditioning actually used (the service's encoding)
+  // Not a column of the job: the client's share weight at this submission (LeaseStore::insert_job_once records it).
+  int client_weight = 1;
 };
 
 struct StoredChunk {
@@ -54,6 +58,25 @@ struct StoredEvent {
 };
 
 class LeaseStore;  // job_lease.h
+
+// How long one store call may take at most. A store that stops answering (a frozen database, a black-holed network:
+// the kernel still ACKs, so TCP keepalives never fire) fails the call with StoreError after this, never later.
+inline constexpr std::chrono::milliseconds kStoreCallTimeout{15000};
+
+// Store calls this thread makes while the object lives end by `until` (the RPC's deadline, a health check's); nested
+// scopes keep the earlier deadline. Backends that talk to a server (PostgreSQL) honour it.
+class StoreCallDeadline {
+ public:
+  explicit StoreCallDeadline(std::chrono::steady_clock::time_point until);
+  ~StoreCallDeadline();
+  StoreCallDeadline(const StoreCallDeadline&) = delete;
+  StoreCallDeadline& operator=(const StoreCallDeadline&) = delete;
+
+ private:
+  std::chrono::steady_clock::time_point previous_;
+};
+// When this thread's store call must end: its scope's deadline, at most kStoreCallTimeout from now.
+std::chrono::steady_clock::time_point store_call_deadline();
 
 class JobStore {
  public:

@@ -2,6 +2,9 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+
+#include "server/dispatch_policy.h"
 #include "server/pg_db.h"
 
 namespace skyreels::server {
@@ -44,6 +47,12 @@ const std::vector<std::string>& migrations() {
       // Latents and embeddings are float data: compressing them costs CPU and saves next to nothing.
       "ALTER TABLE jobs ALTER COLUMN request SET STORAGE EXTERNAL;"
       "ALTER TABLE chunks ALTER COLUMN bytes SET STORAGE EXTERNAL;",
+      // 1 -> 2: fair share between tenants (policy::charge_chunk per chunk claimed for the client)
+      "CREATE TABLE clients(client text PRIMARY KEY, service bigint NOT NULL DEFAULT 0,"
+      " weight integer NOT NULL DEFAULT 1);"
+      "INSERT INTO clients(client) SELECT DISTINCT client FROM jobs;"
+      // ... and SHA-256 idempotency fingerprints ('' for jobs stored before: their 64-bit one decides)
+      "ALTER TABLE jobs ADD COLUMN fingerprint_v2 text NOT NULL DEFAULT '';",
   };
   return list;
 }
@@ -52,10 +61,11 @@ constexpr int64_t kMigrationLock = 0x736b7972656c7331;  // "skyrels1": pg_adviso
 constexpr const char* kNowMs = "(extract(epoch from clock_timestamp()) * 1000)::bigint";
 constexpr const char* kUnfinished = "state IN ('queued', 'running')";
 constexpr int64_t kAdmissionLockKey = 0x736b7972;  // pg_advisory_xact_lock key of submissions ("skyr")
-constexpr const char* kPolicyOrder = " ORDER BY priority DESC, vbase + chunks_done, ord";
+// Claims read the ready jobs (at most this many, highest priority first) and order them by policy::dispatch_before.
+constexpr int64_t kMaxClaimCandidates = 4096;
 constexpr const char* kJobColumns =
     "id, ord, vbase, owner, client, priority, deadline_ms, idempotency_key, fingerprint, state, error_kind, error,"
-    " created_ms, started_ms, finished_ms, chunk_count, chunks_done, retries, handoffs, request";
+    " created_ms, started_ms, finished_ms, chunk_count, chunks_done, retries, handoffs, request, fingerprint_v2";
 
 // Claimable now: the job runs on, nobody cancelled it, a chunk is left and no lease is live.
 std::string ready_condition() {
@@ -87,10 +97,11 @@ StoredJob job_from_row(const pg::Result& r, int i) {
   j.retries = static_cast<int>(r.int64(i, 17));
   j.handoffs = static_cast<int>(r.int64(i, 18));
   j.request = r.text(i, 19);
+  j.fingerprint_v2 = r.text(i, 20);
   return j;
 }
 
-// Parameters $1..$19 of an insert (ord is the caller's).
+// Parameters $1..$20 of an insert (ord is the caller's).
 std::vector<Param> job_params(const StoredJob& j) {
   return {j.id,
           j.vbase,
@@ -110,34 +121,83 @@ std::vector<Param> job_params(const StoredJob& j) {
           j.chunks_done,
           j.retries,
           j.handoffs,
-          Param::bytes(j.request)};
+          Param::bytes(j.request),
+          j.fingerprint_v2};
 }
 
-// `ord` and `vbase`: SQL for them ($20 / $2: the caller's values).
+// `ord` and `vbase`: SQL for them ($21 / $2: the caller's values).
 std::string insert_job_sql(const std::string& ord, const std::string& vbase) {
   return "INSERT INTO jobs(id, vbase, owner, client, priority, deadline_ms, idempotency_key, fingerprint, state,"
          " error_kind, error, created_ms, started_ms, finished_ms, chunk_count, chunks_done, retries, handoffs,"
-         " request, ord) VALUES($1," +
-         vbase + ",$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13,$14,$15,$16,$17,$18,$19," + ord + ")";
+         " request, fingerprint_v2, ord) VALUES($1," +
+         vbase + ",$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13,$14,$15,$16,$17,$18,$19,$20," + ord + ")";
 }
 
-// The fair-share start of a new job, as the in-memory scheduler sets it: the least attained service among the
-// unfinished jobs (0 when none), over every pod's jobs.
+// The fair-share start of a new job within its client ($4), as the in-memory scheduler sets it: the least attained
+// service among the client's unfinished jobs (0 when none), over every pod's jobs.
 std::string least_attained_service_sql() {
-  return std::string("COALESCE((SELECT min(vbase + chunks_done) FROM jobs WHERE ") + kUnfinished + "), 0)";
+  return std::string("COALESCE((SELECT min(vbase + chunks_done) FROM jobs WHERE client = $4 AND ") + kUnfinished +
+         "), 0)";
 }
 
+// The client's share (policy::client_share_start when it becomes active) and weight, before its job is inserted.
+// Runs under the admission lock, so the active clients cannot change meanwhile.
+void start_client_share(pg::Connection& c, const std::string& client, int weight) {
+  const pg::Result own = c.exec(std::string("SELECT (SELECT service FROM clients WHERE client = $1),"
+                                            " EXISTS (SELECT 1 FROM jobs WHERE client = $1 AND ") +
+                                    kUnfinished + ")",
+                                {client});
+  int64_t service = own.is_null(0, 0) ? -1 : own.int64(0, 0);
+  if (!own.boolean(0, 1)) {
+    const pg::Result active = c.exec(std::string("SELECT service FROM clients WHERE client IN"
+                                                 " (SELECT client FROM jobs WHERE ") +
+                                     kUnfinished + ")");
+    std::vector<int64_t> services;
+    for (int i = 0; i < active.rows(); ++i) services.push_back(active.int64(i, 0));
+    service = policy::client_share_start(service, services);
+  }
+  c.exec("INSERT INTO clients(client, service, weight) VALUES($1, $2, $3)"
+         " ON CONFLICT (client) DO UPDATE SET service = EXCLUDED.service, weight = EXCLUDED.weight",
+         {client, std::max<int64_t>(service, 0), int64_t{std::clamp(weight, 1, policy::kMaxClientWeight)}});
+}
+
+// Columns id, fingerprint, ord, vbase, fingerprint_v2.
 InsertOutcome insert_outcome(const pg::Result& r, bool inserted) {
-  return {r.text(0, 0), inserted, static_cast<uint64_t>(r.int64(0, 1)), static_cast<uint64_t>(r.int64(0, 2)),
-          r.int64(0, 3)};
+  InsertOutcome o;
+  o.job_id = r.text(0, 0);
+  o.inserted = inserted;
+  o.fingerprint = static_cast<uint64_t>(r.int64(0, 1));
+  o.order = static_cast<uint64_t>(r.int64(0, 2));
+  o.vbase = r.int64(0, 3);
+  o.fingerprint_v2 = r.text(0, 4);
+  return o;
 }
 
 class PgChangeListener final : public ChangeListener {
  public:
   explicit PgChangeListener(const std::string& url) : listener_(url, LeaseStore::kChangesChannel) {}
+  // A payload is a job id, or "ID\nSEQUENCE\nEVENT" for step progress (publish_step).
   JobChanges wait(std::chrono::milliseconds timeout) override {
     pg::Listener::Batch batch = listener_.wait(timeout);
-    return {std::move(batch.payloads), batch.missed};
+    JobChanges changes;
+    changes.missed = batch.missed;
+    for (std::string& payload : batch.payloads) {
+      const size_t first = payload.find('\n');
+      if (first == std::string::npos) {
+        changes.job_ids.push_back(std::move(payload));
+        continue;
+      }
+      const size_t second = payload.find('\n', first + 1);
+      const std::string id = payload.substr(0, first);
+      changes.job_ids.push_back(id);
+      if (second == std::string::npos) continue;
+      try {
+        const uint64_t sequence = std::stoull(payload.substr(first + 1, second - first - 1));
+        changes.steps.push_back({id, StoredEvent{sequence, payload.substr(second + 1)}});
+      } catch (const std::exception&) {  // not ours: a hint about the job at most
+      }
+    }
+    return changes;
   }
 
  private:
@@ -196,7 +256,7 @@ void PostgresJobStore::insert_job(StoredJob j) {
   auto c = pool_->acquire();
   std::vector<Param> params = job_params(j);
   params.emplace_back(static_cast<int64_t>(j.order));
-  c->exec("WITH i AS (" + insert_job_sql("$20", "$2") + " RETURNING id) SELECT " + notify_sql("id") + " FROM i", params);
+  c->exec("WITH i AS (" + insert_job_sql("$21", "$2") + " RETURNING id) SELECT " + notify_sql("id") + " FROM i", params);
 }
 
 void PostgresJobStore::update_job(const StoredJob& j) {
@@ -240,8 +300,13 @@ void PostgresJobStore::drop_job(const std::string& job_id, const std::string& re
   if (tomb.rows() == 1) {  // bounded: the oldest tombstones go (seq has gaps, so at most kMaxTombstones stay)
     c->exec("DELETE FROM dropped WHERE seq <= $1", {tomb.int64(0, 0) - kMaxTombstones});
   }
-  c->exec("WITH d AS (DELETE FROM jobs WHERE id = $1 RETURNING id) SELECT " + notify_sql("id") + " FROM d",
-          {job_id});  // chunks, events and segments cascade
+  const pg::Result gone = c->exec("WITH d AS (DELETE FROM jobs WHERE id = $1 RETURNING id, client) SELECT " +
+                                       notify_sql("id") + ", client FROM d",
+                                   {job_id});  // chunks, events and segments cascade
+  if (gone.rows() == 1) {  // a client none of whose jobs is left starts afresh (bounded: clients may be addresses)
+    c->exec("DELETE FROM clients WHERE client = $1 AND NOT EXISTS (SELECT 1 FROM jobs WHERE client = $1)",
+            {gone.text(0, 1)});
+  }
   tx.commit();
 }
 
@@ -261,8 +326,11 @@ std::vector<StoredJob> PostgresJobStore::load_jobs() const {
 }
 
 std::optional<StoredJob> PostgresJobStore::load_job(const std::string& job_id, bool with_request) const {
-  static const std::string without_request =
-      std::string(kJobColumns).substr(0, std::string(kJobColumns).rfind("request")) + "''::bytea";
+  static const std::string without_request = [] {  // the same columns, the request read as empty
+    std::string columns = kJobColumns;
+    const size_t at = columns.rfind("request");
+    return columns.replace(at, std::string("request").size(), "''::bytea");
+  }();
   auto c = pool_->acquire();
   const pg::Result r = c->exec("SELECT " + (with_request ? std::string(kJobColumns) : without_request) +
                                    " FROM jobs WHERE id = $1",
@@ -321,35 +389,44 @@ std::optional<ChunkLease> PostgresJobStore::claim(const std::string& replica, st
   return lease;
 }
 
-// Reads the first candidates without locks, then locks ONE row in order of preference (SKIP LOCKED: a job another
-// claim holds is passed over, never waited for); the row is re-checked as it locks, so a job claimed meanwhile
-// drops out. Falls back to the first lockable ready job in plain order.
+// Reads the ready jobs without locks, orders them by the policy (dispatch_before, then the affinity rule), then locks
+// ONE row in that order (SKIP LOCKED: a job another claim holds is passed over, never waited for); the row is
+// re-checked as it locks, so a job claimed meanwhile drops out. The claim charges the job's client its chunk.
 std::optional<ChunkLease> PostgresJobStore::lease_locked_candidate(pg::Connection& c, const std::string& replica,
                                                                    std::chrono::milliseconds ttl) {
   const std::string ready = ready_condition();
-  const pg::Result first = c.exec("SELECT id, priority, vbase + chunks_done, last_replica FROM jobs WHERE " + ready + kPolicyOrder +
-                                      " LIMIT $1",
-                                  {int64_t{kAffinityWindow}});
-  if (first.rows() == 0) return std::nullopt;
+  const pg::Result rows =
+      c.exec("SELECT id, priority, vbase + chunks_done, ord, last_replica, COALESCE(cl.service, 0),"
+             " COALESCE(cl.weight, 1), jobs.client FROM jobs LEFT JOIN clients cl ON cl.client = jobs.client WHERE " +
+                 ready + " ORDER BY priority DESC, ord LIMIT $1",
+             {kMaxClaimCandidates});
+  if (rows.rows() == 0) return std::nullopt;
+  std::vector<int> order(static_cast<size_t>(rows.rows()));
+  for (int i = 0; i < rows.rows(); ++i) order[static_cast<size_t>(i)] = i;
+  auto key = [&](int i) {
+    return policy::JobKey{static_cast<int>(rows.int64(i, 1)), rows.int64(i, 2),
+                          static_cast<uint64_t>(rows.int64(i, 3)), rows.int64(i, 5)};
+  };
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int a, int b) { return policy::dispatch_before(key(a), key(b)); });
   std::vector<ClaimCandidate> candidates;
-  for (int i = 0; i < first.rows(); ++i) {
-    candidates.push_back({static_cast<int>(first.int64(i, 1)), first.int64(i, 2), first.text(i, 3)});
+  for (int i : order) {
+    candidates.push_back({key(i).priority, key(i).fair_key, rows.text(i, 4), key(i).client_service});
   }
   const std::string lock_columns = "SELECT id, lease_replica IS NOT NULL, last_replica FROM jobs WHERE ";
   std::optional<pg::Result> locked;
+  int row = -1;
   for (size_t i : claim_preference(candidates, replica)) {
-    pg::Result r = c.exec(lock_columns + "id = $1 AND " + ready + " FOR UPDATE SKIP LOCKED",
-                          {first.text(static_cast<int>(i), 0)});
+    row = order[i];
+    pg::Result r = c.exec(lock_columns + "id = $1 AND " + ready + " FOR UPDATE SKIP LOCKED", {rows.text(row, 0)});
     if (r.rows() == 1) {
       locked = std::move(r);
       break;
     }
   }
-  if (!locked) {
-    pg::Result r = c.exec(lock_columns + ready + kPolicyOrder + " LIMIT 1 FOR UPDATE SKIP LOCKED");
-    if (r.rows() == 0) return std::nullopt;
-    locked = std::move(r);
-  }
+  if (!locked) return std::nullopt;
+  c.exec("UPDATE clients SET service = service + $2 WHERE client = $1",
+         {rows.text(row, 7), policy::charge_chunk(static_cast<int>(rows.int64(row, 6)))});
   ChunkLease lease;
   lease.job_id = locked->text(0, 0);
   lease.takeover = locked->boolean(0, 1);
@@ -462,7 +539,7 @@ CancelState PostgresJobStore::request_cancel(const std::string& job_id, const st
   return state;
 }
 
-InsertOutcome PostgresJobStore::insert_job_once(StoredJob j, AdmissionLimits limits) {
+InsertOutcome PostgresJobStore::insert_job_once(const StoredJob& j, AdmissionLimits limits) {
   auto c = pool_->acquire();
   const std::vector<Param> params = job_params(j);
   pg::Transaction tx(*c);
@@ -470,7 +547,7 @@ InsertOutcome PostgresJobStore::insert_job_once(StoredJob j, AdmissionLimits lim
   c->exec("SELECT pg_advisory_xact_lock($1)", {kAdmissionLockKey});
   if (!j.idempotency_key.empty()) {
     const pg::Result existing =
-        c->exec("SELECT id, fingerprint, ord, vbase FROM jobs WHERE owner = $1 AND idempotency_key = $2",
+        c->exec("SELECT id, fingerprint, ord, vbase, fingerprint_v2 FROM jobs WHERE owner = $1 AND idempotency_key = $2",
                 {j.owner, Param::bytes(j.idempotency_key)});
     if (existing.rows() == 1) {
       tx.commit();
@@ -494,9 +571,17 @@ InsertOutcome PostgresJobStore::insert_job_once(StoredJob j, AdmissionLimits lim
       return refused;
     }
   }
+  if (c->exec("SELECT 1 FROM jobs WHERE id = $1 UNION ALL SELECT 1 FROM dropped WHERE id = $1", {j.id}).rows() > 0) {
+    tx.commit();
+    InsertOutcome taken;
+    taken.refused = InsertOutcome::Refusal::IdTaken;
+    return taken;
+  }
+  start_client_share(*c, j.client, j.client_weight);
   const pg::Result inserted =
       c->exec("WITH i AS (" + insert_job_sql("nextval('job_order')", least_attained_service_sql()) +
-                  " RETURNING id, fingerprint, ord, vbase) SELECT id, fingerprint, ord, vbase, " + notify_sql("id") +
+                  " RETURNING id, fingerprint, ord, vbase, fingerprint_v2) SELECT id, fingerprint, ord, vbase,"
+                  " fingerprint_v2, " + notify_sql("id") +
                   " FROM i",
               params);
   tx.commit();
@@ -540,6 +625,11 @@ uint64_t PostgresJobStore::reserve_sequences(const std::string& job_id, int64_t 
                                {job_id, std::max<int64_t>(count, 0)});
   if (u.rows() == 0) throw StoreError("job store " + describe() + ": reserve_sequences: no job " + job_id);
   return static_cast<uint64_t>(u.int64(0, 0));
+}
+
+void PostgresJobStore::publish_step(const std::string& job_id, const StoredEvent& event) {
+  auto c = pool_->acquire();
+  c->exec("SELECT " + notify_sql("$1"), {job_id + "\n" + std::to_string(event.sequence) + "\n" + event.data});
 }
 
 std::unique_ptr<ChangeListener> PostgresJobStore::listen() { return std::make_unique<PgChangeListener>(url_); }

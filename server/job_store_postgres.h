@@ -19,7 +19,7 @@ class Connection;
 
 class PostgresJobStore final : public JobStore, public LeaseStore {
  public:
-  static constexpr int kSchemaVersion = 1;
+  static constexpr int kSchemaVersion = 2;
   static constexpr int kConnections = 4;
   explicit PostgresJobStore(const std::string& url);  // connects and migrates; throws StoreError
   ~PostgresJobStore() override;
@@ -49,12 +49,13 @@ class PostgresJobStore final : public JobStore, public LeaseStore {
   std::vector<std::string> expire_deadlines() override;
   std::vector<Retired> finished_to_retire(int64_t finished_before_ms, int64_t keep) const override;
   CancelState request_cancel(const std::string& job_id, const std::string& owner) override;
-  InsertOutcome insert_job_once(StoredJob job, AdmissionLimits limits = {}) override;
+  InsertOutcome insert_job_once(const StoredJob& job, AdmissionLimits limits = {}) override;
   AdmissionCounts admission_counts(const std::string& client) const override;
   int64_t queue_depth() const override;
   std::optional<StoredJob> load_job(const std::string& job_id, bool with_request = true) const override;
   std::vector<uint64_t> append_events(const std::string& job_id, const std::vector<std::string>& events) override;
   uint64_t reserve_sequences(const std::string& job_id, int64_t count) override;
+  void publish_step(const std::string& job_id, const StoredEvent& event) override;
   std::unique_ptr<ChangeListener> listen() override;
   bool reachable() const override;
 

@@ -1,9 +1,12 @@
 #include "server/job_types.h"
 
+#include <sys/random.h>
+
+#include <cerrno>
 #include <cstdio>
-#include <mutex>
+#include <cstring>
 #include <nlohmann/json.hpp>
-#include <random>
+#include <stdexcept>
 
 namespace skyreels::server {
 
@@ -69,7 +72,7 @@ int64_t wall_ms(WallClock::time_point t) {
 int64_t wall_ms(const std::optional<WallClock::time_point>& t) { return t ? wall_ms(*t) : 0; }
 WallClock::time_point from_wall_ms(int64_t ms) { return WallClock::time_point(std::chrono::milliseconds(ms)); }
 
-// Chunk-level events as the store keeps them (step events stay in memory).
+// Chunk-level events as the store keeps them; step events in the same form for other pods (LeaseStore::publish_step).
 static JobEvent decode_event_json(const StoredEvent& stored);  // throws nlohmann::json::exception
 
 std::string encode_stored_event(const JobEvent& e) {
@@ -77,6 +80,11 @@ std::string encode_stored_event(const JobEvent& e) {
                       {"chunk_count", e.chunk_count},     {"replica", e.replica},     {"attempt", e.attempt},
                       {"handoff", e.handoff},             {"seconds", e.seconds},     {"position", e.position},
                       {"eta_seconds", e.eta_seconds},     {"message", e.message}};
+  if (e.type == EventType::Step) {  // published to other pods, never stored
+    j["step"] = e.step;
+    j["steps"] = e.steps;
+    j["progress"] = e.progress;
+  }
   return j.dump();
 }
 
@@ -104,17 +112,36 @@ static JobEvent decode_event_json(const StoredEvent& stored) {
   e.position = j.at("position").get<int64_t>();
   e.eta_seconds = j.at("eta_seconds").get<double>();
   e.message = j.at("message").get<std::string>();
+  e.step = j.value("step", int64_t{0});
+  e.steps = j.value("steps", int64_t{0});
+  e.progress = j.value("progress", 0.0);
   return e;
 }
 
 
+void random_bytes(void* out, size_t size) {
+  auto* p = static_cast<unsigned char*>(out);
+  while (size > 0) {
+    const ssize_t n = ::getrandom(p, size, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw std::runtime_error(std::string("getrandom: ") + std::strerror(errno));
+    }
+    p += n;
+    size -= static_cast<size_t>(n);
+  }
+}
+
 std::string new_job_id() {
-  static std::mutex mu;
-  static std::mt19937_64 rng{std::random_device{}()};
-  std::lock_guard<std::mutex> lock(mu);
-  char buffer[32];
-  std::snprintf(buffer, sizeof buffer, "j-%016llx", static_cast<unsigned long long>(rng()));
-  return buffer;
+  unsigned char bytes[kJobIdBits / 8];
+  random_bytes(bytes, sizeof bytes);
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string id = "j-";
+  for (unsigned char b : bytes) {
+    id += kHex[b >> 4];
+    id += kHex[b & 15];
+  }
+  return id;
 }
 
 }  // namespace skyreels::server

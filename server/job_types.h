@@ -41,12 +41,14 @@ struct JobSpec {
   std::string owner;            // client identity; jobs are only visible to their owner
   std::string client;           // who the per-client cap counts against: the owner, or the peer address when anonymous
   int64_t client_max_jobs = 0;  // this client's cap on unfinished jobs; 0: SchedulerOptions::max_jobs_per_client
+  int client_weight = 1;        // this client's share of the replicas relative to others (key file `weight=N`)
   int priority = 0;
   std::optional<Clock::time_point> deadline;
   std::vector<double> chunk_work;   // relative cost of each chunk (e.g. tokens x rows); size = number of chunks
   std::vector<int64_t> chunk_rows;  // denoising rows of each chunk (progress)
   std::string idempotency_key;
-  uint64_t fingerprint = 0;  // of the request, to detect a reused idempotency key
+  uint64_t fingerprint = 0;    // of the request, to detect a reused idempotency key (v1: FNV-1a)
+  std::string fingerprint_v2;  // the same as SHA-256 (server/fingerprint.h); compared when the stored job has one
   std::shared_ptr<JobPayload> payload;
   std::shared_ptr<const JobDescription> description;
   std::string durable_request;  // what the job store keeps to re-create the payload after a restart (opaque here)
@@ -175,7 +177,11 @@ WallClock::time_point from_wall_ms(int64_t ms);
 std::string encode_stored_event(const JobEvent& event);
 JobEvent decode_stored_event(const StoredEvent& stored);
 
-// Fresh random job id ("j-" + 16 hex digits).
+// Fresh random job id: "j-" + 32 hex digits of 128 bits from the OS (getrandom), so ids of pods started together
+// never collide in practice and cannot be predicted from earlier ones.
+inline constexpr int kJobIdBits = 128;
 std::string new_job_id();
+// `size` bytes from the OS's random source (getrandom); throws std::runtime_error when it fails.
+void random_bytes(void* out, size_t size);
 
 }  // namespace skyreels::server

@@ -510,6 +510,9 @@ int serve(const Options& o, Signals& signals) {
     plan.on_transformer_work = [work_sink](int64_t computed, int64_t exact, int64_t cache) {
       if (Metrics* m = work_sink->load()) m->transformer_work(computed, exact, cache);
     };
+    plan.on_loaded = [work_sink](double seconds) {
+      if (Metrics* m = work_sink->load()) m->model_loaded(kComponentTransformer, seconds);
+    };
     plan.dtype = o.dtype;
     plan.model_path = model_path;
     plan.loras = o.loras;
@@ -533,14 +536,18 @@ int serve(const Options& o, Signals& signals) {
   const std::shared_ptr<void> unsink(nullptr, [work_sink](void*) { work_sink->store(nullptr); });
   TextEncoderFn text_encoder;
   if (!o.text_encoder.empty()) {
+    const auto t0 = Clock::now();
     text_encoder =
         load_text_encoder(o.text_encoder, o.tokenizer, plans.front().device, o.dtype, config.text_dim, &metrics);
+    metrics.model_loaded(kComponentTextEncoder, std::chrono::duration<double>(Clock::now() - t0).count());
   }
   store = std::make_unique<TimedJobStore>(std::move(store), metrics.store_call_report());  // before its first use
   std::unique_ptr<VideoEncoder> video;
   if (!o.vae.empty()) {
+    const auto t0 = Clock::now();
     video = std::make_unique<VideoEncoder>(o.vae, o.vae_device.empty() ? plans.front().device : o.vae_device, *store,
                                            &metrics, 1024, faults);
+    metrics.model_loaded(kComponentVae, std::chrono::duration<double>(Clock::now() - t0).count());
   }
   metrics.serve(o.metrics_listen);
   ObserverList observers;
@@ -625,6 +632,14 @@ int serve(const Options& o, Signals& signals) {
     // Jobs of an earlier run (a kill, a drain that ran out, a rolling update) resume before anything is dispatched.
     jobs->restore(restore_jobs(*store, service_config));
   }
+  // MP4s follow every commit the queue sees, also those of chunks another pod ran.
+  if (video) video->follow_with([&jobs](const std::string& id, const std::string& owner) { return jobs->get(id, owner); });
+  struct StopFollowing {  // destroyed before `jobs`, however serve() ends
+    VideoEncoder* video;
+    ~StopFollowing() {
+      if (video) video->follow_with({});
+    }
+  } stop_following{video.get()};
   jobs->start();
   auto service = make_video_service(*jobs, service_config);
 
@@ -643,6 +658,7 @@ int serve(const Options& o, Signals& signals) {
   builder.SetResourceQuota(quota);
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
   interceptors.push_back(make_malformed_request_interceptor());
+  interceptors.push_back(make_rpc_metrics_interceptor(metrics));  // after it: counts the status clients get
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 30000);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);

@@ -13,6 +13,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -34,6 +35,41 @@ const prometheus::Histogram::BucketBoundaries kStep = {0.001, 0.01, 0.05, 0.1, 0
 // A local SQLite commit takes about a millisecond, a PostgreSQL round trip a few; a chunk's latents are megabytes.
 const prometheus::Histogram::BucketBoundaries kStoreCall = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                                                             0.1,    0.25,  0.5,    1,     2.5,  5,     10};
+
+// A job from submission to its end, and to its first chunk: seconds (tiny demo jobs) to hours (a long 14B video).
+const prometheus::Histogram::BucketBoundaries kJob = {0.1, 0.5, 1,    5,    10,   30,   60,    120,  300,
+                                                      600, 1200, 1800, 3600, 7200, 14400, 28800, 86400};
+// Loading weights: milliseconds (demo) to minutes (a 14B checkpoint from a network volume).
+const prometheus::Histogram::BucketBoundaries kLoad = {0.01, 0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600};
+// gRPC calls: sub-millisecond reads to streams that last as long as a job.
+const prometheus::Histogram::BucketBoundaries kRpc = {0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5,  1,
+                                                      2.5,    5,     10,    30,   60,   300,  1800, 3600};
+
+// grpc::StatusCode as go-grpc-prometheus (codes.Code.String()) names it in grpc_code.
+const char* grpc_code_name(int code) {
+  static const char* const kNames[] = {"OK",
+                                       "Canceled",
+                                       "Unknown",
+                                       "InvalidArgument",
+                                       "DeadlineExceeded",
+                                       "NotFound",
+                                       "AlreadyExists",
+                                       "PermissionDenied",
+                                       "ResourceExhausted",
+                                       "FailedPrecondition",
+                                       "Aborted",
+                                       "OutOfRange",
+                                       "Unimplemented",
+                                       "Internal",
+                                       "Unavailable",
+                                       "DataLoss",
+                                       "Unauthenticated"};
+  return code >= 0 && code < 17 ? kNames[code] : "Unknown";
+}
+
+double seconds_since(WallClock::time_point t) {
+  return std::max(0.0, std::chrono::duration<double>(WallClock::now() - t).count());
+}
 
 const char* outcome_label(JobState state) {
   switch (state) {
@@ -73,6 +109,40 @@ Metrics::Metrics(const std::vector<std::string>& replica_names, const std::strin
   auto& finished = BuildCounter().Name("skyreels_jobs_finished_total").Help("Jobs ended, by outcome").Register(r);
   for (const char* o : {"succeeded", "failed", "cancelled", "deadline_exceeded"})
     finished_[o] = &finished.Add({{"outcome", o}});
+  auto& job_seconds = BuildHistogram()
+                          .Name("skyreels_job_duration_seconds")
+                          .Help("Jobs from submission to their end, by outcome")
+                          .Register(r);
+  for (const char* o : {"succeeded", "failed", "cancelled", "deadline_exceeded"})
+    job_seconds_[o] = &job_seconds.Add({{"outcome", o}}, kJob);
+  first_chunk_seconds_ = &BuildHistogram()
+                              .Name("skyreels_time_to_first_chunk_seconds")
+                              .Help("Jobs from submission to their first chunk's result")
+                              .Register(r)
+                              .Add({}, kJob);
+  auto& load = BuildHistogram()
+                   .Name("skyreels_model_load_seconds")
+                   .Help("Loading a model component's weights (each replica's transformer, the VAE, the text encoder)")
+                   .Register(r);
+  for (const char* c : {kComponentTransformer, kComponentVae, kComponentTextEncoder})
+    load_seconds_[c] = &load.Add({{"component", c}}, kLoad);
+  auto& vae = BuildHistogram()
+                  .Name("skyreels_vae_seconds")
+                  .Help("VAE calls: encode (conditioning frames to latents), decode (a chunk's latents for its MP4)")
+                  .Register(r);
+  for (const char* op : {"encode", "decode"}) vae_seconds_[op] = &vae.Add({{"op", op}}, kChunk);
+  rpc_started_family_ = &BuildCounter()
+                             .Name("grpc_server_started_total")
+                             .Help("RPCs started on the server, by type, service and method")
+                             .Register(r);
+  rpc_handled_family_ = &BuildCounter()
+                             .Name("grpc_server_handled_total")
+                             .Help("RPCs completed on the server, by type, service, method and status code")
+                             .Register(r);
+  rpc_seconds_family_ = &BuildHistogram()
+                             .Name("grpc_server_handling_seconds")
+                             .Help("Time from an RPC's start to its status, by type, service and method")
+                             .Register(r);
   auto& rejected =
       BuildCounter().Name("skyreels_jobs_rejected_total").Help("Submissions refused, by reason").Register(r);
   for (const char* reason : {kRejectInvalidArgument, kRejectQueueFull, kRejectUnauthenticated, kRejectDraining,
@@ -219,9 +289,14 @@ void Metrics::job_submitted(const JobSnapshot&) { submitted_->Increment(); }
 
 void Metrics::job_started(const JobSnapshot&, double queue_wait_seconds) { queue_wait_->Observe(queue_wait_seconds); }
 
-void Metrics::job_finished(const JobSnapshot& job) { finished_.at(outcome_label(job.state))->Increment(); }
+void Metrics::job_finished(const JobSnapshot& job) {
+  finished_.at(outcome_label(job.state))->Increment();
+  job_seconds_.at(outcome_label(job.state))->Observe(seconds_since(job.created));
+}
 
-void Metrics::chunk_finished(const JobSnapshot&, const std::string& replica, int64_t, double seconds, int64_t frames) {
+void Metrics::chunk_finished(const JobSnapshot& job, const std::string& replica, int64_t chunk, double seconds,
+                             int64_t frames) {
+  if (chunk == 0) first_chunk_seconds_->Observe(seconds_since(job.created));
   auto it = chunk_seconds_.find(replica);
   if (it != chunk_seconds_.end()) it->second->Observe(seconds);
   frames_->Increment(static_cast<double>(frames));
@@ -256,6 +331,47 @@ void Metrics::replica_recovered(const ReplicaStatus& replica) {
 }
 
 void Metrics::video_chunk_encoded() { video_chunks_->Increment(); }
+
+void Metrics::model_loaded(const std::string& component, double seconds) {
+  const auto it = load_seconds_.find(component);
+  if (it != load_seconds_.end()) it->second->Observe(seconds);
+}
+
+void Metrics::vae_call(const char* op, double seconds) {
+  const auto it = vae_seconds_.find(std::string_view(op));
+  if (it != vae_seconds_.end()) it->second->Observe(seconds);
+}
+
+Metrics::RpcSeries& Metrics::rpc_series_locked(const std::string& type, const std::string& service,
+                                               const std::string& method) {
+  std::string key = type + " " + service + " " + method;
+  auto it = rpc_.find(key);
+  if (it != rpc_.end()) return it->second;
+  if (rpc_.size() >= kMaxRpcSeries && type != "unknown") return rpc_series_locked("unknown", "unknown", "unknown");
+  const std::map<std::string, std::string> labels = {
+      {"grpc_type", type}, {"grpc_service", service}, {"grpc_method", method}};
+  RpcSeries series{labels, &rpc_started_family_->Add(labels), &rpc_seconds_family_->Add(labels, kRpc), {}};
+  return rpc_.emplace(std::move(key), std::move(series)).first->second;
+}
+
+void Metrics::rpc_started(const std::string& type, const std::string& service, const std::string& method) {
+  std::lock_guard<std::mutex> lock(rpc_mu_);
+  rpc_series_locked(type, service, method).started->Increment();
+}
+
+void Metrics::rpc_handled(const std::string& type, const std::string& service, const std::string& method, int code,
+                          double seconds) {
+  std::lock_guard<std::mutex> lock(rpc_mu_);
+  RpcSeries& series = rpc_series_locked(type, service, method);
+  series.seconds->Observe(seconds);
+  auto handled = series.handled.find(code);
+  if (handled == series.handled.end()) {
+    std::map<std::string, std::string> labels = series.labels;  // "unknown" ones when past kMaxRpcSeries
+    labels["grpc_code"] = grpc_code_name(code);
+    handled = series.handled.emplace(code, &rpc_handled_family_->Add(labels)).first;
+  }
+  handled->second->Increment();
+}
 void Metrics::transformer_work(int64_t computed, int64_t saved_exact, int64_t saved_cache) {
   token_blocks_computed_->Increment(static_cast<double>(computed));
   token_blocks_saved_exact_->Increment(static_cast<double>(saved_exact));

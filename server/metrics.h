@@ -22,6 +22,8 @@ class Registry;
 class Counter;
 class Gauge;
 class Histogram;
+template <typename T>
+class Family;
 }  // namespace prometheus
 
 namespace skyreels::server {
@@ -33,6 +35,12 @@ inline constexpr const char* kRejectUnauthenticated = "unauthenticated";
 inline constexpr const char* kRejectDraining = "draining";
 inline constexpr const char* kRejectClientLimit = "client_limit";  // per-client job cap or max_priority
 inline constexpr const char* kRejectEncoderBusy = "encoder_busy";  // --max-concurrent-encodes reached
+// Components of skyreels_model_load_seconds.
+inline constexpr const char* kComponentTransformer = "transformer";
+inline constexpr const char* kComponentVae = "vae";
+inline constexpr const char* kComponentTextEncoder = "text_encoder";
+// At most this many (type, service, method) series of the grpc_server_* metrics; later ones count as "unknown".
+inline constexpr size_t kMaxRpcSeries = 64;
 // Reasons of skyreels_streams_rejected_total.
 inline constexpr const char* kStreamRejectTotal = "total";
 inline constexpr const char* kStreamRejectPerClient = "per_client";
@@ -61,6 +69,15 @@ class Metrics : public SchedulerObserver {
   // One encoder call of the text embedding cache: rows served from it, rows encoded, bytes it holds now.
   void text_embedding_cache(uint64_t hits, uint64_t misses, size_t bytes);
   void stream_rejected(const std::string& reason);
+  // The SLO side: one model component's load (kComponent*), one VAE call ("encode": conditioning frames to latents,
+  // "decode": a chunk's latents to frames for its MP4).
+  void model_loaded(const std::string& component, double seconds);
+  void vae_call(const char* op, double seconds);
+  // One RPC, as go-grpc-prometheus counts it: started, then handled with its code (grpc::StatusCode) and duration.
+  // `type` is unary / client_stream / server_stream / bidi_stream; `service` and `method` as in "/service/method".
+  void rpc_started(const std::string& type, const std::string& service, const std::string& method);
+  void rpc_handled(const std::string& type, const std::string& service, const std::string& method, int code,
+                   double seconds);
 
   // SchedulerObserver
   void job_submitted(const JobSnapshot&) override;
@@ -98,6 +115,22 @@ class Metrics : public SchedulerObserver {
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Counter* submitted_;
   std::map<std::string, prometheus::Counter*> finished_;
+  std::map<std::string, prometheus::Histogram*> job_seconds_;  // by outcome
+  prometheus::Histogram* first_chunk_seconds_;
+  std::map<std::string, prometheus::Histogram*> load_seconds_;  // by component
+  std::map<std::string, prometheus::Histogram*, std::less<>> vae_seconds_;  // by op
+  struct RpcSeries {
+    std::map<std::string, std::string> labels;
+    prometheus::Counter* started;
+    prometheus::Histogram* seconds;
+    std::map<int, prometheus::Counter*> handled;  // by code
+  };
+  RpcSeries& rpc_series_locked(const std::string& type, const std::string& service, const std::string& method);
+  prometheus::Family<prometheus::Counter>* rpc_started_family_;
+  prometheus::Family<prometheus::Counter>* rpc_handled_family_;
+  prometheus::Family<prometheus::Histogram>* rpc_seconds_family_;
+  std::mutex rpc_mu_;
+  std::map<std::string, RpcSeries> rpc_;  // by "type service method" 
   std::map<std::string, prometheus::Counter*> rejected_;
   prometheus::Gauge* running_;
   prometheus::Gauge* queue_depth_;

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
@@ -16,6 +17,7 @@
 #include "model/vae_wan.h"
 #include "model/safetensors_limits.h"
 #include "server/blob.h"
+#include "server/fingerprint.h"
 #include "server/generation_params.h"
 #include "server/generation_params_model.h"
 
@@ -198,12 +200,10 @@ model::PixelConditioning pixel_conditioning(const JobRequest& r, const model::Ge
 
 // ---- fingerprint ----------------------------------------------------------------------------------------------
 
-struct Fnv {
-  uint64_t h = 1469598103934665603ULL;
-  void bytes(const void* data, size_t n) {
-    const auto* p = static_cast<const uint8_t*>(data);
-    for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ULL;
-  }
+// The request's bytes in a fixed order, into both fingerprint versions (server/fingerprint.h).
+struct RequestHasher {
+  FingerprintHasher h;
+  void bytes(const void* data, size_t n) { h.bytes(data, n); }
   void str(const std::string& s) {
     add(static_cast<uint64_t>(s.size()));
     bytes(s.data(), s.size());
@@ -221,8 +221,13 @@ struct Fnv {
   }
 };
 
-uint64_t fingerprint_of(const JobRequest& r) {
-  Fnv f;
+struct RequestFingerprint {
+  uint64_t v1 = 0;
+  std::string v2;
+};
+
+RequestFingerprint fingerprint_of(const JobRequest& r) {
+  RequestHasher f;
   f.tensor(r.prompt_embeds);
   f.tensor(r.negative_prompt_embeds);
   f.add(static_cast<uint8_t>(r.embeddings_safetensors.has_value()));
@@ -247,7 +252,8 @@ uint64_t fingerprint_of(const JobRequest& r) {
     f.add(static_cast<uint8_t>(change.text.has_value()));
     if (change.text) f.str(*change.text);
   }
-  return f.h;
+  const uint64_t v1 = f.h.v1();
+  return {v1, f.h.v2()};
 }
 
 // ---- prompt changes ---------------------------------------------------------------------------------------------
@@ -323,11 +329,13 @@ struct ModelJob::Impl {
   int64_t latent_channels = 16;
   int64_t patch_size[3] = {1, 2, 2};
   uint64_t fingerprint = 0;
+  std::string fingerprint_v2;
   at::Tensor tail;  // last overlap frames of the latent video so far, on the replica that made them
   // Image / video conditioning: the pixels until the first chunk encodes them with `vae` (once; the latents then
   // live in `conditioning`, so a retried or handed-off chunk never encodes again).
   model::PixelConditioning pixels;
   std::shared_ptr<const model::WanVae> vae;
+  std::function<void(double seconds)> on_vae_encode;  // metrics
   void encode_conditioning_once();
   // The job's random streams, positioned after the last chunk that succeeded (committed only on success).
   std::unique_ptr<model::NoiseSource> noise;
@@ -339,11 +347,13 @@ struct ModelJob::Impl {
 void ModelJob::Impl::encode_conditioning_once() {
   if (pixels.empty()) return;
   model::EncodedConditioning encoded;
+  const auto t0 = std::chrono::steady_clock::now();
   try {
     encoded = model::encode_conditioning(*vae, pixels, generation);
   } catch (const std::invalid_argument& e) {
     throw ValidationError(e.what());
   }
+  if (on_vae_encode) on_vae_encode(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   conditioning.prefix_latents = encoded.prefix_latents;
   conditioning.last_image_latents = encoded.last_image_latents;
   pixels = {};
@@ -399,9 +409,11 @@ ModelJob::~ModelJob() = default;
 std::shared_ptr<ModelJob> ModelJob::create(const JobRequest& request, const ModelDescription& model,
                                            const ServerLimits& limits, uint64_t random_seed,
                                            const TextEncoderFn& text_encoder,
-                                           std::shared_ptr<const model::WanVae> vae) {
+                                           std::shared_ptr<const model::WanVae> vae,
+                                           std::function<void(double seconds)> on_vae_encode) {
   std::shared_ptr<ModelJob> job(new ModelJob());
   Impl& d = *job->impl_;
+  d.on_vae_encode = std::move(on_vae_encode);
   d.resolved = resolve_generation_params(request, ResolveContext{model.num_frame_per_block, random_seed});
   validate_generation_params(d.resolved, limits);
   d.generation = model_params(d.resolved);
@@ -467,7 +479,9 @@ std::shared_ptr<ModelJob> ModelJob::create(const JobRequest& request, const Mode
   }
   d.latent_channels = model.latent_channels;
   std::copy(std::begin(model.patch_size), std::end(model.patch_size), std::begin(d.patch_size));
-  d.fingerprint = fingerprint_of(request);
+  RequestFingerprint fingerprint = fingerprint_of(request);
+  d.fingerprint = fingerprint.v1;
+  d.fingerprint_v2 = std::move(fingerprint.v2);
 
   check_work(*job, limits);
   d.description = describe(*job);
@@ -479,6 +493,7 @@ std::shared_ptr<const JobDescription> ModelJob::description() const { return imp
 const std::vector<std::string>& ModelJob::warnings() const { return impl_->plan.warnings; }
 int64_t ModelJob::chunk_count() const { return static_cast<int64_t>(impl_->plan.chunks.size()); }
 uint64_t ModelJob::fingerprint() const { return impl_->fingerprint; }
+const std::string& ModelJob::fingerprint_v2() const { return impl_->fingerprint_v2; }
 
 namespace {
 RawTensor f32_raw(const at::Tensor& tensor) {

@@ -163,7 +163,8 @@ class ModelJob : public JobPayload {
   static std::shared_ptr<ModelJob> create(const JobRequest& request, const ModelDescription& model,
                                           const ServerLimits& limits, uint64_t random_seed,
                                           const TextEncoderFn& text_encoder = {},
-                                          std::shared_ptr<const model::WanVae> vae = nullptr);
+                                          std::shared_ptr<const model::WanVae> vae = nullptr,
+                                          std::function<void(double seconds)> on_vae_encode = {});
   ~ModelJob() override;
 
   const ResolvedParams& params() const;
@@ -179,6 +180,7 @@ class ModelJob : public JobPayload {
   int64_t chunk_pixel_frames(int64_t chunk) const;   // frames chunk `chunk` adds to the decoded video
   int64_t chunk_suffix_frames(int64_t chunk) const;  // ChunkLayout::suffix_frames
   uint64_t fingerprint() const;                      // of everything that determines the output (idempotency)
+  const std::string& fingerprint_v2() const;         // the same as SHA-256 ("sha256:..."; server/fingerprint.h)
   // The embeddings the job conditions on (F32 [1, T, text_dim]); the negative ones only with guidance.
   RawTensor prompt_embeddings(bool negative = false) const;
   // Prompt change `index`'s embeddings (F32), as given or as its text was encoded at submit.

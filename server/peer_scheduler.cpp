@@ -5,11 +5,16 @@
 #include <algorithm>
 #include <atomic>
 
+#include "server/dispatch_policy.h"
+#include "server/fingerprint.h"
+
 namespace skyreels::server {
 
 namespace {
 
-constexpr size_t kMaxStepEvents = 64;  // per job running here: watchers only need the latest progress
+constexpr size_t kMaxStepEvents = 64;  // per job: watchers only need the latest progress
+constexpr size_t kMaxStepJobs = 4096;  // jobs with step events kept (those of other pods' chunks too)
+constexpr auto kStepPublishPeriod = std::chrono::milliseconds(500);  // step progress to other pods, coalesced
 constexpr size_t kMaxDescriptions = 4096;  // small structs; a pod is asked about far fewer jobs at a time
 
 int64_t now_ms() { return wall_ms(WallClock::now()); }
@@ -31,6 +36,9 @@ struct PeerScheduler::Running {
   std::shared_ptr<JobPayload> payload;  // the one this chunk runs on (the cache may hold another meanwhile)
   int attempt = 0;
   int64_t rows_total = 0, rows_before = 0;
+  uint64_t step_base = 0;      // sequence numbers reserved for this chunk's steps (one store call per chunk) ...
+  int64_t steps_reserved = 0;  // ... this many
+  Clock::time_point last_published{};  // the worker's own: its last step sent to other pods
   std::atomic<bool> lost{false};    // the store says another replica holds the chunk now
   std::atomic<bool> cancel{false};  // some pod asked to cancel the job
   double progress = 0;
@@ -67,6 +75,7 @@ PeerScheduler::~PeerScheduler() {
   pool_.stop();  // running chunks see hard_stop_ and give their leases back in chunk_done
   if (listener_.joinable()) listener_.join();
   if (heartbeat_.joinable()) heartbeat_.join();
+  if (store_health_.joinable()) store_health_.join();
 }
 
 void PeerScheduler::restore(std::vector<RestoredJob> jobs) {
@@ -81,6 +90,7 @@ void PeerScheduler::start() {
   }
   listener_ = std::thread([this] { listen_loop(); });
   heartbeat_ = std::thread([this] { heartbeat_loop(); });
+  store_health_ = std::thread([this] { store_health_loop(); });
   pool_.start(*this);
 }
 
@@ -92,7 +102,35 @@ bool PeerScheduler::ready() const {
     std::lock_guard<std::mutex> lock(mu_);
     if (draining_ || stopping_) return false;
   }
-  return pool_.all_loaded() && pool_.any_healthy() && leases_.reachable();
+  return pool_.all_loaded() && pool_.any_healthy() && store_answers_;
+}
+
+// The store's health as readiness sees it, from a check of its own (a statement under a short deadline, not TCP):
+// a store that stops answering turns readiness off after kStoreChecksToFail checks, one answer turns it on again.
+// ready() only reads the result, so probes never wait for the store.
+void PeerScheduler::store_health_loop() {
+  int failures = 0;
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopping_) {
+    lock.unlock();
+    bool answered = false;
+    {
+      StoreCallDeadline deadline(Clock::now() + kStoreCheckTimeout);
+      answered = leases_.reachable();
+    }
+    failures = answered ? 0 : failures + 1;
+    const bool now = failures < kStoreChecksToFail;
+    if (now != store_answers_.exchange(now)) {
+      if (now) {
+        spdlog::info("event=job_store_health answering=true");
+      } else {
+        spdlog::error("event=job_store_health answering=false checks_failed={} check_timeout_ms={}", failures,
+                      kStoreCheckTimeout.count());
+      }
+    }
+    lock.lock();
+    heartbeat_cv_.wait_for(lock, kStoreCheckPeriod, [&] { return stopping_; });
+  }
 }
 
 std::string PeerScheduler::lease_name(size_t replica) const { return options_.pod + "/" + pool_.name(replica); }
@@ -160,7 +198,7 @@ std::optional<ChunkAssignment> PeerScheduler::prepare(size_t replica, const Chun
     retry.message = "the lease of the replica running the chunk expired";
     append(job->id, retry);
   }
-  if (attempt > options_.scheduling.chunk_retries) {
+  if (!policy::should_retry(attempt, options_.scheduling.chunk_retries, true)) {  // this replica is healthy
     finish(job->id, JobState::Failed, ErrorKind::Internal,
            "chunk " + std::to_string(lease.chunk_index) + " failed " + std::to_string(attempt) + " time(s)");
     return std::nullopt;
@@ -197,6 +235,15 @@ std::optional<ChunkAssignment> PeerScheduler::prepare(size_t replica, const Chun
   started.handoff = lease.handoff;
   started.attempt = attempt;
   append(job->id, started);
+  const auto& rows = cached->chunk_rows;
+  if (lease.chunk_index < static_cast<int64_t>(rows.size()) && rows[static_cast<size_t>(lease.chunk_index)] > 0) {
+    try {  // after ChunkStarted's number, before ChunkFinished's: steps sort between them on every pod
+      run->steps_reserved = rows[static_cast<size_t>(lease.chunk_index)];
+      run->step_base = leases_.reserve_sequences(job->id, run->steps_reserved);
+    } catch (const StoreError&) {
+      run->steps_reserved = 0;  // progress only: this chunk reports none
+    }
+  }
   spdlog::info("job={} event=chunk_started chunk={}/{} replica={} attempt={} handoff={} token={}", job->id,
                lease.chunk_index, lease.chunk_count, name, attempt, lease.handoff, lease.token);
   if (observer_) {
@@ -300,20 +347,44 @@ void PeerScheduler::push_step(Running& run, int64_t row, int64_t rows) {
   event.steps = rows;
   event.progress = run.rows_total > 0 ? static_cast<double>(run.rows_before + row) / static_cast<double>(run.rows_total)
                                       : 0.0;
-  try {
-    event.sequence = leases_.reserve_sequences(run.job.id, 1);  // monotonic with the stored events, on every pod
-  } catch (const StoreError&) {
-    return;  // progress only: the chunk goes on
-  }
+  if (row < 1 || row > run.steps_reserved) return;  // no numbers for it: progress only, the chunk goes on
+  event.sequence = run.step_base + static_cast<uint64_t>(row - 1);
   event.time = WallClock::now();
   {
     std::lock_guard<std::mutex> lock(mu_);
     run.progress = event.progress;
-    auto& steps = steps_[run.job.id];
-    steps.push_back(event);
-    while (steps.size() > kMaxStepEvents) steps.pop_front();
+    keep_step_locked(run.job.id, event);
   }
   changed(run.job.id);
+  const auto now = Clock::now();
+  if (row == rows || now - run.last_published >= kStepPublishPeriod) {
+    run.last_published = now;
+    try {
+      leases_.publish_step(run.job.id, StoredEvent{event.sequence, encode_stored_event(event)});
+    } catch (const StoreError&) {  // progress only
+    }
+  }
+}
+
+// Step events of a job, this pod's or another's (from publish_step), bounded per job and in number of jobs.
+void PeerScheduler::keep_step_locked(const std::string& job_id, const JobEvent& event) {
+  auto it = steps_.find(job_id);
+  if (it == steps_.end()) {
+    if (steps_.size() >= kMaxStepJobs) {  // the job whose latest step is oldest goes
+      auto oldest = std::min_element(steps_.begin(), steps_.end(), [](const auto& a, const auto& b) {
+        return a.second.empty() || (!b.second.empty() && a.second.back().time < b.second.back().time);
+      });
+      steps_.erase(oldest);
+    }
+    it = steps_.emplace(job_id, std::deque<JobEvent>{}).first;
+  }
+  auto& steps = it->second;
+  for (const JobEvent& e : steps) {
+    if (e.sequence == event.sequence) return;  // our own notification coming back
+  }
+  steps.push_back(event);
+  std::sort(steps.begin(), steps.end(), [](const JobEvent& a, const JobEvent& b) { return a.sequence < b.sequence; });
+  while (steps.size() > kMaxStepEvents) steps.pop_front();
 }
 
 void PeerScheduler::chunk_done(size_t replica, ChunkAssignment /*assignment*/, ChunkResult result, double seconds) {
@@ -421,7 +492,7 @@ std::string PeerScheduler::settle(size_t replica, ChunkResult result, double sec
 }
 
 void PeerScheduler::fail_or_retry(const Running& run, const std::string& error) {
-  const bool retry = run.attempt + 1 <= options_.scheduling.chunk_retries;
+  const bool retry = policy::should_retry(run.attempt + 1, options_.scheduling.chunk_retries, pool_.any_healthy());
   spdlog::warn("job={} event=chunk_failed chunk={} replica={} attempt={} retry={} error=\"{}\"", run.job.id,
                run.lease.chunk_index, run.replica, run.attempt, retry, error);
   if (observer_) observer_->chunk_failed(snapshot(run.job), run.replica, run.lease.chunk_index, error, retry);
@@ -535,6 +606,15 @@ void PeerScheduler::listen_loop() {
     try {
       if (!listener) listener = leases_.listen();
       const JobChanges changes = listener->wait(options_.poll);
+      if (!changes.steps.empty()) {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (const auto& [id, stored] : changes.steps) {
+          try {
+            keep_step_locked(id, decode_stored_event(stored));
+          } catch (const std::exception&) {  // not a step we can read: the job id still wakes its watchers
+          }
+        }
+      }
       for (const std::string& id : changes.job_ids) changed(id);
       if (changes.missed) last_poll = Clock::time_point{};
     } catch (const StoreError& e) {
@@ -662,13 +742,14 @@ SubmitResult PeerScheduler::submit(JobSpec spec) {
   if (spec.chunk_work.empty()) throw std::invalid_argument("submit: a job needs at least one chunk");
   admit_here();  // the store checks the queue limits with the insert
   StoredJob job;
-  job.id = new_job_id();
   job.owner = spec.owner;
   job.client = spec.client;
+  job.client_weight = spec.client_weight;
   job.priority = spec.priority;
   if (spec.deadline) job.deadline_ms = deadline_ms(spec.deadline);
   job.idempotency_key = spec.idempotency_key;
   job.fingerprint = spec.fingerprint;
+  job.fingerprint_v2 = spec.fingerprint_v2;
   job.state = job_state_name(JobState::Queued);
   job.created_ms = now_ms();
   job.chunk_count = static_cast<int64_t>(spec.chunk_work.size());
@@ -679,7 +760,7 @@ SubmitResult PeerScheduler::submit(JobSpec spec) {
     limits.max_unfinished = options_.scheduling.max_jobs;
     limits.max_for_client =
         spec.client_max_jobs > 0 ? spec.client_max_jobs : options_.scheduling.max_jobs_per_client;
-    outcome = leases_.insert_job_once(std::move(job), limits);
+    outcome = insert_with_fresh_ids(leases_, job, limits, new_job_id);
   } catch (const StoreError& e) {
     throw AdmissionError(AdmissionError::Reason::Unavailable, std::string("job store unavailable: ") + e.what(), 1.0);
   }
@@ -687,12 +768,16 @@ SubmitResult PeerScheduler::submit(JobSpec spec) {
     throw AdmissionError(AdmissionError::Reason::QueueFull,
                          "queue full (" + std::to_string(outcome.unfinished) + " unfinished jobs)", 1.0);
   }
+  if (outcome.refused == InsertOutcome::Refusal::IdTaken) {
+    throw AdmissionError(AdmissionError::Reason::Unavailable, "no free job id after " + std::to_string(kIdAttempts) +
+                         " attempts", 1.0);
+  }
   if (outcome.refused == InsertOutcome::Refusal::ClientQueueFull) {
     throw AdmissionError(AdmissionError::Reason::ClientQueueFull,
                          "this client has " + std::to_string(outcome.unfinished) + " unfinished jobs", 1.0);
   }
   if (!outcome.inserted) {
-    if (outcome.fingerprint != spec.fingerprint) {
+    if (!same_fingerprint(outcome.fingerprint, outcome.fingerprint_v2, spec.fingerprint, spec.fingerprint_v2)) {
       throw AdmissionError(AdmissionError::Reason::IdempotencyConflict,
                            "idempotency_key was used for a different request (job " + outcome.job_id + ")");
     }
@@ -768,6 +853,7 @@ std::optional<JobSnapshot> PeerScheduler::get(const std::string& id, const std::
   }
   if (auto it = steps_.find(id); it != steps_.end() && !it->second.empty()) {
     s.last_sequence = std::max(s.last_sequence, it->second.back().sequence);
+    if (!is_terminal(s.state)) s.progress = std::max(s.progress, it->second.back().progress);  // another pod's chunk
   }
   if (auto it = cache_.find(id); it != cache_.end()) s.payload = it->second->payload;
   return s;

@@ -11,6 +11,7 @@
 // chunks running here finish, or, when the drain times out (abort_all), stop and give their leases back.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -31,6 +32,11 @@ namespace skyreels::server {
 // Re-creates a job's payload from its stored request and committed chunks (the layer that owns the request does it:
 // the service). RestoredJob::payload null: the job cannot run (RestoredJob::error says why).
 using JobLoader = std::function<RestoredJob(const StoredJob& job, std::vector<StoredChunk> chunks)>;
+
+// Readiness follows a store check every kStoreCheckPeriod that must answer within kStoreCheckTimeout; after
+// kStoreChecksToFail failures in a row readiness is off (about 6 s after the store stops answering).
+inline constexpr std::chrono::milliseconds kStoreCheckPeriod{1000}, kStoreCheckTimeout{2000};
+inline constexpr int kStoreChecksToFail = 2;
 
 struct PeerOptions {
   SchedulerOptions scheduling;
@@ -100,6 +106,7 @@ class PeerScheduler final : public JobQueue, private ChunkSource {
   void fail_or_retry(const Running& run, const std::string& error);
   uint64_t append(const std::string& job_id, const JobEvent& event);
   void push_step(Running& run, int64_t row, int64_t rows);
+  void keep_step_locked(const std::string& job_id, const JobEvent& event);
   bool stop_requested(const Running& run) const;
   std::string lease_name(size_t replica) const;
   JobSnapshot snapshot(const StoredJob& job) const;
@@ -112,6 +119,7 @@ class PeerScheduler final : public JobQueue, private ChunkSource {
   void changed(const std::string& job_id);  // wakes waiters and the job's subscribers
   void listen_loop();
   void heartbeat_loop();
+  void store_health_loop();
   void housekeeping();
   void retire_finished();
 
@@ -137,7 +145,8 @@ class PeerScheduler final : public JobQueue, private ChunkSource {
   bool interrupted_ = false;
   bool stopping_ = false;
   bool started_ = false;
-  std::thread listener_, heartbeat_;
+  std::thread listener_, heartbeat_, store_health_;
+  std::atomic<bool> store_answers_{true};
   std::condition_variable heartbeat_cv_;
   bool renew_now_ = false;
 };

@@ -16,6 +16,7 @@ namespace {
 constexpr unsigned kOidBool = 16, kOidBytea = 17, kOidInt8 = 20, kOidInt2 = 21, kOidInt4 = 23, kOidText = 25,
                    kOidVarchar = 1043, kOidName = 19;
 constexpr std::chrono::milliseconds kFirstBackoff{50}, kMaxBackoff{2000};
+constexpr std::chrono::milliseconds kRollbackTimeout{2000};  // a session that cannot roll back soon is dropped
 
 // "UPDATE jobs SET a=$1 ..." -> "UPDATE jobs SET a=$1": enough to tell statements apart in a message.
 std::string statement_head(const std::string& sql) { return sql.substr(0, std::min<size_t>(sql.find('('), 48)); }
@@ -158,7 +159,7 @@ void Connection::connect() {
                         "tcp_user_timeout", "application_name", "dbname", nullptr};
   const char* values[] = {"2", "10", "5", "3", "10000", "skyreels-server", url_.c_str(), nullptr};
   conn_ = PQconnectdbParams(keys, values, 1);
-  if (conn_ != nullptr && PQstatus(conn_) == CONNECTION_OK) {
+  if (conn_ != nullptr && PQstatus(conn_) == CONNECTION_OK && PQsetnonblocking(conn_, 1) == 0) {
     PQsetNoticeProcessor(conn_, ignore_notice, nullptr);
     if (backoff_.count() > 0) spdlog::info("event=job_store_reconnected store={}", store_);
     backoff_ = std::chrono::milliseconds(0);
@@ -191,14 +192,68 @@ void Connection::ensure_connected() {
 void Connection::reset_session() {
   if (conn_ == nullptr) return;
   if (PQstatus(conn_) == CONNECTION_OK && PQtransactionStatus(conn_) == PQTRANS_IDLE) return;
-  if (PQstatus(conn_) == CONNECTION_OK) {
-    PGresult* r = PQexec(conn_, "ROLLBACK");
-    const bool ok = r != nullptr && PQresultStatus(r) == PGRES_COMMAND_OK;
-    PQclear(r);
-    if (ok && PQtransactionStatus(conn_) == PQTRANS_IDLE) return;
+  if (PQstatus(conn_) == CONNECTION_OK && PQtransactionStatus(conn_) != PQTRANS_ACTIVE) {
+    try {
+      StoreCallDeadline soon(std::chrono::steady_clock::now() + kRollbackTimeout);
+      exec("ROLLBACK");
+      if (PQtransactionStatus(conn_) == PQTRANS_IDLE) return;
+    } catch (const StoreError&) {
+    }
   }
-  PQfinish(conn_);  // broken or stuck: the next call reconnects
+  drop();  // broken, stuck or busy: the next call reconnects
+}
+
+void Connection::drop() {
+  if (conn_ != nullptr) PQfinish(conn_);
   conn_ = nullptr;
+}
+
+// Waits for the socket to be readable (and writable when `write`) until `until`; false when the time is up.
+bool Connection::wait_socket(bool write, std::chrono::steady_clock::time_point until) {
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+  if (left.count() <= 0) return false;
+  pollfd fd{PQsocket(conn_), static_cast<short>(POLLIN | (write ? POLLOUT : 0)), 0};
+  const int n = poll(&fd, 1, static_cast<int>(std::min<int64_t>(left.count() + 1, 60000)));
+  return n != 0 || std::chrono::steady_clock::now() < until;  // poll's own timeout never outlasts `until`
+}
+
+// The result of the statement(s) just sent, read without blocking past the call's deadline (store_call_deadline):
+// a server that stopped answering fails the call, and the connection, which is then dropped mid-statement.
+PGresult* Connection::await_result(const std::string& sql) {
+  const auto until = store_call_deadline();
+  const auto timed_out = [&] {
+    drop();
+    throw StoreError("job store " + store_ + ": " + statement_head(sql) +
+                     ": no answer within the call's deadline (the connection is dropped; the next call reconnects)");
+  };
+  for (int f; (f = PQflush(conn_)) != 0;) {
+    if (f < 0) return nullptr;
+    if (!wait_socket(true, until)) timed_out();
+    if (PQconsumeInput(conn_) == 0) return nullptr;
+  }
+  PGresult* kept = nullptr;  // the first failure, else the last result
+  while (true) {
+    while (PQisBusy(conn_) != 0) {
+      if (!wait_socket(false, until)) {
+        PQclear(kept);
+        timed_out();
+      }
+      if (PQconsumeInput(conn_) == 0) break;  // the connection broke: PQgetResult reports it
+    }
+    PGresult* r = PQgetResult(conn_);
+    if (r == nullptr) break;
+    const auto failed = [](PGresult* x) {
+      return PQresultStatus(x) != PGRES_COMMAND_OK && PQresultStatus(x) != PGRES_TUPLES_OK;
+    };
+    if (kept != nullptr && failed(kept)) {
+      PQclear(r);  // a script stops at its first failure: that one says why
+      continue;
+    }
+    PQclear(kept);
+    kept = r;
+    if (PQstatus(conn_) != CONNECTION_OK) break;
+  }
+  return kept;
 }
 
 Result Connection::exec(const std::string& sql, const std::vector<Param>& params) {
@@ -213,8 +268,11 @@ Result Connection::exec(const std::string& sql, const std::vector<Param>& params
     lengths[i] = params[i].size();
     formats[i] = params[i].binary() ? 1 : 0;
   }
-  PGresult* r = PQexecParams(conn_, sql.c_str(), static_cast<int>(n), types.data(), values.data(), lengths.data(),
-                             formats.data(), 1);
+  PGresult* r = nullptr;
+  if (PQsendQueryParams(conn_, sql.c_str(), static_cast<int>(n), types.data(), values.data(), lengths.data(),
+                        formats.data(), 1) != 0) {
+    r = await_result(sql);
+  }
   const ExecStatusType status = r != nullptr ? PQresultStatus(r) : PGRES_FATAL_ERROR;
   if (status == PGRES_COMMAND_OK || status == PGRES_TUPLES_OK) return Result(r, store_);
   std::string cause = r != nullptr ? trimmed(PQresultErrorMessage(r)) : "";
@@ -226,7 +284,7 @@ Result Connection::exec(const std::string& sql, const std::vector<Param>& params
 
 void Connection::exec_script(const std::string& sql) {
   ensure_connected();
-  PGresult* r = PQexec(conn_, sql.c_str());
+  PGresult* r = PQsendQuery(conn_, sql.c_str()) != 0 ? await_result(sql) : nullptr;
   const bool ok = r != nullptr && PQresultStatus(r) == PGRES_COMMAND_OK;
   std::string cause = r != nullptr ? trimmed(PQresultErrorMessage(r)) : trimmed(PQerrorMessage(conn_));
   PQclear(r);
@@ -255,7 +313,10 @@ Pool::~Pool() = default;
 
 Pool::Lease Pool::acquire() {
   std::unique_lock<std::mutex> lock(mu_);
-  returned_.wait(lock, [&] { return !free_.empty(); });
+  if (!returned_.wait_until(lock, store_call_deadline(), [&] { return !free_.empty(); })) {
+    throw StoreError("job store " + redact_url(url_) + ": no free connection within the call's deadline (every one "
+                     "waits for the store)");
+  }
   Connection* c = free_.back();
   free_.pop_back();
   return Lease(*this, *c);

@@ -3,7 +3,9 @@
 // pool and a LISTEN connection. Every error is a StoreError naming the store (its URL, password redacted) and the
 // cause.
 //
-// Connection loss: the call that meets it fails; the next call reconnects. While reconnecting fails, calls throw
+// Deadlines: every statement is sent and read without blocking, and fails (dropping its connection) once the
+// thread's store_call_deadline() (job_store.h: the RPC's deadline, at most kStoreCallTimeout) passes; waiting for a
+// pooled connection ends then too. Connection loss: the call that meets it fails; the next call reconnects. While reconnecting fails, calls throw
 // StoreError without trying until a back-off (doubling from 50 ms to 2 s) has passed, so an outage costs nothing.
 #pragma once
 
@@ -90,6 +92,9 @@ class Connection {
 
  private:
   void connect();
+  void drop();
+  bool wait_socket(bool write, std::chrono::steady_clock::time_point until);
+  pg_result* await_result(const std::string& sql);
   std::string url_, store_;
   pg_conn* conn_ = nullptr;
   std::chrono::steady_clock::time_point next_attempt_{};

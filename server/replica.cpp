@@ -165,6 +165,7 @@ void ModelReplica::start() {
                options_.dtype, options_.threads, options_.model_path);
   model::LoadedTransformer loaded = model::load_transformer(options_.model_path, load);
   model_ = std::move(loaded.model);
+  if (options_.on_loaded) options_.on_loaded(loaded.report.seconds);
   const auto t0 = std::chrono::steady_clock::now();
   warm_up();
   spdlog::info("replica={} event=ready load_seconds={:.3f} warmup_seconds={:.3f} parameters={}", options_.name,

@@ -48,6 +48,8 @@ struct ReplicaOptions {
       0};  // test hook: sleep at every stop check (after each block, before each step)
   // After every transformer call: token-blocks computed, saved by the exact savings, saved by the step cache.
   std::function<void(int64_t computed, int64_t saved_exact, int64_t saved_cache)> on_transformer_work;
+  // Once the weights are loaded (and merged with any LoRA), with the seconds it took; warm-up not included.
+  std::function<void(double seconds)> on_loaded;
 };
 
 struct ReplicaInfo {

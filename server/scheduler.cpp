@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <limits>
+#include <set>
 
 #include "server/dispatch_policy.h"
+#include "server/fingerprint.h"
 
 namespace skyreels::server {
 
@@ -46,7 +48,6 @@ struct Scheduler::Job {
   std::map<uint64_t, std::function<void()>> listeners;  // subscribe(): watchers that hold no thread
 
   int64_t fair_key() const { return vbase + chunks_done; }
-  policy::JobKey key() const { return {spec.priority, fair_key(), order}; }
   bool active() const { return !is_terminal(state); }
 };
 
@@ -199,6 +200,65 @@ void Scheduler::fail_waiting_jobs_locked(const std::string& reason) {
   }
 }
 
+policy::JobKey Scheduler::key_locked(const Job& job) const {
+  const auto share = clients_.find(job.spec.client);
+  return {job.spec.priority, job.fair_key(), job.order, share == clients_.end() ? 0 : share->second.service};
+}
+
+void Scheduler::sort_for_dispatch_locked(std::vector<Job*>& jobs) const {
+  std::sort(jobs.begin(), jobs.end(),
+            [this](const Job* a, const Job* b) { return policy::dispatch_before(key_locked(*a), key_locked(*b)); });
+}
+
+// A client that becomes active (its first unfinished job) starts at client_share_start; its later jobs start within
+// its own share.
+void Scheduler::start_shares_locked(Job& job) {
+  std::vector<int64_t> own_jobs, active_clients;
+  std::set<std::string> active;
+  for (const auto* jobs : {&jobs_, &reserving_}) {
+    for (const auto& [id, other] : *jobs) {
+      if (!other->active() || other.get() == &job) continue;
+      if (other->spec.client == job.spec.client) own_jobs.push_back(other->fair_key());
+      active.insert(other->spec.client);
+    }
+  }
+  job.vbase = policy::fair_share_start(own_jobs);
+  if (!active.count(job.spec.client)) {
+    for (const std::string& client : active) {
+      const auto share = clients_.find(client);
+      active_clients.push_back(share == clients_.end() ? 0 : share->second.service);
+    }
+    const auto own = clients_.find(job.spec.client);
+    clients_[job.spec.client].service =
+        policy::client_share_start(own == clients_.end() ? -1 : own->second.service, active_clients);
+  }
+  clients_[job.spec.client].weight = job.spec.client_weight;
+}
+
+// Clients without an unfinished job are forgotten once they would start from the active clients' least service
+// anyway (bounded: anonymous clients are peer addresses).
+void Scheduler::forget_idle_clients_locked() {
+  std::set<std::string> active;
+  int64_t least = std::numeric_limits<int64_t>::max();
+  for (const auto* jobs : {&jobs_, &reserving_}) {
+    for (const auto& [id, job] : *jobs) {
+      if (job->active()) active.insert(job->spec.client);
+    }
+  }
+  for (const std::string& client : active) {
+    const auto share = clients_.find(client);
+    if (share != clients_.end()) least = std::min(least, share->second.service);
+  }
+  for (auto it = clients_.begin(); it != clients_.end();) {
+    const bool idle = !active.count(it->first);
+    if (idle && (it->second.service <= least || clients_.size() > kMaxIdleClients)) {
+      it = clients_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
 std::vector<policy::ReplicaView> Scheduler::replica_views_locked(Clock::time_point now) const {
   std::vector<policy::ReplicaView> views(slots_.size());
   for (size_t r = 0; r < slots_.size(); ++r) {
@@ -226,14 +286,19 @@ void Scheduler::dispatch_locked() {
     for (auto& [id, job] : jobs_) {
       if (job->active() && !job->chunk_running && !job->cancel_requested && !job->aborted) ready.push_back(job.get());
     }
-    std::sort(ready.begin(), ready.end(),
-              [](const Job* a, const Job* b) { return policy::dispatch_before(a->key(), b->key()); });
-    for (Job* job : ready) {
-      if (!any_idle()) break;
-      const int chosen = choose_replica_locked(*job, views);
-      if (chosen < 0) continue;
-      assign_locked(*job, static_cast<size_t>(chosen), now);
+    // Each assignment charges its client, which can reorder the rest: sort again after each one.
+    while (!ready.empty() && any_idle()) {
+      sort_for_dispatch_locked(ready);
+      auto it = ready.begin();
+      int chosen = -1;
+      for (; it != ready.end(); ++it) {
+        chosen = choose_replica_locked(**it, views);
+        if (chosen >= 0) break;
+      }
+      if (it == ready.end()) break;
+      assign_locked(**it, static_cast<size_t>(chosen), now);
       views[static_cast<size_t>(chosen)].idle = false;
+      ready.erase(it);
     }
   }
   update_positions_locked(now);
@@ -260,6 +325,8 @@ void Scheduler::assign_locked(Job& job, size_t index, Clock::time_point now) {
   slot.work = work;
   slot.started = now;
   slot.expected_seconds = estimate_seconds_locked(work);
+  ClientShare& share = clients_[job.spec.client];
+  share.service += policy::charge_chunk(share.weight);  // charged as it starts: the next idle replica sees it
 
   const bool handoff = job.holder >= 0 && job.holder != static_cast<int>(index);
   const JobSnapshot before = snapshot_locked(job);
@@ -486,6 +553,7 @@ StoredJob Scheduler::stored_locked(const Job& job) const {
   if (snap.deadline) s.deadline_ms = wall_ms(*snap.deadline);
   s.idempotency_key = job.spec.idempotency_key;
   s.fingerprint = job.spec.fingerprint;
+  s.fingerprint_v2 = job.spec.fingerprint_v2;
   s.state = job_state_name(job.state);
   s.error_kind = error_kind_name(job.error_kind);
   s.error = job.error;
@@ -518,8 +586,7 @@ void Scheduler::update_positions_locked(Clock::time_point now) {
   for (auto& [id, job] : jobs_) {
     if (job->active() && !job->chunk_running) waiting.push_back(job.get());
   }
-  std::sort(waiting.begin(), waiting.end(),
-            [](const Job* a, const Job* b) { return policy::dispatch_before(a->key(), b->key()); });
+  sort_for_dispatch_locked(waiting);
   int64_t healthy = 0;
   double soonest_free = std::numeric_limits<double>::infinity();
   for (const policy::ReplicaView& r : replica_views_locked(now)) {
@@ -583,7 +650,7 @@ void Scheduler::gc_locked() {
     }
     wake_watchers_locked(*job);  // they find the job gone
     jobs_.erase(job->id);
-  }
+  }  forget_idle_clients_locked();
 }
 
 // ---- snapshots and queries ------------------------------------------------------------------------------------
@@ -717,7 +784,8 @@ std::optional<SubmitResult> Scheduler::known_key_locked(const JobSpec& spec, std
     }
     const Job* existing = find_locked(it->second, spec.owner);
     if (existing == nullptr) return std::nullopt;
-    if (existing->spec.fingerprint != spec.fingerprint) {
+    if (!same_fingerprint(existing->spec.fingerprint, existing->spec.fingerprint_v2, spec.fingerprint,
+                          spec.fingerprint_v2)) {
       throw AdmissionError(AdmissionError::Reason::IdempotencyConflict,
                            "idempotency_key: already used by job " + existing->id + " with a different request");
     }
@@ -732,13 +800,9 @@ Scheduler::Job& Scheduler::reserve_locked(JobSpec spec) {
   job->order = next_seq_++;
   job->created = WallClock::now();
   job->created_mono = Clock::now();
-  std::vector<int64_t> active_fair_keys;
-  for (const auto& [id, other] : jobs_) {
-    if (other->active()) active_fair_keys.push_back(other->fair_key());
-  }
-  job->vbase = policy::fair_share_start(active_fair_keys);
   for (int64_t rows : spec.chunk_rows) job->rows_total += rows;
   job->spec = std::move(spec);
+  start_shares_locked(*job);
   if (!job->spec.idempotency_key.empty()) idempotency_[{job->spec.owner, job->spec.idempotency_key}] = job->id;
   Job& ref = *job;
   reserving_[ref.id] = std::move(job);
@@ -785,6 +849,7 @@ void Scheduler::restore(std::vector<RestoredJob> restored) {
     if (s.deadline_ms) job->spec.deadline = mono(from_wall_ms(*s.deadline_ms));
     job->spec.idempotency_key = s.idempotency_key;
     job->spec.fingerprint = s.fingerprint;
+    job->spec.fingerprint_v2 = s.fingerprint_v2;
     job->spec.payload = r.payload;
     job->spec.description = r.description;
     job->spec.chunk_work = r.chunk_work.empty() ? std::vector<double>(static_cast<size_t>(s.chunk_count), 1.0)

@@ -3,8 +3,10 @@
 // goes through the pure DispatchPolicy (dispatch_policy.h); replica health is the pool's; no gRPC, no LibTorch.
 //
 // Policy, applied whenever a replica is idle and a chunk is ready:
-//  1. Order ready jobs by priority (higher first), then by attained service (fewest chunks run first: a long video
-//     cannot starve short ones, jobs interleave at chunk boundaries), then by submission order.
+//  1. Order ready jobs by priority (higher first), then by their client's attained service (chunks started for the
+//     client, divided by its weight: a tenant with many jobs gets one share, not one per job), then by the job's
+//     attained service within its client (fewest chunks run first: a long video cannot starve short ones, jobs
+//     interleave at chunk boundaries), then by submission order.
 //  2. For each job in that order pick a replica: the one that ran its previous chunk (affinity: prefix latents and
 //     text embeddings are already there) when it is idle; otherwise an idle replica, unless the holder is busy and
 //     will finish sooner than a handoff costs (then the job waits for it). Moving a job counts as a handoff.
@@ -84,6 +86,11 @@ class Scheduler : public JobQueue, private ChunkSource {
  private:
   struct Job;
   struct Slot;
+  struct ClientShare {
+    int64_t service = 0;  // policy::charge_chunk per chunk started for the client
+    int weight = 1;
+  };
+  static constexpr size_t kMaxIdleClients = 10000;
 
   // ChunkSource: the pool's workers pull here; dispatching happens under mu_ and hands the chunk to the slot.
   std::optional<ChunkAssignment> next_chunk(size_t replica) override;
@@ -92,6 +99,10 @@ class Scheduler : public JobQueue, private ChunkSource {
   void interrupt() override;
 
   void dispatch_locked();
+  policy::JobKey key_locked(const Job& job) const;
+  void sort_for_dispatch_locked(std::vector<Job*>& jobs) const;
+  void start_shares_locked(Job& job);
+  void forget_idle_clients_locked();
   void expire_locked(Clock::time_point now);
   void fail_waiting_jobs_locked(const std::string& reason);
   std::vector<policy::ReplicaView> replica_views_locked(Clock::time_point now) const;
@@ -135,6 +146,7 @@ class Scheduler : public JobQueue, private ChunkSource {
   std::map<std::string, std::unique_ptr<Job>> jobs_;
   std::map<std::string, std::unique_ptr<Job>> reserving_;                   // admitted, being stored: not visible yet
   std::map<std::pair<std::string, std::string>, std::string> idempotency_;  // (owner, key) -> id (reserved too)
+  std::map<std::string, ClientShare> clients_;  // by JobSpec::client: fair share between tenants
   uint64_t next_seq_ = 0;
   uint64_t next_listener_ = 1;
   bool draining_ = false;

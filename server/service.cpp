@@ -14,12 +14,13 @@
 #include <functional>
 #include <mutex>
 #include <optional>
-#include <random>
 #include <set>
 #include <thread>
 
 #include "server/generation_params_proto.h"
+#include "server/fingerprint.h"
 #include "server/guards.h"
+#include "server/job_store.h"
 #include "skyreels/v1/video_service.grpc.pb.h"
 
 namespace skyreels::server {
@@ -33,7 +34,7 @@ using grpc::StatusCode;
 
 constexpr size_t kPartBytes = 1 << 20;                  // result messages stay small whatever the chunk size
 constexpr auto kPoll = std::chrono::milliseconds(500);  // how often long streams look for a gone client
-constexpr size_t kMaxJobIdBytes = 64;                   // ours are 18 ("j-" + 16 hex digits)
+constexpr size_t kMaxJobIdBytes = 64;                   // ours are 34 ("j-" + 32 hex digits)
 constexpr size_t kMaxIdempotencyKeyBytes = 128;
 // Deadlines and timeouts further out than this are refused: no job should wait in a queue for a month.
 constexpr std::chrono::hours kMaxJobTimeout{24 * 30};
@@ -283,6 +284,33 @@ uint64_t deadline_fingerprint(const pb::SubmitJobRequest& request) {
   return h;
 }
 
+// The request's SHA-256 fingerprint with what the submission adds to it (priority, deadline or timeout).
+std::string submission_fingerprint_v2(const ModelJob& job, const pb::SubmitJobRequest& request) {
+  FingerprintHasher h;
+  const std::string& of_request = job.fingerprint_v2();
+  h.bytes(of_request.data(), of_request.size());
+  const int64_t fields[] = {request.priority(), static_cast<int64_t>(request.deadline_kind_case()),
+                            request.has_deadline() ? request.deadline().seconds() : request.timeout().seconds(),
+                            request.has_deadline() ? request.deadline().nanos() : request.timeout().nanos()};
+  h.bytes(fields, sizeof fields);
+  return h.v2();
+}
+
+std::function<void(double)> vae_encode_metric(Metrics* metrics) {
+  if (metrics == nullptr) return {};
+  return [metrics](double seconds) { metrics->vae_call("encode", seconds); };
+}
+
+// The RPC's deadline on the steady clock (store calls made for it end then: StoreCallDeadline); max() when none.
+std::chrono::steady_clock::time_point rpc_deadline(const grpc::ServerContextBase& ctx) {
+  const auto deadline = ctx.deadline();
+  const auto left = deadline - std::chrono::system_clock::now();
+  if (deadline == std::chrono::system_clock::time_point::max() || left > std::chrono::hours(24)) {
+    return std::chrono::steady_clock::time_point::max();
+  }
+  return std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(left);
+}
+
 // A page token is the decimal offset ListJobs returned, nothing else (no sign, no spaces, no overflow).
 bool parse_page_token(const std::string& token, size_t* offset) {
   if (token.empty() || token.size() > 18 || token.find_first_not_of("0123456789") != std::string::npos) return false;
@@ -291,10 +319,9 @@ bool parse_page_token(const std::string& token, size_t* offset) {
 }
 
 uint64_t random_seed() {
-  static std::mutex mu;
-  static std::mt19937_64 rng{std::random_device{}()};
-  std::lock_guard<std::mutex> lock(mu);
-  return rng() >> 1;  // 63 bits: also fits signed 64-bit consumers
+  uint64_t seed = 0;
+  random_bytes(&seed, sizeof seed);
+  return seed >> 1;  // 63 bits: also fits signed 64-bit consumers
 }
 
 // Who is calling: `owner` decides which jobs they see ("" without API keys); `client` is what per-client caps count
@@ -388,6 +415,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
   }
 
   Status SubmitJob(ServerContext* ctx, const pb::SubmitJobRequest* request, pb::SubmitJobResponse* response) override {
+    const StoreCallDeadline store_deadline(rpc_deadline(*ctx));
     Caller caller;
     if (Status s = authenticate(ctx, &caller, true); !s.ok()) return s;
     SubmitResult result;
@@ -398,6 +426,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
   }
 
   Status GetJob(ServerContext* ctx, const pb::GetJobRequest* request, pb::Job* response) override {
+    const StoreCallDeadline store_deadline(rpc_deadline(*ctx));
     Caller caller;
     if (Status s = authenticate(ctx, &caller, false); !s.ok()) return s;
     if (Status s = check_job_id(request->job_id()); !s.ok()) return s;
@@ -426,6 +455,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
   }
 
   Status CancelJob(ServerContext* ctx, const pb::CancelJobRequest* request, pb::Job* response) override {
+    const StoreCallDeadline store_deadline(rpc_deadline(*ctx));
     Caller caller;
     if (Status s = authenticate(ctx, &caller, false); !s.ok()) return s;
     if (Status s = check_job_id(request->job_id()); !s.ok()) return s;
@@ -438,6 +468,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
   }
 
   Status ListJobs(ServerContext* ctx, const pb::ListJobsRequest* request, pb::ListJobsResponse* response) override {
+    const StoreCallDeadline store_deadline(rpc_deadline(*ctx));
     Caller caller;
     if (Status s = authenticate(ctx, &caller, false); !s.ok()) return s;
     if (request->page_size() < 0 || request->page_size() > 1000) {
@@ -470,6 +501,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
 
   Status DownloadResult(ServerContext* ctx, const pb::DownloadResultRequest* request,
                         grpc::ServerWriter<pb::ResultPart>* writer) override {
+    const StoreCallDeadline store_deadline(rpc_deadline(*ctx));
     Caller caller;
     if (Status s = authenticate(ctx, &caller, false); !s.ok()) return s;
     if (Status s = check_job_id(request->job_id()); !s.ok()) return s;
@@ -509,6 +541,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
 
   Status Generate(ServerContext* ctx, const pb::GenerateRequest* request,
                   grpc::ServerWriter<pb::GenerateResponse>* writer) override {
+    const StoreCallDeadline store_deadline(rpc_deadline(*ctx));
     Caller caller;
     if (Status s = authenticate(ctx, &caller, true); !s.ok()) return s;
     if (Status s = check_format(request->format(), config_.vae_available); !s.ok()) return s;
@@ -555,6 +588,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
   }
 
   Status GetServerInfo(ServerContext* ctx, const pb::GetServerInfoRequest*, pb::ServerInfo* response) override {
+    const StoreCallDeadline store_deadline(rpc_deadline(*ctx));
     Caller caller;
     if (Status s = authenticate(ctx, &caller, false); !s.ok()) return s;
     response->set_version(config_.version);
@@ -769,6 +803,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
     spec.owner = caller.owner;
     spec.client = caller.client;
     spec.client_max_jobs = caller.limits.max_jobs.value_or(0);
+    spec.client_weight = caller.limits.weight.value_or(1);
     spec.priority = request.priority();
     spec.deadline = deadline;
     spec.idempotency_key = request.idempotency_key();
@@ -789,7 +824,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
         }
       }
       job = ModelJob::create(request_from_proto(request.spec()), config_.model, config_.limits, random_seed(),
-                             gated_text_encoder(), config_.vae);
+                             gated_text_encoder(), config_.vae, vae_encode_metric(config_.metrics));
     } catch (const AdmissionError& e) {
       return admission_refused(ctx, e);
     } catch (const EncoderBusy& e) {
@@ -807,6 +842,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
     spec.chunk_rows = job->chunk_rows();
     spec.fingerprint = job->fingerprint() ^ (static_cast<uint64_t>(request.priority() + 11) * 0x9E3779B97F4A7C15ULL) ^
                        deadline_fingerprint(request);
+    spec.fingerprint_v2 = submission_fingerprint_v2(*job, request);
     spec.payload = job;
     spec.description = job->description();
     spec.durable_request = durable_request(request, *job);
@@ -1198,7 +1234,7 @@ RestoredJob restore_job(const StoredJob& stored, std::vector<StoredChunk> chunks
     // Requests are stored with embeddings, never text: no text is encoded again. (Only a request stored by an older
     // server may still hold prompt changes as text; they are encoded with this server's encoder.)
     auto job = ModelJob::create(request_from_proto(request.spec()), config.model, config.limits, 0,
-                                config.text_encoder, config.vae);
+                                config.text_encoder, config.vae, vae_encode_metric(config.metrics));
     std::vector<std::string> bytes;
     for (auto& chunk : chunks) bytes.push_back(std::move(chunk.bytes));
     job->restore_results(bytes);  // the next chunk's tail; the results stay in the store
@@ -1262,10 +1298,77 @@ class MalformedRequestInterceptorFactory final : public grpc::experimental::Serv
   }
 };
 
+// grpc_server_* metrics per RPC (Metrics::rpc_started / rpc_handled): its status as the client gets it (after the
+// malformed-request rewrite), timed from the interceptor's creation at the call's start. A call that ends without
+// sending a status (the client went away) counts as Canceled.
+class RpcMetricsInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  RpcMetricsInterceptor(Metrics& metrics, std::string type, std::string service, std::string method)
+      : metrics_(metrics), type_(std::move(type)), service_(std::move(service)), method_(std::move(method)) {
+    metrics_.rpc_started(type_, service_, method_);
+  }
+  ~RpcMetricsInterceptor() override {
+    if (!handled_) handled(static_cast<int>(StatusCode::CANCELLED));
+  }
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (!handled_ && methods->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
+      handled(static_cast<int>(methods->GetSendStatus().error_code()));
+    }
+    methods->Proceed();
+  }
+
+ private:
+  void handled(int code) {
+    handled_ = true;
+    metrics_.rpc_handled(type_, service_, method_, code,
+                         std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count());
+  }
+  Metrics& metrics_;
+  std::string type_, service_, method_;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+  bool handled_ = false;
+};
+
+class RpcMetricsInterceptorFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  explicit RpcMetricsInterceptorFactory(Metrics& metrics) : metrics_(metrics) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override {
+    using Type = grpc::experimental::ServerRpcInfo::Type;
+    const char* type = "unary";
+    switch (info->type()) {
+      case Type::CLIENT_STREAMING:
+        type = "client_stream";
+        break;
+      case Type::SERVER_STREAMING:
+        type = "server_stream";
+        break;
+      case Type::BIDI_STREAMING:
+        type = "bidi_stream";
+        break;
+      default:
+        break;
+    }
+    // "/package.Service/Method"; anything else (or an unbounded variety: Metrics caps the series) is "unknown".
+    const std::string name = info->method() != nullptr ? info->method() : "";
+    const size_t slash = name.find('/', 1);
+    if (name.size() > 128 || name.empty() || name[0] != '/' || slash == std::string::npos) {
+      return new RpcMetricsInterceptor(metrics_, type, "unknown", "unknown");
+    }
+    return new RpcMetricsInterceptor(metrics_, type, name.substr(1, slash - 1), name.substr(slash + 1));
+  }
+
+ private:
+  Metrics& metrics_;
+};
+
 }  // namespace
 
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> make_malformed_request_interceptor() {
   return std::make_unique<MalformedRequestInterceptorFactory>();
+}
+
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> make_rpc_metrics_interceptor(Metrics& metrics) {
+  return std::make_unique<RpcMetricsInterceptorFactory>(metrics);
 }
 
 struct UnaryProbe::Impl {

@@ -94,6 +94,8 @@ RestoredJob restore_job(const StoredJob& stored, std::vector<StoredChunk> chunks
 // A server interceptor that turns gRPC's answer to a request it could not parse (INTERNAL with an empty message: a
 // malformed protobuf, or a string field that is not UTF-8) into INVALID_ARGUMENT saying so.
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> make_malformed_request_interceptor();
+// Counts and times every RPC into `metrics` (grpc_server_started_total, grpc_server_handled_total, ...).
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> make_rpc_metrics_interceptor(Metrics& metrics);
 
 // Readiness must not say SERVING while unary calls cannot be answered (e.g. every server thread taken). Calls
 // GetServerInfo through the server's in-process channel, which shares the server's threads, at most once a `period`;

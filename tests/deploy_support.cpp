@@ -508,13 +508,16 @@ Contract load_contract(const fs::path& architecture_md) {
     contract.defaults[(*it)[1]] = trim((*it)[2]);
   }
 
-  static const std::regex row_re("\\|\\s*`(skyreels_[a-z0-9_]+)`\\s*\\|\\s*([a-z]+)[^|]*\\|([^|\\n]*)\\|");
+  static const std::regex row_re("\\|\\s*`((?:skyreels|grpc_server)_[a-z0-9_]+)`\\s*\\|\\s*([a-z]+)[^|]*\\|([^|\\n]*)\\|");
   static const std::regex label_re("`([a-z_]+)`");
   for (std::sregex_iterator it(contract.text.begin(), contract.text.end(), row_re), last; it != last; ++it) {
     MetricSpec spec;
     spec.name = (*it)[1];
     spec.type = (*it)[2];
     const std::string labels = (*it)[3];
+    for (std::sregex_iterator l(labels.begin(), labels.end(), label_re), end; l != end; ++l) {
+      spec.labels.insert((*l)[1]);
+    }
     std::smatch label;
     if (std::regex_search(labels, label, label_re)) {
       spec.label = label[1];
@@ -537,7 +540,7 @@ const std::set<std::string>& target_labels() {
 // --- PromQL ---------------------------------------------------------------------------------------------------------
 
 std::set<std::string> skyreels_series(const std::string& promql) {
-  static const std::regex series_re("\\bskyreels_[a-zA-Z0-9_]+");
+  static const std::regex series_re("\\b(?:skyreels|grpc_server)_[a-zA-Z0-9_]+");
   std::set<std::string> names;
   for (std::sregex_iterator it(promql.begin(), promql.end(), series_re), last; it != last; ++it) {
     names.insert(it->str());
@@ -564,7 +567,7 @@ std::set<std::string> labels_allowed_in(const std::string& promql, const Contrac
   allowed.insert("le");
   for (const auto& series : skyreels_series(promql)) {
     const auto spec = contract.metrics.find(metric_of_series(series, contract));
-    if (spec != contract.metrics.end() && !spec->second.label.empty()) allowed.insert(spec->second.label);
+    if (spec != contract.metrics.end()) allowed.insert(spec->second.labels.begin(), spec->second.labels.end());
   }
   return allowed;
 }
@@ -582,7 +585,7 @@ void check_series(const std::string& promql, const Contract& contract, std::vect
 }
 
 void check_matchers(const std::string& promql, const Contract& contract, std::vector<std::string>& problems) {
-  static const std::regex selector_re("(skyreels_[a-zA-Z0-9_]+)\\s*\\{([^}]*)\\}");
+  static const std::regex selector_re("((?:skyreels|grpc_server)_[a-zA-Z0-9_]+)\\s*\\{([^}]*)\\}");
   static const std::regex matcher_re("([a-zA-Z_][a-zA-Z0-9_]*)\\s*(=~|!~|!=|=)\\s*\"([^\"]*)\"");
   for (RegexIt it(promql.begin(), promql.end(), selector_re), last; it != last; ++it) {
     const std::string series = (*it)[1];
@@ -591,7 +594,7 @@ void check_matchers(const std::string& promql, const Contract& contract, std::ve
     const std::string matchers = (*it)[2];
     for (RegexIt m(matchers.begin(), matchers.end(), matcher_re); m != last; ++m) {
       const std::string label = (*m)[1], op = (*m)[2], value = (*m)[3];
-      const bool known = label == spec->second.label || target_labels().count(label) > 0 ||
+      const bool known = spec->second.labels.count(label) > 0 || target_labels().count(label) > 0 ||
                          (label == "le" && ends_with(series, "_bucket"));
       if (!known) problems.push_back(series + ": label '" + label + "' is not in the contract");
       const bool literal = (op == "=" || op == "!=") && value.find('$') == std::string::npos;
@@ -606,7 +609,7 @@ void check_matchers(const std::string& promql, const Contract& contract, std::ve
 // by (...), without (...), on (...), ignoring (...), group_left (...), label_values(metric, label).
 void check_grouping(const std::string& promql, const Contract& contract, std::vector<std::string>& problems) {
   static const std::regex grouping_re("\\b(?:by|without|on|ignoring|group_left|group_right)\\s*\\(([^)]*)\\)");
-  static const std::regex label_values_re("label_values\\(\\s*skyreels_[a-zA-Z0-9_]+(\\{[^}]*\\})?\\s*,\\s*(\\w+)");
+  static const std::regex label_values_re("label_values\\(\\s*(?:skyreels|grpc_server)_[a-zA-Z0-9_]+(\\{[^}]*\\})?\\s*,\\s*(\\w+)");
   const auto allowed = labels_allowed_in(promql, contract);
   auto check = [&](const std::string& label) {
     if (!label.empty() && allowed.count(label) == 0) {
@@ -621,7 +624,7 @@ void check_grouping(const std::string& promql, const Contract& contract, std::ve
 
 // rate()/increase() need counters (or histogram series); histogram_quantile needs _bucket grouped by le.
 void check_functions(const std::string& promql, const Contract& contract, std::vector<std::string>& problems) {
-  static const std::regex rate_re("\\b(?:rate|irate|increase)\\s*\\(\\s*(skyreels_[a-zA-Z0-9_]+)");
+  static const std::regex rate_re("\\b(?:rate|irate|increase)\\s*\\(\\s*((?:skyreels|grpc_server)_[a-zA-Z0-9_]+)");
   for (RegexIt it(promql.begin(), promql.end(), rate_re), last; it != last; ++it) {
     const std::string series = (*it)[1];
     const std::string metric = metric_of_series(series, contract);

@@ -68,8 +68,9 @@ std::vector<DockerStage> parse_dockerfile(const fs::path& file);
 struct MetricSpec {
   std::string name;
   std::string type;                    // counter, gauge, histogram
-  std::string label;                   // at most one label per metric in the contract; may be empty
-  std::set<std::string> label_values;  // when the contract enumerates them
+  std::string label;                   // the first label in the contract's row; may be empty
+  std::set<std::string> labels;        // every label of the row (grpc_server_* have several)
+  std::set<std::string> label_values;  // of `label`, when the contract enumerates them
 };
 struct Contract {
   std::set<std::string> flags;                  // --model, --devices, ...

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <pwd.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -67,6 +68,7 @@ void PgServer::make_cluster(bool durable) {
 }
 
 PgServer::~PgServer() {
+  thaw();
   if (running_) run(bindir_ + "/pg_ctl", {"-D", data_, "-m", "immediate", "-w", "stop"}, true);
   std::error_code ec;
   std::filesystem::remove_all(dir_, ec);
@@ -145,6 +147,35 @@ void PgServer::stop() {
 void PgServer::restart() {
   pg_ctl({"-m", "fast", "restart"});
   running_ = true;
+}
+
+// The postmaster (first line of postmaster.pid) and its children (ppid from /proc/PID/stat).
+void PgServer::freeze() {
+  std::ifstream pid_file(data_ + "/postmaster.pid");
+  int postmaster = 0;
+  if (!(pid_file >> postmaster) || postmaster <= 0) throw std::runtime_error("freeze: no postmaster.pid in " + data_);
+  std::vector<int> pids = {postmaster};
+  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream stat(entry.path() / "stat");
+    std::string line;
+    if (!std::getline(stat, line)) continue;
+    const size_t close = line.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream rest(line.substr(close + 1));
+    std::string state;
+    int ppid = 0;
+    if (rest >> state >> ppid && ppid == postmaster) pids.push_back(std::stoi(name));
+  }
+  for (int pid : pids) {
+    if (::kill(pid, SIGSTOP) == 0) frozen_.push_back(pid);
+  }
+}
+
+void PgServer::thaw() {
+  for (int pid : frozen_) ::kill(pid, SIGCONT);
+  frozen_.clear();
 }
 
 void PgServer::create_database(const std::string& name) const { sql("CREATE DATABASE \"" + name + "\""); }

@@ -27,6 +27,10 @@ class PgServer {
   void stop();     // pg_ctl stop -m fast
   void start();    // pg_ctl start, waits until it accepts connections
   void restart();  // pg_ctl restart -m fast: every connection is cut
+  // SIGSTOP / SIGCONT to the server and every one of its processes: a database that stops answering while the
+  // kernel still accepts and ACKs (no TCP error ever reaches the clients). The destructor thaws a frozen server.
+  void freeze();
+  void thaw();
   const std::string& dir() const { return dir_; }
 
  private:
@@ -38,6 +42,7 @@ class PgServer {
   void make_cluster(bool durable);
   std::string bindir_, dir_, data_, log_, commands_log_;
   bool running_ = false;
+  std::vector<int> frozen_;  // pids stopped by freeze()
 };
 
 }  // namespace skyreels::test

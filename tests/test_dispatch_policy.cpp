@@ -97,3 +97,34 @@ TEST(DispatchPolicy, TheRetryHintSpreadsTheWorkAheadOverHealthyReplicasAndIsAtLe
 
 }  // namespace
 }  // namespace skyreels::server::policy
+
+namespace skyreels::server::policy {
+namespace {
+
+TEST(DispatchPolicy, TheClientsAttainedServiceComesAfterPriorityAndBeforeTheJobsOwn) {
+  const JobKey busy_client{0, 0, 0, 3 * kServicePerChunk};
+  const JobKey idle_client{0, 5, 9, kServicePerChunk};
+  EXPECT_TRUE(dispatch_before(idle_client, busy_client)) << "the client that got less goes first";
+  const JobKey urgent{1, 9, 9, 9 * kServicePerChunk};
+  EXPECT_TRUE(dispatch_before(urgent, idle_client)) << "priority still comes first";
+  const JobKey sibling{0, 1, 0, kServicePerChunk};
+  EXPECT_TRUE(dispatch_before(sibling, idle_client)) << "within one client's service: the job's own, then age";
+}
+
+TEST(DispatchPolicy, AWeightDividesTheChargeOfEachChunkExactly) {
+  EXPECT_EQ(charge_chunk(1), kServicePerChunk);
+  for (int w = 1; w <= 16; ++w) EXPECT_EQ(charge_chunk(w) * w, kServicePerChunk) << "weight " << w;
+  EXPECT_EQ(charge_chunk(0), kServicePerChunk) << "no weight below 1";
+  EXPECT_EQ(charge_chunk(1000), kServicePerChunk / kMaxClientWeight);
+}
+
+TEST(DispatchPolicy, AClientStartsFromTheActiveClientsLeastServiceUnlessItWasAhead) {
+  EXPECT_EQ(client_share_start(-1, {}), 0) << "a first client starts at zero";
+  EXPECT_EQ(client_share_start(-1, {7, 4, 9}), 4) << "a new client ties with the least served, no jump ahead";
+  EXPECT_EQ(client_share_start(2, {7, 4, 9}), 4) << "time away is not banked";
+  EXPECT_EQ(client_share_start(8, {7, 4, 9}), 8) << "a client that was ahead stays ahead";
+  EXPECT_EQ(client_share_start(5, {}), 5);
+}
+
+}  // namespace
+}  // namespace skyreels::server::policy

@@ -97,6 +97,7 @@ TEST_F(PostgresStore, EveryFieldRoundTripsAndUpdateLeavesChunksDoneAlone) {
   j.deadline_ms = 123456789;
   j.idempotency_key = std::string("key\0with nul", 12);
   j.fingerprint = 0xfedcba9876543210ULL;  // above INT64_MAX
+  j.fingerprint_v2 = "sha256:00ff";
   j.request = binary_bytes(4096);
   store->insert_job(j);
 
@@ -117,6 +118,8 @@ TEST_F(PostgresStore, EveryFieldRoundTripsAndUpdateLeavesChunksDoneAlone) {
   EXPECT_EQ(got.order, 7u);
   EXPECT_EQ(got.vbase, 11);
   EXPECT_EQ(got.owner, "alice");
+  EXPECT_EQ(got.fingerprint_v2, "sha256:00ff");
+  EXPECT_EQ(store->load_job("j-1", false)->fingerprint_v2, "sha256:00ff") << "also without the request";
   EXPECT_EQ(got.client, "10.0.0.1:5000");
   EXPECT_EQ(got.priority, 3);
   EXPECT_EQ(got.deadline_ms, std::optional<int64_t>(123456789));
@@ -410,6 +413,50 @@ TEST_F(PostgresStore, AttainedServiceGrowsWithEachCommittedChunk) {
   EXPECT_EQ(store->claim("r1", kLongTtl)->job_id, "b");
 }
 
+TEST_F(PostgresStore, ClaimsShareTheReplicasBetweenClientsBeforeJobs) {
+  auto store = open();
+  for (const std::string& id : {"a1", "a2", "a3"}) {
+    StoredJob j = make_job(id, 0, 0, 0, 2);
+    j.client = "tenant-a";
+    store->insert_job_once(j);
+  }
+  StoredJob b = make_job("b1", 0, 0, 0, 2);
+  b.client = "tenant-b";
+  store->insert_job_once(b);
+  std::vector<std::string> order;
+  for (int i = 0; i < 8; ++i) {
+    auto lease = store->claim("r0", kLongTtl);
+    ASSERT_TRUE(lease.has_value()) << "claim " << i;
+    order.push_back(lease->job_id);
+    ASSERT_TRUE(store->commit(*lease, {lease->chunk_index, "r0", 1, "x"}, {}).committed);
+  }
+  EXPECT_EQ(order, (std::vector<std::string>{"a1", "b1", "a2", "b1", "a3", "a1", "a2", "a3"}))
+      << "tenant B's one job gets every other chunk while tenant A's three jobs share the rest";
+  EXPECT_FALSE(store->claim("r0", kLongTtl).has_value());
+}
+
+TEST_F(PostgresStore, AnInsertUnderATakenIdStoresNothingAndIsRetriedUnderAFreshOne) {
+  auto store = open();
+  store->insert_job_once(make_job("j-live", 0));
+  store->insert_job_once(make_job("j-dropped", 0));
+  store->drop_job("j-dropped", "test");
+  for (const std::string& taken : {"j-live", "j-dropped"}) {
+    StoredJob again = make_job(taken, 0);
+    again.request = "another request";
+    EXPECT_EQ(store->insert_job_once(again).refused, server::InsertOutcome::Refusal::IdTaken) << taken;
+  }
+  EXPECT_EQ(store->load_job("j-live")->request, "request of j-live") << "the job that had the id is untouched";
+
+  std::vector<std::string> ids = {"j-live", "j-dropped", "j-fresh"};  // the first two collide (injected)
+  size_t next = 0;
+  StoredJob job = make_job("", 0);
+  const auto outcome = server::insert_with_fresh_ids(*store, job, {}, [&] { return ids.at(next++); });
+  EXPECT_TRUE(outcome.inserted);
+  EXPECT_EQ(outcome.job_id, "j-fresh");
+  EXPECT_EQ(next, 3u) << "one attempt per id";
+  EXPECT_EQ(store->load_job("j-fresh")->request, job.request);
+}
+
 TEST_F(PostgresStore, AffinityPrefersTheReplicaThatRanThePreviousChunk) {
   auto store = open();
   store->insert_job(make_job("x", 1));
@@ -569,12 +616,14 @@ TEST_F(PostgresStore, AnIdempotentInsertFromTwoPodsStoresOneJob) {
       StoredJob j = make_job("a-" + std::to_string(round), 0);
       j.idempotency_key = key;
       j.fingerprint = 1;
+      j.fingerprint_v2 = "sha256:a";
       outcome_a = pod_a->insert_job_once(j);
     });
     std::thread b([&] {
       StoredJob j = make_job("b-" + std::to_string(round), 0);
       j.idempotency_key = key;
       j.fingerprint = 2;
+      j.fingerprint_v2 = "sha256:b";
       outcome_b = pod_b->insert_job_once(j);
     });
     a.join();
@@ -582,6 +631,8 @@ TEST_F(PostgresStore, AnIdempotentInsertFromTwoPodsStoresOneJob) {
     EXPECT_NE(outcome_a.inserted, outcome_b.inserted) << "round " << round;
     EXPECT_EQ(outcome_a.job_id, outcome_b.job_id);
     EXPECT_EQ(outcome_a.fingerprint, outcome_b.fingerprint) << "both see the stored job's fingerprint";
+    EXPECT_EQ(outcome_a.fingerprint_v2, outcome_b.fingerprint_v2);
+    EXPECT_EQ(outcome_a.fingerprint_v2, outcome_a.fingerprint == 1 ? "sha256:a" : "sha256:b");
   }
   EXPECT_EQ(pod_a->load_jobs().size(), static_cast<size_t>(kRounds));
   // Without a key every insert stores a job; the store allocates the submission order.

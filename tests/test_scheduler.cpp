@@ -3,6 +3,8 @@
 // source. No model, no gRPC: every test runs in milliseconds.
 #include <gtest/gtest.h>
 #include <spdlog/spdlog.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -19,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "server/fingerprint.h"
 #include "server/replica_pool.h"
 #include "server/scheduler.h"
 
@@ -141,13 +144,19 @@ struct Harness {
   std::shared_ptr<RunLog> log = std::make_shared<RunLog>();
   std::unique_ptr<Scheduler> scheduler;
 
-  Harness(std::vector<FakeBehaviour> behaviours, SchedulerOptions options = {}, JobStore* store = nullptr) {
+  // `start_now` false: the caller restores jobs first, then calls start().
+  Harness(std::vector<FakeBehaviour> behaviours, SchedulerOptions options = {}, JobStore* store = nullptr,
+          bool start_now = true) {
     spdlog::set_level(spdlog::level::warn);  // per-chunk info logs would drown the test output
     std::vector<std::unique_ptr<ChunkExecutor>> executors;
     for (size_t i = 0; i < behaviours.size(); ++i) {
       executors.push_back(std::make_unique<FakeExecutor>("fake:" + std::to_string(i), behaviours[i], log));
     }
     scheduler = std::make_unique<Scheduler>(std::move(executors), options, nullptr, store);
+    if (start_now) start();
+  }
+
+  void start() {
     scheduler->start();
     const auto until = Clock::now() + 5s;
     while (!scheduler->all_loaded() && Clock::now() < until) std::this_thread::sleep_for(1ms);
@@ -165,6 +174,17 @@ struct Harness {
     spec.idempotency_key = key;
     spec.fingerprint = fingerprint;
     spec.payload = std::make_shared<FakePayload>(seed);
+    return scheduler->submit(std::move(spec)).job.id;
+  }
+
+  // A job of `client` (a tenant: API key's client name or peer address) with that client's share weight.
+  std::string submit_for(const std::string& client, int64_t chunks, int weight = 1) {
+    JobSpec spec;
+    spec.client = client;
+    spec.client_weight = weight;
+    spec.chunk_work.assign(static_cast<size_t>(chunks), 1.0);
+    spec.chunk_rows.assign(static_cast<size_t>(chunks), 3);
+    spec.payload = std::make_shared<FakePayload>(1);
     return scheduler->submit(std::move(spec)).job.id;
   }
 
@@ -277,6 +297,44 @@ TEST(Scheduler, JobsInterleaveAtChunkBoundaries) {
   const std::vector<std::string> expected = {a + ":0@fake:0", b + ":0@fake:0", a + ":1@fake:0",
                                              b + ":1@fake:0", a + ":2@fake:0", b + ":2@fake:0"};
   EXPECT_EQ(log, expected);
+}
+
+// Chunks of `jobs` in the run log before the last chunk of `job` started.
+int64_t chunks_of_before_last_of(const std::vector<std::string>& log, const std::set<std::string>& jobs,
+                                 const std::string& job) {
+  int64_t last = -1;
+  for (size_t i = 0; i < log.size(); ++i) {
+    if (log[i].rfind(job + ":", 0) == 0) last = static_cast<int64_t>(i);
+  }
+  int64_t count = 0;
+  for (int64_t i = 0; i < last; ++i) {
+    const std::string& entry = log[static_cast<size_t>(i)];
+    count += jobs.count(entry.substr(0, entry.find(':'))) ? 1 : 0;
+  }
+  return count;
+}
+
+TEST(Scheduler, ATenantWithManyJobsGetsOneShareNotOnePerJob) {
+  Harness h({steps(3ms)});
+  std::set<std::string> a_jobs;
+  for (int i = 0; i < 6; ++i) a_jobs.insert(h.submit_for("tenant-a", 6));
+  const auto b_job = h.submit_for("tenant-b", 6);
+  EXPECT_EQ(h.wait(b_job).state, JobState::Succeeded);
+  for (const auto& id : a_jobs) EXPECT_EQ(h.wait(id).state, JobState::Succeeded);
+  const int64_t a_before_b_ends = chunks_of_before_last_of(h.log->snapshot(), a_jobs, b_job);
+  EXPECT_LT(a_before_b_ends, 18) << "B's job ends before half of A's 36 chunks ran";
+  EXPECT_LE(a_before_b_ends, 8) << "the two tenants alternate chunk by chunk";
+}
+
+TEST(Scheduler, AClientsWeightBuysItThatManyChunksForEachOfAWeightOneClient) {
+  Harness h({steps(5ms)});
+  const auto light = h.submit_for("light", 6, 1);
+  const auto heavy = h.submit_for("heavy", 6, 2);
+  EXPECT_EQ(h.wait(heavy).state, JobState::Succeeded);
+  EXPECT_EQ(h.wait(light).state, JobState::Succeeded);
+  const int64_t light_before = chunks_of_before_last_of(h.log->snapshot(), {light}, heavy);
+  EXPECT_LE(light_before, 4) << "weight 2 runs two chunks for each of weight 1's (equal weights: 5 or 6)";
+  EXPECT_GE(light_before, 2) << "the weight-1 client still gets its share";
 }
 
 TEST(Scheduler, HigherPriorityJobsRunFirst) {
@@ -936,6 +994,16 @@ TEST(StoredEvents, RoundTripAndADamagedRowIsAStoreErrorNamingItsSequence) {
   EXPECT_EQ(back.chunk, 3);
   EXPECT_EQ(back.replica, "pod-1/cpu:0");
   EXPECT_EQ(wall_ms(back.time), 1700000000123);
+  JobEvent step;
+  step.type = EventType::Step;
+  step.chunk = 2;
+  step.step = 4;
+  step.steps = 9;
+  step.progress = 0.375;
+  const JobEvent step_back = decode_stored_event({8, encode_stored_event(step)});
+  EXPECT_EQ(step_back.step, 4) << "step progress crosses pods in this form";
+  EXPECT_EQ(step_back.steps, 9);
+  EXPECT_DOUBLE_EQ(step_back.progress, 0.375);
   // Readers on every pod meet rows other servers wrote: a damaged one is the store's error, never a crash.
   for (const std::string& damaged : {std::string("{\"type\": 3"), std::string("[]"), std::string("{}"),
                                      std::string("{\"type\": \"x\"}")}) {
@@ -946,6 +1014,122 @@ TEST(StoredEvents, RoundTripAndADamagedRowIsAStoreErrorNamingItsSequence) {
       EXPECT_NE(std::string(e.what()).find("stored event 9"), std::string::npos) << e.what();
     }
   }
+}
+
+// ---- idempotency fingerprints ----
+
+TEST(Fingerprints, VersionTwoIsSha256InHexAndVersionOneTheFnvOfTheSameBytes) {
+  FingerprintHasher empty;
+  EXPECT_EQ(empty.v1(), 1469598103934665603ULL);
+  EXPECT_EQ(empty.v2(), "sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  FingerprintHasher abc;
+  abc.bytes("abc", 3);
+  EXPECT_EQ(abc.v2(), "sha256:ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+}
+
+TEST(Fingerprints, AJobStoredWithOnlyVersionOneIsMatchedByItAndANewerOneByVersionTwo) {
+  EXPECT_TRUE(same_fingerprint(7, "", 7, "sha256:aa")) << "stored before the upgrade: v1 decides";
+  EXPECT_FALSE(same_fingerprint(7, "", 8, "sha256:aa"));
+  EXPECT_TRUE(same_fingerprint(7, "sha256:aa", 7, "sha256:aa"));
+  EXPECT_FALSE(same_fingerprint(7, "sha256:aa", 7, "sha256:bb")) << "a v1 collision does not pass once v2 exists";
+}
+
+TEST(Fingerprints, ARetryOfAJobRestoredFromBeforeTheUpgradeIsDeduplicatedByItsOldFingerprint) {
+  RestoredJob old;
+  old.stored.id = "j-old";
+  old.stored.owner = "alice";
+  old.stored.idempotency_key = "retry-me";
+  old.stored.fingerprint = 4242;  // v1 only, as stored before SHA-256 fingerprints
+  old.stored.state = "succeeded";
+  old.stored.chunk_count = 1;
+  old.stored.chunks_done = 1;
+  old.stored.created_ms = 1;
+  old.stored.finished_ms = 2;
+  Harness fresh({steps(2ms)}, {}, nullptr, /*start_now=*/false);
+  fresh.scheduler->restore({old});
+  fresh.start();
+  JobSpec retry;
+  retry.owner = "alice";
+  retry.idempotency_key = "retry-me";
+  retry.fingerprint = 4242;
+  retry.fingerprint_v2 = "sha256:0123";
+  retry.chunk_work = {1.0};
+  retry.chunk_rows = {3};
+  retry.payload = std::make_shared<FakePayload>(1);
+  const SubmitResult again = fresh.scheduler->submit(retry);
+  EXPECT_TRUE(again.deduplicated);
+  EXPECT_EQ(again.job.id, "j-old");
+  retry.fingerprint = 4243;
+  EXPECT_THROW(fresh.scheduler->submit(retry), AdmissionError) << "another request under the key";
+}
+
+// ---- job ids ----
+
+TEST(JobIds, AreJPlus32HexDigitsOf128RandomBits) {
+  std::set<std::string> seen;
+  for (int i = 0; i < 1000; ++i) {
+    const std::string id = new_job_id();
+    ASSERT_EQ(id.size(), 34u) << id;
+    EXPECT_EQ(id.substr(0, 2), "j-");
+    EXPECT_EQ(id.find_first_not_of("0123456789abcdef", 2), std::string::npos) << id;
+    seen.insert(id);
+  }
+  EXPECT_EQ(seen.size(), 1000u);
+}
+
+// Eight processes forked from one state, released by one pipe write, draw 1,250 ids each: a generator seeded from a
+// shared or a small state (a 32-bit seed, the time) would repeat across them.
+TEST(JobIds, TenThousandIdsFromEightProcessesStartedAtTheSameInstantAreDistinct) {
+  constexpr int kProcesses = 8, kEach = 1250;
+  int go[2];
+  ASSERT_EQ(::pipe(go), 0);
+  std::vector<int> results;
+  std::vector<pid_t> children;
+  for (int p = 0; p < kProcesses; ++p) {
+    int out[2];
+    ASSERT_EQ(::pipe(out), 0);
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      ::close(go[1]);
+      ::close(out[0]);
+      char byte;
+      if (::read(go[0], &byte, 1) != 1) ::_exit(2);
+      std::string all;
+      for (int i = 0; i < kEach; ++i) all += new_job_id() + "\n";
+      for (size_t at = 0; at < all.size();) {
+        const ssize_t n = ::write(out[1], all.data() + at, all.size() - at);
+        if (n <= 0) ::_exit(3);
+        at += static_cast<size_t>(n);
+      }
+      ::_exit(0);
+    }
+    ::close(out[1]);
+    results.push_back(out[0]);
+    children.push_back(pid);
+  }
+  ::close(go[0]);
+  const std::string release(kProcesses, 'x');
+  ASSERT_EQ(::write(go[1], release.data(), release.size()), static_cast<ssize_t>(release.size()));
+  ::close(go[1]);
+  std::set<std::string> ids;
+  size_t lines = 0;
+  for (int fd : results) {
+    std::string text;
+    char buffer[4096];
+    for (ssize_t n; (n = ::read(fd, buffer, sizeof buffer)) > 0;) text.append(buffer, static_cast<size_t>(n));
+    ::close(fd);
+    for (size_t at = 0, end; (end = text.find('\n', at)) != std::string::npos; at = end + 1, ++lines) {
+      ids.insert(text.substr(at, end - at));
+    }
+  }
+  for (pid_t pid : children) {
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  }
+  EXPECT_EQ(lines, static_cast<size_t>(kProcesses * kEach));
+  EXPECT_EQ(ids.size(), static_cast<size_t>(kProcesses * kEach)) << "duplicate ids";
 }
 
 TEST(ReplicaPool, PullsChunksFromItsSourceAndReportsEachResultBack) {

@@ -8,15 +8,19 @@
 #include <signal.h>
 #include <stdlib.h>
 
+#include <algorithm>
 #include <chrono>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "model/video_mp4.h"
 #include "tests/pg_fixture.h"
 #include "tests/test_server_harness.h"
 #include "tests/test_util.h"
@@ -36,7 +40,10 @@ std::vector<std::string> pod_args(const std::string& pod, double lease_seconds, 
 
 class Cluster {
  public:
-  Cluster(int pods, double lease_seconds, int step_delay_ms) : lease_seconds_(lease_seconds), delay_(step_delay_ms) {
+  // `extra_args` and `api_key` go to every pod.
+  Cluster(int pods, double lease_seconds, int step_delay_ms, std::vector<std::string> extra_args = {},
+          std::string api_key = "")
+      : lease_seconds_(lease_seconds), delay_(step_delay_ms), extra_(std::move(extra_args)), key_(std::move(api_key)) {
     ::setenv("SKYREELS_JOB_STORE", pg_.url().c_str(), 1);
     for (int i = 0; i < pods; ++i) add_pod();
   }
@@ -44,7 +51,9 @@ class Cluster {
 
   ServerProcess& add_pod() {
     const std::string name = "pod-" + std::to_string(pods_.size());
-    pods_.push_back(std::make_unique<ServerProcess>(pod_args(name, lease_seconds_, delay_)));
+    std::vector<std::string> args = pod_args(name, lease_seconds_, delay_);
+    args.insert(args.end(), extra_.begin(), extra_.end());
+    pods_.push_back(std::make_unique<ServerProcess>(args, true, key_));
     return *pods_.back();
   }
   ServerProcess& pod(size_t i) { return *pods_.at(i); }
@@ -55,6 +64,8 @@ class Cluster {
   PgServer pg_;
   double lease_seconds_;
   int delay_;
+  std::vector<std::string> extra_;
+  std::string key_;
   std::vector<std::unique_ptr<ServerProcess>> pods_;
 };
 
@@ -271,6 +282,55 @@ TEST(Peers, PostgresDownMidRunTurnsReadinessOffThenEveryJobFinishes) {
   }
 }
 
+// Frozen, not down: every PostgreSQL process SIGSTOPped, so connections stay open and nothing ever answers.
+TEST(Peers, AFrozenStoreTurnsReadinessOffWhileProbesAnswerThenEveryJobSucceedsUnchanged) {
+  Cluster cluster(2, 2.0, 40);
+  std::vector<pb::SubmitJobRequest> requests;
+  std::vector<std::string> ids;
+  for (int i = 0; i < 3; ++i) {
+    requests.push_back(long_video_request(1461 + static_cast<uint64_t>(i)));
+    ids.push_back(submit(cluster.pod(static_cast<size_t>(i) % 2).client(), requests.back()).job_id());
+  }
+  first_event_of_type(cluster.pod(0).client(), ids[0], pb::JobEvent::kChunkFinished);
+  cluster.pg().freeze();
+  const auto frozen_at = std::chrono::steady_clock::now();
+  double slowest_probe = 0;
+  bool ready_late_in_freeze[2] = {false, false}, not_ready_seen[2] = {false, false}, liveness_lost = false;
+  while (std::chrono::steady_clock::now() < frozen_at + 20s) {
+    for (size_t p = 0; p < 2; ++p) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const int ready = health_status(cluster.pod(p).address(), "");
+      const int live = health_status(cluster.pod(p).address(), "liveness");
+      const auto t1 = std::chrono::steady_clock::now();
+      slowest_probe = std::max(slowest_probe, std::chrono::duration<double>(t1 - t0).count() / 2);
+      liveness_lost = liveness_lost || live != 1;
+      not_ready_seen[p] = not_ready_seen[p] || ready == 2;
+      if (t1 - frozen_at > 10s && ready != 2) ready_late_in_freeze[p] = true;
+    }
+    std::this_thread::sleep_for(200ms);
+  }
+  cluster.pg().thaw();
+  EXPECT_LT(slowest_probe, 2.0) << "a health check waited for the store";
+  EXPECT_FALSE(liveness_lost) << "liveness does not depend on the store";
+  for (size_t p = 0; p < 2; ++p) {
+    EXPECT_TRUE(not_ready_seen[p]) << "pod " << p << " stayed SERVING with its store frozen";
+    EXPECT_FALSE(ready_late_in_freeze[p]) << "pod " << p << " was not NOT_SERVING 10 s into the freeze";
+  }
+  for (size_t p = 0; p < cluster.size(); ++p) {
+    const auto until = std::chrono::steady_clock::now() + 30s;
+    int status = -1;
+    while (std::chrono::steady_clock::now() < until && (status = health_status(cluster.pod(p).address(), "")) != 1) {
+      std::this_thread::sleep_for(100ms);
+    }
+    EXPECT_EQ(status, 1) << "pod " << p << " is not ready again after SIGCONT";
+  }
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const pb::Job done = wait_job(cluster.pod((i + 1) % 2).client(), ids[i], 240s);
+    ASSERT_EQ(done.state(), pb::JOB_STATE_SUCCEEDED) << done.error().message();
+    EXPECT_TRUE(at::equal(download_latents(cluster.pod(i % 2).client(), ids[i]), reference_latents(requests[i])));
+  }
+}
+
 TEST(Peers, ManyJobsOverThreePodsAllFinishAndInterleave) {
   Cluster cluster(3, 2.0, 0);
   std::vector<std::string> ids;
@@ -288,6 +348,125 @@ TEST(Peers, ManyJobsOverThreePodsAllFinishAndInterleave) {
   // Every pod took part (one queue, not three).
   EXPECT_EQ(chunks_by_pod.size(), 3u);
   for (const auto& [pod, n] : chunks_by_pod) std::cout << pod << ": " << n << " chunks\n";
+}
+
+// Step progress is not stored: the pod running a chunk publishes it (coalesced, the last row always), and watchers
+// on every pod see it in sequence between the chunk's start and its end.
+TEST(Peers, StepProgressOfEveryChunkReachesWatchersOnEveryPod) {
+  Cluster cluster(2, 2.0, 40);
+  const std::string id = submit(cluster.pod(0).client(), six_chunk_request(1481)).job_id();
+  std::vector<pb::JobEvent> seen[2];
+  std::thread watchers[2];
+  for (size_t p = 0; p < 2; ++p) {
+    watchers[p] = std::thread([&, p] { seen[p] = watch_until(cluster.pod(p).client(), id, 0, finished, 240); });
+  }
+  for (auto& w : watchers) w.join();
+  // Whichever pods ran the chunks, at least one watcher is on a pod that did not run some of them.
+  for (size_t p = 0; p < 2; ++p) {
+    ASSERT_FALSE(seen[p].empty());
+    ASSERT_TRUE(seen[p].back().has_finished()) << "watcher on pod " << p;
+    std::map<int, int> steps_of_chunk;
+    for (const auto& e : seen[p]) {
+      if (e.has_step()) {
+        ++steps_of_chunk[e.step().chunk_index()];
+        EXPECT_GE(e.step().step(), 1);
+        EXPECT_LE(e.step().step(), e.step().steps());
+        EXPECT_GT(e.step().progress(), 0.0);
+      }
+    }
+    for (int chunk = 0; chunk < 6; ++chunk) {
+      EXPECT_GE(steps_of_chunk[chunk], 1) << "watcher on pod " << p << " saw no step of chunk " << chunk;
+    }
+    for (size_t i = 1; i < seen[p].size(); ++i) EXPECT_GT(seen[p][i].sequence(), seen[p][i - 1].sequence());
+  }
+}
+
+// The MP4 of a job, read with a deadline; "" when the download did not complete in time or failed.
+std::string download_mp4(server::Client& client, const std::string& id, double seconds) {
+  auto ctx = client.context(seconds);
+  pb::DownloadResultRequest request;
+  request.set_job_id(id);
+  request.set_format(pb::RESULT_FORMAT_MP4);
+  auto reader = client.stub().DownloadResult(ctx.get(), request);
+  std::string mp4;
+  pb::ResultPart part;
+  while (reader->Read(&part)) mp4 += part.data();
+  const grpc::Status status = reader->Finish();
+  EXPECT_TRUE(status.ok()) << id << ": " << status.error_message();
+  return status.ok() ? mp4 : "";
+}
+
+// The chunks of these jobs run on both pods, but each pod's MP4 encoder hears directly only of the commits of its own
+// replicas: the rest it catches up from the store.
+TEST(Peers, Mp4sOfJobsWhoseChunksRanOnAnyPodDownloadCompletelyFromEitherPod) {
+  Cluster cluster(2, 2.0, 20, {"--vae", "demo"});
+  std::vector<std::string> ids;
+  for (int i = 0; i < 4; ++i) {
+    pb::SubmitJobRequest request = long_video_request(1471 + static_cast<uint64_t>(i));
+    request.set_produce_mp4(true);
+    ids.push_back(submit(cluster.pod(0).client(), request).job_id());
+  }
+  std::set<std::string> pods_that_ran;
+  for (const std::string& id : ids) {
+    ASSERT_EQ(wait_job(cluster.pod(0).client(), id, 240s).state(), pb::JOB_STATE_SUCCEEDED);
+    for (const auto& e : watch_until(cluster.pod(1).client(), id, 0, finished)) {
+      if (e.has_chunk_finished()) pods_that_ran.insert(e.chunk_finished().replica().substr(0, 5));
+    }
+  }
+  EXPECT_EQ(pods_that_ran.size(), 2u) << "both pods ran chunks (else the test shows nothing)";
+  for (const std::string& id : ids) {
+    for (size_t p = 0; p < 2; ++p) {
+      const std::string mp4 = download_mp4(cluster.pod(p).client(), id, 60);
+      ASSERT_FALSE(mp4.empty()) << id << " from pod " << p;
+      EXPECT_EQ(video::read_video_bytes(std::vector<uint8_t>(mp4.begin(), mp4.end())).info.frames, 37)
+          << id << " from pod " << p;
+    }
+  }
+}
+
+// ---- fair share between tenants (issue 19) ----
+
+constexpr const char* kAliceKey = "alice-key-0123456789abcdef0123456789";
+constexpr const char* kBobKey = "bob-key-0123456789abcdef0123456789ab";
+
+std::vector<std::string> tenant_key_args() {
+  const std::string file = temp_dir("tenant-keys") + "/keys";
+  std::ofstream(file) << kAliceKey << " alice\n" << kBobKey << " bob\n";
+  return {"--api-keys", file};
+}
+
+// Tenant A (alice) submits 6 jobs of 6 chunks, spread over `pods`, then tenant B (bob) one job of 6 chunks through
+// the last pod. Returns how many of A's 36 chunks were done when B's job finished.
+int64_t a_chunks_done_when_b_finishes(const std::vector<ServerProcess*>& pods) {
+  std::vector<std::string> a_jobs;
+  for (int i = 0; i < 6; ++i) {
+    ServerProcess& pod = *pods[static_cast<size_t>(i) % pods.size()];
+    a_jobs.push_back(submit(pod.client(), six_chunk_request(1900 + static_cast<uint64_t>(i))).job_id());
+  }
+  auto bob = pods.back()->client_with_key(kBobKey);
+  const std::string b_job = submit(*bob, six_chunk_request(1999)).job_id();
+  const pb::Job b_done = wait_job(*bob, b_job, 240s);
+  EXPECT_EQ(b_done.state(), pb::JOB_STATE_SUCCEEDED) << b_done.error().message();
+  int64_t a_done = 0;
+  for (const std::string& id : a_jobs) a_done += get_job(pods[0]->client(), id).chunks_done();
+  std::cout << "tenant A's chunks done when tenant B's job finished: " << a_done << " of 36\n";
+  for (const std::string& id : a_jobs) {
+    EXPECT_EQ(wait_job(pods[0]->client(), id, 240s).state(), pb::JOB_STATE_SUCCEEDED) << id;
+  }
+  return a_done;
+}
+
+TEST(FairShare, ATenantsOneJobFinishesBeforeHalfOfAnotherTenantsSixOnOneServer) {
+  std::vector<std::string> args = {"--demo", "--devices", "cpu", "--dtype", "float32", "--step-delay-ms", "20"};
+  const auto keys = tenant_key_args();
+  args.insert(args.end(), keys.begin(), keys.end());
+  ServerProcess server(args, true, kAliceKey);
+  EXPECT_LT(a_chunks_done_when_b_finishes({&server}), 18);
+}
+
+TEST(FairShare, ATenantsOneJobFinishesBeforeHalfOfAnotherTenantsSixOverTwoPods) {
+  Cluster cluster(2, 5.0, 20, tenant_key_args(), kAliceKey);
+  EXPECT_LT(a_chunks_done_when_b_finishes({&cluster.pod(0), &cluster.pod(1)}), 18);
 }
 
 }  // namespace

@@ -629,6 +629,24 @@ TEST_P(JobStoreBackends, SegmentsAreKeptUntilTheJobIsDropped) {
 INSTANTIATE_TEST_SUITE_P(MemoryAndSqlite, JobStoreBackends, ::testing::Values("memory", "sqlite"),
                          [](const ::testing::TestParamInfo<std::string>& backend) { return backend.param; });
 
+TEST(SqliteJobStore, BothFingerprintVersionsRoundTrip) {
+  const std::string path = test::temp_dir("store-fingerprints") + "/jobs.sqlite";
+  {
+    SqliteJobStore store(path);
+    StoredJob j;
+    j.id = "j-1";
+    j.state = "queued";
+    j.error_kind = "none";
+    j.fingerprint = 0xfedcba9876543210ULL;
+    j.fingerprint_v2 = "sha256:0123456789abcdef";
+    store.insert_job(j);
+  }
+  const auto jobs = SqliteJobStore(path).load_jobs();
+  ASSERT_EQ(jobs.size(), 1u);
+  EXPECT_EQ(jobs[0].fingerprint, 0xfedcba9876543210ULL);
+  EXPECT_EQ(jobs[0].fingerprint_v2, "sha256:0123456789abcdef");
+}
+
 TEST(SqliteJobStore, SynchronousFullIsAnOptionOfTheSpecAndIsReadBackFromSqlite) {
   const std::string path = test::temp_dir("store-sync") + "/jobs.sqlite";
   EXPECT_EQ(open_job_store("sqlite:" + path)->describe(), "sqlite:" + path) << "NORMAL by default";
@@ -663,7 +681,7 @@ void write_version_two_store(const std::string& path) {
       "INSERT INTO chunks VALUES('j-old', 0, 'cpu:0', 1, 'old latents');");
 }
 
-TEST(SqliteJobStore, AVersionTwoFileIsMigratedToThreeAndKeepsItsResults) {
+TEST(SqliteJobStore, AVersionTwoFileIsMigratedToTheCurrentVersionAndKeepsItsResults) {
   const std::string path = test::temp_dir("store-v2") + "/jobs.sqlite";
   write_version_two_store(path);
   {
@@ -672,12 +690,15 @@ TEST(SqliteJobStore, AVersionTwoFileIsMigratedToThreeAndKeepsItsResults) {
     EXPECT_EQ(store.load_segment("j-old", 0), std::nullopt);
     store.put_segment("j-old", 0, "its MP4");  // the new table exists
     EXPECT_EQ(store.load_segment("j-old", 0), "its MP4");
+    const auto jobs = store.load_jobs();
+    ASSERT_EQ(jobs.size(), 1u);
+    EXPECT_EQ(jobs[0].fingerprint_v2, "") << "a job stored before SHA-256 fingerprints keeps its 64-bit one only";
   }
   sqlite::Database db(path, false);
   sqlite::Statement version(db, "SELECT version FROM schema_version");
   ASSERT_TRUE(version.step());
-  EXPECT_EQ(version.int64(0), 3);
-  EXPECT_EQ(SqliteJobStore::kSchemaVersion, 3);
+  EXPECT_EQ(version.int64(0), SqliteJobStore::kSchemaVersion);
+  EXPECT_EQ(SqliteJobStore::kSchemaVersion, 4);
 }
 
 }  // namespace

@@ -1,0 +1,43 @@
+#include "server/fingerprint.h"
+
+#include <openssl/evp.h>
+
+#include <stdexcept>
+
+namespace skyreels::server {
+
+FingerprintHasher::FingerprintHasher() : ctx_(EVP_MD_CTX_new()) {
+  if (ctx_ == nullptr || EVP_DigestInit_ex(static_cast<EVP_MD_CTX*>(ctx_), EVP_sha256(), nullptr) != 1) {
+    EVP_MD_CTX_free(static_cast<EVP_MD_CTX*>(ctx_));
+    throw std::runtime_error("SHA-256: cannot initialise OpenSSL's digest");
+  }
+}
+
+FingerprintHasher::~FingerprintHasher() { EVP_MD_CTX_free(static_cast<EVP_MD_CTX*>(ctx_)); }
+
+void FingerprintHasher::bytes(const void* data, size_t size) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  for (size_t i = 0; i < size; ++i) fnv_ = (fnv_ ^ p[i]) * 1099511628211ULL;
+  EVP_DigestUpdate(static_cast<EVP_MD_CTX*>(ctx_), data, size);
+}
+
+std::string FingerprintHasher::v2() {
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int size = 0;
+  if (EVP_DigestFinal_ex(static_cast<EVP_MD_CTX*>(ctx_), digest, &size) != 1) {
+    throw std::runtime_error("SHA-256: OpenSSL's digest failed");
+  }
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out = kFingerprintV2Prefix;
+  for (unsigned int i = 0; i < size; ++i) {
+    out += kHex[digest[i] >> 4];
+    out += kHex[digest[i] & 15];
+  }
+  return out;
+}
+
+bool same_fingerprint(uint64_t stored_v1, const std::string& stored_v2, uint64_t v1, const std::string& v2) {
+  return stored_v2.empty() ? stored_v1 == v1 : stored_v2 == v2;
+}
+
+}  // namespace skyreels::server
