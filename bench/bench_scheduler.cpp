@@ -31,11 +31,11 @@ class SleepExecutor : public ChunkExecutor {
   std::string name() const override { return name_; }
   ChunkResult run(const ChunkWork&, const ChunkCallbacks& callbacks) override {
     for (int row = 1; row <= rows_; ++row) {
-      if (callbacks.should_stop()) return {ChunkOutcome::Stopped, "", 0, {}};
+      if (callbacks.should_stop()) return {ChunkOutcome::Stopped, "", 0, {}, {}};
       if (chunk_.count() > 0) std::this_thread::sleep_for(chunk_ / rows_);
       callbacks.on_step(row, rows_);
     }
-    return {ChunkOutcome::Succeeded, "", 80, {}};
+    return {ChunkOutcome::Succeeded, "", 80, {}, {}};
   }
 
  private:

@@ -231,6 +231,12 @@ WatchOutcome watch_job(Client& client, const std::string& job_id, bool progress_
             << (j.retries() == 1 ? "y" : "ies") << ", seed " << j.params().seed() << ")";
         if (j.has_error() && !j.error().message().empty()) log << ": " << j.error().message();
         log << "\n";
+        if (const auto& w = j.transformer_work(); w.full() > 0) {
+          const double saved = static_cast<double>(w.saved_exact() + w.saved_cache()) / static_cast<double>(w.full());
+          log << "transformer: " << w.computed() << " of " << w.full() << " token-blocks computed ("
+              << static_cast<int>(saved * 100 + 0.5) << " % saved: " << w.saved_exact() << " exact, "
+              << w.saved_cache() << " by the step cache)\n";
+        }
         break;
       }
       default:

@@ -397,7 +397,7 @@ std::optional<ChunkLease> PostgresJobStore::lease_locked_candidate(pg::Connectio
   const std::string ready = ready_condition();
   const pg::Result rows =
       c.exec("SELECT id, priority, vbase + chunks_done, ord, last_replica, COALESCE(cl.service, 0),"
-             " COALESCE(cl.weight, 1), jobs.client FROM jobs LEFT JOIN clients cl ON cl.client = jobs.client WHERE " +
+             " COALESCE(cl.weight, 1) FROM jobs LEFT JOIN clients cl ON cl.client = jobs.client WHERE " +
                  ready + " ORDER BY priority DESC, ord LIMIT $1",
              {kMaxClaimCandidates});
   if (rows.rows() == 0) return std::nullopt;
@@ -425,20 +425,23 @@ std::optional<ChunkLease> PostgresJobStore::lease_locked_candidate(pg::Connectio
     }
   }
   if (!locked) return std::nullopt;
-  c.exec("UPDATE clients SET service = service + $2 WHERE client = $1",
-         {rows.text(row, 7), policy::charge_chunk(static_cast<int>(rows.int64(row, 6)))});
+  const int64_t charge = policy::charge_chunk(static_cast<int>(rows.int64(row, 6)));
   ChunkLease lease;
   lease.job_id = locked->text(0, 0);
   lease.takeover = locked->boolean(0, 1);
   lease.previous_replica = locked->text(0, 2);
   lease.handoff = !lease.previous_replica.empty() && lease.previous_replica != replica;
   const pg::Result u = c.exec(
-      std::string("UPDATE jobs SET lease_token = lease_token + 1, lease_replica = $2, lease_expires_ms = ") + kNowMs +
+      std::string("WITH u AS (UPDATE jobs SET lease_token = lease_token + 1, lease_replica = $2, lease_expires_ms = ") +
+          kNowMs +
           " + $3, retries = retries + $4, handoffs = handoffs + $5, state = 'running',"
           " started_ms = CASE WHEN started_ms = 0 THEN " +
-          kNowMs + " ELSE started_ms END WHERE id = $1 RETURNING chunks_done, chunk_count, lease_token, lease_expires_ms",
-      {lease.job_id, replica, static_cast<int64_t>(ttl.count()), int64_t{lease.takeover},
-       int64_t{lease.handoff}});
+          kNowMs +
+          " ELSE started_ms END WHERE id = $1 RETURNING chunks_done, chunk_count, lease_token, lease_expires_ms, client),"
+          " charged AS (UPDATE clients SET service = service + $6 FROM u WHERE clients.client = u.client)"
+          " SELECT chunks_done, chunk_count, lease_token, lease_expires_ms FROM u",
+      {lease.job_id, replica, static_cast<int64_t>(ttl.count()), int64_t{lease.takeover}, int64_t{lease.handoff},
+       charge});
   lease.chunk_index = u.int64(0, 0);
   lease.chunk_count = u.int64(0, 1);
   lease.token = static_cast<uint64_t>(u.int64(0, 2));

@@ -80,6 +80,9 @@ std::string encode_stored_event(const JobEvent& e) {
                       {"chunk_count", e.chunk_count},     {"replica", e.replica},     {"attempt", e.attempt},
                       {"handoff", e.handoff},             {"seconds", e.seconds},     {"position", e.position},
                       {"eta_seconds", e.eta_seconds},     {"message", e.message}};
+  if (e.type == EventType::ChunkFinished) {
+    j["work"] = {e.work.full, e.work.computed, e.work.saved_exact, e.work.saved_cache};
+  }
   if (e.type == EventType::Step) {  // published to other pods, never stored
     j["step"] = e.step;
     j["steps"] = e.steps;
@@ -115,6 +118,10 @@ static JobEvent decode_event_json(const StoredEvent& stored) {
   e.step = j.value("step", int64_t{0});
   e.steps = j.value("steps", int64_t{0});
   e.progress = j.value("progress", 0.0);
+  if (j.contains("work")) {  // ChunkFinished events stored before it have none
+    const auto& w = j.at("work");
+    e.work = {w.at(0).get<int64_t>(), w.at(1).get<int64_t>(), w.at(2).get<int64_t>(), w.at(3).get<int64_t>()};
+  }
   return e;
 }
 

@@ -66,6 +66,20 @@ struct RestoredJob {
   std::string error;  // why the payload could not be re-created: the job, if unfinished, fails with it
 };
 
+// Transformer work in token-blocks (one token through one transformer block, as in
+// skyreels_transformer_token_blocks_total): what the uncached plan would compute, what was computed, and what the
+// exact savings and the step cache left out (full = computed + saved_exact + saved_cache).
+struct TransformerWork {
+  int64_t full = 0, computed = 0, saved_exact = 0, saved_cache = 0;
+  TransformerWork& operator+=(const TransformerWork& o) {
+    full += o.full;
+    computed += o.computed;
+    saved_exact += o.saved_exact;
+    saved_cache += o.saved_cache;
+    return *this;
+  }
+};
+
 enum class EventType { Queued, ChunkStarted, Step, ChunkFinished, ChunkRetry, Finished };
 
 struct JobEvent {
@@ -79,6 +93,7 @@ struct JobEvent {
   int attempt = 0;
   bool handoff = false;
   double seconds = 0;       // ChunkFinished: chunk duration
+  TransformerWork work;     // ChunkFinished: the chunk's transformer work
   int64_t position = 0;     // Queued
   double eta_seconds = -1;  // Queued
   double progress = 0;      // Step
@@ -100,6 +115,7 @@ struct JobSnapshot {
   double eta_seconds = -1;
   double progress = 0;
   std::vector<std::string> chunk_replicas;
+  TransformerWork work;  // of the chunks done (from their ChunkFinished events)
   int handoffs = 0;
   int retries = 0;
   ErrorKind error_kind = ErrorKind::None;

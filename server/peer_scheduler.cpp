@@ -426,6 +426,7 @@ std::string PeerScheduler::settle(size_t replica, ChunkResult result, double sec
     finished_chunk.chunk_count = run->lease.chunk_count;
     finished_chunk.replica = run->replica;
     finished_chunk.seconds = seconds;
+    finished_chunk.work = result.work;
     finished_chunk.time = WallClock::now();
     std::vector<std::string> events{encode_stored_event(finished_chunk)};
     if (last) {
@@ -845,7 +846,10 @@ std::optional<JobSnapshot> PeerScheduler::get(const std::string& id, const std::
   for (const StoredEvent& stored : events) {
     s.last_sequence = std::max(s.last_sequence, stored.sequence);
     const JobEvent e = decode_stored_event(stored);
-    if (e.type == EventType::ChunkFinished) s.chunk_replicas.push_back(e.replica);
+    if (e.type == EventType::ChunkFinished) {
+      s.chunk_replicas.push_back(e.replica);
+      s.work += e.work;
+    }
   }
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [replica, run] : running_) {

@@ -244,10 +244,10 @@ ChunkResult ModelReplica::run(const ChunkWork& work, const ChunkCallbacks& callb
                  options_.name, work.chunk_index, work_done.full, work_done.computed, work_done.exact,
                  work_done.cache);
   } catch (const model::GenerationCancelled&) {
-    return {ChunkOutcome::Stopped, "", 0, {}};
+    return {ChunkOutcome::Stopped, "", 0, {}, {}};
   } catch (const std::invalid_argument& e) {
     // The model refuses this request's inputs (validation missed a case): the job's fault, not the replica's.
-    return {ChunkOutcome::Rejected, e.what(), 0, {}};
+    return {ChunkOutcome::Rejected, e.what(), 0, {}, {}};
   } catch (const std::exception& e) {
     if (!is_out_of_memory(e)) throw;  // counts against the replica
     // Out of memory: this request is too large for the device. Its tensors are freed by now; hand the memory back.
@@ -255,9 +255,11 @@ ChunkResult ModelReplica::run(const ChunkWork& work, const ChunkCallbacks& callb
     return {
         ChunkOutcome::ResourceExhausted,
         std::string("out of memory on replica ") + options_.name + " (the request is too large for it): " + e.what(),
-        0, {}};
+        0, {}, {}};
   }
-  return {ChunkOutcome::Succeeded, "", job->chunk_pixel_frames(work.chunk_index), std::move(bytes)};
+  ChunkResult done{ChunkOutcome::Succeeded, "", job->chunk_pixel_frames(work.chunk_index), std::move(bytes), {}};
+  done.work = {work_done.full, work_done.computed, work_done.exact, work_done.cache};
+  return done;
 }
 
 void ModelReplica::throw_fault(const FaultRule& rule, int64_t run_number) {

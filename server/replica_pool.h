@@ -43,6 +43,7 @@ struct ChunkResult {
   std::string error;             // when Failed
   int64_t frames_generated = 0;  // pixel frames this chunk added to the video
   std::string bytes;             // the chunk's result, committed to the job store with chunks_done (empty: none)
+  TransformerWork work;          // what the chunk's transformer calls computed and saved
 };
 
 struct ChunkCallbacks {

@@ -28,6 +28,7 @@ struct Scheduler::Job {
   int holder = -1;   // replica that ran the previous chunk
   int avoid = -1;    // replica that just failed the current chunk
   std::vector<std::string> chunk_replicas;
+  TransformerWork work;  // of the chunks done
   int handoffs = 0;
   int retries = 0;
   bool cancel_requested = false;
@@ -429,6 +430,8 @@ void Scheduler::complete_locked(size_t index, const ChunkResult& result, double 
       event.chunk_count = static_cast<int64_t>(job.spec.chunk_work.size());
       event.replica = replica;
       event.seconds = seconds;
+      event.work = result.work;
+      job.work += result.work;
       push_event_locked(job, std::move(event));
       spdlog::info("job={} event=chunk_finished chunk={} replica={} seconds={:.3f}", job.id, chunk, replica, seconds);
       if (observer_) observer_->chunk_finished(snapshot_locked(job), replica, chunk, seconds, result.frames_generated);
@@ -678,6 +681,7 @@ JobSnapshot Scheduler::snapshot_locked(const Job& job) const {
     s.progress = static_cast<double>(job.rows_before_chunk + job.rows_in_chunk) / static_cast<double>(job.rows_total);
   }
   s.chunk_replicas = job.chunk_replicas;
+  s.work = job.work;
   s.handoffs = job.handoffs;
   s.retries = job.retries;
   s.error_kind = job.error_kind;
@@ -874,6 +878,7 @@ void Scheduler::restore(std::vector<RestoredJob> restored) {
     for (const auto& stored_event : r.events) {
       try {
         job->events.push_back(decode_stored_event(stored_event));
+        if (job->events.back().type == EventType::ChunkFinished) job->work += job->events.back().work;
       } catch (const std::exception& e) {
         spdlog::warn("job={} event=stored_event_unreadable sequence={} error=\"{}\"", s.id, stored_event.sequence,
                      e.what());

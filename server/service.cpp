@@ -301,6 +301,13 @@ std::function<void(double)> vae_encode_metric(Metrics* metrics) {
   return [metrics](double seconds) { metrics->vae_call("encode", seconds); };
 }
 
+void work_to_proto(const TransformerWork& w, pb::TransformerWork* out) {
+  out->set_full(w.full);
+  out->set_computed(w.computed);
+  out->set_saved_exact(w.saved_exact);
+  out->set_saved_cache(w.saved_cache);
+}
+
 // The RPC's deadline on the steady clock (store calls made for it end then: StoreCallDeadline); max() when none.
 std::chrono::steady_clock::time_point rpc_deadline(const grpc::ServerContextBase& ctx) {
   const auto deadline = ctx.deadline();
@@ -874,6 +881,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
     if (s.deadline) *out->mutable_deadline() = to_timestamp(*s.deadline);
     out->set_chunks_total(static_cast<int32_t>(s.chunk_count));
     out->set_chunks_done(static_cast<int32_t>(s.chunks_done));
+    work_to_proto(s.work, out->mutable_transformer_work());
     out->set_queue_position(static_cast<int32_t>(s.queue_position));
     out->set_estimated_start_seconds(s.eta_seconds);
     out->set_progress(s.progress);
@@ -926,6 +934,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
         c->set_chunk_index(static_cast<int32_t>(e.chunk));
         c->set_replica(e.replica);
         c->set_seconds(e.seconds);
+        work_to_proto(e.work, c->mutable_transformer_work());
         if (auto job = scheduler_.get(id, owner)) {
           const ChunkLayout layout = chunk_layout(*job, e.chunk);
           c->set_latent_frame_begin(static_cast<int32_t>(layout.latent_begin));

@@ -110,10 +110,10 @@ class FakeExecutor : public ChunkExecutor {
   ChunkResult run(const ChunkWork& work, const ChunkCallbacks& callbacks) override {
     const int call = ++calls_;
     log_->add(work.job_id + ":" + std::to_string(work.chunk_index) + "@" + name_);
-    if (behaviour_.reject) return {ChunkOutcome::Rejected, "prompt_embeds: bad shape", 0, {}};
-    if (behaviour_.out_of_memory) return {ChunkOutcome::ResourceExhausted, "out of memory (injected)", 0, {}};
+    if (behaviour_.reject) return {ChunkOutcome::Rejected, "prompt_embeds: bad shape", 0, {}, {}};
+    if (behaviour_.out_of_memory) return {ChunkOutcome::ResourceExhausted, "out of memory (injected)", 0, {}, {}};
     for (int64_t row = 1; row <= behaviour_.rows; ++row) {
-      if (callbacks.should_stop()) return {ChunkOutcome::Stopped, "", 0, {}};
+      if (callbacks.should_stop()) return {ChunkOutcome::Stopped, "", 0, {}, {}};
       std::this_thread::sleep_for(behaviour_.step);
       if (row == 1 && (behaviour_.always_fail || behaviour_.fail_calls.count(call))) {
         throw std::runtime_error("injected fault on " + name_);
@@ -125,7 +125,7 @@ class FakeExecutor : public ChunkExecutor {
     const uint64_t previous = payload.outputs.empty() ? payload.seed : payload.outputs.back();
     payload.outputs.push_back(previous * 6364136223846793005ULL + 1442695040888963407ULL +
                               static_cast<uint64_t>(work.chunk_index));
-    return {ChunkOutcome::Succeeded, "", 4, {}};
+    return {ChunkOutcome::Succeeded, "", 4, {}, {}};
   }
   void probe() override {
     log_->probed();
@@ -1175,8 +1175,8 @@ TEST(ReplicaPool, AnExceptionOrAStopNobodyAskedForArrivesAsFailedAndARequestedSt
   ReplicaPool pool(
       one_executor([](int call, const ChunkCallbacks& callbacks) {
         if (call == 1) throw std::runtime_error("device lost");
-        if (call == 2) return ChunkResult{ChunkOutcome::Stopped, "", 0, {}};
-        return ChunkResult{callbacks.should_stop() ? ChunkOutcome::Stopped : ChunkOutcome::Succeeded, "", 0, {}};
+        if (call == 2) return ChunkResult{ChunkOutcome::Stopped, "", 0, {}, {}};
+        return ChunkResult{callbacks.should_stop() ? ChunkOutcome::Stopped : ChunkOutcome::Succeeded, "", 0, {}, {}};
       }),
       options);
   ScriptedSource source(pool, 3, /*stop_chunk=*/2);

@@ -149,6 +149,25 @@ TEST(JobStore, ACachedLongVideoOnTwoReplicasKilledMidRunEqualsTheSingleProcessCa
   ASSERT_EQ(done.state(), pb::JOB_STATE_SUCCEEDED) << done.error().message();
   EXPECT_GT(metric(restarted, "skyreels_transformer_token_blocks_total{kind=\"saved_cache\"}"), 0)
       << "the cache skipped nothing: the test would not see a state that travelled";
+  // The job reports its own work, the chunks run before the kill included (their ChunkFinished events are stored).
+  const pb::TransformerWork& work = done.transformer_work();
+  EXPECT_GT(work.saved_cache(), 0);
+  EXPECT_GT(work.computed(), 0);
+  EXPECT_EQ(work.full(), work.computed() + work.saved_exact() + work.saved_cache());
+  pb::TransformerWork summed;
+  int chunks_reported = 0;
+  for (const auto& e : watch_until(restarted.client(), id, 0, [](const pb::JobEvent& e) { return e.has_finished(); })) {
+    if (!e.has_chunk_finished()) continue;
+    const pb::TransformerWork& w = e.chunk_finished().transformer_work();
+    chunks_reported += w.full() > 0 ? 1 : 0;
+    summed.set_full(summed.full() + w.full());
+    summed.set_computed(summed.computed() + w.computed());
+    summed.set_saved_cache(summed.saved_cache() + w.saved_cache());
+  }
+  EXPECT_EQ(chunks_reported, 6) << "every chunk's ChunkFinished carries its work";
+  EXPECT_EQ(summed.full(), work.full());
+  EXPECT_EQ(summed.computed(), work.computed());
+  EXPECT_EQ(summed.saved_cache(), work.saved_cache());
   const at::Tensor expected = reference_latents(request);
   const at::Tensor served = download_latents(restarted.client(), id);
   ASSERT_TRUE(served.defined());
