@@ -419,7 +419,9 @@ def write_report(chk, report):
              f"- device: {report['device']} ({report['device_name']}); mode: {'cpu (tiny sizes)' if chk.cpu else 'gpu'}",
              f"- when: {report['when']}, total {report['total_s']} s"]
     b = report.get("build", {})
-    if b:
+    if "reused" in b:
+        lines.append(f"- build: reused the binaries in {b['reused']}")
+    elif b:
         lines.append(f"- build: {b.get('libtorch')}, CUDA build {b.get('cuda_build')} {b.get('cuda_version', '')}, "
                      f"configure {b.get('configure_s')} s, build {b.get('build_s')} s with {b.get('jobs')} jobs")
     if report["failures"]:

@@ -78,10 +78,15 @@ if [ "$CUDNN" = stub ]; then
     done <"$work/symbols"
   } >"$work/cudnn_stub.c"
   printf 'libcudnn.so.9 { global: *; };\n' >"$work/cudnn.map"
-  gcc -shared -fPIC -O1 -o /usr/local/lib/libcudnn.so.9 -Wl,-soname,libcudnn.so.9 \
-    -Wl,--version-script="$work/cudnn.map" "$work/cudnn_stub.c"
+  # Where nvidia-cudnn's installer puts the real one, recorded in its file list as the installer records its files
+  # (so `apt-get purge nvidia-cudnn` removes the stub too, and runtime-closure.sh finds its owner).
+  stub=/usr/lib/$(gcc -print-multiarch)/libcudnn.so.9
+  gcc -shared -fPIC -O1 -o "$stub" -Wl,-soname,libcudnn.so.9 -Wl,--version-script="$work/cudnn.map" \
+    "$work/cudnn_stub.c"
+  mkdir -p /var/lib/nvidia-cudnn
+  grep -qxF "$stub" /var/lib/nvidia-cudnn/filelist.txt 2>/dev/null || echo "$stub" >>/var/lib/nvidia-cudnn/filelist.txt
   ldconfig
-  echo "setup-cuda: stub /usr/local/lib/libcudnn.so.9 with $n cuDNN symbols (check only, never for a GPU)"
+  echo "setup-cuda: stub $stub with $n cuDNN symbols (check only, never for a GPU)"
   rm -rf "$work"
 fi
 echo "setup-cuda: ${#packages[@]} packages (cuDNN: $CUDNN)"
