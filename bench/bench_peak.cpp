@@ -15,10 +15,9 @@ namespace skyreels::bench {
 double peak_device_mib(const c10::Device& device) {
 #ifdef SKYREELS_WITH_CUDA
   if (device.is_cuda()) {
-    namespace alloc = c10::cuda::CUDACachingAllocator;
-    const auto stats = alloc::getDeviceStats(device.has_index() ? device.index() : 0);
-    return static_cast<double>(stats.allocated_bytes[static_cast<size_t>(alloc::StatType::AGGREGATE)].peak) /
-           (1024.0 * 1024.0);
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.has_index() ? device.index() : 0);
+    // Index 0 is StatType::AGGREGATE (all pools), whichever namespace this LibTorch declares StatType in.
+    return static_cast<double>(stats.allocated_bytes[0].peak) / (1024.0 * 1024.0);
   }
 #endif
   (void)device;

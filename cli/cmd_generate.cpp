@@ -311,7 +311,7 @@ int run_generate(const std::vector<std::string>& argv) {
     if (syncs_counted) {
       std::cout << "host_syncs: " << host_syncs << " in " << transformer_calls << " transformer calls\n";
     } else {
-      std::cout << "host_syncs: not counted (no CUDA device; LibTorch's sync debug mode is CUDA's)\n";
+      std::cout << "host_syncs: not counted (no CUDA device, or LibTorch's sync debug mode missed a known sync)\n";
     }
   }
   if (args.has("cache-log")) write_cache_log(args.get("cache-log"), work.calls);

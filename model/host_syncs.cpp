@@ -1,6 +1,6 @@
 #include "model/host_syncs.h"
 
-#include <ATen/Context.h>
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
 #include <string>
@@ -50,7 +50,16 @@ struct HostSyncCounter::Impl {
 };
 
 HostSyncCounter::HostSyncCounter(bool enable) {
-  if (enable && at::hasCUDA()) impl_ = std::make_unique<Impl>(c10::WarningUtils::get_warning_handler());
+  if (!enable || !at::hasCUDA()) return;
+  impl_ = std::make_unique<Impl>(c10::WarningUtils::get_warning_handler());
+  // Positive control: one .item() must be seen as one sync, or the count would read 0 for the wrong reason (the
+  // debug mode not reaching LibTorch's copy of its state); then the counter reports itself inactive.
+  (void)at::zeros({1}, at::TensorOptions().device(at::kCUDA)).item<float>();
+  if (impl_->handler.count != 1) {
+    impl_.reset();
+    return;
+  }
+  impl_->handler.count = 0;
 }
 int64_t HostSyncCounter::count() const { return impl_ ? impl_->handler.count : 0; }
 #else

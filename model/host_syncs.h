@@ -17,7 +17,7 @@ class HostSyncCounter {
   HostSyncCounter(const HostSyncCounter&) = delete;
   HostSyncCounter& operator=(const HostSyncCounter&) = delete;
 
-  bool active() const;    // counting (a CUDA build with a GPU, enabled)
+  bool active() const;    // counting: a CUDA build with a GPU, enabled, and a known .item() sync was seen
   int64_t count() const;  // synchronisations seen so far
 
  private:

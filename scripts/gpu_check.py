@@ -390,7 +390,9 @@ import sys, time, torch
 sys.path.insert(0, {str(src)!r})
 from diffusers import SkyReelsV2Transformer3DModel
 dev = {chk.device!r}
-m = SkyReelsV2Transformer3DModel(num_layers={opts['--layers']}, inject_sample_info=True).to(dev, torch.bfloat16).eval()
+# DF-1.3B's config (diffusers' defaults otherwise, as TransformerConfig::df_1_3b); diffusers' own random init.
+m = SkyReelsV2Transformer3DModel(num_attention_heads=12, ffn_dim=8960, num_layers={opts['--layers']},
+                                 inject_sample_info=True).to(dev, torch.bfloat16).eval()
 x = torch.randn(1, 16, {opts['--frames']}, {opts['--height']}, {opts['--width']}, device=dev, dtype=torch.bfloat16)
 t = torch.randint(0, 1000, (1, {opts['--frames']}), device=dev)
 e = torch.randn(1, {opts['--text']}, 4096, device=dev, dtype=torch.bfloat16) * 0.1
@@ -399,7 +401,7 @@ best = 1e30
 with torch.no_grad():
     for i in range(4):
         if dev.startswith('cuda'): torch.cuda.synchronize()
-        s = time.time(); m(x, t, e, fps=fps, return_dict=False)
+        s = time.time(); m(x, t, e, enable_diffusion_forcing=True, fps=fps, return_dict=False)
         if dev.startswith('cuda'): torch.cuda.synchronize()
         if i: best = min(best, time.time() - s)
 print('DIFFUSERS', best)
