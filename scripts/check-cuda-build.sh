@@ -51,7 +51,7 @@ chroot "$ROOT" env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root JOBS="$JOBS"
     -DCMAKE_CUDA_ARCHITECTURES=90 -DTORCH_CUDA_ARCH_LIST=9.0
   grep -q "^SKYREELS_TORCH_CUDA:INTERNAL=ON" build-cuda/CMakeCache.txt ||
     { echo "check-cuda: LibTorch was configured without CUDA" >&2; exit 1; }
-  cmake --build build-cuda -j "$JOBS"
+  cmake --build build-cuda -j "$JOBS" -- -k 0  # every error at once
   t2=$(date +%s)
   echo "check-cuda: build in $((t2 - t1)) s"
   build-cuda/bin/skyreels version

@@ -525,7 +525,7 @@ const Json& env_var(const Json& container, const std::string& name) {
 
 // The job store URL as the overlay's Secret holds it.
 std::string overlay_store_url(const std::vector<Json>& objects) {
-  const Json& ref = env_var(server_container(objects), "SKYREELS_JOB_STORE").at("valueFrom").at("secretKeyRef");
+  const Json ref = env_var(server_container(objects), "SKYREELS_JOB_STORE").at("valueFrom").at("secretKeyRef");
   const Json& secret = only_object(objects, "Secret", ref.at("name"));
   return secret.at("stringData").at(ref.at("key").get<std::string>());
 }
@@ -745,7 +745,7 @@ Json completed_alert_tests() {
   Json tests = alert_tests();
   for (Json& group : tests.at("tests")) {
     for (Json& check : group.at("alert_rule_test")) {
-      const Json& rule = alert_rule(check.at("alertname"));
+      const Json rule = alert_rule(check.at("alertname"));
       for (Json& expected : check.at("exp_alerts")) {
         Json& labels = expected["exp_labels"];
         for (auto it = rule.at("labels").begin(); it != rule.at("labels").end(); ++it) labels[it.key()] = it.value();

@@ -53,7 +53,9 @@ TEST(GpuCheckCpu, EveryStepPassesAndTheReportSaysWhatWasChecked) {
   EXPECT_EQ(report.at("transformer").size(), report.at("placement").size());
   for (const Json& t : report.at("transformer")) {
     EXPECT_TRUE(t.at("ok").get<bool>()) << t.dump();
-    if (t.at("dtype") == "float32") EXPECT_LT(t.at("max_abs_diff").get<double>(), 1e-4) << t.dump();
+    if (t.at("dtype") == "float32") {
+      EXPECT_LT(t.at("max_abs_diff").get<double>(), 1e-4) << t.dump();
+    }
   }
   std::set<std::string> kinds;
   for (const Json& p : report.at("pipelines")) {
