@@ -5,7 +5,8 @@
 # driver's user-space library (libcuda1) and the project's own package list. cuDNN cannot be downloaded here, so the
 # check (never the image) uses setup-cuda.sh's stub libcudnn.so.9. Configures with CUDA (TorchConfig's CUDA
 # language, architecture 9.0), warnings as errors for project code, builds into build-cuda/ and runs ctest with
-# torch::cuda::is_available() false. Needs root and Debian's archive; the chroot lives outside the repository.
+# torch::cuda::is_available() false; then builds the model-only tree (-DSKYREELS_MODEL_ONLY=ON) into build-cuda-model/
+# and runs scripts/gpu-check.sh --cpu on it. Needs root and Debian's archive; the chroot lives outside the repository.
 #   scripts/check-cuda-build.sh                     # chroot (once), packages, build, ctest
 #   CUDA_TRIXIE_ROOT=/path scripts/check-cuda-build.sh
 #   CTEST_ARGS='-R test_transformer' scripts/check-cuda-build.sh
@@ -60,5 +61,15 @@ chroot "$ROOT" env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root JOBS="$JOBS"
   cd build-cuda && ctest -j "$JOBS" --output-on-failure $CTEST_ARGS
   t3=$(date +%s)
   echo "check-cuda: ctest in $((t3 - t2)) s"
+  # The model-only build (what scripts/gpu-check.sh builds on a GPU machine) with the same CUDA LibTorch, and the
+  # GPU check on its binaries, on the CPU.
+  cd /src
+  [ -f build-cuda-model/build.ninja ] || cmake -S . -B build-cuda-model -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DSKYREELS_MODEL_ONLY=ON -DSKYREELS_WERROR=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DTORCH_CUDA_ARCH_LIST=9.0 >/dev/null
+  cmake --build build-cuda-model -j "$JOBS"
+  scripts/gpu-check.sh /tmp/gpu-check-model-only --cpu --bin build-cuda-model/bin >/tmp/gpu-check.out ||
+    { cat /tmp/gpu-check.out; exit 1; }
+  head -1 /tmp/gpu-check.out
+  echo "check-cuda: model-only build and gpu-check --cpu in $(($(date +%s) - t3)) s"
 '
 echo "check-cuda: done in $(($(date +%s) - start)) s"
