@@ -8,7 +8,7 @@
 //     per encoder call) and the batched one (--frames-per-call latent frames, 0 = from kVaeMemoryBudgetBytes; the
 //     encoder's chunks per call from the same budget) interleaved, repeat by repeat; best times, their ratio, the
 //     max |difference| between the two, and in bfloat16 also against the float32 model with the same weights.
-//   bench_vae --mode stream|whole [--frames 1,3,6,12] [--frames-per-call 0] ...
+//   bench_vae --mode stream|whole [--frames 1,3,6,12] [--frames-per-call 0] [--device cpu|cuda:N] ...
 //     Each length in a fresh process (this binary re-executed with --single), so its peak RSS (VmHWM) is its own.
 //     "stream" hands every call's pixels on and drops them (what `skyreels decode --out x.mp4` and the server do);
 //     "whole" keeps the full video tensor (decode()), so it also grows by the size of the output.
@@ -52,7 +52,7 @@ using skyreels::model::WanVaeConfig;
 struct Options {
   std::vector<int64_t> frames{1, 3, 6, 12};
   int64_t height = 64, width = 64, base_dim = 96, frames_per_call = 0;
-  std::string mode = "stream", dtype = "float32";
+  std::string mode = "stream", dtype = "float32", device = "cpu";
   int threads = 0, repeats = 2;
   bool profile = false;
   int64_t single = -1;  // internal: run one length and print one RESULT line
@@ -81,6 +81,8 @@ Options parse(int argc, char** argv) {
       o.mode = value;
     } else if (flag == "--dtype") {
       o.dtype = value;
+    } else if (flag == "--device") {
+      o.device = value;
     } else if (flag == "--profile") {
       o.profile = value == "1";
     } else if (flag == "--repeats") {
@@ -105,7 +107,8 @@ Options parse(int argc, char** argv) {
 at::ScalarType dtype_of(const std::string& name) { return name == "bfloat16" ? at::kBFloat16 : at::kFloat; }
 
 // Random weights with unit-variance activations (conv weights ~ N(0, 1/fan_in), norms 1, biases 0).
-WanVae random_vae(const WanVaeConfig& config, at::ScalarType dtype) {
+WanVae random_vae(const WanVaeConfig& config, at::ScalarType dtype,
+                  const c10::Device& device = c10::Device(c10::kCPU)) {
   at::manual_seed(0);
   skyreels::checkpoint::StateDict weights;
   for (const auto& spec : skyreels::model::wan_vae_parameter_specs(config)) {
@@ -120,9 +123,9 @@ WanVae random_vae(const WanVaeConfig& config, at::ScalarType dtype) {
     } else {
       t = at::zeros(spec.shape);
     }
-    weights[spec.name] = t.to(dtype);
+    weights[spec.name] = t.to(device, dtype);
   }
-  return WanVae(config, std::move(weights), c10::Device(c10::kCPU), dtype);
+  return WanVae(config, std::move(weights), device, dtype);
 }
 
 // ---- FLOPs of the layers, walked as the model is built (vae_wan.cpp) ----------------------------------------------
@@ -361,8 +364,11 @@ int run_single(const Options& o) {
   WanVaeConfig config = WanVaeConfig::wan_2_1();
   config.base_dim = o.base_dim;
   const at::ScalarType dtype = dtype_of(o.dtype);
-  const WanVae vae = random_vae(config, dtype);
-  const at::Tensor z = at::randn({1, config.z_dim, o.single, o.height / 8, o.width / 8}).to(dtype);
+  const c10::Device device(o.device);
+  const WanVae vae = random_vae(config, dtype, device);
+  const at::Tensor z = at::randn({1, config.z_dim, o.single, o.height / 8, o.width / 8}).to(device, dtype);
+  skyreels::bench::sync_device(device);
+  skyreels::bench::reset_peak_device_memory(device);
   // Start the peak from here: model creation must not hide a decode peak below its own.
   std::ofstream clear_refs("/proc/self/clear_refs");
   const bool reset = static_cast<bool>(clear_refs << "5" << std::flush);  // "5": reset VmHWM (Linux >= 4.0)
@@ -386,10 +392,12 @@ int run_single(const Options& o) {
     pixel_frames = video.size(2);
     checksum = video.to(at::kFloat).mean().item<double>();
   }
+  skyreels::bench::sync_device(device);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::printf("RESULT %lld %lld %.3f %.3f %.1f %.1f %d %.6f\n", static_cast<long long>(o.single),
+  // The last field: peak device memory (MiB) of the decode on a CUDA device, 0 on the CPU.
+  std::printf("RESULT %lld %lld %.3f %.3f %.1f %.1f %d %.6f %.0f\n", static_cast<long long>(o.single),
               static_cast<long long>(pixel_frames), seconds, process_cpu_seconds() - cpu_start, base_mb,
-              status_mb("VmHWM"), at::get_num_threads(), checksum);
+              status_mb("VmHWM"), at::get_num_threads(), checksum, skyreels::bench::peak_device_mib(device));
   return 0;
 }
 
@@ -405,6 +413,7 @@ int run_driver(const Options& o, const std::string& self) {
     std::ostringstream cmd;
     cmd << self << " --single " << n << " --height " << o.height << " --width " << o.width << " --base-dim "
         << o.base_dim << " --mode " << o.mode << " --threads " << o.threads << " --dtype " << o.dtype
+        << " --device " << o.device
         << " --frames-per-call " << o.frames_per_call;
     FILE* pipe = ::popen(cmd.str().c_str(), "r");
     if (pipe == nullptr) throw std::runtime_error("cannot run " + cmd.str());

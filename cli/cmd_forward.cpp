@@ -58,6 +58,9 @@ int run_forward(const std::vector<std::string>& argv) {
 
   const auto loaded = skyreels::model::load_transformer(model_path, options);  // logs what it found and did
   const auto& model = *loaded.model;
+  // The loader refuses a model with any tensor off the device; this line says what it checked (scripts/gpu-check.sh).
+  std::cout << "placement: " << loaded.report.placed_tensors << " tensors on " << loaded.report.placed_device << " ("
+            << loaded.report.placed_fp32 << " float32), none on meta or another device\n";
 
   const auto inputs = skyreels::safetensors::load_all(inputs_path);
   skyreels::model::TransformerForwardArgs forward_args;

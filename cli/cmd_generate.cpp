@@ -15,6 +15,7 @@
 #include "cli/command.h"
 #include "model/checkpoint.h"
 #include "model/diffusion_forcing.h"
+#include "model/host_syncs.h"
 #include "model/pixel_conditioning.h"
 #include "model/safetensors.h"
 #include "model/text_encoding.h"
@@ -58,6 +59,8 @@ const std::string kUsage =
         "                     its last --overlap-history frames are continued; --num-frames counts them too\n"
         "                     (images and videos must already be --width x --height)\n"
         "  --pin-image-prefix with --causal-block-size > 1: keep the image frame fixed (diffusers denoises it)\n"
+        "  --count-host-syncs on CUDA: count the host-device synchronisations of the step loops (LibTorch's sync\n"
+        "               debug mode) and print them with the number of transformer calls\n"
         "a prompt per chunk (each chunk takes the prompt in force at its first new frame):\n"
         "  --prompt-at FRAME:TEXT   from pixel frame FRAME on, TEXT (needs --text-encoder); repeatable\n"
         "  --inputs-at FRAME:FILE   from pixel frame FRAME on, the embeddings of FILE (like --inputs); repeatable\n"
@@ -220,10 +223,10 @@ model::Conditioning conditioning_from(const std::string& path) {
 }
 
 int run_generate(const std::vector<std::string>& argv) {
-  const Args args(argv, skyreels::cli::with_generation_switches({"pin-image-prefix"}));
+  const Args args(argv, skyreels::cli::with_generation_switches({"pin-image-prefix", "count-host-syncs"}));
   args.reject_unknown(with_generation_flags({"model", "inputs", "out", "noise", "dtype", "device", "text-encoder",
                                              "tokenizer", "max-sequence-length", "vae", "pin-image-prefix",
-                                             "cache-log", "kv-cache-bytes", "lora"}));
+                                             "cache-log", "kv-cache-bytes", "lora", "count-host-syncs"}));
   if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional().front() + "'");
   const std::string model_path = args.require("model");
   if (args.has("inputs") == args.has("text-encoder")) {
@@ -278,20 +281,39 @@ int run_generate(const std::vector<std::string>& argv) {
     spdlog::info("chunk {} row {}/{}", chunk, row + 1, rows);
   };
   TransformerWork work;
-  hooks.on_call = [&work](const model::TransformerCallReport& call) { work.add(call); };
   // Stock diffusers' request-scoped step cache lives across chunks: one cache for the whole loop then.
   const auto request_cache =
       params.cache.scope == model::StepCacheScope::kRequest ? model::make_denoise_cache() : nullptr;
   std::vector<std::pair<std::string, at::Tensor>> outputs;
   at::Tensor video;
   start = std::chrono::steady_clock::now();
+  int64_t host_syncs = 0, transformer_calls = 0;
+  hooks.on_call = [&work, &transformer_calls](const model::TransformerCallReport& call) {
+    work.add(call);
+    ++transformer_calls;
+  };
+  bool syncs_counted = false;
   for (const model::ChunkSpec& chunk : plan->chunks) {
-    const at::Tensor latents =
-        model::run_chunk(transformer, params, *plan, chunk.index, conditioning, video, *noise, hooks, request_cache);
+    at::Tensor latents;
+    {
+      // Only the step loop: the chunk's latents are copied to the host below, outside the count.
+      const model::HostSyncCounter syncs(args.has("count-host-syncs") && transformer.device().is_cuda());
+      latents =
+          model::run_chunk(transformer, params, *plan, chunk.index, conditioning, video, *noise, hooks, request_cache);
+      host_syncs += syncs.count();
+      syncs_counted = syncs.active();
+    }
     outputs.emplace_back("chunk" + std::to_string(chunk.index) + "_latents_end", latents.to(at::kCPU));
     video = model::accumulate(video, latents, chunk);
   }
   spdlog::info("generated in {:.2f} s; {}", seconds_since(start), work.summary());
+  if (args.has("count-host-syncs")) {
+    if (syncs_counted) {
+      std::cout << "host_syncs: " << host_syncs << " in " << transformer_calls << " transformer calls\n";
+    } else {
+      std::cout << "host_syncs: not counted (no CUDA device, or LibTorch's sync debug mode missed a known sync)\n";
+    }
+  }
   if (args.has("cache-log")) write_cache_log(args.get("cache-log"), work.calls);
   outputs.insert(outputs.begin(), {"latents", video.to(at::kCPU)});
   skyreels::safetensors::save(out_path, outputs);

@@ -1,5 +1,6 @@
 #include "model/runtime.h"
 
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <malloc.h>
 #include <sched.h>
@@ -117,6 +118,14 @@ void tune_malloc() {
   ::mallopt(M_TOP_PAD, 128 << 20);
 }
 
+bool configure_tf32() {
+  const char* env = std::getenv("SKYREELS_TF32");
+  const bool tf32 = env != nullptr && std::string(env) == "1";
+  at::globalContext().setAllowTF32CuBLAS(tf32);
+  at::globalContext().setAllowTF32CuDNN(tf32);
+  return tf32;
+}
+
 void init_process(int argc, char** argv) {
   ensure_openblas_coretype(argc, argv);
   tune_malloc();
@@ -130,6 +139,7 @@ void init_process(int argc, char** argv) {
   }();
   (void)once;
   configure_threads(0);
+  configure_tf32();
   spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ [%n] %v");
 }
 

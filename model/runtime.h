@@ -35,7 +35,12 @@ std::string resolve_dtype_name(const std::string& requested, const std::string& 
 // forward otherwise). SKYREELS_MALLOC_TUNE=0 turns it off.
 void tune_malloc();
 
-// Everything a main() needs: coretype re-exec, malloc tuning, threads, spdlog pattern.
+// float32 on CUDA means float32: TF32 off for cuBLAS matmuls and cuDNN convolutions (PyTorch leaves cuDNN's on),
+// so fp32 results match the CPU's and diffusers' fp32 fixtures within 1e-4. SKYREELS_TF32=1 turns both on (faster
+// fp32 on Ampere and later, ~1e-3 relative). No effect on bfloat16 or on the CPU. Returns whether TF32 is on.
+bool configure_tf32();
+
+// Everything a main() needs: coretype re-exec, malloc tuning, threads, TF32 off, spdlog pattern.
 void init_process(int argc, char** argv);
 
 }  // namespace skyreels::runtime

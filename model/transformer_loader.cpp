@@ -965,6 +965,23 @@ LoadedTransformer load_transformer(const std::string& path, const TransformerLoa
 
   LoadedTransformer out;
   out.model = std::make_unique<SkyReelsV2Transformer>(*a.config, std::move(weights), device, dtype);
+  // Device exactness (the diffusers PR #11850 failure mode: tensors left on meta or on the CPU): every parameter and
+  // buffer of the built model is on the requested device, or the load fails naming them.
+  std::vector<std::string> misplaced;
+  for (const auto& [name, t] : out.model->named_tensors()) {
+    const bool right = !t.is_meta() && t.device().type() == device.type() &&
+                       (!device.has_index() || t.device().index() == device.index());
+    if (!right) misplaced.push_back(name + " on " + (t.is_meta() ? std::string("meta") : t.device().str()));
+    a.report.placed_tensors += right ? 1 : 0;
+    a.report.placed_fp32 += right && t.scalar_type() == at::kFloat ? 1 : 0;
+  }
+  if (!misplaced.empty()) {
+    std::string list;
+    for (size_t i = 0; i < misplaced.size() && i < 8; ++i) list += (i ? ", " : "") + misplaced[i];
+    throw checkpoint::CheckpointError("transformer checkpoint '" + a.path + "': " + std::to_string(misplaced.size()) +
+                                      " tensor(s) not on " + device.str() + " after loading: " + list);
+  }
+  a.report.placed_device = out.model->device().str();
   a.report.seconds = seconds_since(t0);
   spdlog::info("transformer loaded: {} parameters, {} in {:.3f} s ({}/s) onto {} as {} ({})", a.report.parameter_count,
                gb(a.report.bytes), a.report.seconds,

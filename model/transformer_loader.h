@@ -53,6 +53,11 @@ struct TransformerLoadReport {
   int64_t parameter_count = 0;
   uint64_t bytes = 0;
   double seconds = 0.0;
+  // Every tensor the built model holds (parameters and buffers such as the RoPE tables), checked after the build to
+  // lie on the requested device and never on meta: their count there, and how many of them are float32.
+  int64_t placed_tensors = 0;
+  int64_t placed_fp32 = 0;
+  std::string placed_device;  // e.g. "cuda:0"
 };
 
 struct LoadedTransformer {

@@ -525,7 +525,7 @@ const Json& env_var(const Json& container, const std::string& name) {
 
 // The job store URL as the overlay's Secret holds it.
 std::string overlay_store_url(const std::vector<Json>& objects) {
-  const Json& ref = env_var(server_container(objects), "SKYREELS_JOB_STORE").at("valueFrom").at("secretKeyRef");
+  const Json ref = env_var(server_container(objects), "SKYREELS_JOB_STORE").at("valueFrom").at("secretKeyRef");
   const Json& secret = only_object(objects, "Secret", ref.at("name"));
   return secret.at("stringData").at(ref.at("key").get<std::string>());
 }
@@ -745,7 +745,7 @@ Json completed_alert_tests() {
   Json tests = alert_tests();
   for (Json& group : tests.at("tests")) {
     for (Json& check : group.at("alert_rule_test")) {
-      const Json& rule = alert_rule(check.at("alertname"));
+      const Json rule = alert_rule(check.at("alertname"));
       for (Json& expected : check.at("exp_alerts")) {
         Json& labels = expected["exp_labels"];
         for (auto it = rule.at("labels").begin(); it != rule.at("labels").end(); ++it) labels[it.key()] = it.value();
@@ -866,23 +866,37 @@ TEST(DockerImages, CpuImageBuildsWithTheReadmeSetupScriptAndNoRecipeOfItsOwn) {
   EXPECT_TRUE(installs_the_closure) << "the runtime stage installs the computed runtime-packages.txt";
 }
 
-TEST(DockerImages, CudaImageTakesPackagesAndBuildFromTheSetupScript) {
+TEST(DockerImages, CudaImageIsDebianTrixiePackagesInstalledByTheScriptItsChrootCheckRuns) {
   const auto stages = parse_dockerfile(deploy_dir() / "docker" / "Dockerfile.cuda");
   ASSERT_GE(stages.size(), 2u);
-  EXPECT_TRUE(std::regex_match(stages.front().base, std::regex("debian:(bookworm|12)(-slim)?")));
-  bool package_list_from_setup = false, build_with_setup = false;
+  EXPECT_TRUE(std::regex_match(stages.back().base, std::regex("debian:(trixie|13)(-slim)?"))) << stages.back().base;
+  bool installs_with_setup_cuda = false, build_with_setup = false, trixie_build = false;
   for (const auto& stage : stages) {
+    EXPECT_TRUE(std::regex_match(stage.base, std::regex("debian:[a-z0-9]+(-slim)?"))) << "Debian only: " << stage.base;
     for (const auto& run : stage.all("RUN")) {
-      package_list_from_setup |=
-          contains(run, "PACKAGES") && contains(run, "scripts/setup.sh") && contains(run, "libtorch-dev");
+      const bool setup_cuda = contains(run, "scripts/setup-cuda.sh --cudnn=nvidia");
+      installs_with_setup_cuda |= setup_cuda;
+      trixie_build |= setup_cuda && std::regex_match(stage.base, std::regex("debian:(trixie|13)(-slim)?"));
       build_with_setup |= contains(run, "SKYREELS_SKIP_DEPS=1 scripts/setup.sh");
       EXPECT_FALSE(contains(run, "cmake ")) << run;
+      EXPECT_FALSE(contains(run, "--cudnn=stub")) << "the stub cuDNN is for the chroot check only: " << run;
+      // No downloads outside Debian's archive (cuDNN comes through Debian's own nvidia-cudnn installer package).
+      for (const char* fetch : {"curl ", "wget ", "http://", "https://", "ADD "}) EXPECT_FALSE(contains(run, fetch)) << run;
     }
+    EXPECT_TRUE(stage.all("ADD").empty()) << "no ADD of remote files";
   }
-  EXPECT_TRUE(package_list_from_setup) << "Debian packages: setup.sh's PACKAGES minus libtorch-dev";
+  EXPECT_TRUE(installs_with_setup_cuda) << "the packages come from scripts/setup-cuda.sh";
+  EXPECT_TRUE(trixie_build) << "scripts/setup-cuda.sh runs on debian:trixie";
   EXPECT_TRUE(build_with_setup);
-  const std::string text = read_text(deploy_dir() / "docker" / "Dockerfile.cuda");
-  EXPECT_TRUE(std::regex_search(text, std::regex("libtorch-cxx11-abi-shared-with-deps-2\\.[0-9.]+%2Bcu12[0-9]\\.zip")));
+  // The chroot check installs with the same script (with the stub cuDNN it is allowed, never the image).
+  const std::string check = read_text(root() / "scripts" / "check-cuda-build.sh");
+  EXPECT_TRUE(contains(check, "scripts/setup-cuda.sh --cudnn=stub"));
+  // setup-cuda.sh reads setup.sh's PACKAGES and swaps the CPU libtorch-dev for the CUDA one.
+  const std::string setup_cuda = read_text(root() / "scripts" / "setup-cuda.sh");
+  for (const char* what : {"scripts/setup.sh", "PACKAGES", "-e libtorch-dev", "libtorch-cuda-dev", "nvidia-cuda-toolkit",
+                           "libcuda1", "nvidia-cudnn"}) {
+    EXPECT_TRUE(contains(setup_cuda, what)) << what;
+  }
 }
 
 TEST(DockerImages, ImagesAreMultiStageNonRootWithWeightsMountedAndServerFlags) {

@@ -65,6 +65,12 @@ while IFS= read -r line; do
   owner[$path]=${pkg%%:*}
 done < <(printf '%s\n' "${spellings[@]}" | sort -u | xargs dpkg -S 2>/dev/null || true)
 
+# Installer packages own what their post-install script wrote: Debian's nvidia-cudnn downloads cuDNN and records each
+# file in its filelist (scripts/setup-cuda.sh --cudnn=stub records its stub there the same way).
+while IFS= read -r path; do
+  [ -n "$path" ] && owner[$path]=nvidia-cudnn
+done < <(cat /var/lib/nvidia-cudnn/filelist.txt 2>/dev/null || true)
+
 packages=()
 unpackaged=()
 for i in "${!libraries[@]}"; do

@@ -1,0 +1,12 @@
+# The gRPC-, protobuf- and database-free libraries of server/ that the offline `skyreels` commands use, for the
+# model-only build (-DSKYREELS_MODEL_ONLY=ON). The same sources and links as their definitions in
+# server/CMakeLists.txt: the generation parameter table, its meeting point with the model, the tiny random model.
+set(_server ${PROJECT_SOURCE_DIR}/server)
+add_library(skyreels_params STATIC ${_server}/generation_params.cpp)
+target_include_directories(skyreels_params PUBLIC ${PROJECT_SOURCE_DIR})
+target_link_libraries(skyreels_params PRIVATE skyreels_warnings)
+add_library(skyreels_params_model STATIC ${_server}/generation_params_model.cpp)
+target_link_libraries(skyreels_params_model PUBLIC skyreels_params skyreels_generation PRIVATE skyreels_warnings)
+add_library(skyreels_demo STATIC ${_server}/demo_model.cpp)
+target_include_directories(skyreels_demo PUBLIC ${PROJECT_SOURCE_DIR})
+target_link_libraries(skyreels_demo PUBLIC skyreels_transformer skyreels_vae PRIVATE skyreels_warnings)
