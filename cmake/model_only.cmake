@@ -1,6 +1,6 @@
-# The gRPC-, protobuf- and database-free libraries of server/ that the offline `skyreels` commands use, for the
-# model-only build (-DSKYREELS_MODEL_ONLY=ON). The same sources and links as their definitions in
-# server/CMakeLists.txt: the generation parameter table, its meeting point with the model, the tiny random model.
+# The gRPC-, protobuf- and database-free libraries of server/ that the offline `skyreels` commands use: the
+# generation parameter table, its meeting point with the model, the tiny random model. Declared here once, included
+# by server/CMakeLists.txt and by the model-only build (-DSKYREELS_MODEL_ONLY=ON), which has no server/.
 set(_server ${PROJECT_SOURCE_DIR}/server)
 add_library(skyreels_params STATIC ${_server}/generation_params.cpp)
 target_include_directories(skyreels_params PUBLIC ${PROJECT_SOURCE_DIR})
