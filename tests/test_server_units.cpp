@@ -84,7 +84,7 @@ TEST(ApiKeys, FileLinesAreKeysWithOptionalClientNamesAndLimits) {
   const std::string path = test::temp_dir("keys") + "/keys";
   const std::string alice(32, 'a'), bob(40, 'b'), carol(32, 'c');
   std::ofstream(path) << "# comment\n\n"
-                      << alice << " alice max_priority=2 max_jobs=3 max_streams=4\n  " << bob << "  \n"
+                      << alice << " alice max_priority=2 max_jobs=3 max_streams=4 weight=3\n  " << bob << "  \n"
                       << carol << " max_jobs=5\n";
   const ApiKeys keys = ApiKeys::load(path);
   EXPECT_TRUE(keys.enabled());
@@ -95,6 +95,7 @@ TEST(ApiKeys, FileLinesAreKeysWithOptionalClientNamesAndLimits) {
   EXPECT_EQ(a->limits.max_priority, std::optional<int>(2));
   EXPECT_EQ(a->limits.max_jobs, std::optional<int64_t>(3));
   EXPECT_EQ(a->limits.max_streams, std::optional<int64_t>(4));
+  EXPECT_EQ(a->limits.weight, std::optional<int>(3));
   const auto b = keys.identify(bob);
   ASSERT_TRUE(b.has_value());
   EXPECT_EQ(b->name, "client-4");
@@ -114,6 +115,9 @@ TEST(ApiKeys, BadFilesAreRefusedNamingTheLine) {
   std::ofstream(dir + "/limit") << key << " x max_priority=11\n";
   std::ofstream(dir + "/words") << key << " x y\n";
   std::ofstream(dir + "/unknown") << key << " x max_things=1\n";
+  std::ofstream(dir + "/weight0") << key << " x weight=0\n";
+  std::ofstream(dir + "/weight_big") << key << " x weight=101\n";
+  std::ofstream(dir + "/weight_word") << key << " x weight=heavy\n";
   for (const auto& [file, needle] :
        std::vector<std::pair<std::string, std::string>>{{"short", ":1: key is shorter than 32"},
                                                         {"dup", ":2: duplicate"},
@@ -121,7 +125,10 @@ TEST(ApiKeys, BadFilesAreRefusedNamingTheLine) {
                                                         {"missing", "cannot read"},
                                                         {"limit", ":1: max_priority must be an integer in [-10, 10]"},
                                                         {"words", ":1: expected 'KEY [CLIENT_NAME]"},
-                                                        {"unknown", ":1: expected 'KEY [CLIENT_NAME]"}}) {
+                                                        {"unknown", ":1: expected 'KEY [CLIENT_NAME]"},
+                                                        {"weight0", ":1: weight must be an integer in [1, 100]"},
+                                                        {"weight_big", ":1: weight must be an integer in [1, 100]"},
+                                                        {"weight_word", ":1: weight must be an integer in [1, 100]"}}) {
     try {
       ApiKeys::load(dir + "/" + file);
       ADD_FAILURE() << file << " accepted";
