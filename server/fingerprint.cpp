@@ -27,11 +27,17 @@ std::string FingerprintHasher::v2() {
   if (EVP_DigestFinal_ex(static_cast<EVP_MD_CTX*>(ctx_), digest, &size) != 1) {
     throw std::runtime_error("SHA-256: OpenSSL's digest failed");
   }
+  return kFingerprintV2Prefix + hex_digits(digest, size);
+}
+
+std::string hex_digits(const void* data, size_t size) {
   static constexpr char kHex[] = "0123456789abcdef";
-  std::string out = kFingerprintV2Prefix;
-  for (unsigned int i = 0; i < size; ++i) {
-    out += kHex[digest[i] >> 4];
-    out += kHex[digest[i] & 15];
+  const auto* p = static_cast<const unsigned char*>(data);
+  std::string out;
+  out.reserve(2 * size);
+  for (size_t i = 0; i < size; ++i) {
+    out += kHex[p[i] >> 4];
+    out += kHex[p[i] & 15];
   }
   return out;
 }

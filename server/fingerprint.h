@@ -28,6 +28,9 @@ class FingerprintHasher {
   void* ctx_;  // EVP_MD_CTX
 };
 
+// Lower-case hex of `size` bytes (fingerprints, job ids).
+std::string hex_digits(const void* data, size_t size);
+
 // Whether a stored job's fingerprints match a new request's: by v2 when the job has one, else by v1.
 bool same_fingerprint(uint64_t stored_v1, const std::string& stored_v2, uint64_t v1, const std::string& v2);
 

@@ -8,6 +8,8 @@
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
+#include "server/fingerprint.h"
+
 namespace skyreels::server {
 
 const char* job_state_name(JobState state) {
@@ -142,13 +144,7 @@ void random_bytes(void* out, size_t size) {
 std::string new_job_id() {
   unsigned char bytes[kJobIdBits / 8];
   random_bytes(bytes, sizeof bytes);
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string id = "j-";
-  for (unsigned char b : bytes) {
-    id += kHex[b >> 4];
-    id += kHex[b & 15];
-  }
-  return id;
+  return "j-" + hex_digits(bytes, sizeof bytes);
 }
 
 }  // namespace skyreels::server
