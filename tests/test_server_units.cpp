@@ -485,6 +485,30 @@ TEST(Metrics, BuildInfoNamesTheLoraAdaptersInEffectOnlyWhenThereAreAny) {
   EXPECT_NE(Metrics({"cpu:0"}, "9.9.9").render().find("skyreels_build_info{version=\"9.9.9\"} 1"), std::string::npos);
 }
 
+// A client can call any method name: the grpc_server_* series stay bounded, later names count as "unknown".
+TEST(Metrics, RpcSeriesAreBoundedWhateverMethodNamesClientsSend) {
+  Metrics metrics({"cpu:0"}, "test");
+  for (int i = 0; i < 1000; ++i) {
+    const std::string method = "Made" + std::to_string(i);
+    metrics.rpc_started("unary", "evil.Service", method);
+    metrics.rpc_handled("unary", "evil.Service", method, 12, 0.001);
+  }
+  const std::string text = metrics.render();
+  size_t handled_series = 0;
+  for (size_t at = text.find("\ngrpc_server_handled_total{"); at != std::string::npos;
+       at = text.find("\ngrpc_server_handled_total{", at + 1)) {
+    ++handled_series;
+  }
+  EXPECT_LE(handled_series, kMaxRpcSeries + 1) << "one per method series plus the shared unknown one";
+  EXPECT_NE(text.find("grpc_method=\"unknown\""), std::string::npos);
+  const std::string unknown_started =
+      "grpc_server_started_total{grpc_method=\"unknown\",grpc_service=\"unknown\",grpc_type=\"unknown\"} ";
+  const size_t at = text.find(unknown_started);
+  ASSERT_NE(at, std::string::npos) << text.substr(0, 2000);
+  EXPECT_EQ(std::stod(text.substr(at + unknown_started.size())), 1000.0 - static_cast<double>(kMaxRpcSeries))
+      << "every call is still counted";
+}
+
 TEST(Metrics, FreshExpositionHasEveryLabelValueAtZero) {
   Metrics metrics({"cpu:0", "cuda:1"}, "9.9.9");
   const std::string text = metrics.render();
