@@ -149,27 +149,35 @@ void PgServer::restart() {
   running_ = true;
 }
 
-// The postmaster (first line of postmaster.pid) and its children (ppid from /proc/PID/stat).
+// The postmaster (first line of postmaster.pid) first, so that it forks no new backend, then its children (ppid from
+// /proc/PID/stat), scanned again until a scan finds none left running: a backend forked just before is caught too.
 void PgServer::freeze() {
   std::ifstream pid_file(data_ + "/postmaster.pid");
   int postmaster = 0;
   if (!(pid_file >> postmaster) || postmaster <= 0) throw std::runtime_error("freeze: no postmaster.pid in " + data_);
-  std::vector<int> pids = {postmaster};
-  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
-    const std::string name = entry.path().filename();
-    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream stat(entry.path() / "stat");
-    std::string line;
-    if (!std::getline(stat, line)) continue;
-    const size_t close = line.rfind(')');
-    if (close == std::string::npos) continue;
-    std::istringstream rest(line.substr(close + 1));
-    std::string state;
-    int ppid = 0;
-    if (rest >> state >> ppid && ppid == postmaster) pids.push_back(std::stoi(name));
-  }
-  for (int pid : pids) {
-    if (::kill(pid, SIGSTOP) == 0) frozen_.push_back(pid);
+  if (::kill(postmaster, SIGSTOP) != 0) throw std::runtime_error("freeze: cannot stop the postmaster");
+  frozen_.push_back(postmaster);
+  for (bool found = true; found && frozen_.size() < 10000;) {  // bounded: a stop takes effect at once
+    found = false;
+    for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+      const std::string name = entry.path().filename();
+      if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+      std::ifstream stat(entry.path() / "stat");
+      std::string line;
+      if (!std::getline(stat, line)) continue;
+      const size_t close = line.rfind(')');
+      if (close == std::string::npos) continue;
+      std::istringstream rest(line.substr(close + 1));
+      std::string state;
+      int ppid = 0;
+      if (!(rest >> state >> ppid) || ppid != postmaster) continue;
+      if (state == "T" || state == "t" || state == "Z" || state == "X") continue;  // stopped already, or gone
+      const int pid = std::stoi(name);
+      if (::kill(pid, SIGSTOP) == 0) {
+        frozen_.push_back(pid);
+        found = true;
+      }
+    }
   }
 }
 

@@ -325,7 +325,11 @@ TEST(Peers, AFrozenStoreTurnsReadinessOffWhileProbesAnswerThenEveryJobSucceedsUn
   Cluster cluster(2, 2.0, 40);
   const RunningJobs jobs = three_jobs_under_way(cluster, 1461);
   std::vector<std::unique_ptr<HealthProbe>> probes;
-  for (size_t p = 0; p < 2; ++p) probes.push_back(std::make_unique<HealthProbe>(cluster.pod(p).address()));
+  for (size_t p = 0; p < 2; ++p) {
+    probes.push_back(std::make_unique<HealthProbe>(cluster.pod(p).address()));
+    int code = 0;  // connected and answering before the freeze: what follows measures the server, not the channel
+    ASSERT_EQ(probes[p]->check("", 10000ms, &code), 1) << "pod " << p << " (grpc code " << code << ")";
+  }
   cluster.pg().freeze();
   const auto frozen_at = std::chrono::steady_clock::now();
   double slowest_probe = 0, slowest_at = 0;
