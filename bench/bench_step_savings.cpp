@@ -1,9 +1,11 @@
 // Fewer transformer passes (issue 21): token-blocks and wall time of whole diffusion-forcing generations at DF-1.3B
-// width (a few layers, random weights), uncached, with the exact savings, and with exact savings + FirstBlockCache
-// at several thresholds; max and mean |diff| of the final latents against the uncached run.
+// width (a few layers, random weights), uncached, with the exact savings, with exact savings + FirstBlockCache and
+// with exact savings + the cache per causal block, each at several thresholds; max and mean |diff| of the final
+// latents against the uncached run. "skips" counts calls FirstBlockCache skipped, or causal blocks the cache per
+// block skipped.
 //
 //   bench_step_savings [--layers 4] [--height 64] [--width 64] [--steps 30] [--thresholds 0.05,0.1,0.2]
-//                      [--settings async,sync,long] [--threads N]
+//                      [--block-thresholds 0.05,0.1,0.2] [--max-skips 3] [--settings async,sync,long] [--threads N]
 //
 // Settings (the SkyReels-V2 README's, scaled down in space only): async = 97 frames (25 latent), ar_step 5,
 // causal_block_size 5, one chunk; sync = the same frames with ar_step 0; long = 177 frames in chunks of 97 with
@@ -29,7 +31,8 @@ using namespace skyreels::model;
 
 struct Options {
   int64_t layers = 4, height = 64, width = 64, steps = 30;
-  std::vector<double> thresholds{0.05, 0.1, 0.2};
+  std::vector<double> thresholds{0.05, 0.1, 0.2}, block_thresholds{0.05, 0.1, 0.2};
+  int64_t max_skips = 3;
   std::vector<std::string> settings{"async", "sync", "long"};
   int threads = 0;
 };
@@ -51,6 +54,11 @@ Options parse(int argc, char** argv) {
     else if (flag == "--steps") o.steps = std::stoll(value);
     else if (flag == "--threads") o.threads = std::stoi(value);
     else if (flag == "--settings") o.settings = split(value);
+    else if (flag == "--max-skips") o.max_skips = std::stoll(value);
+    else if (flag == "--block-thresholds") {
+      o.block_thresholds.clear();
+      for (const auto& t : split(value)) o.block_thresholds.push_back(std::stod(t));
+    }
     else if (flag == "--thresholds") {
       o.thresholds.clear();
       for (const auto& t : split(value)) o.thresholds.push_back(std::stod(t));
@@ -90,7 +98,11 @@ Result generate_once(const SkyReelsV2Transformer& model, const GenerationParams&
     r.full += call.token_blocks_full;
     r.computed += call.token_blocks_computed;
     ++r.calls;
-    r.skipped += call.skipped ? 1 : 0;
+    if (call.blocks.empty()) {
+      r.skipped += call.skipped ? 1 : 0;
+    } else {
+      for (const auto& b : call.blocks) r.skipped += b.skipped ? 1 : 0;
+    }
   };
   auto noise = make_seeded_noise(*p.seed);
   const auto start = std::chrono::steady_clock::now();
@@ -115,7 +127,7 @@ int main(int argc, char** argv) {
   std::printf("DF-1.3B width, %lld layers, fp32, %lldx%lld pixels, %lld steps, %d threads\n\n",
               static_cast<long long>(o.layers), static_cast<long long>(o.height), static_cast<long long>(o.width),
               static_cast<long long>(o.steps), at::get_num_threads());
-  std::printf("| setting | mode | calls | skipped | token-blocks computed | saved | wall s | x uncached | max |diff| | "
+  std::printf("| setting | mode | calls | skips | token-blocks computed | saved | wall s | x uncached | max |diff| | "
               "mean |diff| |\n|---|---|---|---|---|---|---|---|---|---|\n");
   {  // warm-up: first allocations and kernel selection out of the timings
     GenerationParams warm = setting("async", o);
@@ -134,6 +146,15 @@ int main(int argc, char** argv) {
       cached.cache.threshold = t;
       char label[48];
       std::snprintf(label, sizeof(label), "exact + first-block %.3g", t);
+      modes.emplace_back(label, cached);
+    }
+    for (double t : o.block_thresholds) {
+      GenerationParams cached = base;
+      cached.cache.kind = StepCacheKind::kFirstBlockPerBlock;
+      cached.cache.threshold = t;
+      cached.cache.max_skips = o.max_skips;
+      char label[64];
+      std::snprintf(label, sizeof(label), "exact + per-block %.3g (K %lld)", t, static_cast<long long>(o.max_skips));
       modes.emplace_back(label, cached);
     }
     for (const auto& [label, params] : modes) {

@@ -229,6 +229,11 @@ void validate_basic(const GenerationParams& p, int64_t block) {
     require(std::isfinite(p.cache.threshold) && p.cache.threshold >= 0.0,
             "cache_threshold: must be a finite number >= 0, got " + std::to_string(p.cache.threshold));
   }
+  if (p.cache.kind == StepCacheKind::kFirstBlockPerBlock) {
+    require(p.cache.max_skips >= 1, "cache_max_skips: must be >= 1, got " + std::to_string(p.cache.max_skips));
+    require(p.cache.scope == StepCacheScope::kChunk,
+            "cache_scope: the cache per causal block keeps its state per chunk only (use cache_scope chunk)");
+  }
 }
 
 // Stock FirstBlockCache compares a call with the last call of another chunk: chunks of another length crash it.
@@ -767,6 +772,7 @@ at::Tensor run_chunk(const Denoiser& denoiser, const DenoiserInfo& info, const G
     call.chunk = chunk_index;
     call.row = i;
     call.num_frame_per_block = plan.causal_block_size;
+    call.first_frame = start;
     mark_frames(call, matrix, params, chunk, i, start, end);
     call.encoder_hidden_states = inputs.prompt;
     at::Tensor prediction = denoiser(call);
@@ -821,6 +827,7 @@ class DenoiseCache {
       } else {
         c.state.reset();
         c.source.reset();
+        c.block_sources.clear();
       }
     }
     chunk_ = chunk;
@@ -828,6 +835,7 @@ class DenoiseCache {
   struct Context {
     TransformerCallState state;
     std::optional<std::pair<int64_t, int64_t>> source;  // the last computed call (FirstBlockCache)
+    std::map<int64_t, std::pair<int64_t, int64_t>> block_sources;  // per causal block: its last computed call
   };
   Context& context(bool unconditional) { return contexts_[unconditional ? 1 : 0]; }
 
@@ -842,13 +850,27 @@ std::string step_cache_decisions_json(const std::vector<TransformerCallReport>& 
   nlohmann::json out = nlohmann::json::array();
   for (const TransformerCallReport& c : calls) {
     if (!c.step_cache) continue;
-    out.push_back({{"chunk", c.chunk},
-                   {"row", c.row},
-                   {"context", c.unconditional ? "uncond" : "cond"},
-                   {"rel", c.rel ? nlohmann::json(*c.rel) : nlohmann::json()},
-                   {"skipped", c.skipped},
-                   {"source", c.source ? nlohmann::json::array({c.source->first, c.source->second})
-                                       : nlohmann::json()}});
+    auto pair_json = [](const std::optional<std::pair<int64_t, int64_t>>& p) {
+      return p ? nlohmann::json::array({p->first, p->second}) : nlohmann::json();
+    };
+    nlohmann::json entry = {{"chunk", c.chunk},
+                            {"row", c.row},
+                            {"context", c.unconditional ? "uncond" : "cond"},
+                            {"rel", c.rel ? nlohmann::json(*c.rel) : nlohmann::json()},
+                            {"skipped", c.skipped},
+                            {"source", pair_json(c.source)}};
+    if (!c.blocks.empty()) {
+      nlohmann::json blocks = nlohmann::json::array();
+      for (const auto& b : c.blocks) {
+        blocks.push_back({{"block", b.block},
+                          {"updated", b.updated},
+                          {"rel", b.rel ? nlohmann::json(*b.rel) : nlohmann::json()},
+                          {"skipped", b.skipped},
+                          {"source", pair_json(b.source)}});
+      }
+      entry["blocks"] = std::move(blocks);
+    }
+    out.push_back(std::move(entry));
   }
   return out.dump(1) + "\n";
 }
@@ -876,6 +898,7 @@ CallSavings plan_call_savings(const DenoiseCall& call, const GenerationParams& p
     return s;
   }
   auto whole_blocks = [&](int64_t n) { return n / block * block; };
+  const bool per_block = p.cache.kind == StepCacheKind::kFirstBlockPerBlock;
   if (!first_block) {  // FirstBlockCache compares block 0 over every frame and reuses residuals of any frame
     int64_t last = -1;
     for (int64_t f = 0; f < frames; ++f) {
@@ -883,8 +906,9 @@ CallSavings plan_call_savings(const DenoiseCall& call, const GenerationParams& p
     }
     s.end = last < 0 ? 0 : whole_blocks(last + block);
   }
-  // With scope request a later chunk may reuse any token's tail residual: every token is computed.
-  if (first_block && p.cache.scope == StepCacheScope::kRequest) return s;
+  // With scope request a later chunk may reuse any token's tail residual: every token is computed. The cache per
+  // causal block keeps its own keys / values (of every block it computes), not the final frames'.
+  if ((first_block && p.cache.scope == StepCacheScope::kRequest) || per_block) return s;
   int64_t settled = 0;
   while (settled < s.end && call.final_frames[static_cast<size_t>(settled)]) ++settled;
   const int64_t layers = config.num_layers - (first_block ? 1 : 0);
@@ -927,6 +951,7 @@ Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const Generati
     const CallSavings savings =
         plan_call_savings(call, params, model.config(), at::elementSize(model.compute_dtype()), context.state);
     const bool first_block = params.cache.kind == StepCacheKind::kFirstBlock;
+    const bool per_block_cache = params.cache.kind == StepCacheKind::kFirstBlockPerBlock;
     const int64_t frames = input.size(2);
     TransformerCallStats stats;
     at::Tensor prediction;
@@ -939,6 +964,25 @@ Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const Generati
       args.reuse_frames = savings.reuse;
       args.keep_frames = savings.keep;
       if (first_block) args.first_block_threshold = params.cache.threshold;
+      PerBlockCache per_block;
+      if (per_block_cache) {
+        const int64_t block = call.num_frame_per_block, computed = args.hidden_states.size(2);
+        if (block <= 1 || computed % block != 0 || call.first_frame % block != 0) {
+          throw std::invalid_argument("cache first-block-per-block: needs causal_block_size > 1 (the block-causal "
+                                      "mask); this request has " + std::to_string(block));
+        }
+        per_block.threshold = params.cache.threshold;
+        per_block.max_skips = params.cache.max_skips;
+        per_block.first_block = call.first_frame / block;
+        per_block.max_kv_bytes = params.kv_cache_max_bytes / 2;  // two guidance contexts
+        for (int64_t f = 0; f < computed; f += block) {
+          bool updated = false;
+          for (int64_t i = f; i < f + block; ++i) updated = updated || call.updated[static_cast<size_t>(i)] != 0;
+          per_block.updated_blocks.push_back(updated ? 1 : 0);
+        }
+        args.state = &context.state;
+        args.per_block_cache = &per_block;
+      }
       args.stats = &stats;
       prediction = model.forward(args);
       if (prediction.size(2) != frames) {  // the frames left out are never read (their update mask is false)
@@ -958,13 +1002,21 @@ Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const Generati
       report.token_blocks_saved_cache = stats.token_blocks_cached;
       report.token_blocks_saved_exact =
           report.token_blocks_full - report.token_blocks_computed - report.token_blocks_saved_cache;
-      report.step_cache = first_block;
+      report.step_cache = first_block || per_block_cache;
       report.rel = stats.first_block_rel;
       report.skipped = stats.skipped;
-      if (stats.skipped) report.source = context.source;
+      if (stats.skipped && first_block) report.source = context.source;
+      for (const auto& b : stats.blocks) {
+        TransformerCallReport::BlockDecision d{b.block, b.updated, b.rel, b.skipped, std::nullopt};
+        if (b.skipped) d.source = context.block_sources.at(b.block);
+        report.blocks.push_back(d);
+      }
       on_call(report);
     }
     if (first_block && !stats.skipped && savings.end > 0) context.source = std::make_pair(call.chunk, call.row);
+    for (const auto& b : stats.blocks) {
+      if (!b.skipped) context.block_sources[b.block] = std::make_pair(call.chunk, call.row);
+    }
     return prediction;
   };
 }

@@ -28,6 +28,7 @@ enum class ConditioningMode { kText, kImage, kVideo };
 enum class StepCacheKind {
   kNone,
   kFirstBlock,  // diffusers' FirstBlockCache, one decision per call and guidance context
+  kFirstBlockPerBlock,  // one decision per causal block (beyond diffusers; model/transformer PerBlockCache)
 };
 enum class StepCacheScope {
   kChunk,    // state reset at every chunk start: a chunk's output depends on that chunk alone
@@ -37,6 +38,7 @@ struct StepCacheConfig {
   StepCacheKind kind = StepCacheKind::kNone;
   double threshold = 0.0;  // skip when rel <= threshold
   StepCacheScope scope = StepCacheScope::kChunk;
+  int64_t max_skips = 3;  // kFirstBlockPerBlock: at most this many skips in a row per causal block
 };
 
 // Memory the kept keys / values of final frames may take per chunk loop (both guidance contexts together) unless a
@@ -191,6 +193,16 @@ struct TransformerCallReport {
   std::optional<double> rel;                               // FirstBlockCache's rel (unset on a context's first call)
   bool skipped = false;                                    // the tail residual was reused
   std::optional<std::pair<int64_t, int64_t>> source;      // [chunk, row] of the call whose residual was reused
+  // kFirstBlockPerBlock: one decision per causal block of the call (block counted from the chunk's frame 0);
+  // source: [chunk, row] of the block's own last computed call, when it skipped.
+  struct BlockDecision {
+    int64_t block = 0;
+    bool updated = false;
+    std::optional<double> rel;
+    bool skipped = false;
+    std::optional<std::pair<int64_t, int64_t>> source;
+  };
+  std::vector<BlockDecision> blocks;
 };
 
 struct StepHooks {
@@ -238,6 +250,7 @@ struct DenoiseCall {
   int64_t chunk = 0;
   int64_t row = 0;
   int64_t num_frame_per_block = 1;  // this request's causal block size (the block-causal mask when > 1)
+  int64_t first_frame = 0;          // the call's window starts at this latent frame of the chunk
   // Per frame of the call (exact savings): its prediction is used in this row (the update mask), and it is final
   // (latents and timestep stay as they are for the rest of the chunk, and addnoise_condition does not re-noise it).
   std::vector<uint8_t> updated, final_frames;

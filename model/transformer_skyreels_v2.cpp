@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -314,6 +315,15 @@ struct TransformerCallState::Impl {
   // FirstBlockCache: block 0's output residual and the tail residual (last block's output - block 0's output) of
   // the last call that computed, over every token of the call [B, L, D].
   Tensor prev_residual, tail_residual;
+  // The cache per causal block, by block (counted from the chunk's frame 0): its block-0 residual, its tail
+  // residual and, per layer 1..L-1, its keys before RoPE and its values [B, block tokens, D], all of its last
+  // computed call; and how many calls in a row it skipped since.
+  struct BlockEntry {
+    Tensor residual, tail;
+    std::vector<Tensor> k, v;
+    int64_t skips = 0;
+  };
+  std::map<int64_t, BlockEntry> blocks;
 
   void reset_kv() {
     k.clear();
@@ -331,8 +341,14 @@ void TransformerCallState::reset_kv() { impl_->reset_kv(); }
 int64_t TransformerCallState::kept_frames() const { return impl_->kept_frames; }
 int64_t TransformerCallState::kept_bytes() const {
   int64_t bytes = 0;
-  for (const auto* list : {&impl_->k, &impl_->v}) {
-    for (const Tensor& t : *list) bytes += t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
+  auto add = [&bytes](const std::vector<Tensor>& list) {
+    for (const Tensor& t : list) bytes += t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
+  };
+  add(impl_->k);
+  add(impl_->v);
+  for (const auto& [block, entry] : impl_->blocks) {
+    add(entry.k);
+    add(entry.v);
   }
   return bytes;
 }
@@ -345,6 +361,19 @@ struct KvSlot {
   Tensor* k = nullptr;
   Tensor* v = nullptr;
   int64_t reuse_tokens = 0, keep_tokens = 0;
+};
+
+// One layer's self-attention under the cache per causal block: the layer runs on the computed blocks' tokens only;
+// the skipped blocks before them contribute the keys / values of their last computed call, RoPE'd at their place
+// in this call. The computed blocks' keys (before RoPE) and values are handed out to be kept.
+struct BlockSparseAttention {
+  int64_t block_tokens = 0;
+  std::vector<int64_t> computed;                  // blocks of the call that run, ascending
+  std::vector<int64_t> stale;                     // blocks of the call that skip, ascending
+  std::vector<const Tensor*> stale_k, stale_v;    // per stale block: keys before RoPE, values [B, block tokens, D]
+  std::vector<RopeTables> stale_rope;             // per stale block: its rows of the call's tables
+  std::vector<Tensor>* fresh_k = nullptr;         // out: per computed block, keys before RoPE [B, block tokens, D]
+  std::vector<Tensor>* fresh_v = nullptr;         // out: per computed block, values
 };
 
 // The call's tokens from frame `first` on (exact savings compute a suffix of the frames; patch_size[0] == 1).
@@ -381,13 +410,20 @@ struct SkyReelsV2Transformer::Impl {
 
   Geometry check_inputs(const TransformerForwardArgs& args) const;
   Tensor self_attention(const AttentionWeights& a, const Tensor& n, const RopeTables& rope, const Geometry& g,
-                        int64_t causal_block_tokens, const KvSlot* kv) const;
+                        int64_t causal_block_tokens, const KvSlot* kv, const BlockSparseAttention* sparse) const;
+  Tensor block_sparse_attention(const AttentionWeights& a, const Tensor& n, const RopeTables& rope, const Geometry& g,
+                                int64_t causal_block_tokens, const BlockSparseAttention& sparse) const;
   Tensor cross_attention(const AttentionWeights& a, const Tensor& n, const Tensor& context) const;
   Tensor feed_forward(const BlockWeights& b, const Tensor& n) const;
   Tensor block_forward(const BlockWeights& b, Tensor x, const Tensor& context, const Tensor& modulation,
                        const RopeTables& rope, const Geometry& g, int64_t causal_block_tokens,
-                       const KvSlot* kv = nullptr) const;
+                       const KvSlot* kv = nullptr, const BlockSparseAttention* sparse = nullptr) const;
   Tensor patchify(const Tensor& hidden_states, const Geometry& g, int64_t first_frame) const;
+  // Blocks 0..L-1 under the cache per causal block (TransformerForwardArgs::per_block_cache).
+  Tensor per_block_layers(Tensor x, const PerBlockCache& cache, TransformerCallState::Impl& state,
+                          const Tensor& context, const Tensor& modulation, const RopeTables& rope, const Geometry& g,
+                          int64_t frames_per_block, const std::function<void()>& after_block,
+                          TransformerCallStats& stats) const;
   Tensor head(const Tensor& x, const Tensor& temb, const Geometry& g) const;
 };
 
@@ -616,7 +652,8 @@ Geometry SkyReelsV2Transformer::Impl::check_inputs(const TransformerForwardArgs&
 
 Tensor SkyReelsV2Transformer::Impl::self_attention(const AttentionWeights& a, const Tensor& n, const RopeTables& rope,
                                                    const Geometry& g, int64_t causal_block_tokens,
-                                                   const KvSlot* kv) const {
+                                                   const KvSlot* kv, const BlockSparseAttention* sparse) const {
+  if (sparse != nullptr) return block_sparse_attention(a, n, rope, g, causal_block_tokens, *sparse);
   // Heads made contiguous: oneDNN's bf16 GEMM is several times slower on row-strided operands.
   const int64_t heads = config.num_attention_heads;
   const Tensor q = apply_rope(rms_norm_across_heads(a.to_q(n), a.norm_q, config.eps), rope, heads);
@@ -638,6 +675,56 @@ Tensor SkyReelsV2Transformer::Impl::self_attention(const AttentionWeights& a, co
   const Tensor o =
       detail::attention(split_heads(q, heads).contiguous(), k, v, causal_block_tokens, chunk_bytes, offset);
   return a.to_out(o.view(g.flat()));
+}
+
+Tensor SkyReelsV2Transformer::Impl::block_sparse_attention(const AttentionWeights& a, const Tensor& n,
+                                                           const RopeTables& rope, const Geometry& g,
+                                                           int64_t causal_block_tokens,
+                                                           const BlockSparseAttention& sparse) const {
+  // n: the computed blocks' tokens in order; rope: their rows of the call's tables.
+  const int64_t heads = config.num_attention_heads, bt = sparse.block_tokens;
+  const Tensor q = split_heads(apply_rope(rms_norm_across_heads(a.to_q(n), a.norm_q, config.eps), rope, heads), heads)
+                       .contiguous();
+  const Tensor k_pre = rms_norm_across_heads(a.to_k(n), a.norm_k, config.eps);
+  const Tensor v_new = a.to_v(n);
+  const Tensor k_new = apply_rope(k_pre.clone(), rope, heads);  // apply_rope consumes its input: k_pre is kept
+  const size_t nc = sparse.computed.size();
+  sparse.fresh_k->assign(nc, Tensor());
+  sparse.fresh_v->assign(nc, Tensor());
+  for (size_t i = 0; i < nc; ++i) {
+    const int64_t at = static_cast<int64_t>(i) * bt;
+    (*sparse.fresh_k)[i] = k_pre.narrow(1, at, bt).clone(at::MemoryFormat::Contiguous);
+    (*sparse.fresh_v)[i] = v_new.narrow(1, at, bt).clone(at::MemoryFormat::Contiguous);
+  }
+  // Keys / values of the call's blocks up to the last computed one, each at its place.
+  const int64_t key_blocks = sparse.computed.back() + 1;
+  Tensor k_all = at::empty({g.batch, key_blocks * bt, g.dim}, k_new.options());
+  Tensor v_all = at::empty({g.batch, key_blocks * bt, g.dim}, v_new.options());
+  for (size_t i = 0; i < nc; ++i) {
+    const int64_t block = sparse.computed[i], from = static_cast<int64_t>(i) * bt;
+    k_all.narrow(1, block * bt, bt).copy_(k_new.narrow(1, from, bt));
+    v_all.narrow(1, block * bt, bt).copy_(v_new.narrow(1, from, bt));
+  }
+  for (size_t i = 0; i < sparse.stale.size(); ++i) {
+    const int64_t block = sparse.stale[i];
+    if (block >= key_blocks) break;  // after every computed block: nothing attends to it
+    k_all.narrow(1, block * bt, bt).copy_(apply_rope(sparse.stale_k[i]->clone(), sparse.stale_rope[i], heads));
+    v_all.narrow(1, block * bt, bt).copy_(*sparse.stale_v[i]);
+  }
+  const Tensor k = split_heads(k_all, heads).contiguous(), v = split_heads(v_all, heads).contiguous();
+  // One attention per run of consecutive computed blocks: its queries see the keys of every block up to its own.
+  std::vector<Tensor> outs;
+  for (size_t i = 0; i < nc;) {
+    size_t j = i + 1;
+    while (j < nc && sparse.computed[j] == sparse.computed[j - 1] + 1) ++j;
+    const int64_t first = sparse.computed[i], end = sparse.computed[j - 1] + 1;
+    outs.push_back(detail::attention(q.narrow(2, static_cast<int64_t>(i) * bt, (end - first) * bt).contiguous(),
+                                     k.narrow(2, 0, end * bt), v.narrow(2, 0, end * bt), causal_block_tokens,
+                                     chunk_bytes, first * bt));
+    i = j;
+  }
+  const Tensor o = outs.size() == 1 ? outs.front() : at::cat(outs, 1);
+  return a.to_out(o.reshape(g.flat()));
 }
 
 Tensor SkyReelsV2Transformer::Impl::cross_attention(const AttentionWeights& a, const Tensor& n,
@@ -672,13 +759,14 @@ Tensor SkyReelsV2Transformer::Impl::feed_forward(const BlockWeights& b, const Te
 
 Tensor SkyReelsV2Transformer::Impl::block_forward(const BlockWeights& b, Tensor x, const Tensor& context,
                                                   const Tensor& modulation, const RopeTables& rope, const Geometry& g,
-                                                  int64_t causal_block_tokens, const KvSlot* kv) const {
+                                                  int64_t causal_block_tokens, const KvSlot* kv,
+                                                  const BlockSparseAttention* sparse) const {
   // e = table + temb in fp32, rows [shift, scale, gate, c_shift, c_scale, c_gate], each [B, Fm, 1, D].
   const Tensor e = b.scale_shift_table.view({1, 1, 6, g.dim}) + modulation;
   auto row = [&](int64_t i) { return e.select(2, i).unsqueeze(2); };
   {
     const Tensor n = modulated_norm(x, row(1), row(0), g, config.eps, dtype);
-    x = gated_residual(x, self_attention(b.attn1, n, rope, g, causal_block_tokens, kv), row(2), g);
+    x = gated_residual(x, self_attention(b.attn1, n, rope, g, causal_block_tokens, kv, sparse), row(2), g);
   }
   {
     const Tensor n =
@@ -748,6 +836,20 @@ Savings check_savings(const TransformerForwardArgs& a, const TransformerConfig& 
             "reuse_frames: " + std::to_string(s.reuse) + " frames asked, the state keeps " +
                 std::to_string(st.kept_frames) + " of another call's geometry");
   }
+  if (const PerBlockCache* pb = a.per_block_cache) {
+    require(s.state && s.reuse == 0 && s.keep == 0 && !s.threshold,
+            "per_block_cache: needs a TransformerCallState and excludes reuse_frames, keep_frames and "
+            "first_block_threshold");
+    require(a.num_frame_per_block > 1 && a.timestep.dim() == 2 && c.patch_size[0] == 1,
+            "per_block_cache: needs per-frame timesteps [B, F], the block-causal mask (num_frame_per_block > 1) and "
+            "patch_size[0] = 1");
+    require(pb->updated_blocks.size() == static_cast<size_t>(g.frames / a.num_frame_per_block),
+            "per_block_cache: updated_blocks has " + std::to_string(pb->updated_blocks.size()) + " entries for " +
+                std::to_string(g.frames / a.num_frame_per_block) + " causal blocks");
+    require(std::isfinite(pb->threshold) && pb->threshold >= 0 && pb->max_skips >= 1 && pb->first_block >= 0,
+            "per_block_cache: needs a finite threshold >= 0, max_skips >= 1 and first_block >= 0");
+    require(c.num_layers >= 2, "per_block_cache: needs at least 2 transformer blocks");
+  }
   if (s.threshold) {
     require(std::isfinite(*s.threshold) && *s.threshold >= 0, "first_block_threshold: must be a finite value >= 0");
     require(c.num_layers >= 2, "first_block_threshold: FirstBlockCache needs at least 2 transformer blocks");
@@ -768,6 +870,126 @@ std::optional<double> first_block_rel(const Tensor& residual, const Tensor& prev
 }
 
 }  // namespace
+
+Tensor SkyReelsV2Transformer::Impl::per_block_layers(Tensor x, const PerBlockCache& cache,
+                                                    TransformerCallState::Impl& state, const Tensor& context,
+                                                    const Tensor& modulation, const RopeTables& rope,
+                                                    const Geometry& g, int64_t frames_per_block,
+                                                    const std::function<void()>& after_block,
+                                                    TransformerCallStats& stats) const {
+  const int64_t layers = static_cast<int64_t>(blocks.size()), bt = frames_per_block * g.tokens_per_frame;
+  const int64_t nb = g.frames / frames_per_block, causal_block_tokens = bt;
+  // Blocks before the call's window never come back in this chunk (the window only moves forward).
+  state.blocks.erase(state.blocks.begin(), state.blocks.lower_bound(cache.first_block));
+
+  const Tensor block_in = x;
+  x = block_forward(blocks[0], std::move(x), context, modulation, rope, g, causal_block_tokens);
+  stats.token_blocks_computed += g.batch * g.tokens;
+  if (after_block) after_block();
+  const Tensor block0_out = x, residual = x - block_in;
+
+  BlockSparseAttention sparse;
+  sparse.block_tokens = bt;
+  std::vector<TransformerCallState::Impl::BlockEntry*> stale_entries;
+  for (int64_t j = 0; j < nb; ++j) {
+    TransformerCallStats::BlockDecision d;
+    d.block = cache.first_block + j;
+    d.updated = cache.updated_blocks[static_cast<size_t>(j)] != 0;
+    auto found = state.blocks.find(d.block);
+    if (found != state.blocks.end()) {
+      const Tensor r = residual.narrow(1, j * bt, bt), &prev = found->second.residual;
+      d.rel = ((r - prev).abs().mean() / prev.abs().mean()).item<double>();
+      d.skipped = d.updated && *d.rel <= cache.threshold && found->second.skips < cache.max_skips &&
+                  static_cast<int64_t>(found->second.k.size()) == layers - 1;
+    }
+    if (d.skipped) {
+      sparse.stale.push_back(j);
+      stale_entries.push_back(&found->second);
+    } else {
+      sparse.computed.push_back(j);
+    }
+    stats.blocks.push_back(d);
+  }
+  stats.skipped = sparse.computed.empty();
+  stats.token_blocks_cached = g.batch * static_cast<int64_t>(sparse.stale.size()) * bt * (layers - 1);
+
+  Tensor out = block0_out.clone();
+  for (size_t i = 0; i < sparse.stale.size(); ++i) {
+    out.narrow(1, sparse.stale[i] * bt, bt).add_(stale_entries[i]->tail);
+  }
+  const size_t nc = sparse.computed.size();
+  std::vector<std::vector<Tensor>> fresh_k(static_cast<size_t>(layers)), fresh_v(static_cast<size_t>(layers));
+  if (nc > 0) {
+    std::vector<int64_t> frame_index, token_index;
+    for (int64_t j : sparse.computed) {
+      for (int64_t f = 0; f < frames_per_block; ++f) frame_index.push_back(j * frames_per_block + f);
+      for (int64_t t = 0; t < bt; ++t) token_index.push_back(j * bt + t);
+    }
+    const Tensor frames = at::tensor(frame_index, at::TensorOptions().dtype(at::kLong)).to(device);
+    const Tensor tokens = at::tensor(token_index, at::TensorOptions().dtype(at::kLong)).to(device);
+    const bool all = nc == static_cast<size_t>(nb);
+    Tensor xc = all ? block0_out.clone() : block0_out.index_select(1, tokens);  // the blocks write in place
+    const Tensor mod_c = all || modulation.size(1) == 1 ? modulation : modulation.index_select(1, frames);
+    const RopeTables rope_c = all ? rope : RopeTables{rope.cos.index_select(1, tokens),
+                                                     rope.signed_sin.index_select(1, tokens)};
+    for (size_t i = 0; i < sparse.stale.size(); ++i) {
+      sparse.stale_rope.push_back({rope.cos.narrow(1, sparse.stale[i] * bt, bt),
+                                   rope.signed_sin.narrow(1, sparse.stale[i] * bt, bt)});
+    }
+    Geometry sub = g;
+    sub.frames = sub.ppf = static_cast<int64_t>(nc) * frames_per_block;
+    sub.tokens = static_cast<int64_t>(nc) * bt;
+    for (int64_t l = 1; l < layers; ++l) {
+      sparse.stale_k.clear();
+      sparse.stale_v.clear();
+      for (auto* e : stale_entries) {
+        sparse.stale_k.push_back(&e->k[static_cast<size_t>(l - 1)]);
+        sparse.stale_v.push_back(&e->v[static_cast<size_t>(l - 1)]);
+      }
+      sparse.fresh_k = &fresh_k[static_cast<size_t>(l)];
+      sparse.fresh_v = &fresh_v[static_cast<size_t>(l)];
+      xc = block_forward(blocks[static_cast<size_t>(l)], std::move(xc), context, mod_c, rope_c, sub,
+                         causal_block_tokens, nullptr, &sparse);
+      stats.token_blocks_computed += g.batch * sub.tokens;
+      if (after_block) after_block();
+    }
+    if (all) {
+      out = xc;
+    } else {
+      out.index_copy_(1, tokens, xc);
+    }
+  }
+  // The computed blocks' state: their residual, tail residual and keys / values, within the memory budget (what
+  // the other blocks keep counts first).
+  std::vector<bool> computed_here(static_cast<size_t>(nb), false);
+  for (int64_t j : sparse.computed) computed_here[static_cast<size_t>(j)] = true;
+  int64_t kept = 0;
+  for (const auto& [block, entry] : state.blocks) {
+    const int64_t j = block - cache.first_block;
+    if (j < nb && computed_here[static_cast<size_t>(j)]) continue;
+    for (const auto* list : {&entry.k, &entry.v}) {
+      for (const Tensor& t : *list) kept += t.numel() * static_cast<int64_t>(t.element_size());
+    }
+  }
+  for (size_t i = 0; i < sparse.stale.size(); ++i) ++stale_entries[i]->skips;
+  for (size_t i = 0; i < nc; ++i) {
+    const int64_t j = sparse.computed[i];
+    TransformerCallState::Impl::BlockEntry& e = state.blocks[cache.first_block + j];
+    e.residual = residual.narrow(1, j * bt, bt).clone(at::MemoryFormat::Contiguous);
+    e.tail = (out.narrow(1, j * bt, bt) - block0_out.narrow(1, j * bt, bt)).contiguous();
+    e.skips = 0;
+    e.k.clear();
+    e.v.clear();
+    const int64_t bytes = 2 * (layers - 1) * g.batch * bt * g.dim * static_cast<int64_t>(out.element_size());
+    if (kept + bytes > cache.max_kv_bytes) continue;  // no keys / values kept: this block cannot skip
+    kept += bytes;
+    for (int64_t l = 1; l < layers; ++l) {
+      e.k.push_back(fresh_k[static_cast<size_t>(l)][i]);
+      e.v.push_back(fresh_v[static_cast<size_t>(l)][i]);
+    }
+  }
+  return out;
+}
 
 at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) const {
   const Impl& m = *impl_;
@@ -829,6 +1051,12 @@ at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) co
   TransformerCallStats stats;
   stats.token_blocks_full = g.batch * g.tokens * layers;
   const int64_t causal_block_tokens = args.num_frame_per_block > 1 ? args.num_frame_per_block * g.tokens_per_frame : 0;
+  if (args.per_block_cache != nullptr) {
+    x = m.per_block_layers(std::move(x), *args.per_block_cache, *state, context, modulation, rope, g,
+                           args.num_frame_per_block, args.after_block, stats);
+    if (args.stats) *args.stats = stats;
+    return m.head(x, temb, g);
+  }
   Tensor block0_out;
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t first = first_block && l == 0 ? 0 : reuse;

@@ -86,6 +86,28 @@ struct TransformerCallStats {
   int64_t token_blocks_cached = 0;    // not run because FirstBlockCache skipped the tail blocks
   std::optional<double> first_block_rel;  // FirstBlockCache: rel of this call (unset on a context's first call)
   bool skipped = false;                   // FirstBlockCache reused the tail residual
+  // The cache per causal block: one decision per block of the call, in order.
+  struct BlockDecision {
+    int64_t block = 0;          // PerBlockCache::first_block + its index in the call
+    bool updated = false;       // eligible: the row updates it
+    std::optional<double> rel;  // unset when the block has no computed state yet
+    bool skipped = false;
+  };
+  std::vector<BlockDecision> blocks;
+};
+
+// The step cache per causal block (beyond diffusers): block 0 runs on every frame; each causal block compares its
+// own block-0 residual with the one of its own last computed call (rel as FirstBlockCache's, over the block's
+// tokens). A block the row updates, with a computed state, rel <= threshold and fewer than max_skips skips in a row
+// skips blocks 1..L-1: its output is block 0's plus its own last tail residual, and the computed blocks after it
+// attend to the keys / values it had then (kept before RoPE, so they follow it when the call's window moves).
+// Blocks the row does not update are always computed. Needs the block-causal mask and per-frame timesteps.
+struct PerBlockCache {
+  double threshold = 0.0;
+  int64_t max_skips = 1;
+  int64_t first_block = 0;              // the call's first causal block, counted from the chunk's frame 0
+  std::vector<uint8_t> updated_blocks;  // per causal block of the call
+  int64_t max_kv_bytes = 0;             // kept keys / values of this state; blocks beyond it are always computed
 };
 
 struct TransformerForwardArgs {
@@ -111,6 +133,8 @@ struct TransformerForwardArgs {
   // mean|r - r_prev| / mean|r_prev| <= threshold (r = block 0's output residual, r_prev the one of the last computed
   // call of this state) blocks 1..L-1 are skipped and the last computed call's tail residual is added instead.
   std::optional<double> first_block_threshold;
+  // The cache per causal block (needs `state`; excludes reuse/keep and first_block_threshold).
+  const PerBlockCache* per_block_cache = nullptr;
   TransformerCallStats* stats = nullptr;
 };
 

@@ -270,9 +270,10 @@ std::vector<GenerationParam> make_table() {
           .flag("exact-savings", "false (or --no-exact-savings): every frame of every row, as diffusers computes"),
       Row("cache", &J::cache, &R::cache)
           .defaults(std::string("none"))
-          .one_of({std::string("none"), std::string("first-block")})
+          .one_of({std::string("none"), std::string("first-block"), std::string("first-block-per-block")})
           .fingerprint_when_set()
-          .flag("cache", "step cache: first-block = diffusers' FirstBlockCache (lossy, --cache-threshold)"),
+          .flag("cache", "step cache: first-block = diffusers' FirstBlockCache (lossy, --cache-threshold); "
+                         "first-block-per-block = one decision per causal block (--cache-max-skips)"),
       Row("cache_threshold", &J::cache_threshold, &R::cache_threshold)
           .defaults(0.0)
           .finite_within(0.0, 10.0)
@@ -284,6 +285,11 @@ std::vector<GenerationParam> make_table() {
           .fingerprint_when_set()
           .flag("cache-scope", "chunk: cache state reset per chunk; request: kept across chunks as stock diffusers "
                                "(equal chunk lengths; skyreels generate only)"),
+      Row("cache_max_skips", &J::cache_max_skips, &R::cache_max_skips)
+          .defaults(int64_t{3})
+          .within(1, 1000, "skips in a row")
+          .fingerprint_when_set()
+          .flag("cache-max-skips", "first-block-per-block: at most this many skips in a row per causal block"),
   };
 }
 

@@ -25,6 +25,8 @@ model::GenerationParams model_params(const ResolvedParams& r) {
   p.scheduler.disable_corrector = r.disable_corrector;
   p.exact_savings = r.exact_savings;
   if (r.cache == "first-block") p.cache.kind = model::StepCacheKind::kFirstBlock;
+  if (r.cache == "first-block-per-block") p.cache.kind = model::StepCacheKind::kFirstBlockPerBlock;
+  p.cache.max_skips = r.cache_max_skips;
   p.cache.threshold = r.cache_threshold;
   p.cache.scope = r.cache_scope == "request" ? model::StepCacheScope::kRequest : model::StepCacheScope::kChunk;
   return p;

@@ -81,6 +81,7 @@ struct JobRequest {
   std::optional<bool> exact_savings;
   std::optional<std::string> cache, cache_scope;
   std::optional<double> cache_threshold;
+  std::optional<int64_t> cache_max_skips;
   // Image-to-video (image, optionally last_image) or video extension (video).
   std::optional<PixelRequest> image, last_image, video;
   std::vector<PromptChangeRequest> prompt_changes;
@@ -100,6 +101,7 @@ struct ResolvedParams {
   bool exact_savings = true;
   std::string cache, cache_scope;
   double cache_threshold = 0;
+  int64_t cache_max_skips = 0;
 };
 
 struct ServerLimits {

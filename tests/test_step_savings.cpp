@@ -1,5 +1,6 @@
-// Fewer transformer passes (issue 21): exact savings under the block-causal mask, and diffusers' FirstBlockCache
-// reproduced call by call from tests/data/golden/pipeline_df_cache.
+// Fewer transformer passes (issue 21): exact savings under the block-causal mask, diffusers' FirstBlockCache
+// reproduced call by call from tests/data/golden/pipeline_df_cache, and the cache per causal block reproduced from
+// its Python reference over diffusers' pipeline (tests/data/per_block_cache/make_cases.py).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -323,6 +324,158 @@ TEST(GenerateWithCache, ScopeRequestOverAShorterLastChunkIsRefused) {
       &out);
   EXPECT_NE(status, 0);
   EXPECT_NE(out.find("cache_scope"), std::string::npos) << out;
+}
+
+// ---- the cache per causal block, equal to its reference over diffusers' pipeline ----------------------------------
+
+struct PerBlockCase {
+  PipelineCase base;  // the pipeline_df_cache fixture whose weights, inputs and noise it runs
+  Json decisions;
+  at::Tensor latents;
+};
+
+PerBlockCase load_per_block(const std::string& name) {
+  const std::string dir = skyreels::test::data_path("per_block_cache/" + name);
+  const Json json = read_json(dir + "/case.json");
+  PerBlockCase c{skyreels::test::load_pipeline_case(name, dir + "/" + json.at("base").get<std::string>()),
+                 read_json(dir + "/decisions.json"), skyreels::test::load_tensors(dir + "/output.safetensors").at("latents")};
+  const Json& cache = json.at("cache");
+  c.base.params.cache.kind = StepCacheKind::kFirstBlockPerBlock;
+  c.base.params.cache.threshold = cache.at("threshold").get<double>();
+  c.base.params.cache.max_skips = cache.at("max_skips").get<int64_t>();
+  c.base.params.cache.scope = StepCacheScope::kChunk;
+  return c;
+}
+
+void expect_same_block_decisions(const Json& ours, const Json& theirs) {
+  ASSERT_EQ(ours.size(), theirs.size());
+  for (size_t i = 0; i < ours.size(); ++i) {
+    for (const char* key : {"chunk", "row", "context", "skipped"}) {
+      EXPECT_EQ(ours[i][key], theirs[i][key]) << "call " << i << " " << key;
+    }
+    const Json &a = ours[i].at("blocks"), &b = theirs[i].at("blocks");
+    ASSERT_EQ(a.size(), b.size()) << "call " << i;
+    for (size_t j = 0; j < a.size(); ++j) {
+      for (const char* key : {"block", "updated", "skipped", "source"}) {
+        EXPECT_EQ(a[j][key], b[j][key]) << "call " << i << " block " << j << " " << key;
+      }
+      ASSERT_EQ(a[j]["rel"].is_null(), b[j]["rel"].is_null()) << "call " << i << " block " << j;
+      if (!b[j]["rel"].is_null()) {
+        const double x = a[j]["rel"].get<double>(), y = b[j]["rel"].get<double>();
+        // 1e-5 relative, and 1e-6 absolute for the tiny rels of still frames (every threshold is >= 1e-3 away from
+        // every rel of its run, so neither can flip a decision).
+        EXPECT_LE(std::abs(x - y), 1e-5 * std::abs(y) + 1e-6)
+            << "call " << i << " block " << j << ": " << x << " vs " << y;
+      }
+    }
+  }
+}
+
+class PerBlockCacheReference : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(PerBlockCacheReference, EveryBlocksDecisionAndTheLatentsEqualThePythonReferenceOverDiffusers) {
+  const PerBlockCase c = load_per_block(GetParam());
+  const auto model = load_model(c.base.dir + "/weights/diffusers");
+  auto noise = make_recorded_noise(c.base.noise);
+  const Generation r = run_all(*model, c.base.params, c.base.conditioning, *noise);
+  expect_same_block_decisions(decisions_of(r.calls), c.decisions);
+  EXPECT_TRUE(all_close(r.latents, c.latents, 1e-4));
+  EXPECT_GT(r.work.saved_cache, 0);
+  std::printf("[ %s ] max |diff| %.3g, %.1f %% of token-blocks saved (%.1f %% by the cache)\n", GetParam().c_str(),
+              max_abs_diff(r.latents, c.latents), 100.0 * r.work.saved_share(),
+              100.0 * r.work.saved_cache / r.work.full);
+}
+
+INSTANTIATE_TEST_SUITE_P(Reference, PerBlockCacheReference,
+                         ::testing::Values("b1_async_ar2_cbs2", "b2_long_async_addnoise20"));
+
+// Each block decides on its own: no block skips more than max_skips calls in a row, blocks the row does not update
+// never skip, and a threshold of 0 skips nothing (the output is then the uncached one within 1e-6).
+TEST(PerBlockCache, BlocksTheRowDoesNotUpdateNeverSkipAndNoBlockSkipsMoreThanMaxSkipsInARow) {
+  PerBlockCase c = load_per_block("b2_long_async_addnoise20");
+  c.base.params.cache.threshold = 10.0;  // every eligible block would skip
+  c.base.params.cache.max_skips = 2;
+  const auto model = load_model(c.base.dir + "/weights/diffusers");
+  auto noise = make_recorded_noise(c.base.noise);
+  const Generation r = run_all(*model, c.base.params, c.base.conditioning, *noise);
+  std::map<std::tuple<int64_t, bool, int64_t>, int> in_a_row;  // (chunk, uncond, block)
+  int skipped = 0;
+  for (const TransformerCallReport& call : r.calls) {
+    for (const auto& b : call.blocks) {
+      int& run = in_a_row[{call.chunk, call.unconditional, b.block}];
+      if (b.skipped) {
+        EXPECT_TRUE(b.updated) << "chunk " << call.chunk << " row " << call.row << " block " << b.block;
+        EXPECT_LE(++run, 2) << "chunk " << call.chunk << " row " << call.row << " block " << b.block;
+        ++skipped;
+      } else {
+        run = 0;
+      }
+    }
+  }
+  EXPECT_GT(skipped, 0);
+
+  PerBlockCase none = load_per_block("b2_long_async_addnoise20");
+  none.base.params.cache.threshold = 0.0;
+  auto noise_a = make_recorded_noise(none.base.noise);
+  const Generation cached = run_all(*model, none.base.params, none.base.conditioning, *noise_a);
+  EXPECT_EQ(cached.work.saved_cache, 0);
+  GenerationParams plain = none.base.params;
+  plain.cache = {};
+  auto noise_b = make_recorded_noise(none.base.noise);
+  const Generation uncached = run_all(*model, plain, none.base.conditioning, *noise_b);
+  EXPECT_TRUE(within_1e6(cached.latents, uncached.latents));
+}
+
+TEST(PerBlockCache, IsRefusedWithoutTheBlockCausalMaskAndWithScopeRequest) {
+  PipelineCase c = load("pipeline_df_cache", "c1_sync_cfg");  // causal_block_size 1
+  c.params.cache.kind = StepCacheKind::kFirstBlockPerBlock;
+  c.params.cache.threshold = 0.3;
+  const auto model = load_model(c.dir + "/weights/diffusers");
+  auto noise = make_recorded_noise(c.noise);
+  try {
+    run_all(*model, c.params, c.conditioning, *noise);
+    FAIL() << "the cache per causal block ran under full attention";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("causal_block_size"), std::string::npos) << e.what();
+  }
+  c.params.cache.scope = StepCacheScope::kRequest;
+  EXPECT_THROW(plan_chunks(c.params, c.model_block), std::invalid_argument);
+}
+
+// A chunk gives the same output on any replica: the state belongs to one chunk's loop.
+TEST(PerBlockCache, AChunkRunOnAnotherReplicaEqualsTheSameChunkInTheWholeRun) {
+  const PerBlockCase c = load_per_block("b2_long_async_addnoise20");
+  const auto model = load_model(c.base.dir + "/weights/diffusers");
+  auto whole_noise = make_seeded_noise(*c.base.params.seed);
+  const Generation whole = run_all(*model, c.base.params, c.base.conditioning, *whole_noise);
+  ASSERT_EQ(whole.chunk_latents.size(), 3u);
+  const auto replica = load_model(c.base.dir + "/weights/diffusers");
+  const ChunkPlan plan = plan_chunks(c.base.params, c.base.model_block);
+  auto fresh_noise = make_seeded_noise(*c.base.params.seed);
+  const at::Tensor alone =
+      run_chunk(*replica, c.base.params, plan, 2, c.base.conditioning, whole.video_before[2], *fresh_noise);
+  EXPECT_TRUE(at::equal(alone, whole.chunk_latents[2]));
+}
+
+// Through `skyreels generate --cache first-block-per-block ... --cache-log FILE.json`.
+TEST(GenerateWithCache, ThePerBlockCacheReproducesItsReferenceAndLogsEveryBlock) {
+  const PerBlockCase c = load_per_block("b1_async_ar2_cbs2");
+  const std::string log = skyreels::test::temp_dir("per_block_log") + "/decisions.json";
+  char threshold[32];
+  std::snprintf(threshold, sizeof(threshold), "%.17g", c.base.params.cache.threshold);
+  const std::string dir = skyreels::test::temp_dir("per_block_out");
+  std::string out;
+  const int status = skyreels::test::run_command(
+      skyreels::test::bin_path("skyreels") + " generate" + skyreels::test::generate_flags(c.base) +
+          " --cache first-block-per-block --cache-threshold " + threshold + " --cache-max-skips " +
+          std::to_string(c.base.params.cache.max_skips) + " --noise " + c.base.dir + "/noise.safetensors --cache-log " +
+          log + " --out " + dir + "/out.safetensors",
+      &out);
+  ASSERT_EQ(status, 0) << out;
+  EXPECT_NE(out.find("by the step cache"), std::string::npos) << out;
+  const auto latents = skyreels::test::load_tensors(dir + "/out.safetensors").at("latents");
+  EXPECT_TRUE(all_close(latents, c.latents, 1e-4));
+  expect_same_block_decisions(read_json(log), c.decisions);
 }
 
 }  // namespace
