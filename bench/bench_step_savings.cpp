@@ -6,6 +6,11 @@
 //
 //   bench_step_savings [--layers 4] [--height 64] [--width 64] [--steps 30] [--thresholds 0.05,0.1,0.2]
 //                      [--block-thresholds 0.05,0.1,0.2] [--max-skips 3] [--settings async,sync,long] [--threads N]
+//                      [--diffusers-src DIR]
+//
+// --diffusers-src: diffusers' own pipeline on the same weights, in the same run (bench/diffusers_pipeline_time.py
+// with /usr/bin/python3 and Debian's python3-torch 1.13, scripts/diffusers_env.py), uncached and with its
+// FirstBlockCache at the --thresholds; its uncached latents are compared with ours (same seed, same noise).
 //
 // Settings (the SkyReels-V2 README's, scaled down in space only): async = 97 frames (25 latent), ar_step 5,
 // causal_block_size 5, one chunk; sync = the same frames with ar_step 0; long = 177 frames in chunks of 97 with
@@ -15,7 +20,12 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -23,6 +33,7 @@
 #include "bench/random_transformer.h"
 #include "model/diffusion_forcing.h"
 #include "model/runtime.h"
+#include "model/safetensors.h"
 #include "model/transformer_skyreels_v2.h"
 
 namespace {
@@ -35,6 +46,7 @@ struct Options {
   int64_t max_skips = 3;
   std::vector<std::string> settings{"async", "sync", "long"};
   int threads = 0;
+  std::string diffusers_src;
 };
 
 std::vector<std::string> split(const std::string& text) {
@@ -55,6 +67,7 @@ Options parse(int argc, char** argv) {
     else if (flag == "--threads") o.threads = std::stoi(value);
     else if (flag == "--settings") o.settings = split(value);
     else if (flag == "--max-skips") o.max_skips = std::stoll(value);
+    else if (flag == "--diffusers-src") o.diffusers_src = value;
     else if (flag == "--block-thresholds") {
       o.block_thresholds.clear();
       for (const auto& t : split(value)) o.block_thresholds.push_back(std::stod(t));
@@ -111,6 +124,51 @@ Result generate_once(const SkyReelsV2Transformer& model, const GenerationParams&
   return r;
 }
 
+// diffusers' pipeline on the weights and prompt embeddings written to `dir` (see the header).
+struct DiffusersRun {
+  double seconds = 0;
+  int64_t calls = 0, skipped = 0;
+  at::Tensor latents;
+};
+
+void write_for_diffusers(const std::string& dir, const TransformerConfig& config,
+                         const skyreels::checkpoint::StateDict& weights, const at::Tensor& prompt_embeds) {
+  std::vector<std::pair<std::string, at::Tensor>> tensors(weights.begin(), weights.end());
+  skyreels::safetensors::save(dir + "/diffusion_pytorch_model.safetensors", tensors);
+  std::ofstream(dir + "/config.json") << config.to_diffusers_json();
+  skyreels::safetensors::save(dir + "/embeds.safetensors", {{"prompt_embeds", prompt_embeds}});
+}
+
+DiffusersRun run_diffusers(const Options& o, const std::string& dir, const GenerationParams& p,
+                           std::optional<double> fbc_threshold) {
+  std::ostringstream cmd;
+  cmd << "/usr/bin/python3 " << SKYREELS_DIFFUSERS_TIMER << " --diffusers-src '" << o.diffusers_src << "' --weights "
+      << dir << " --embeds " << dir << "/embeds.safetensors --num-frames " << p.num_frames << " --base-num-frames "
+      << p.base_num_frames << " --ar-step " << p.ar_step << " --causal-block-size " << *p.causal_block_size
+      << " --steps " << p.num_inference_steps << " --height " << p.height << " --width " << p.width << " --seed "
+      << *p.seed << " --threads " << at::get_num_threads() << " --out " << dir << "/latents.safetensors";
+  if (p.overlap_history) cmd << " --overlap-history " << *p.overlap_history;
+  if (fbc_threshold) cmd << " --fbc-threshold " << *fbc_threshold;
+  cmd << " 2>" << dir << "/stderr.txt";
+  FILE* pipe = popen(cmd.str().c_str(), "r");
+  if (pipe == nullptr) throw std::runtime_error("cannot run " + cmd.str());
+  std::string out;
+  char buffer[4096];
+  while (size_t n = fread(buffer, 1, sizeof(buffer), pipe)) out.append(buffer, n);
+  if (pclose(pipe) != 0) {
+    std::ifstream err(dir + "/stderr.txt");
+    throw std::runtime_error("diffusers' pipeline failed: " + cmd.str() + "\n" +
+                             std::string(std::istreambuf_iterator<char>(err), {}));
+  }
+  const auto json = nlohmann::json::parse(out.substr(out.rfind('{')));
+  DiffusersRun r;
+  r.seconds = json.at("seconds").get<double>();
+  r.calls = json.at("calls").get<int64_t>();
+  r.skipped = json.at("skipped").get<int64_t>();
+  r.latents = skyreels::safetensors::load_all(dir + "/latents.safetensors").at("latents");
+  return r;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -119,10 +177,18 @@ int main(int argc, char** argv) {
   if (o.threads > 0) skyreels::runtime::configure_threads(o.threads);
   TransformerConfig config = TransformerConfig::df_1_3b();
   config.num_layers = o.layers;
-  const SkyReelsV2Transformer model(config, skyreels::bench::random_weights(config, at::kFloat), at::kCPU, at::kFloat);
+  skyreels::checkpoint::StateDict weights = skyreels::bench::random_weights(config, at::kFloat);
   at::manual_seed(1);
   Conditioning conditioning;
   conditioning.prompt_embeds = at::randn({1, 64, config.text_dim}) * 0.1;
+  std::string diffusers_dir;
+  if (!o.diffusers_src.empty()) {
+    char pattern[] = "/tmp/bench_step_savings.XXXXXX";
+    if (mkdtemp(pattern) == nullptr) throw std::runtime_error("mkdtemp failed");
+    diffusers_dir = pattern;
+    write_for_diffusers(diffusers_dir, config, weights, conditioning.prompt_embeds);
+  }
+  const SkyReelsV2Transformer model(config, std::move(weights), at::kCPU, at::kFloat);
 
   std::printf("DF-1.3B width, %lld layers, fp32, %lldx%lld pixels, %lld steps, %d threads\n\n",
               static_cast<long long>(o.layers), static_cast<long long>(o.height), static_cast<long long>(o.width),
@@ -166,6 +232,21 @@ int main(int argc, char** argv) {
                   r.seconds, r.seconds / reference.seconds, diff.max().item<double>(), diff.mean().item<double>());
       std::fflush(stdout);
     }
+    if (diffusers_dir.empty()) continue;
+    std::vector<std::optional<double>> fbc{std::nullopt};
+    for (double t : o.thresholds) fbc.emplace_back(t);
+    for (const auto& t : fbc) {
+      const DiffusersRun d = run_diffusers(o, diffusers_dir, base, t);
+      const at::Tensor diff = (d.latents.to(at::kFloat) - reference.latents).abs();
+      char label[64];
+      std::snprintf(label, sizeof(label), t ? "diffusers + first-block %.3g" : "diffusers uncached", t ? *t : 0.0);
+      // x uncached: ours uncached over diffusers' time; |diff|: diffusers' latents against ours uncached.
+      std::printf("| %s | %s | %lld | %lld | - | - | %.2f | %.2f | %.3g | %.3g |\n", name.c_str(), label,
+                  static_cast<long long>(d.calls), static_cast<long long>(d.skipped), d.seconds,
+                  reference.seconds / d.seconds, diff.max().item<double>(), diff.mean().item<double>());
+      std::fflush(stdout);
+    }
   }
+  if (!diffusers_dir.empty()) std::filesystem::remove_all(diffusers_dir);
   return 0;
 }

@@ -866,6 +866,7 @@ std::string step_cache_decisions_json(const std::vector<TransformerCallReport>& 
                           {"updated", b.updated},
                           {"rel", b.rel ? nlohmann::json(*b.rel) : nlohmann::json()},
                           {"skipped", b.skipped},
+                          {"reused", b.reused},
                           {"source", pair_json(b.source)}});
       }
       entry["blocks"] = std::move(blocks);
@@ -976,9 +977,13 @@ Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const Generati
         per_block.first_block = call.first_frame / block;
         per_block.max_kv_bytes = params.kv_cache_max_bytes / 2;  // two guidance contexts
         for (int64_t f = 0; f < computed; f += block) {
-          bool updated = false;
-          for (int64_t i = f; i < f + block; ++i) updated = updated || call.updated[static_cast<size_t>(i)] != 0;
+          bool updated = false, final = true;
+          for (int64_t i = f; i < f + block; ++i) {
+            updated = updated || call.updated[static_cast<size_t>(i)] != 0;
+            final = final && call.final_frames[static_cast<size_t>(i)] != 0;
+          }
           per_block.updated_blocks.push_back(updated ? 1 : 0);
+          per_block.final_blocks.push_back(final ? 1 : 0);
         }
         args.state = &context.state;
         args.per_block_cache = &per_block;
@@ -1007,7 +1012,7 @@ Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const Generati
       report.skipped = stats.skipped;
       if (stats.skipped && first_block) report.source = context.source;
       for (const auto& b : stats.blocks) {
-        TransformerCallReport::BlockDecision d{b.block, b.updated, b.rel, b.skipped, std::nullopt};
+        TransformerCallReport::BlockDecision d{b.block, b.updated, b.rel, b.skipped, std::nullopt, b.reused};
         if (b.skipped) d.source = context.block_sources.at(b.block);
         report.blocks.push_back(d);
       }
@@ -1015,7 +1020,7 @@ Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const Generati
     }
     if (first_block && !stats.skipped && savings.end > 0) context.source = std::make_pair(call.chunk, call.row);
     for (const auto& b : stats.blocks) {
-      if (!b.skipped) context.block_sources[b.block] = std::make_pair(call.chunk, call.row);
+      if (!b.skipped && !b.reused) context.block_sources[b.block] = std::make_pair(call.chunk, call.row);
     }
     return prediction;
   };

@@ -201,6 +201,7 @@ struct TransformerCallReport {
     std::optional<double> rel;
     bool skipped = false;
     std::optional<std::pair<int64_t, int64_t>> source;
+    bool reused = false;  // final and unchanged: its kept keys / values stood in (exact, not a skip)
   };
   std::vector<BlockDecision> blocks;
 };

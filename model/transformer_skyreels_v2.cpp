@@ -322,6 +322,8 @@ struct TransformerCallState::Impl {
     Tensor residual, tail;
     std::vector<Tensor> k, v;
     int64_t skips = 0;
+    bool final = false;     // computed while it and every block before it in the call were final
+    int64_t window = 0;     // the call's first block then
   };
   std::map<int64_t, BlockEntry> blocks;
 
@@ -891,18 +893,25 @@ Tensor SkyReelsV2Transformer::Impl::per_block_layers(Tensor x, const PerBlockCac
   BlockSparseAttention sparse;
   sparse.block_tokens = bt;
   std::vector<TransformerCallState::Impl::BlockEntry*> stale_entries;
+  bool leading_final = true;
+  std::vector<bool> final_here(static_cast<size_t>(nb), false);
   for (int64_t j = 0; j < nb; ++j) {
     TransformerCallStats::BlockDecision d;
     d.block = cache.first_block + j;
     d.updated = cache.updated_blocks[static_cast<size_t>(j)] != 0;
+    leading_final = leading_final && cache.final_blocks[static_cast<size_t>(j)] != 0;
+    final_here[static_cast<size_t>(j)] = leading_final;
     auto found = state.blocks.find(d.block);
-    if (found != state.blocks.end()) {
+    if (found != state.blocks.end() && leading_final && found->second.final &&
+        found->second.window == cache.first_block && static_cast<int64_t>(found->second.k.size()) == layers - 1) {
+      d.reused = true;
+    } else if (found != state.blocks.end()) {
       const Tensor r = residual.narrow(1, j * bt, bt), &prev = found->second.residual;
       d.rel = ((r - prev).abs().mean() / prev.abs().mean()).item<double>();
       d.skipped = d.updated && *d.rel <= cache.threshold && found->second.skips < cache.max_skips &&
                   static_cast<int64_t>(found->second.k.size()) == layers - 1;
     }
-    if (d.skipped) {
+    if (d.skipped || d.reused) {
       sparse.stale.push_back(j);
       stale_entries.push_back(&found->second);
     } else {
@@ -910,8 +919,10 @@ Tensor SkyReelsV2Transformer::Impl::per_block_layers(Tensor x, const PerBlockCac
     }
     stats.blocks.push_back(d);
   }
-  stats.skipped = sparse.computed.empty();
-  stats.token_blocks_cached = g.batch * static_cast<int64_t>(sparse.stale.size()) * bt * (layers - 1);
+  int64_t cache_skips = 0;
+  for (const auto& d : stats.blocks) cache_skips += d.skipped ? 1 : 0;
+  stats.skipped = cache_skips == nb;  // every block of the call skipped
+  stats.token_blocks_cached = g.batch * cache_skips * bt * (layers - 1);  // reused final blocks: exact savings
 
   Tensor out = block0_out.clone();
   for (size_t i = 0; i < sparse.stale.size(); ++i) {
@@ -971,13 +982,17 @@ Tensor SkyReelsV2Transformer::Impl::per_block_layers(Tensor x, const PerBlockCac
       for (const Tensor& t : *list) kept += t.numel() * static_cast<int64_t>(t.element_size());
     }
   }
-  for (size_t i = 0; i < sparse.stale.size(); ++i) ++stale_entries[i]->skips;
+  for (size_t i = 0; i < sparse.stale.size(); ++i) {
+    if (stats.blocks[static_cast<size_t>(sparse.stale[i])].skipped) ++stale_entries[i]->skips;
+  }
   for (size_t i = 0; i < nc; ++i) {
     const int64_t j = sparse.computed[i];
     TransformerCallState::Impl::BlockEntry& e = state.blocks[cache.first_block + j];
     e.residual = residual.narrow(1, j * bt, bt).clone(at::MemoryFormat::Contiguous);
     e.tail = (out.narrow(1, j * bt, bt) - block0_out.narrow(1, j * bt, bt)).contiguous();
     e.skips = 0;
+    e.final = final_here[static_cast<size_t>(j)];
+    e.window = cache.first_block;
     e.k.clear();
     e.v.clear();
     const int64_t bytes = 2 * (layers - 1) * g.batch * bt * g.dim * static_cast<int64_t>(out.element_size());

@@ -92,6 +92,7 @@ struct TransformerCallStats {
     bool updated = false;       // eligible: the row updates it
     std::optional<double> rel;  // unset when the block has no computed state yet
     bool skipped = false;
+    bool reused = false;        // final and unchanged: its kept keys / values stand in exactly (not a skip)
   };
   std::vector<BlockDecision> blocks;
 };
@@ -101,12 +102,16 @@ struct TransformerCallStats {
 // tokens). A block the row updates, with a computed state, rel <= threshold and fewer than max_skips skips in a row
 // skips blocks 1..L-1: its output is block 0's plus its own last tail residual, and the computed blocks after it
 // attend to the keys / values it had then (kept before RoPE, so they follow it when the call's window moves).
-// Blocks the row does not update are always computed. Needs the block-causal mask and per-frame timesteps.
+// Blocks the row does not update are computed, except the leading run of final blocks (final_blocks, from the
+// call's first block on) whose state was computed while they were final in a call with the same first block: their
+// kept keys / values are exactly what computing them would give, so they stand in for them (exact savings within
+// the cache). Needs the block-causal mask and per-frame timesteps.
 struct PerBlockCache {
   double threshold = 0.0;
   int64_t max_skips = 1;
   int64_t first_block = 0;              // the call's first causal block, counted from the chunk's frame 0
   std::vector<uint8_t> updated_blocks;  // per causal block of the call
+  std::vector<uint8_t> final_blocks;    // per causal block of the call: every frame final (DenoiseCall::final_frames)
   int64_t max_kv_bytes = 0;             // kept keys / values of this state; blocks beyond it are always computed
 };
 

@@ -356,7 +356,7 @@ void expect_same_block_decisions(const Json& ours, const Json& theirs) {
     const Json &a = ours[i].at("blocks"), &b = theirs[i].at("blocks");
     ASSERT_EQ(a.size(), b.size()) << "call " << i;
     for (size_t j = 0; j < a.size(); ++j) {
-      for (const char* key : {"block", "updated", "skipped", "source"}) {
+      for (const char* key : {"block", "updated", "skipped", "reused", "source"}) {
         EXPECT_EQ(a[j][key], b[j][key]) << "call " << i << " block " << j << " " << key;
       }
       ASSERT_EQ(a[j]["rel"].is_null(), b[j]["rel"].is_null()) << "call " << i << " block " << j;

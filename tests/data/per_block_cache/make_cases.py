@@ -15,7 +15,10 @@ The cache, per transformer call and context (what model/transformer_skyreels_v2.
   * block 0 runs on every frame; r = block0(x) - x; for each causal block b (counted from the chunk's frame 0)
     rel_b = mean|r_b - r_prev_b| / mean|r_prev_b| against b's own last computed call (fp32 means, then a float);
   * b skips when the row updates it, it has a computed state, rel_b <= threshold and it skipped fewer than
-    max_skips calls in a row; blocks the row does not update are always computed;
+    max_skips calls in a row; blocks the row does not update are computed, except the leading run of final blocks
+    (every frame at timestep 0, not updated, not re-noised by addnoise_condition, and so every block before it) whose
+    state was computed while they were final with the same window start: those are "reused" (their kept keys /
+    values are what computing them would give: exact savings within the cache; no rel, not a skip);
   * blocks 1..L-1 run; in their self-attention the keys / values of a skipped block are those of its last
     computed call (kept after norm_k and before RoPE, RoPE'd at its place in this call); a skipped block's output
     is block0(x)_b + tail_b with tail_b = out_b - block0(x)_b of its last computed call (so what its own tokens do
@@ -28,20 +31,16 @@ usage: DIFFUSERS_SRC=/path/to/diffusers /usr/bin/python3 make_cases.py [--out DI
 Numerics as the golden harness: OPENBLAS_CORETYPE=Prescott ATEN_CPU_CAPABILITY=avx2, one thread.
 """
 import argparse
-import copy
 import importlib
 import json
 import os
-import re
-import struct
 import sys
-import tempfile
-import types
 
-import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "scripts"))
+from diffusers_env import import_diffusers, read_safetensors, register_skyreels_block, write_safetensors  # noqa: E402
 GOLDEN = os.path.join(HERE, "..", "golden", "pipeline_df_cache")
 
 # The cases: a fixture of pipeline_df_cache (its weights, inputs, noise and call) with the cache per causal block.
@@ -49,170 +48,6 @@ CASES = {
     "b1_async_ar2_cbs2": {"base": "c2_async_ar2_cbs2_cfg", "target": 0.35, "max_skips": 2},
     "b2_long_async_addnoise20": {"base": "c4_long_async_addnoise20_cfg", "target": 0.6, "max_skips": 3},
 }
-
-
-# ---- torch 1.13 and the missing packages -----------------------------------------------------------------------
-
-def polyfill_torch():
-    noop = lambda *a, **k: None
-    for dev in ["xpu", "mps", "npu", "mlu", "musa"]:
-        if not hasattr(torch, dev):
-            setattr(torch, dev, types.SimpleNamespace(empty_cache=noop, device_count=lambda: 0,
-                                                      is_available=lambda: False, manual_seed=noop,
-                                                      reset_peak_memory_stats=noop, synchronize=noop,
-                                                      max_memory_allocated=lambda *a: 0))
-    if not hasattr(torch, "compiler"):
-        disable = lambda fn=None, *a, **k: fn if fn is not None else (lambda f: f)
-        torch.compiler = types.SimpleNamespace(disable=disable, is_compiling=lambda: False,
-                                               is_dynamo_compiling=lambda: False)
-    for name in ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "uint16", "uint32", "uint64"]:
-        if not hasattr(torch, name):
-            setattr(torch, name, torch.uint8)  # dtype tables of quantizers only, never on the numeric path
-    importlib.import_module("torch.distributed")
-    if not hasattr(torch.distributed, "device_mesh"):
-        torch.distributed.device_mesh = types.SimpleNamespace(DeviceMesh=object, init_device_mesh=noop)
-    for name in ["torch.distributed._functional_collectives", "torch.distributed.tensor"]:
-        try:
-            importlib.import_module(name)
-        except Exception:
-            module = types.ModuleType(name)
-            module.__getattr__ = lambda attr: object
-            sys.modules[name] = module
-
-    class RMSNorm(torch.nn.Module):  # at::rms_norm semantics (fp32 here)
-        def __init__(self, dim, eps=None, elementwise_affine=True):
-            super().__init__()
-            self.eps = eps
-            self.weight = torch.nn.Parameter(torch.ones(dim)) if elementwise_affine else None
-
-        def forward(self, x):
-            eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-            y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-            return y * self.weight if self.weight is not None else y
-
-    if not hasattr(torch.nn, "RMSNorm"):
-        torch.nn.RMSNorm = RMSNorm
-
-    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        assert dropout_p == 0.0 and not is_causal
-        scale = scale if scale is not None else 1.0 / (query.shape[-1] ** 0.5)
-        scores = query @ key.transpose(-2, -1) * scale
-        if attn_mask is not None:
-            if attn_mask.dtype == torch.bool:
-                scores = scores.masked_fill(~attn_mask, float("-inf"))
-            else:
-                scores = scores + attn_mask
-        weights = torch.softmax(scores, dim=-1)
-        weights = torch.nan_to_num(weights, nan=0.0)  # safe softmax: a row with no key attends to nothing
-        return weights @ value
-
-    if not hasattr(torch.nn.functional, "scaled_dot_product_attention"):
-        torch.nn.functional.scaled_dot_product_attention = sdpa
-
-
-def write_stub_packages(root):
-    """Importable stand-ins (with dist metadata, which diffusers' import checks read) for what diffusers imports
-    from packages Debian 12 does not have; nothing of them is called on this path."""
-    body = ("class _Any:\n    def __init__(self, *a, **k): pass\n    def __call__(self, *a, **k): return None\n"
-            "def __getattr__(name):\n    if name.startswith('__'): raise AttributeError(name)\n    return _Any\n")
-    files = {
-        "huggingface_hub/__init__.py": "__version__ = '0.30.0'\n" + body,
-        "huggingface_hub/constants.py": "HF_HOME = %r\nHUGGINGFACE_HUB_CACHE = HF_HUB_CACHE = %r\n"
-                                        "HF_HUB_OFFLINE = True\nHF_HUB_DISABLE_TELEMETRY = True\n"
-                                        "ENDPOINT = 'http://localhost'\n" % (root + "/hf", root + "/hf/hub"),
-        "safetensors/__init__.py": body, "safetensors/torch.py": body,
-        "transformers/__init__.py": "__version__ = '4.48.0'\n" + body,
-    }
-    for sub in ["utils", "file_download", "hf_api", "errors", "repocard", "repocard_data", "serialization"]:
-        files["huggingface_hub/%s.py" % sub] = body
-    for sub in ["utils", "modeling_utils", "tokenization_utils_base"]:
-        files["transformers/%s.py" % sub] = body
-    for name, version in [("transformers", "4.48.0"), ("huggingface_hub", "0.30.0")]:
-        files["%s-%s.dist-info/METADATA" % (name, version)] = "Metadata-Version: 2.1\nName: %s\nVersion: %s\n" % (
-            name, version)
-        files["%s-%s.dist-info/top_level.txt" % (name, version)] = name + "\n"
-    for path, text in files.items():
-        full = os.path.join(root, path)
-        os.makedirs(os.path.dirname(full), exist_ok=True)
-        with open(full, "w") as f:
-            f.write(text)
-
-
-def lazy_package(name, path):
-    """A package without running its __init__ (whose eager imports need a newer torch): names resolve on use."""
-    text = open(os.path.join(path, "__init__.py")).read()
-    where = {}
-    for sub, names in re.findall(r"from \.(\w+) import ([^\n]+)", text):
-        for n in names.split(","):
-            where[n.strip()] = sub
-    module = types.ModuleType(name)
-    module.__path__ = [path]
-
-    def resolve(attr):
-        if attr in where:
-            return getattr(importlib.import_module(name + "." + where[attr]), attr)
-        raise AttributeError(attr)
-
-    module.__getattr__ = resolve
-    sys.modules[name] = module
-
-
-def import_diffusers(src):
-    pkg_dir = os.path.join(src, "src", "diffusers")
-    if not os.path.isdir(pkg_dir):
-        pkg_dir = os.path.join(src, "diffusers")
-    stubs = tempfile.mkdtemp(prefix="skyreels-stubs-")
-    write_stub_packages(stubs)
-    sys.path.insert(0, stubs)
-    polyfill_torch()
-    diffusers = types.ModuleType("diffusers")
-    diffusers.__path__ = [pkg_dir]
-    diffusers.__version__ = "0.40.0.dev0"
-    sys.modules["diffusers"] = diffusers
-    lazy_package("diffusers.hooks", os.path.join(pkg_dir, "hooks"))
-    lazy_package("diffusers.models.transformers", os.path.join(pkg_dir, "models", "transformers"))
-    d = types.SimpleNamespace()
-    d.pipeline = importlib.import_module("diffusers.pipelines.skyreels_v2.pipeline_skyreels_v2_diffusion_forcing")
-    d.transformer = importlib.import_module("diffusers.models.transformers.transformer_skyreels_v2")
-    d.unipc = importlib.import_module("diffusers.schedulers.scheduling_unipc_multistep")
-    d.hooks = importlib.import_module("diffusers.hooks.hooks")
-    d.vae = importlib.import_module("diffusers.models.autoencoders.autoencoder_kl_wan")
-    d.fbc = importlib.import_module("diffusers.hooks.first_block_cache")
-    d.helpers = importlib.import_module("diffusers.hooks._helpers")
-    return d
-
-
-# ---- safetensors (float32 only) ----------------------------------------------------------------------------------
-
-def read_safetensors(path):
-    with open(path, "rb") as f:
-        data = f.read()
-    n = struct.unpack("<Q", data[:8])[0]
-    header = json.loads(data[8:8 + n])
-    out = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        assert entry["dtype"] == "F32", (name, entry["dtype"])
-        b, e = entry["data_offsets"]
-        out[name] = torch.from_numpy(np.frombuffer(data[8 + n + b:8 + n + e], dtype="<f4").reshape(entry["shape"]).copy())
-    return out
-
-
-def write_safetensors(path, tensors):
-    header, blobs, offset = {}, [], 0
-    for name in sorted(tensors):
-        raw = tensors[name].detach().to(torch.float32).contiguous().numpy().astype("<f4").tobytes()
-        header[name] = {"dtype": "F32", "shape": list(tensors[name].shape), "data_offsets": [offset, offset + len(raw)]}
-        blobs.append(raw)
-        offset += len(raw)
-    text = json.dumps(header, separators=(",", ":"))
-    text += " " * ((8 - (8 + len(text)) % 8) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text.encode())
-        for raw in blobs:
-            f.write(raw)
 
 
 # ---- the cache per causal block, as diffusers hooks -----------------------------------------------------------------
@@ -223,6 +58,8 @@ class BlockEntry:
         self.k, self.v = [], []  # per layer 1..L-1: keys after norm_k, before RoPE; values ([B, tokens, H, Dh])
         self.skips = 0
         self.source = None       # [chunk, row] of its last computed call
+        self.final = False       # computed while it and every block before it in the call were final
+        self.window = 0          # the call's first block then
 
 
 class PerBlockState:  # one per cache context (diffusers' StateManager)
@@ -243,6 +80,7 @@ class CallInfo:  # what the pipeline's loop knows of the call in flight (set by 
     row = 0
     first_block = 0
     updated = []  # per causal block of the call
+    final = []    # per causal block of the call: every frame final
     block_tokens = 0
     layer = 0
 
@@ -264,18 +102,24 @@ class PerBlockHeadHook:  # on blocks[0]
             del st.blocks[b]  # the window only moves forward
         st.skipped, st.block0_out, st.fresh = [], out, {}
         decisions = []
+        leading_final = True
+        st.final_here = []
         for j, updated in enumerate(info.updated):
             block = info.first_block + j
             e = st.blocks.get(block)
-            rel, skipped = None, False
-            if e is not None:
+            rel, skipped, reused = None, False, False
+            leading_final = leading_final and info.final[j]
+            st.final_here.append(leading_final)
+            if e is not None and leading_final and e.final and e.window == info.first_block and len(e.k) > 0:
+                reused = True
+            elif e is not None:
                 r = residual[:, j * bt:(j + 1) * bt]
                 rel = ((r - e.residual).abs().mean() / e.residual.abs().mean()).item()
                 skipped = bool(updated) and rel <= self.threshold and e.skips < self.max_skips and len(e.k) > 0
-            if skipped:
-                st.skipped.append(j)
+            if skipped or reused:
+                st.skipped.append(j)  # both lend their kept keys / values
             decisions.append({"block": block, "updated": bool(updated), "rel": rel, "skipped": skipped,
-                              "source": list(e.source) if skipped else None})
+                              "reused": reused, "source": list(e.source) if skipped else None})
         st.call = {"residual": residual, "decisions": decisions}
         self.log.append(decisions)
         return out
@@ -301,9 +145,10 @@ class PerBlockTailHook:  # on blocks[1..L-1]: the layer index for the attention,
         for j in st.skipped:
             e = st.blocks[info.first_block + j]
             result[:, j * bt:(j + 1) * bt] = st.block0_out[:, j * bt:(j + 1) * bt] + e.tail
+        decisions = st.call["decisions"]
         for j in range(len(info.updated)):
             if j in st.skipped:
-                st.blocks[info.first_block + j].skips += 1
+                st.blocks[info.first_block + j].skips += 1 if decisions[j]["skipped"] else 0
                 continue
             e = st.blocks.setdefault(info.first_block + j, BlockEntry())
             sl = slice(j * bt, (j + 1) * bt)
@@ -311,6 +156,8 @@ class PerBlockTailHook:  # on blocks[1..L-1]: the layer index for the attention,
             e.tail = result[:, sl] - st.block0_out[:, sl]
             e.skips = 0
             e.source = (info.chunk, info.row)
+            e.final = st.final_here[j]
+            e.window = info.first_block
             e.k = [st.fresh[l][0][:, sl].clone() for l in sorted(st.fresh)]
             e.v = [st.fresh[l][1][:, sl].clone() for l in sorted(st.fresh)]
         return result
@@ -414,6 +261,7 @@ def run_case(d, base_dir, threshold, max_skips):
     def capture_matrix(*a, **k):
         result = real_matrix(*a, **k)
         chunk_state["matrix"] = result
+        chunk_state["pre_ready"] = a[4] if len(a) > 4 else k.get("num_pre_ready", 0)
         return result
 
     pipe.generate_timestep_matrix = capture_matrix
@@ -438,11 +286,16 @@ def run_case(d, base_dir, threshold, max_skips):
         start, end = valid_interval[row]
         mask = update_mask[row][start:end]
         updated = [bool(mask[f:f + block].any()) for f in range(0, end - start, block)]
+        renoised = chunk_state["pre_ready"] if kwargs.get("addnoise_condition", 0) > 0 else 0
+        frame_final = [not bool(update_mask[row][f]) and int(step_matrix[row][f]) == 0 and f >= renoised
+                       for f in range(start, end)]
+        final = [all(frame_final[f:f + block]) for f in range(0, end - start, block)]
         last = max([j for j, u in enumerate(updated) if u], default=-1)
         keep_blocks = last + 1
         info.chunk, info.row = chunk_state["chunk"], row
         info.first_block = start // block
         info.updated = updated[:keep_blocks]
+        info.final = final[:keep_blocks]
         h, w = hidden_states.shape[3] // 2, hidden_states.shape[4] // 2
         info.block_tokens = block * h * w
         frames = keep_blocks * block
@@ -499,10 +352,7 @@ def main():
         sys.exit("set DIFFUSERS_SRC or --diffusers-src to a diffusers source tree (commit in the fixtures' case.json)")
     torch.set_num_threads(1)
     d = import_diffusers(args.diffusers_src)
-    d.helpers.TransformerBlockRegistry.register(  # as the pipeline_df_cache fixtures register it
-        model_class=d.transformer.SkyReelsV2TransformerBlock,
-        metadata=d.helpers.TransformerBlockMetadata(return_hidden_states_index=0,
-                                                    return_encoder_hidden_states_index=None))
+    register_skyreels_block(d)
     for name, spec in CASES.items():
         base_dir = os.path.join(GOLDEN, spec["base"])
         # A threshold near the target that is at least 1e-3 away from every rel of the run it makes.
