@@ -233,6 +233,8 @@ void validate_basic(const GenerationParams& p, int64_t block) {
     require(p.cache.max_skips >= 1, "cache_max_skips: must be >= 1, got " + std::to_string(p.cache.max_skips));
     require(p.cache.scope == StepCacheScope::kChunk,
             "cache_scope: the cache per causal block keeps its state per chunk only (use cache_scope chunk)");
+    require(block > 1, "cache: first-block-per-block needs causal_block_size > 1 (the block-causal mask); this "
+                       "request has " + std::to_string(block));
   }
 }
 

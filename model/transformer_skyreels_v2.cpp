@@ -365,6 +365,8 @@ struct KvSlot {
   int64_t reuse_tokens = 0, keep_tokens = 0;
 };
 
+struct BlockPlan;  // the cache per causal block's plan of one call (defined with per_block_layers)
+
 // One layer's self-attention under the cache per causal block: the layer runs on the computed blocks' tokens only;
 // the skipped blocks before them contribute the keys / values of their last computed call, RoPE'd at their place
 // in this call. The computed blocks' keys (before RoPE) and values are handed out to be kept.
@@ -421,11 +423,16 @@ struct SkyReelsV2Transformer::Impl {
                        const RopeTables& rope, const Geometry& g, int64_t causal_block_tokens,
                        const KvSlot* kv = nullptr, const BlockSparseAttention* sparse = nullptr) const;
   Tensor patchify(const Tensor& hidden_states, const Geometry& g, int64_t first_frame) const;
-  // Blocks 0..L-1 under the cache per causal block (TransformerForwardArgs::per_block_cache).
+  // Blocks 0..L-1 under the cache per causal block (TransformerForwardArgs::per_block_cache); computed_blocks runs
+  // blocks 1..L-1 over the blocks that the plan computes and writes them into `out`.
   Tensor per_block_layers(Tensor x, const PerBlockCache& cache, TransformerCallState::Impl& state,
                           const Tensor& context, const Tensor& modulation, const RopeTables& rope, const Geometry& g,
                           int64_t frames_per_block, const std::function<void()>& after_block,
                           TransformerCallStats& stats) const;
+  Tensor computed_blocks(const Tensor& block0_out, Tensor out, const BlockPlan& plan, const Tensor& context,
+                         const Tensor& modulation, const RopeTables& rope, const Geometry& g, int64_t frames_per_block,
+                         const std::function<void()>& after_block, std::vector<std::vector<Tensor>>& fresh_k,
+                         std::vector<std::vector<Tensor>>& fresh_v, TransformerCallStats& stats) const;
   Tensor head(const Tensor& x, const Tensor& temb, const Geometry& g) const;
 };
 
@@ -873,6 +880,78 @@ std::optional<double> first_block_rel(const Tensor& residual, const Tensor& prev
 
 }  // namespace
 
+namespace {
+
+using BlockEntry = TransformerCallState::Impl::BlockEntry;
+
+// What the cache per causal block does with each block of a call: its decisions, and the blocks that run (computed)
+// or lend their kept keys / values (stale: skipped or reused), with the stale blocks' states.
+struct BlockPlan {
+  std::vector<TransformerCallStats::BlockDecision> decisions;
+  std::vector<int64_t> computed, stale;
+  std::vector<BlockEntry*> stale_entries;
+  std::vector<bool> leading_final;  // per block: it and every block before it are final
+};
+
+BlockPlan plan_blocks(const PerBlockCache& cache, TransformerCallState::Impl& state, const Tensor& residual,
+                      int64_t blocks, int64_t block_tokens, int64_t layers) {
+  BlockPlan plan;
+  // rel of every block with a state, with one host read for the call (the decisions need them on the host).
+  std::vector<BlockEntry*> entries(static_cast<size_t>(blocks), nullptr);
+  std::vector<Tensor> rels;
+  for (int64_t j = 0; j < blocks; ++j) {
+    auto found = state.blocks.find(cache.first_block + j);
+    if (found == state.blocks.end()) continue;
+    entries[static_cast<size_t>(j)] = &found->second;
+    const Tensor r = residual.narrow(1, j * block_tokens, block_tokens), &prev = found->second.residual;
+    rels.push_back((r - prev).abs().mean() / prev.abs().mean());
+  }
+  const Tensor host_rels = rels.empty() ? Tensor() : at::stack(rels).to(at::kCPU, at::kDouble);
+  bool leading_final = true;
+  size_t next_rel = 0;
+  for (int64_t j = 0; j < blocks; ++j) {
+    TransformerCallStats::BlockDecision d;
+    d.block = cache.first_block + j;
+    d.updated = cache.updated_blocks[static_cast<size_t>(j)] != 0;
+    leading_final = leading_final && cache.final_blocks[static_cast<size_t>(j)] != 0;
+    plan.leading_final.push_back(leading_final);
+    BlockEntry* e = entries[static_cast<size_t>(j)];
+    const bool has_kv = e != nullptr && static_cast<int64_t>(e->k.size()) == layers - 1;
+    if (e != nullptr) {
+      const double rel = host_rels.data_ptr<double>()[next_rel++];
+      // A final block computed while final in this window: its kept keys / values are exact.
+      d.reused = has_kv && leading_final && e->final && e->window == cache.first_block;
+      if (!d.reused) {
+        d.rel = rel;
+        d.skipped = has_kv && d.updated && rel <= cache.threshold && e->skips < cache.max_skips;
+      }
+    }
+    if (d.skipped || d.reused) {
+      plan.stale.push_back(j);
+      plan.stale_entries.push_back(e);
+    } else {
+      plan.computed.push_back(j);
+    }
+    plan.decisions.push_back(d);
+  }
+  return plan;
+}
+
+// Keys / values the states of blocks other than `computed` keep.
+int64_t kept_bytes_besides(const TransformerCallState::Impl& state, const PerBlockCache& cache,
+                           const std::vector<int64_t>& computed) {
+  int64_t kept = 0;
+  for (const auto& [block, entry] : state.blocks) {
+    if (std::find(computed.begin(), computed.end(), block - cache.first_block) != computed.end()) continue;
+    for (const auto* list : {&entry.k, &entry.v}) {
+      for (const Tensor& t : *list) kept += t.numel() * static_cast<int64_t>(t.element_size());
+    }
+  }
+  return kept;
+}
+
+}  // namespace
+
 Tensor SkyReelsV2Transformer::Impl::per_block_layers(Tensor x, const PerBlockCache& cache,
                                                     TransformerCallState::Impl& state, const Tensor& context,
                                                     const Tensor& modulation, const RopeTables& rope,
@@ -880,122 +959,50 @@ Tensor SkyReelsV2Transformer::Impl::per_block_layers(Tensor x, const PerBlockCac
                                                     const std::function<void()>& after_block,
                                                     TransformerCallStats& stats) const {
   const int64_t layers = static_cast<int64_t>(blocks.size()), bt = frames_per_block * g.tokens_per_frame;
-  const int64_t nb = g.frames / frames_per_block, causal_block_tokens = bt;
+  const int64_t nb = g.frames / frames_per_block;
   // Blocks before the call's window never come back in this chunk (the window only moves forward).
   state.blocks.erase(state.blocks.begin(), state.blocks.lower_bound(cache.first_block));
 
   const Tensor block_in = x;
-  x = block_forward(blocks[0], std::move(x), context, modulation, rope, g, causal_block_tokens);
+  x = block_forward(blocks[0], std::move(x), context, modulation, rope, g, bt);
   stats.token_blocks_computed += g.batch * g.tokens;
   if (after_block) after_block();
   const Tensor block0_out = x, residual = x - block_in;
 
-  BlockSparseAttention sparse;
-  sparse.block_tokens = bt;
-  std::vector<TransformerCallState::Impl::BlockEntry*> stale_entries;
-  bool leading_final = true;
-  std::vector<bool> final_here(static_cast<size_t>(nb), false);
-  for (int64_t j = 0; j < nb; ++j) {
-    TransformerCallStats::BlockDecision d;
-    d.block = cache.first_block + j;
-    d.updated = cache.updated_blocks[static_cast<size_t>(j)] != 0;
-    leading_final = leading_final && cache.final_blocks[static_cast<size_t>(j)] != 0;
-    final_here[static_cast<size_t>(j)] = leading_final;
-    auto found = state.blocks.find(d.block);
-    if (found != state.blocks.end() && leading_final && found->second.final &&
-        found->second.window == cache.first_block && static_cast<int64_t>(found->second.k.size()) == layers - 1) {
-      d.reused = true;
-    } else if (found != state.blocks.end()) {
-      const Tensor r = residual.narrow(1, j * bt, bt), &prev = found->second.residual;
-      d.rel = ((r - prev).abs().mean() / prev.abs().mean()).item<double>();
-      d.skipped = d.updated && *d.rel <= cache.threshold && found->second.skips < cache.max_skips &&
-                  static_cast<int64_t>(found->second.k.size()) == layers - 1;
-    }
-    if (d.skipped || d.reused) {
-      sparse.stale.push_back(j);
-      stale_entries.push_back(&found->second);
-    } else {
-      sparse.computed.push_back(j);
-    }
-    stats.blocks.push_back(d);
-  }
+  const BlockPlan plan = plan_blocks(cache, state, residual, nb, bt, layers);
   int64_t cache_skips = 0;
-  for (const auto& d : stats.blocks) cache_skips += d.skipped ? 1 : 0;
-  stats.skipped = cache_skips == nb;  // every block of the call skipped
+  for (const auto& d : plan.decisions) cache_skips += d.skipped ? 1 : 0;
+  stats.blocks = plan.decisions;
+  stats.skipped = cache_skips == nb;                                     // every block of the call skipped
   stats.token_blocks_cached = g.batch * cache_skips * bt * (layers - 1);  // reused final blocks: exact savings
 
+  // Stale blocks: block 0's output plus their own last tail residual.
   Tensor out = block0_out.clone();
-  for (size_t i = 0; i < sparse.stale.size(); ++i) {
-    out.narrow(1, sparse.stale[i] * bt, bt).add_(stale_entries[i]->tail);
+  for (size_t i = 0; i < plan.stale.size(); ++i) {
+    out.narrow(1, plan.stale[i] * bt, bt).add_(plan.stale_entries[i]->tail);
   }
-  const size_t nc = sparse.computed.size();
   std::vector<std::vector<Tensor>> fresh_k(static_cast<size_t>(layers)), fresh_v(static_cast<size_t>(layers));
-  if (nc > 0) {
-    std::vector<int64_t> frame_index, token_index;
-    for (int64_t j : sparse.computed) {
-      for (int64_t f = 0; f < frames_per_block; ++f) frame_index.push_back(j * frames_per_block + f);
-      for (int64_t t = 0; t < bt; ++t) token_index.push_back(j * bt + t);
-    }
-    const Tensor frames = at::tensor(frame_index, at::TensorOptions().dtype(at::kLong)).to(device);
-    const Tensor tokens = at::tensor(token_index, at::TensorOptions().dtype(at::kLong)).to(device);
-    const bool all = nc == static_cast<size_t>(nb);
-    Tensor xc = all ? block0_out.clone() : block0_out.index_select(1, tokens);  // the blocks write in place
-    const Tensor mod_c = all || modulation.size(1) == 1 ? modulation : modulation.index_select(1, frames);
-    const RopeTables rope_c = all ? rope : RopeTables{rope.cos.index_select(1, tokens),
-                                                     rope.signed_sin.index_select(1, tokens)};
-    for (size_t i = 0; i < sparse.stale.size(); ++i) {
-      sparse.stale_rope.push_back({rope.cos.narrow(1, sparse.stale[i] * bt, bt),
-                                   rope.signed_sin.narrow(1, sparse.stale[i] * bt, bt)});
-    }
-    Geometry sub = g;
-    sub.frames = sub.ppf = static_cast<int64_t>(nc) * frames_per_block;
-    sub.tokens = static_cast<int64_t>(nc) * bt;
-    for (int64_t l = 1; l < layers; ++l) {
-      sparse.stale_k.clear();
-      sparse.stale_v.clear();
-      for (auto* e : stale_entries) {
-        sparse.stale_k.push_back(&e->k[static_cast<size_t>(l - 1)]);
-        sparse.stale_v.push_back(&e->v[static_cast<size_t>(l - 1)]);
-      }
-      sparse.fresh_k = &fresh_k[static_cast<size_t>(l)];
-      sparse.fresh_v = &fresh_v[static_cast<size_t>(l)];
-      xc = block_forward(blocks[static_cast<size_t>(l)], std::move(xc), context, mod_c, rope_c, sub,
-                         causal_block_tokens, nullptr, &sparse);
-      stats.token_blocks_computed += g.batch * sub.tokens;
-      if (after_block) after_block();
-    }
-    if (all) {
-      out = xc;
-    } else {
-      out.index_copy_(1, tokens, xc);
-    }
+  if (!plan.computed.empty()) {
+    out = computed_blocks(block0_out, std::move(out), plan, context, modulation, rope, g, frames_per_block,
+                          after_block, fresh_k, fresh_v, stats);
   }
-  // The computed blocks' state: their residual, tail residual and keys / values, within the memory budget (what
-  // the other blocks keep counts first).
-  std::vector<bool> computed_here(static_cast<size_t>(nb), false);
-  for (int64_t j : sparse.computed) computed_here[static_cast<size_t>(j)] = true;
-  int64_t kept = 0;
-  for (const auto& [block, entry] : state.blocks) {
-    const int64_t j = block - cache.first_block;
-    if (j < nb && computed_here[static_cast<size_t>(j)]) continue;
-    for (const auto* list : {&entry.k, &entry.v}) {
-      for (const Tensor& t : *list) kept += t.numel() * static_cast<int64_t>(t.element_size());
-    }
+
+  // The computed blocks' states, within the memory budget (what the other blocks keep counts first).
+  for (size_t i = 0; i < plan.stale.size(); ++i) {
+    if (plan.decisions[static_cast<size_t>(plan.stale[i])].skipped) ++plan.stale_entries[i]->skips;
   }
-  for (size_t i = 0; i < sparse.stale.size(); ++i) {
-    if (stats.blocks[static_cast<size_t>(sparse.stale[i])].skipped) ++stale_entries[i]->skips;
-  }
-  for (size_t i = 0; i < nc; ++i) {
-    const int64_t j = sparse.computed[i];
-    TransformerCallState::Impl::BlockEntry& e = state.blocks[cache.first_block + j];
+  int64_t kept = kept_bytes_besides(state, cache, plan.computed);
+  const int64_t bytes = 2 * (layers - 1) * g.batch * bt * g.dim * static_cast<int64_t>(out.element_size());
+  for (size_t i = 0; i < plan.computed.size(); ++i) {
+    const int64_t j = plan.computed[i];
+    BlockEntry& e = state.blocks[cache.first_block + j];
     e.residual = residual.narrow(1, j * bt, bt).clone(at::MemoryFormat::Contiguous);
     e.tail = (out.narrow(1, j * bt, bt) - block0_out.narrow(1, j * bt, bt)).contiguous();
     e.skips = 0;
-    e.final = final_here[static_cast<size_t>(j)];
+    e.final = plan.leading_final[static_cast<size_t>(j)];
     e.window = cache.first_block;
     e.k.clear();
     e.v.clear();
-    const int64_t bytes = 2 * (layers - 1) * g.batch * bt * g.dim * static_cast<int64_t>(out.element_size());
     if (kept + bytes > cache.max_kv_bytes) continue;  // no keys / values kept: this block cannot skip
     kept += bytes;
     for (int64_t l = 1; l < layers; ++l) {
@@ -1003,6 +1010,56 @@ Tensor SkyReelsV2Transformer::Impl::per_block_layers(Tensor x, const PerBlockCac
       e.v.push_back(fresh_v[static_cast<size_t>(l)][i]);
     }
   }
+  return out;
+}
+
+Tensor SkyReelsV2Transformer::Impl::computed_blocks(const Tensor& block0_out, Tensor out, const BlockPlan& plan,
+                                                   const Tensor& context, const Tensor& modulation,
+                                                   const RopeTables& rope, const Geometry& g,
+                                                   int64_t frames_per_block, const std::function<void()>& after_block,
+                                                   std::vector<std::vector<Tensor>>& fresh_k,
+                                                   std::vector<std::vector<Tensor>>& fresh_v,
+                                                   TransformerCallStats& stats) const {
+  const int64_t layers = static_cast<int64_t>(blocks.size()), bt = frames_per_block * g.tokens_per_frame;
+  const size_t nc = plan.computed.size();
+  const bool all = nc == plan.decisions.size();
+  std::vector<int64_t> frame_index, token_index;
+  for (int64_t j : plan.computed) {
+    for (int64_t f = 0; f < frames_per_block; ++f) frame_index.push_back(j * frames_per_block + f);
+    for (int64_t t = 0; t < bt; ++t) token_index.push_back(j * bt + t);
+  }
+  const Tensor frames = at::tensor(frame_index, at::TensorOptions().dtype(at::kLong)).to(device);
+  const Tensor tokens = at::tensor(token_index, at::TensorOptions().dtype(at::kLong)).to(device);
+  Tensor xc = all ? block0_out.clone() : block0_out.index_select(1, tokens);  // the blocks write in place
+  const Tensor mod_c = all || modulation.size(1) == 1 ? modulation : modulation.index_select(1, frames);
+  const RopeTables rope_c =
+      all ? rope : RopeTables{rope.cos.index_select(1, tokens), rope.signed_sin.index_select(1, tokens)};
+  BlockSparseAttention sparse;
+  sparse.block_tokens = bt;
+  sparse.computed = plan.computed;
+  sparse.stale = plan.stale;
+  for (int64_t j : plan.stale) {
+    sparse.stale_rope.push_back({rope.cos.narrow(1, j * bt, bt), rope.signed_sin.narrow(1, j * bt, bt)});
+  }
+  Geometry sub = g;
+  sub.frames = sub.ppf = static_cast<int64_t>(nc) * frames_per_block;
+  sub.tokens = static_cast<int64_t>(nc) * bt;
+  for (int64_t l = 1; l < layers; ++l) {
+    sparse.stale_k.clear();
+    sparse.stale_v.clear();
+    for (BlockEntry* e : plan.stale_entries) {
+      sparse.stale_k.push_back(&e->k[static_cast<size_t>(l - 1)]);
+      sparse.stale_v.push_back(&e->v[static_cast<size_t>(l - 1)]);
+    }
+    sparse.fresh_k = &fresh_k[static_cast<size_t>(l)];
+    sparse.fresh_v = &fresh_v[static_cast<size_t>(l)];
+    xc = block_forward(blocks[static_cast<size_t>(l)], std::move(xc), context, mod_c, rope_c, sub, bt, nullptr,
+                       &sparse);
+    stats.token_blocks_computed += g.batch * sub.tokens;
+    if (after_block) after_block();
+  }
+  if (all) return xc;
+  out.index_copy_(1, tokens, xc);
   return out;
 }
 

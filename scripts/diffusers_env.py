@@ -9,6 +9,7 @@ F.scaled_dot_product_attention (the documented reference math: bool mask True = 
 Debian packages it needs: python3-torch python3-numpy python3-packaging python3-filelock python3-requests
 python3-regex python3-pil python3-tqdm python3-httpx python3-yaml.
 """
+import argparse
 import importlib
 import json
 import os
@@ -193,3 +194,14 @@ def register_skyreels_block(d):
         model_class=d.transformer.SkyReelsV2TransformerBlock,
         metadata=d.helpers.TransformerBlockMetadata(return_hidden_states_index=0,
                                                     return_encoder_hidden_states_index=None))
+
+
+def generator_arguments(default_out, description=None):
+    """The command line of a fixture generator: --diffusers-src (or $DIFFUSERS_SRC, required) and --out."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--diffusers-src", default=os.environ.get("DIFFUSERS_SRC"))
+    parser.add_argument("--out", default=default_out)
+    args = parser.parse_args()
+    if not args.diffusers_src:
+        sys.exit("give --diffusers-src or $DIFFUSERS_SRC: a diffusers source tree (the commit the fixtures name)")
+    return args

@@ -346,6 +346,11 @@ at::Tensor reference_latents(const pb::SubmitJobRequest& request) {
     params.cache.kind = model::StepCacheKind::kFirstBlock;
     params.cache.threshold = p.cache_threshold();
   }
+  if (p.has_cache() && p.cache() == "first-block-per-block") {
+    params.cache.kind = model::StepCacheKind::kFirstBlockPerBlock;
+    params.cache.threshold = p.cache_threshold();
+    if (p.has_cache_max_skips()) params.cache.max_skips = p.cache_max_skips();
+  }
   if (p.has_scheduler()) {
     const auto& c = p.scheduler();
     if (c.has_num_train_timesteps()) params.scheduler.num_train_timesteps = c.num_train_timesteps();

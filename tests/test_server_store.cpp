@@ -122,12 +122,28 @@ TEST(JobStore, KilledAfterChunkTwoResumesAtChunkThreeAndEqualsGenerate) {
 double metric(ServerProcess& server, const std::string& name);
 
 // Issue 21: the step cache's state belongs to one chunk's loop, so a cached long video whose chunks run on two
-// replicas, and whose server is killed mid-run and restarted, equals the single-process cached run bit for bit.
-TEST(JobStore, ACachedLongVideoOnTwoReplicasKilledMidRunEqualsTheSingleProcessCachedRun) {
-  const std::string store = new_store();
+// replicas, and whose server is killed mid-run and restarted, equals the single-process cached run bit for bit:
+// with diffusers' FirstBlockCache, and with the cache per causal block (an async video, block-causal mask).
+pb::SubmitJobRequest cached_six_chunk_request(const std::string& cache) {
   pb::SubmitJobRequest request = six_chunk_request(2101);
-  request.mutable_spec()->mutable_params()->set_cache("first-block");
-  request.mutable_spec()->mutable_params()->set_cache_threshold(0.5);
+  auto* p = request.mutable_spec()->mutable_params();
+  p->set_cache(cache);
+  p->set_cache_threshold(0.5);
+  if (cache == "first-block-per-block") {  // 6 chunks of 6 latent frames, 3 causal blocks each
+    p->set_num_frames(81);
+    p->set_base_num_frames(21);
+    p->set_ar_step(2);
+    p->set_causal_block_size(2);
+    p->set_cache_max_skips(3);
+  }
+  return request;
+}
+
+class CachedLongVideo : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CachedLongVideo, OnTwoReplicasKilledMidRunEqualsTheSingleProcessCachedRun) {
+  const std::string store = new_store();
+  const pb::SubmitJobRequest request = cached_six_chunk_request(GetParam());
   std::vector<std::string> args = store_args(store);
   args[2] = "cpu,cpu";  // --devices: two replicas share the chunks
   std::string id;
@@ -137,6 +153,12 @@ TEST(JobStore, ACachedLongVideoOnTwoReplicasKilledMidRunEqualsTheSingleProcessCa
     per_request.mutable_spec()->mutable_params()->set_cache_scope("request");
     EXPECT_EQ(submit_status(server.client(), per_request).error_code(), grpc::StatusCode::INVALID_ARGUMENT)
         << "a request-scoped cache cannot follow chunks across replicas";
+    if (GetParam() == "first-block-per-block") {
+      pb::SubmitJobRequest full_attention = request;
+      full_attention.mutable_spec()->mutable_params()->set_causal_block_size(1);
+      EXPECT_EQ(submit_status(server.client(), full_attention).error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+          << "the cache per causal block needs the block-causal mask";
+    }
     id = submit(server.client(), request).job_id();
     const auto events = watch_until(server.client(), id, 0, [](const pb::JobEvent& e) {
       return e.has_chunk_finished() && e.chunk_finished().chunk_index() == 2;
@@ -173,6 +195,11 @@ TEST(JobStore, ACachedLongVideoOnTwoReplicasKilledMidRunEqualsTheSingleProcessCa
   ASSERT_TRUE(served.defined());
   EXPECT_TRUE(at::equal(served, expected)) << "max |served - generate| = " << max_abs_diff(served, expected);
 }
+
+INSTANTIATE_TEST_SUITE_P(JobStore, CachedLongVideo, ::testing::Values("first-block", "first-block-per-block"),
+                         [](const ::testing::TestParamInfo<std::string>& kind) {
+                           return kind.param == "first-block" ? std::string("FirstBlock") : std::string("PerBlock");
+                         });
 
 double metric(ServerProcess& server, const std::string& name) {
   return metric_value(http_get(server.metrics_port(), "/metrics"), name);

@@ -438,8 +438,11 @@ TEST(PerBlockCache, IsRefusedWithoutTheBlockCausalMaskAndWithScopeRequest) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("causal_block_size"), std::string::npos) << e.what();
   }
-  c.params.cache.scope = StepCacheScope::kRequest;
-  EXPECT_THROW(plan_chunks(c.params, c.model_block), std::invalid_argument);
+  PipelineCase block_causal = load("pipeline_df_cache", "c2_async_ar2_cbs2_cfg");
+  block_causal.params.cache.kind = StepCacheKind::kFirstBlockPerBlock;
+  EXPECT_NO_THROW(plan_chunks(block_causal.params, block_causal.model_block));
+  block_causal.params.cache.scope = StepCacheScope::kRequest;
+  EXPECT_THROW(plan_chunks(block_causal.params, block_causal.model_block), std::invalid_argument);
 }
 
 // A chunk gives the same output on any replica: the state belongs to one chunk's loop.

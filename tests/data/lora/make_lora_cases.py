@@ -17,57 +17,20 @@ expected_<case>.safetensors. expected_stack.safetensors holds original (scale 0.
 usage: DIFFUSERS_SRC=/path/to/diffusers python3 make_lora_cases.py [--diffusers-src PATH] [--out DIR]
 (/usr/bin/python3 with Debian's python3-torch; no diffusers install, no safetensors package needed.)
 """
-import argparse
 import importlib.util
-import json
 import logging
 import os
-import struct
 import sys
 import types
 
-import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "scripts"))
+from diffusers_env import generator_arguments, read_safetensors, write_safetensors  # noqa: E402
 BASE = os.path.join(HERE, "..", "golden", "transformer_forward", "t1_tiny_df_fps", "weights", "diffusers",
                     "diffusion_pytorch_model.safetensors")
 RANK = 4
-
-# ---- a minimal safetensors reader/writer (float32 only) -----------------------------------------------------------
-
-def read_safetensors(path):
-    with open(path, "rb") as f:
-        data = f.read()
-    n = struct.unpack("<Q", data[:8])[0]
-    header = json.loads(data[8:8 + n])
-    out = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        assert entry["dtype"] == "F32", (name, entry["dtype"])
-        b, e = entry["data_offsets"]
-        arr = np.frombuffer(data[8 + n + b:8 + n + e], dtype="<f4").reshape(entry["shape"])
-        out[name] = torch.from_numpy(arr.copy())
-    return out
-
-
-def write_safetensors(path, tensors):
-    header, blobs, offset = {}, [], 0
-    for name in sorted(tensors):
-        t = tensors[name].detach().to(torch.float32).contiguous()
-        raw = t.numpy().astype("<f4").tobytes()
-        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
-        blobs.append(raw)
-        offset += len(raw)
-    text = json.dumps(header, separators=(",", ":"))
-    text += " " * ((8 - (8 + len(text)) % 8) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text.encode())
-        for raw in blobs:
-            f.write(raw)
-
 
 # ---- diffusers' conversion functions, from its source -------------------------------------------------------------
 
@@ -175,12 +138,7 @@ def musubi_adapter(base, gen):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--diffusers-src", default=os.environ.get("DIFFUSERS_SRC"))
-    parser.add_argument("--out", default=HERE)
-    args = parser.parse_args()
-    if not args.diffusers_src:
-        sys.exit("give --diffusers-src or $DIFFUSERS_SRC (a diffusers source tree)")
+    args = generator_arguments(HERE)
     conv = load_conversion_utils(args.diffusers_src)
     base = read_safetensors(BASE)
     gen = torch.Generator().manual_seed(23)

@@ -30,7 +30,6 @@ usage: DIFFUSERS_SRC=/path/to/diffusers /usr/bin/python3 make_cases.py [--out DI
 -tqdm, -httpx, -yaml; huggingface_hub, safetensors and transformers are stubbed: nothing of them runs.)
 Numerics as the golden harness: OPENBLAS_CORETYPE=Prescott ATEN_CPU_CAPABILITY=avx2, one thread.
 """
-import argparse
 import importlib
 import json
 import os
@@ -40,7 +39,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "scripts"))
-from diffusers_env import import_diffusers, read_safetensors, register_skyreels_block, write_safetensors  # noqa: E402
+from diffusers_env import (generator_arguments, import_diffusers, read_safetensors, register_skyreels_block,  # noqa: E402
+                           write_safetensors)
 GOLDEN = os.path.join(HERE, "..", "golden", "pipeline_df_cache")
 
 # The cases: a fixture of pipeline_df_cache (its weights, inputs, noise and call) with the cache per causal block.
@@ -344,12 +344,7 @@ def pick_threshold(rels, target=0.35, margin=1e-3):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--diffusers-src", default=os.environ.get("DIFFUSERS_SRC"))
-    parser.add_argument("--out", default=HERE)
-    args = parser.parse_args()
-    if not args.diffusers_src:
-        sys.exit("set DIFFUSERS_SRC or --diffusers-src to a diffusers source tree (commit in the fixtures' case.json)")
+    args = generator_arguments(HERE)
     torch.set_num_threads(1)
     d = import_diffusers(args.diffusers_src)
     register_skyreels_block(d)
