@@ -264,7 +264,7 @@ std::optional<ChunkAssignment> PeerScheduler::prepare(size_t replica, const Chun
   assignment.work.payload = cached->payload.get();
   assignment.payload = cached->payload;
   Running* r = run.get();
-  assignment.callbacks.on_step = [this, r](int64_t row, int64_t rows) { push_step(*r, row, rows); };
+  assignment.callbacks.on_step = [this, r](int64_t row, int64_t of) { push_step(*r, row, of); };
   assignment.callbacks.should_stop = [this, r] { return stop_requested(*r); };
   return assignment;
 }

@@ -515,7 +515,7 @@ Contract load_contract(const fs::path& architecture_md) {
     spec.name = (*it)[1];
     spec.type = (*it)[2];
     const std::string labels = (*it)[3];
-    for (std::sregex_iterator l(labels.begin(), labels.end(), label_re), end; l != end; ++l) {
+    for (std::sregex_iterator l(labels.begin(), labels.end(), label_re), none; l != none; ++l) {
       spec.labels.insert((*l)[1]);
     }
     std::smatch label;

@@ -415,7 +415,7 @@ TEST_F(PostgresStore, AttainedServiceGrowsWithEachCommittedChunk) {
 
 TEST_F(PostgresStore, ClaimsShareTheReplicasBetweenClientsBeforeJobs) {
   auto store = open();
-  for (const std::string& id : {"a1", "a2", "a3"}) {
+  for (const char* id : {"a1", "a2", "a3"}) {
     StoredJob j = make_job(id, 0, 0, 0, 2);
     j.client = "tenant-a";
     store->insert_job_once(j);
@@ -440,7 +440,7 @@ TEST_F(PostgresStore, AnInsertUnderATakenIdStoresNothingAndIsRetriedUnderAFreshO
   store->insert_job_once(make_job("j-live", 0));
   store->insert_job_once(make_job("j-dropped", 0));
   store->drop_job("j-dropped", "test");
-  for (const std::string& taken : {"j-live", "j-dropped"}) {
+  for (const char* taken : {"j-live", "j-dropped"}) {
     StoredJob again = make_job(taken, 0);
     again.request = "another request";
     EXPECT_EQ(store->insert_job_once(again).refused, server::InsertOutcome::Refusal::IdTaken) << taken;
