@@ -924,6 +924,31 @@ CallSavings plan_call_savings(const DenoiseCall& call, const GenerationParams& p
   return s;
 }
 
+// The cache per causal block's view of a call computing its first `computed` frames: which blocks the row updates
+// and which are final.
+PerBlockCache per_block_cache_of(const DenoiseCall& call, const GenerationParams& params, int64_t computed) {
+  const int64_t block = call.num_frame_per_block;
+  if (block <= 1 || computed % block != 0 || call.first_frame % block != 0) {
+    throw std::invalid_argument("cache first-block-per-block: needs causal_block_size > 1 (the block-causal mask); "
+                                "this request has " + std::to_string(block));
+  }
+  PerBlockCache c;
+  c.threshold = params.cache.threshold;
+  c.max_skips = params.cache.max_skips;
+  c.first_block = call.first_frame / block;
+  c.max_kv_bytes = params.kv_cache_max_bytes / 2;  // two guidance contexts
+  for (int64_t f = 0; f < computed; f += block) {
+    bool updated = false, final = true;
+    for (int64_t i = f; i < f + block; ++i) {
+      updated = updated || call.updated[static_cast<size_t>(i)] != 0;
+      final = final && call.final_frames[static_cast<size_t>(i)] != 0;
+    }
+    c.updated_blocks.push_back(updated ? 1 : 0);
+    c.final_blocks.push_back(final ? 1 : 0);
+  }
+  return c;
+}
+
 }  // namespace
 
 Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const GenerationParams& params,
@@ -969,24 +994,7 @@ Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const Generati
       if (first_block) args.first_block_threshold = params.cache.threshold;
       PerBlockCache per_block;
       if (per_block_cache) {
-        const int64_t block = call.num_frame_per_block, computed = args.hidden_states.size(2);
-        if (block <= 1 || computed % block != 0 || call.first_frame % block != 0) {
-          throw std::invalid_argument("cache first-block-per-block: needs causal_block_size > 1 (the block-causal "
-                                      "mask); this request has " + std::to_string(block));
-        }
-        per_block.threshold = params.cache.threshold;
-        per_block.max_skips = params.cache.max_skips;
-        per_block.first_block = call.first_frame / block;
-        per_block.max_kv_bytes = params.kv_cache_max_bytes / 2;  // two guidance contexts
-        for (int64_t f = 0; f < computed; f += block) {
-          bool updated = false, final = true;
-          for (int64_t i = f; i < f + block; ++i) {
-            updated = updated || call.updated[static_cast<size_t>(i)] != 0;
-            final = final && call.final_frames[static_cast<size_t>(i)] != 0;
-          }
-          per_block.updated_blocks.push_back(updated ? 1 : 0);
-          per_block.final_blocks.push_back(final ? 1 : 0);
-        }
+        per_block = per_block_cache_of(call, params, args.hidden_states.size(2));
         args.state = &context.state;
         args.per_block_cache = &per_block;
       }
