@@ -866,8 +866,13 @@ Savings check_savings(const TransformerForwardArgs& a, const TransformerConfig& 
   return s;
 }
 
-// FirstBlockCache's decision (diffusers' FBCHeadBlockHook): rel = mean|r - r_prev| / mean|r_prev| in the hidden
-// states' dtype, then a host number; compute when there is no r_prev or rel > threshold.
+// The change both step caches decide on (diffusers' FBCHeadBlockHook): rel = mean|r - r_prev| / mean|r_prev| in the
+// hidden states' dtype, still on the device.
+Tensor relative_change(const Tensor& residual, const Tensor& previous) {
+  return (residual - previous).abs().mean() / previous.abs().mean();
+}
+
+// FirstBlockCache's decision: rel as a host number; compute when there is no r_prev or rel > threshold.
 std::optional<double> first_block_rel(const Tensor& residual, const Tensor& previous) {
   if (!previous.defined()) return std::nullopt;
   if (previous.sizes() != residual.sizes()) {
@@ -875,7 +880,7 @@ std::optional<double> first_block_rel(const Tensor& residual, const Tensor& prev
                                 " tokens, the context's last computed call had " + std::to_string(previous.size(1)) +
                                 " (cache state kept across calls of different shapes)");
   }
-  return ((residual - previous).abs().mean() / previous.abs().mean()).item<double>();
+  return relative_change(residual, previous).item<double>();
 }
 
 }  // namespace
@@ -896,35 +901,36 @@ struct BlockPlan {
 BlockPlan plan_blocks(const PerBlockCache& cache, TransformerCallState::Impl& state, const Tensor& residual,
                       int64_t blocks, int64_t block_tokens, int64_t layers) {
   BlockPlan plan;
-  // rel of every block with a state, with one host read for the call (the decisions need them on the host).
   std::vector<BlockEntry*> entries(static_cast<size_t>(blocks), nullptr);
-  std::vector<Tensor> rels;
+  std::vector<bool> reused(static_cast<size_t>(blocks), false);
+  std::vector<Tensor> rels;  // of the blocks with a state that are not reused, read to the host once for the call
+  bool leading_final = true;
   for (int64_t j = 0; j < blocks; ++j) {
+    leading_final = leading_final && cache.final_blocks[static_cast<size_t>(j)] != 0;
+    plan.leading_final.push_back(leading_final);
     auto found = state.blocks.find(cache.first_block + j);
     if (found == state.blocks.end()) continue;
-    entries[static_cast<size_t>(j)] = &found->second;
-    const Tensor r = residual.narrow(1, j * block_tokens, block_tokens), &prev = found->second.residual;
-    rels.push_back((r - prev).abs().mean() / prev.abs().mean());
+    BlockEntry& e = found->second;
+    entries[static_cast<size_t>(j)] = &e;
+    // A final block computed while final in this window: its kept keys / values are exact.
+    reused[static_cast<size_t>(j)] = static_cast<int64_t>(e.k.size()) == layers - 1 && leading_final && e.final &&
+                                     e.window == cache.first_block;
+    if (!reused[static_cast<size_t>(j)]) {
+      rels.push_back(relative_change(residual.narrow(1, j * block_tokens, block_tokens), e.residual));
+    }
   }
   const Tensor host_rels = rels.empty() ? Tensor() : at::stack(rels).to(at::kCPU, at::kDouble);
-  bool leading_final = true;
   size_t next_rel = 0;
   for (int64_t j = 0; j < blocks; ++j) {
     TransformerCallStats::BlockDecision d;
     d.block = cache.first_block + j;
     d.updated = cache.updated_blocks[static_cast<size_t>(j)] != 0;
-    leading_final = leading_final && cache.final_blocks[static_cast<size_t>(j)] != 0;
-    plan.leading_final.push_back(leading_final);
+    d.reused = reused[static_cast<size_t>(j)];
     BlockEntry* e = entries[static_cast<size_t>(j)];
-    const bool has_kv = e != nullptr && static_cast<int64_t>(e->k.size()) == layers - 1;
-    if (e != nullptr) {
-      const double rel = host_rels.data_ptr<double>()[next_rel++];
-      // A final block computed while final in this window: its kept keys / values are exact.
-      d.reused = has_kv && leading_final && e->final && e->window == cache.first_block;
-      if (!d.reused) {
-        d.rel = rel;
-        d.skipped = has_kv && d.updated && rel <= cache.threshold && e->skips < cache.max_skips;
-      }
+    if (e != nullptr && !d.reused) {
+      d.rel = host_rels.data_ptr<double>()[next_rel++];
+      d.skipped = static_cast<int64_t>(e->k.size()) == layers - 1 && d.updated && *d.rel <= cache.threshold &&
+                  e->skips < cache.max_skips;
     }
     if (d.skipped || d.reused) {
       plan.stale.push_back(j);
