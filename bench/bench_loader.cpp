@@ -35,9 +35,11 @@
 #include <functional>
 #include <iostream>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "model/lora.h"
 #include "model/runtime.h"
 #include "model/safetensors.h"
@@ -165,15 +167,14 @@ ChildResult measure(const std::string& dir, const std::string& dtype, const std:
   const std::string self = fs::read_symlink("/proc/self/exe").string();
   const std::string command = "'" + self + "' --child '" + dir + "' " + dtype + (lora.empty() ? "" : " '" + lora + "'") +
                               " 2>/dev/null";
-  FILE* pipe = ::popen(command.c_str(), "r");
-  if (pipe == nullptr) throw std::runtime_error("cannot run " + command);
+  const auto [out, status] = skyreels::bench::command_output(command);
   ChildResult r;
-  char line[512];
   bool found = false;
-  while (std::fgets(line, sizeof line, pipe) != nullptr) {
-    if (std::sscanf(line, "RESULT %lf %lf %lf", &r.load, &r.touch, &r.peak_gb) == 3) found = true;
+  std::istringstream lines(out);
+  for (std::string line; std::getline(lines, line);) {
+    if (std::sscanf(line.c_str(), "RESULT %lf %lf %lf", &r.load, &r.touch, &r.peak_gb) == 3) found = true;
   }
-  if (::pclose(pipe) != 0 || !found) throw std::runtime_error("measurement failed: " + command);
+  if (status != 0 || !found) throw std::runtime_error("measurement failed: " + command);
   return r;
 }
 

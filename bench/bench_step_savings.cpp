@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "bench/random_transformer.h"
 #include "model/diffusion_forcing.h"
 #include "model/runtime.h"
@@ -150,12 +151,8 @@ DiffusersRun run_diffusers(const Options& o, const std::string& dir, const Gener
   if (p.overlap_history) cmd << " --overlap-history " << *p.overlap_history;
   if (fbc_threshold) cmd << " --fbc-threshold " << *fbc_threshold;
   cmd << " 2>" << dir << "/stderr.txt";
-  FILE* pipe = popen(cmd.str().c_str(), "r");
-  if (pipe == nullptr) throw std::runtime_error("cannot run " + cmd.str());
-  std::string out;
-  char buffer[4096];
-  while (size_t n = fread(buffer, 1, sizeof(buffer), pipe)) out.append(buffer, n);
-  if (pclose(pipe) != 0) {
+  const auto [out, status] = skyreels::bench::command_output(cmd.str());
+  if (status != 0 || out.find('{') == std::string::npos) {
     std::ifstream err(dir + "/stderr.txt");
     throw std::runtime_error("diffusers' pipeline failed: " + cmd.str() + "\n" +
                              std::string(std::istreambuf_iterator<char>(err), {}));

@@ -5,7 +5,9 @@
 #include <sys/resource.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <fstream>
+#include <stdexcept>
 #include <string>
 
 namespace skyreels::bench {
@@ -33,6 +35,21 @@ inline int64_t proc_status(const std::string& process, const char* field) {
 inline double status_mb(const char* field) {
   const int64_t kb = proc_status("self", field);
   return kb < 0 ? 0.0 : static_cast<double>(kb) / 1024.0;
+}
+
+// Runs `command` through the shell and returns what it wrote to stdout, with its exit status (pclose's).
+struct CommandOutput {
+  std::string text;
+  int status = 0;
+};
+inline CommandOutput command_output(const std::string& command) {
+  FILE* pipe = ::popen(command.c_str(), "r");
+  if (pipe == nullptr) throw std::runtime_error("cannot run " + command);
+  CommandOutput out;
+  char buffer[4096];
+  while (const size_t n = std::fread(buffer, 1, sizeof(buffer), pipe)) out.text.append(buffer, n);
+  out.status = ::pclose(pipe);
+  return out;
 }
 
 }  // namespace skyreels::bench

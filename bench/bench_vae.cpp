@@ -415,20 +415,18 @@ int run_driver(const Options& o, const std::string& self) {
         << o.base_dim << " --mode " << o.mode << " --threads " << o.threads << " --dtype " << o.dtype
         << " --device " << o.device
         << " --frames-per-call " << o.frames_per_call;
-    FILE* pipe = ::popen(cmd.str().c_str(), "r");
-    if (pipe == nullptr) throw std::runtime_error("cannot run " + cmd.str());
-    char line[512];
+    const std::string out = skyreels::bench::command_output(cmd.str()).text;
     long long latents = 0, frames = 0;
     int threads = 0;
     double seconds = 0, cpu = 0, base = 0, peak = 0, checksum = 0;
     bool found = false;
-    while (std::fgets(line, sizeof(line), pipe) != nullptr) {
-      if (std::sscanf(line, "RESULT %lld %lld %lf %lf %lf %lf %d %lf", &latents, &frames, &seconds, &cpu, &base, &peak,
-                      &threads, &checksum) == 8) {
+    std::istringstream lines(out);
+    for (std::string line; std::getline(lines, line);) {
+      if (std::sscanf(line.c_str(), "RESULT %lld %lld %lf %lf %lf %lf %d %lf", &latents, &frames, &seconds, &cpu,
+                      &base, &peak, &threads, &checksum) == 8) {
         found = true;
       }
     }
-    ::pclose(pipe);
     if (!found) throw std::runtime_error("no result from " + cmd.str());
     std::printf("%8lld %8lld %10.2f %10.2f %12.2f %12.1f %12.1f %12.1f\n", latents, frames, seconds, cpu,
                 cpu / static_cast<double>(latents), base, peak, peak - base);
