@@ -426,6 +426,50 @@ TEST(PerBlockCache, BlocksTheRowDoesNotUpdateNeverSkipAndNoBlockSkipsMoreThanMax
   EXPECT_TRUE(within_1e6(cached.latents, uncached.latents));
 }
 
+// The kept keys / values stay within max_kv_bytes: a block whose keys / values do not fit keeps none and so never
+// skips, however low its rel; with no budget at all nothing is kept and nothing skips.
+TEST(PerBlockCache, KeptKeysAndValuesStayWithinTheBudgetAndABlockWithoutThemNeverSkips) {
+  const auto model = load_model(golden_path("pipeline_df/p2_async_cbs2_ar2/weights/diffusers"));
+  const TransformerConfig& config = model->config();
+  at::manual_seed(5);
+  const at::Tensor latents = at::randn({1, 16, 4, 4, 4}), text = at::randn({1, 3, config.text_dim});
+  auto forward = [&](TransformerCallState& state, int64_t budget, TransformerCallStats& stats) {
+    PerBlockCache cache;
+    cache.threshold = 10.0;  // every block that may skip does
+    cache.max_skips = 100;
+    cache.updated_blocks = {1, 1};
+    cache.final_blocks = {0, 0};
+    cache.max_kv_bytes = budget;
+    TransformerForwardArgs args;
+    args.hidden_states = latents;
+    args.timestep = at::full({1, 4}, 500, at::kLong);
+    args.encoder_hidden_states = text;
+    args.fps = at::ones({1}, at::kLong);
+    args.num_frame_per_block = 2;
+    args.state = &state;
+    args.per_block_cache = &cache;
+    args.stats = &stats;
+    model->forward(args);
+  };
+  const int64_t block_tokens = 2 * 2 * 2;  // 2 frames of 4x4 latents, patch 2x2
+  const int64_t one_block = 2 * (config.num_layers - 1) * block_tokens * config.inner_dim() * 4;  // fp32 k and v
+  for (const int64_t budget : {int64_t{0}, one_block, 2 * one_block}) {
+    TransformerCallState state;
+    TransformerCallStats first, second;
+    forward(state, budget, first);
+    EXPECT_LE(state.kept_bytes(), budget);
+    EXPECT_EQ(state.kept_bytes(), std::min(budget, 2 * one_block));
+    forward(state, budget, second);
+    ASSERT_EQ(second.blocks.size(), 2u);
+    EXPECT_LE(state.kept_bytes(), budget);
+    // Block b kept its keys / values on the first call iff they fitted after blocks 0..b-1.
+    for (size_t b = 0; b < 2; ++b) {
+      const bool kept = budget >= static_cast<int64_t>(b + 1) * one_block;
+      EXPECT_EQ(second.blocks[b].skipped, kept) << "budget " << budget << " block " << b;
+    }
+  }
+}
+
 TEST(PerBlockCache, IsRefusedWithoutTheBlockCausalMaskAndWithScopeRequest) {
   PipelineCase c = load("pipeline_df_cache", "c1_sync_cfg");  // causal_block_size 1
   c.params.cache.kind = StepCacheKind::kFirstBlockPerBlock;
