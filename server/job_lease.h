@@ -1,10 +1,12 @@
-// Chunk leases: how several servers (pods) sharing one job store split the chunks of its jobs without a coordinator.
-// A replica claims the best ready chunk, renews its lease while the chunk runs (a heartbeat), and commits the result
-// under the lease's token. A pod that dies stops renewing; once its lease expires another replica takes the chunk
-// over with a higher token, so a late commit of the dead holder is refused (fencing) and every chunk is committed
-// exactly once. Implemented by PostgresJobStore; the store's clock decides expiry, so pods' clocks never matter.
+// Chunk leases: how the replicas of one server, or of several servers (pods) sharing one job store, split the chunks
+// of its jobs without a coordinator. A replica claims the best ready chunk, renews its lease while the chunk runs (a
+// heartbeat), and commits the result under the lease's token. A replica that dies stops renewing; once its lease
+// expires another replica takes the chunk over with a higher token, so a late commit of the dead holder is refused
+// (fencing) and every chunk is committed exactly once. Implemented by PostgresJobStore (shared by pods; the store's
+// clock decides expiry, so pods' clocks never matter) and by LocalLeaseStore (job_lease_local.h: memory and SQLite,
+// one process), so a single server runs the very scheduler a fleet runs.
 //
-// Claim order (the in-memory policy of dispatch_policy.h, over the whole store):
+// Claim order (the pure functions of dispatch_policy.h, over the whole store):
 //   ready     = unfinished job (queued or running), cancel not requested, chunks_done < chunk_count, and no live lease
 //               (none, released, or expired);
 //   order     = policy::dispatch_before: priority desc, then the client's attained service asc (the store keeps it
@@ -13,6 +15,8 @@
 //               the first whose previous chunk ran on the claiming replica is taken (its state is already there);
 //               else the first in order. Affinity never overrides the order itself, so jobs still interleave at chunk
 //               boundaries (a long video cannot starve short ones). See claim_preference().
+//   pass over = jobs the claiming server's placement rule (policy::choose_replica: the holder is idle, or busy for
+//               less than a handoff costs; a chunk that just failed here) sends elsewhere.
 #pragma once
 
 #include <chrono>
@@ -99,10 +103,11 @@ class LeaseStore {
 
   virtual ~LeaseStore() = default;
 
-  // The best ready chunk for `replica` (see the order above), leased for `ttl`, in one transaction; nullopt when no
-  // chunk is ready. Marks the job running (started_ms on its first chunk) and counts a takeover as a retry and a
-  // handoff as a handoff in the stored job. Concurrent claims never get the same job (FOR UPDATE SKIP LOCKED).
-  virtual std::optional<ChunkLease> claim(const std::string& replica, std::chrono::milliseconds ttl) = 0;
+  // The best ready chunk for `replica` (see the order above) among jobs not in `pass_over`, leased for `ttl`, in one
+  // transaction; nullopt when no chunk is ready. Marks the job running (started_ms on its first chunk) and counts a
+  // takeover as a retry and a handoff as a handoff in the stored job. Concurrent claims never get the same job.
+  virtual std::optional<ChunkLease> claim(const std::string& replica, std::chrono::milliseconds ttl,
+                                          const std::vector<std::string>& pass_over = {}) = 0;
   // Heartbeat: extends the lease to now + ttl while it is still the job's current one.
   virtual LeaseRenewal renew(const ChunkLease& lease, std::chrono::milliseconds ttl) = 0;
   // The chunk's result (chunk.index must be lease.chunk_index), chunks_done = index + 1 and `events` (stored with
@@ -136,6 +141,18 @@ class LeaseStore {
   virtual AdmissionCounts admission_counts(const std::string& client) const = 0;
   // Unfinished jobs without a live lease (waiting for a replica), all pods.
   virtual int64_t queue_depth() const = 0;
+  // Where a waiting job stands in the claim order: `ahead` ready jobs go before it; position 0: it is not waiting
+  // (running, finished, unknown).
+  struct QueuePlace {
+    int64_t position = 0;  // 1-based
+    int64_t ahead = 0;
+  };
+  virtual QueuePlace queue_place(const std::string& job_id) const = 0;
+  // The owner's jobs without their requests, in submission order.
+  virtual std::vector<StoredJob> jobs_of(const std::string& owner) const = 0;
+  // True when other servers share the store (PostgreSQL): a draining server stops claiming and leaves queued jobs to
+  // them. False (memory, SQLite): this server is the only one, so it finishes what it admitted.
+  virtual bool shared() const = 0;
   // with_request false: StoredJob::request stays empty (reads that only need the job's state skip megabytes).
   virtual std::optional<StoredJob> load_job(const std::string& job_id, bool with_request = true) const = 0;
 

@@ -1,6 +1,6 @@
 // What the transport (service.cpp) and main.cpp need from a job queue: admission and submission, reads and waits,
-// cancellation, drain and readiness. Implemented by the in-memory Scheduler (scheduler.h); a peer scheduler over a
-// shared store implements the same seam. No gRPC, no LibTorch.
+// cancellation, drain and readiness. Implemented once, by the Scheduler (scheduler.h), over every store. No gRPC, no
+// LibTorch.
 #pragma once
 
 #include <chrono>
@@ -34,11 +34,6 @@ class JobQueue {
  public:
   virtual ~JobQueue() = default;
 
-  // Before start(): takes over jobs read back from the store. Queued jobs queue again in their order; a job whose
-  // chunk was running restarts that chunk (counted as a retry); finished jobs stay readable until retention drops
-  // them; deadlines that passed meanwhile end their jobs at the first dispatch. Event sequence numbers continue
-  // above every number handed out before the restart.
-  virtual void restore(std::vector<RestoredJob> jobs) = 0;
   // Starts the replicas (each loads its model in parallel) and dispatching.
   virtual void start() = 0;
   // True once every replica finished loading (successfully or not).
@@ -84,13 +79,15 @@ class JobQueue {
   virtual std::optional<JobSnapshot> wait_chunks(const std::string& id, const std::string& owner, int64_t chunks_seen,
                                                  Clock::time_point until) const = 0;
 
-  // Draining: new submissions are refused (AdmissionError::Draining); queued and running jobs continue.
+  // Draining: new submissions are refused (AdmissionError::Draining); queued and running jobs continue (on a shared
+  // store, on the other pods).
   virtual void begin_drain() = 0;
   virtual bool draining() const = 0;
-  // Blocks until no job is unfinished (none being stored either) or `until`; returns true when idle.
+  // Blocks until no job is unfinished (none being stored either; on a shared store: no chunk runs here) or `until`;
+  // returns true when idle.
   virtual bool wait_idle(Clock::time_point until) const = 0;
-  // Ends every unfinished job now (running chunks stop at the next step) with ErrorKind::Unavailable. With a durable
-  // store they stay unfinished in the store, so that the next start resumes them.
+  // Ends every unfinished job now, as this server answers for it (running chunks stop at the next step), with
+  // ErrorKind::Unavailable. They stay unfinished in the store, so that the next start (or another pod) resumes them.
   virtual void abort_all(const std::string& reason) = 0;
 
   virtual std::vector<ReplicaStatus> replicas() const = 0;

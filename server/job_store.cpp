@@ -47,6 +47,13 @@ std::unique_ptr<JobStore> open_sqlite(const std::string& spec) {
 
 }  // namespace
 
+std::optional<std::string> JobStore::load_request(const std::string& job_id) const {
+  for (StoredJob& job : load_jobs()) {
+    if (job.id == job_id) return std::move(job.request);
+  }
+  return std::nullopt;
+}
+
 std::unique_ptr<JobStore> open_job_store(const std::string& spec) {
   if (spec == "memory") return std::make_unique<MemoryJobStore>();
   const std::string sqlite = "sqlite:";

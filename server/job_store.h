@@ -103,6 +103,9 @@ class JobStore {
   virtual std::vector<StoredJob> load_jobs() const = 0;  // in submission order
   virtual std::vector<StoredChunk> load_chunks(const std::string& job_id) const = 0;
   virtual std::vector<StoredEvent> load_events(const std::string& job_id) const = 0;
+  // The job's StoredJob::request, nullopt when the job is gone: re-creating a job's payload reads it (after a restart,
+  // on another pod, or after this pod evicted the payload). The default reads every job; backends read one row.
+  virtual std::optional<std::string> load_request(const std::string& job_id) const;
 
   // The committed result of chunk `index`, nullopt when it was not committed (or the job is gone).
   virtual std::optional<std::string> load_chunk_bytes(const std::string& job_id, int64_t index) const = 0;

@@ -7,7 +7,6 @@ namespace skyreels::server {
 void MemoryJobStore::insert_job(StoredJob job) {
   std::lock_guard<std::mutex> lock(mu_);
   Entry& entry = jobs_[job.id];
-  job.request.clear();  // never read back: nothing is resumed from memory
   entry.job = std::move(job);
 }
 
@@ -101,6 +100,13 @@ std::vector<StoredEvent> MemoryJobStore::load_events(const std::string& job_id) 
   std::lock_guard<std::mutex> lock(mu_);
   auto it = jobs_.find(job_id);
   return it == jobs_.end() ? std::vector<StoredEvent>{} : it->second.events;
+}
+
+std::optional<std::string> MemoryJobStore::load_request(const std::string& job_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return std::nullopt;
+  return it->second.job.request;
 }
 
 }  // namespace skyreels::server

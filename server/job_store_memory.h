@@ -1,6 +1,6 @@
-// `--job-store memory`: nothing survives a restart. Keeps everything SQLite keeps (job rows, chunk results, MP4
-// segments, events) except the request, which is only ever read back to resume: results are read from the store, so
-// both backends answer the same.
+// `--job-store memory`: nothing survives a restart. Keeps everything SQLite keeps (job rows with their requests, chunk
+// results, MP4 segments, events): results and evicted payloads are read back from the store, so both backends answer
+// the same.
 #pragma once
 
 #include <deque>
@@ -24,6 +24,7 @@ class MemoryJobStore final : public JobStore {
   std::vector<StoredJob> load_jobs() const override;
   std::vector<StoredChunk> load_chunks(const std::string& job_id) const override;
   std::vector<StoredEvent> load_events(const std::string& job_id) const override;
+  std::optional<std::string> load_request(const std::string& job_id) const override;
   std::optional<std::string> load_chunk_bytes(const std::string& job_id, int64_t index) const override;
   void put_segment(const std::string& job_id, int64_t index, const std::string& bytes) override;
   std::optional<std::string> load_segment(const std::string& job_id, int64_t index) const override;

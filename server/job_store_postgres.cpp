@@ -73,6 +73,16 @@ std::string ready_condition() {
          " AND (lease_replica IS NULL OR lease_expires_ms <= " + kNowMs + ")";
 }
 
+// kJobColumns with the request read as empty.
+const std::string& without_request_columns() {
+  static const std::string columns = [] {
+    std::string c = kJobColumns;
+    const size_t at = c.rfind("request");
+    return c.replace(at, std::string("request").size(), "''::bytea");
+  }();
+  return columns;
+}
+
 std::string notify_sql(const std::string& column) { return "pg_notify('skyreels_jobs', " + column + ")"; }
 
 StoredJob job_from_row(const pg::Result& r, int i) {
@@ -326,13 +336,8 @@ std::vector<StoredJob> PostgresJobStore::load_jobs() const {
 }
 
 std::optional<StoredJob> PostgresJobStore::load_job(const std::string& job_id, bool with_request) const {
-  static const std::string without_request = [] {  // the same columns, the request read as empty
-    std::string columns = kJobColumns;
-    const size_t at = columns.rfind("request");
-    return columns.replace(at, std::string("request").size(), "''::bytea");
-  }();
   auto c = pool_->acquire();
-  const pg::Result r = c->exec("SELECT " + (with_request ? std::string(kJobColumns) : without_request) +
+  const pg::Result r = c->exec("SELECT " + (with_request ? std::string(kJobColumns) : without_request_columns()) +
                                    " FROM jobs WHERE id = $1",
                                {job_id});
   if (r.rows() == 0) return std::nullopt;
@@ -381,51 +386,77 @@ std::optional<std::string> PostgresJobStore::load_segment(const std::string& job
 
 // ---- leases ----
 
-std::optional<ChunkLease> PostgresJobStore::claim(const std::string& replica, std::chrono::milliseconds ttl) {
+std::optional<ChunkLease> PostgresJobStore::claim(const std::string& replica, std::chrono::milliseconds ttl,
+                                                  const std::vector<std::string>& pass_over) {
   auto c = pool_->acquire();
   pg::Transaction tx(*c);
-  std::optional<ChunkLease> lease = lease_locked_candidate(*c, replica, ttl);
+  std::optional<ChunkLease> lease = lease_locked_candidate(*c, replica, ttl, pass_over);
   tx.commit();
   return lease;
 }
 
-// Reads the ready jobs without locks, orders them by the policy (dispatch_before, then the affinity rule), then locks
-// ONE row in that order (SKIP LOCKED: a job another claim holds is passed over, never waited for); the row is
-// re-checked as it locks, so a job claimed meanwhile drops out. The claim charges the job's client its chunk.
-std::optional<ChunkLease> PostgresJobStore::lease_locked_candidate(pg::Connection& c, const std::string& replica,
-                                                                   std::chrono::milliseconds ttl) {
-  const std::string ready = ready_condition();
+namespace {
+
+struct ReadyJob {
+  std::string id;
+  policy::JobKey key;
+  std::string last_replica;
+  int weight = 1;
+};
+
+// The ready jobs (without locks) in the policy's order: dispatch_before over every pod's jobs.
+std::vector<ReadyJob> ready_in_order(pg::Connection& c) {
   const pg::Result rows =
       c.exec("SELECT id, priority, vbase + chunks_done, ord, last_replica, COALESCE(cl.service, 0),"
              " COALESCE(cl.weight, 1) FROM jobs LEFT JOIN clients cl ON cl.client = jobs.client WHERE " +
-                 ready + " ORDER BY priority DESC, ord LIMIT $1",
+                 ready_condition() + " ORDER BY priority DESC, ord LIMIT $1",
              {kMaxClaimCandidates});
-  if (rows.rows() == 0) return std::nullopt;
-  std::vector<int> order(static_cast<size_t>(rows.rows()));
-  for (int i = 0; i < rows.rows(); ++i) order[static_cast<size_t>(i)] = i;
-  auto key = [&](int i) {
-    return policy::JobKey{static_cast<int>(rows.int64(i, 1)), rows.int64(i, 2),
-                          static_cast<uint64_t>(rows.int64(i, 3)), rows.int64(i, 5)};
-  };
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int a, int b) { return policy::dispatch_before(key(a), key(b)); });
+  std::vector<ReadyJob> ready;
+  for (int i = 0; i < rows.rows(); ++i) {
+    ready.push_back({rows.text(i, 0),
+                     {static_cast<int>(rows.int64(i, 1)), rows.int64(i, 2), static_cast<uint64_t>(rows.int64(i, 3)),
+                      rows.int64(i, 5)},
+                     rows.text(i, 4),
+                     static_cast<int>(rows.int64(i, 6))});
+  }
+  std::stable_sort(ready.begin(), ready.end(),
+                   [](const ReadyJob& a, const ReadyJob& b) { return policy::dispatch_before(a.key, b.key); });
+  return ready;
+}
+
+}  // namespace
+
+// Orders the ready jobs by the policy (dispatch_before, then the affinity rule), then locks ONE row in that order
+// (SKIP LOCKED: a job another claim holds is passed over, never waited for); the row is re-checked as it locks, so a
+// job claimed meanwhile drops out. The claim charges the job's client its chunk.
+std::optional<ChunkLease> PostgresJobStore::lease_locked_candidate(pg::Connection& c, const std::string& replica,
+                                                                   std::chrono::milliseconds ttl,
+                                                                   const std::vector<std::string>& pass_over) {
+  const std::string ready = ready_condition();
+  std::vector<ReadyJob> jobs = ready_in_order(c);
+  jobs.erase(std::remove_if(jobs.begin(), jobs.end(),
+                            [&](const ReadyJob& j) {
+                              return std::find(pass_over.begin(), pass_over.end(), j.id) != pass_over.end();
+                            }),
+             jobs.end());
+  if (jobs.empty()) return std::nullopt;
   std::vector<ClaimCandidate> candidates;
-  for (int i : order) {
-    candidates.push_back({key(i).priority, key(i).fair_key, rows.text(i, 4), key(i).client_service});
+  for (const ReadyJob& j : jobs) {
+    candidates.push_back({j.key.priority, j.key.fair_key, j.last_replica, j.key.client_service});
   }
   const std::string lock_columns = "SELECT id, lease_replica IS NOT NULL, last_replica FROM jobs WHERE ";
   std::optional<pg::Result> locked;
-  int row = -1;
+  const ReadyJob* chosen = nullptr;
   for (size_t i : claim_preference(candidates, replica)) {
-    row = order[i];
-    pg::Result r = c.exec(lock_columns + "id = $1 AND " + ready + " FOR UPDATE SKIP LOCKED", {rows.text(row, 0)});
+    chosen = &jobs[i];
+    pg::Result r = c.exec(lock_columns + "id = $1 AND " + ready + " FOR UPDATE SKIP LOCKED", {chosen->id});
     if (r.rows() == 1) {
       locked = std::move(r);
       break;
     }
   }
   if (!locked) return std::nullopt;
-  const int64_t charge = policy::charge_chunk(static_cast<int>(rows.int64(row, 6)));
+  const int64_t charge = policy::charge_chunk(chosen->weight);
   ChunkLease lease;
   lease.job_id = locked->text(0, 0);
   lease.takeover = locked->boolean(0, 1);
@@ -597,6 +628,32 @@ AdmissionCounts PostgresJobStore::admission_counts(const std::string& client) co
       c->exec(std::string("SELECT count(*), count(*) FILTER (WHERE client = $1) FROM jobs WHERE ") + kUnfinished,
               {client});
   return {r.int64(0, 0), r.int64(0, 1)};
+}
+
+LeaseStore::QueuePlace PostgresJobStore::queue_place(const std::string& job_id) const {
+  auto c = pool_->acquire();
+  const std::vector<ReadyJob> jobs = ready_in_order(*c);
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    if (jobs[i].id == job_id) return {static_cast<int64_t>(i) + 1, static_cast<int64_t>(i)};
+  }
+  return {};
+}
+
+std::vector<StoredJob> PostgresJobStore::jobs_of(const std::string& owner) const {
+  auto c = pool_->acquire();
+  const pg::Result r = c->exec(std::string("SELECT ") + without_request_columns() +
+                                   " FROM jobs WHERE owner = $1 ORDER BY ord",
+                               {owner});
+  std::vector<StoredJob> out;
+  for (int i = 0; i < r.rows(); ++i) out.push_back(job_from_row(r, i));
+  return out;
+}
+
+std::optional<std::string> PostgresJobStore::load_request(const std::string& job_id) const {
+  auto c = pool_->acquire();
+  const pg::Result r = c->exec("SELECT request FROM jobs WHERE id = $1", {job_id});
+  if (r.rows() == 0) return std::nullopt;
+  return r.text(0, 0);
 }
 
 int64_t PostgresJobStore::queue_depth() const {

@@ -36,12 +36,14 @@ class PostgresJobStore final : public JobStore, public LeaseStore {
   std::vector<StoredJob> load_jobs() const override;
   std::vector<StoredChunk> load_chunks(const std::string& job_id) const override;
   std::vector<StoredEvent> load_events(const std::string& job_id) const override;
+  std::optional<std::string> load_request(const std::string& job_id) const override;
   std::optional<std::string> load_chunk_bytes(const std::string& job_id, int64_t index) const override;
   void put_segment(const std::string& job_id, int64_t index, const std::string& bytes) override;
   std::optional<std::string> load_segment(const std::string& job_id, int64_t index) const override;
 
   // LeaseStore
-  std::optional<ChunkLease> claim(const std::string& replica, std::chrono::milliseconds ttl) override;
+  std::optional<ChunkLease> claim(const std::string& replica, std::chrono::milliseconds ttl,
+                                  const std::vector<std::string>& pass_over = {}) override;
   LeaseRenewal renew(const ChunkLease& lease, std::chrono::milliseconds ttl) override;
   LeaseCommit commit(const ChunkLease& lease, const StoredChunk& chunk,
                      const std::vector<std::string>& events) override;
@@ -52,6 +54,9 @@ class PostgresJobStore final : public JobStore, public LeaseStore {
   InsertOutcome insert_job_once(const StoredJob& job, AdmissionLimits limits = {}) override;
   AdmissionCounts admission_counts(const std::string& client) const override;
   int64_t queue_depth() const override;
+  QueuePlace queue_place(const std::string& job_id) const override;
+  std::vector<StoredJob> jobs_of(const std::string& owner) const override;
+  bool shared() const override { return true; }
   std::optional<StoredJob> load_job(const std::string& job_id, bool with_request = true) const override;
   std::vector<uint64_t> append_events(const std::string& job_id, const std::vector<std::string>& events) override;
   uint64_t reserve_sequences(const std::string& job_id, int64_t count) override;
@@ -62,7 +67,8 @@ class PostgresJobStore final : public JobStore, public LeaseStore {
  private:
   void migrate();
   std::optional<ChunkLease> lease_locked_candidate(pg::Connection& c, const std::string& replica,
-                                                   std::chrono::milliseconds ttl);
+                                                   std::chrono::milliseconds ttl,
+                                                   const std::vector<std::string>& pass_over);
   std::string url_;
   std::unique_ptr<pg::Pool> pool_;
 };

@@ -254,6 +254,14 @@ std::vector<StoredEvent> SqliteJobStore::load_events(const std::string& job_id) 
   return out;
 }
 
+std::optional<std::string> SqliteJobStore::load_request(const std::string& job_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  sqlite::Statement s(*db_, "SELECT request FROM jobs WHERE id=?");
+  s.bind(1, job_id);
+  if (!s.step()) return std::nullopt;
+  return s.text(0);
+}
+
 std::optional<std::string> SqliteJobStore::load_chunk_bytes(const std::string& job_id, int64_t index) const {
   std::lock_guard<std::mutex> lock(mu_);
   sqlite::Statement s(*db_, "SELECT bytes FROM chunks WHERE job_id=? AND idx=?");

@@ -34,6 +34,7 @@ class SqliteJobStore final : public JobStore {
   std::vector<StoredJob> load_jobs() const override;
   std::vector<StoredChunk> load_chunks(const std::string& job_id) const override;
   std::vector<StoredEvent> load_events(const std::string& job_id) const override;
+  std::optional<std::string> load_request(const std::string& job_id) const override;
   std::optional<std::string> load_chunk_bytes(const std::string& job_id, int64_t index) const override;
   void put_segment(const std::string& job_id, int64_t index, const std::string& bytes) override;
   std::optional<std::string> load_segment(const std::string& job_id, int64_t index) const override;

@@ -69,6 +69,10 @@ std::vector<StoredEvent> TimedJobStore::load_events(const std::string& job_id) c
   return timed("load_events", [&] { return inner_->load_events(job_id); });
 }
 
+std::optional<std::string> TimedJobStore::load_request(const std::string& job_id) const {
+  return timed("load_request", [&] { return inner_->load_request(job_id); });
+}
+
 std::optional<std::string> TimedJobStore::load_chunk_bytes(const std::string& job_id, int64_t index) const {
   return timed("load_chunk_bytes", [&] { return inner_->load_chunk_bytes(job_id, index); });
 }

@@ -13,7 +13,7 @@ namespace skyreels::server {
 // and listed in the operations contract (docs/ARCHITECTURE.md).
 inline constexpr const char* kJobStoreOps[] = {"insert_job",   "update_job",  "commit_chunk",
                                                "append_event", "drop_job",    "dropped_reason",
-                                               "load_jobs",    "load_chunks", "load_events",
+                                               "load_jobs",    "load_chunks", "load_events", "load_request",
                                                "load_chunk_bytes", "put_segment", "load_segment"};
 
 // Receives `op` (one of kJobStoreOps, a string literal) and the call's wall-clock seconds, on the calling thread.
@@ -35,6 +35,7 @@ class TimedJobStore final : public JobStore {
   std::vector<StoredJob> load_jobs() const override;
   std::vector<StoredChunk> load_chunks(const std::string& job_id) const override;
   std::vector<StoredEvent> load_events(const std::string& job_id) const override;
+  std::optional<std::string> load_request(const std::string& job_id) const override;
   std::optional<std::string> load_chunk_bytes(const std::string& job_id, int64_t index) const override;
   void put_segment(const std::string& job_id, int64_t index, const std::string& bytes) override;
   std::optional<std::string> load_segment(const std::string& job_id, int64_t index) const override;

@@ -40,7 +40,6 @@
 #include "server/limits.h"
 #include "server/metrics.h"
 #include "server/replica.h"
-#include "server/peer_scheduler.h"
 #include "server/scheduler.h"
 #include "server/service.h"
 
@@ -473,7 +472,7 @@ int serve(const Options& o, Signals& signals) {
   // ---- the job store first: a store that cannot be used stops the start before a model is loaded ----
   const std::string store_spec =
       o.job_store.empty() ? "sqlite:" + (std::filesystem::path(o.data_dir) / "jobs.sqlite").string() : o.job_store;
-  std::unique_ptr<JobStore> store = open_job_store(store_spec);
+  std::unique_ptr<JobStore> store = with_leases(open_job_store(store_spec));
   spdlog::info("event=job_store store={} durable={}", store->describe(), store->durable());
 
   // ---- model ----
@@ -617,20 +616,19 @@ int serve(const Options& o, Signals& signals) {
   service_config.transport = o.transport;
   // The service and the drain below see only the JobQueue seam.
   std::unique_ptr<JobQueue> jobs;
-  if (LeaseStore* leases = store->leases()) {
-    PeerOptions peer;
-    peer.scheduling = scheduling;
-    peer.pod = o.pod_name;
-    peer.lease_ttl = to_millis(o.lease_seconds);
+  {
+    PodOptions pod;
+    pod.scheduling = scheduling;
+    pod.pod = o.pod_name;
+    pod.lease_ttl = to_millis(o.lease_seconds);
+    // Payloads are re-created from the store: after a restart (expired leases are taken over), on another pod, or
+    // after this server evicted them.
     auto loader = [&service_config](const StoredJob& job, std::vector<StoredChunk> chunks) {
       return restore_job(job, std::move(chunks), service_config);
     };
-    jobs = std::make_unique<PeerScheduler>(std::move(executors), peer, *store, *leases, loader, &observers);
-    spdlog::info("event=peers pod={} lease_seconds={}", o.pod_name, o.lease_seconds);
-  } else {
-    jobs = std::make_unique<Scheduler>(std::move(executors), scheduling, &observers, store.get());
-    // Jobs of an earlier run (a kill, a drain that ran out, a rolling update) resume before anything is dispatched.
-    jobs->restore(restore_jobs(*store, service_config));
+    jobs = std::make_unique<Scheduler>(std::move(executors), pod, *store, loader, &observers);
+    spdlog::info("event=scheduler store={} shared={} pod={} lease_seconds={}", store->describe(),
+                 store->leases()->shared(), o.pod_name, o.lease_seconds);
   }
   // MP4s follow every commit the queue sees, also those of chunks another pod ran.
   if (video) video->follow_with([&jobs](const std::string& id, const std::string& owner) { return jobs->get(id, owner); });

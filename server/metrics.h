@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "server/job_store_timed.h"
-#include "server/scheduler.h"
+#include "server/job_types.h"
 
 namespace prometheus {
 class Registry;

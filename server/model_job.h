@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "server/limits.h"
-#include "server/scheduler.h"
+#include "server/replica_pool.h"
 
 namespace skyreels::model {
 class SkyReelsV2Transformer;

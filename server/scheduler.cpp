@@ -3,107 +3,113 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <atomic>
 #include <limits>
 #include <set>
+#include <stdexcept>
 
 #include "server/dispatch_policy.h"
 #include "server/fingerprint.h"
+#include "server/job_lease_local.h"
 
 namespace skyreels::server {
 
+namespace {
 
-struct Scheduler::Job {
-  std::string id;
-  JobSpec spec;
-  JobState state = JobState::Queued;
-  uint64_t order = 0;  // submission order (ties)
-  int64_t vbase = 0;   // fair-share start: the least attained service among active jobs at submission
-  WallClock::time_point created;
-  Clock::time_point created_mono;
-  std::optional<WallClock::time_point> started, finished;
-  std::optional<Clock::time_point> finished_mono;
-  int64_t chunks_done = 0;
-  bool chunk_running = false;
-  int attempts = 0;  // failed attempts of the current chunk
-  int holder = -1;   // replica that ran the previous chunk
-  int avoid = -1;    // replica that just failed the current chunk
-  std::vector<std::string> chunk_replicas;
-  TransformerWork work;  // of the chunks done
-  int handoffs = 0;
-  int retries = 0;
-  bool cancel_requested = false;
-  bool aborted = false;
-  std::string abort_reason;
-  ErrorKind error_kind = ErrorKind::None;
-  std::string error;
-  std::vector<JobEvent> events;  // ascending sequence; after a restart only the stored (chunk-level) ones
-  uint64_t next_sequence = 1;
-  int64_t position = 0;
-  double eta = -1;
-  int64_t rows_total = 0;
-  int64_t rows_before_chunk = 0;  // rows of the chunks already done
-  int64_t rows_in_chunk = 0;      // rows done in the running chunk
-  // Woken on each of this job's events and when it is dropped; shared so that a waiter keeps it alive if the job is
-  // garbage-collected while it waits.
-  std::shared_ptr<std::condition_variable> watchers = std::make_shared<std::condition_variable>();
-  std::map<uint64_t, std::function<void()>> listeners;  // subscribe(): watchers that hold no thread
+constexpr size_t kMaxStepEvents = 64;  // per job: watchers only need the latest progress
+constexpr size_t kMaxStepJobs = 4096;  // jobs with step events kept (those of other pods' chunks too)
+constexpr auto kStepPublishPeriod = std::chrono::milliseconds(500);  // step progress to other pods, coalesced
+constexpr size_t kMaxDescriptions = 4096;  // small structs; a pod is asked about far fewer jobs at a time
 
-  int64_t fair_key() const { return vbase + chunks_done; }
-  bool active() const { return !is_terminal(state); }
-};
+int64_t now_ms() { return wall_ms(WallClock::now()); }
 
-// What this scheduler handed to one replica of the pool: pending until its worker picks it up, then running.
-struct Scheduler::Slot {
-  bool assigned = false;  // a chunk is pending or running here
-  std::optional<ChunkAssignment> pending;
-  std::string job_id;
-  int64_t chunk = -1;
-  double work = 0;
-  Clock::time_point started;
-  double expected_seconds = 0;
-  std::condition_variable cv;  // a chunk is pending, or the pool stops
-};
-
-ReplicaPoolOptions replica_pool_options(const SchedulerOptions& options) {
-  ReplicaPoolOptions pool;
-  pool.failure_limit = options.replica_failure_limit;
-  pool.retest_backoff = options.retest_backoff;
-  pool.retest_backoff_max = options.retest_backoff_max;
-  pool.liveness_grace = options.liveness_grace;
-  return pool;
+int64_t deadline_ms(const std::optional<Clock::time_point>& deadline) {
+  const auto left = *deadline - Clock::now();
+  return wall_ms(WallClock::now() + std::chrono::duration_cast<WallClock::duration>(left));
 }
+
+bool deadline_passed(const StoredJob& job) { return job.deadline_ms && *job.deadline_ms <= now_ms(); }
+
+}  // namespace
+
+// A chunk running on one of this pod's replicas, under its lease.
+struct Scheduler::Running {
+  ChunkLease lease;
+  StoredJob job;  // as it was when the chunk was claimed (without the request)
+  std::string replica;  // lease name
+  std::shared_ptr<JobPayload> payload;  // the one this chunk runs on (the cache may hold another meanwhile)
+  int attempt = 0;
+  int64_t rows_total = 0, rows_before = 0;
+  // Sequence numbers reserved for this chunk's steps: one store call per chunk for its planned rows, another when a
+  // chunk reports more rows than planned. (first row, its number) per reservation, ascending.
+  std::vector<std::pair<int64_t, uint64_t>> step_numbers;
+  int64_t steps_reserved = 0;  // rows numbered so far
+  Clock::time_point last_published{};  // the worker's own: its last step sent to other pods
+  std::atomic<bool> lost{false};    // the store says another replica holds the chunk now
+  std::atomic<bool> cancel{false};  // some pod asked to cancel the job
+  double progress = 0;
+  Clock::time_point started = Clock::now();
+  size_t index = 0;  // the replica
+};
+
+// A job's payload kept on this pod after its chunk ran here: the next chunk continues from it without a reload.
+struct Scheduler::Cached {
+  std::shared_ptr<JobPayload> payload;
+  std::shared_ptr<const JobDescription> description;
+  int64_t chunks_held = 0;  // chunks the payload holds the results of
+  int holder = -1;          // the replica of this server that ran its last chunk (-1: none yet)
+  std::vector<int64_t> chunk_rows;
+  Clock::time_point used;
+};
 
 namespace {
 
-double seconds_since(Clock::time_point t, Clock::time_point now) {
-  return std::chrono::duration<double>(now - t).count();
+LeaseStore& leases_of(JobStore& store) {
+  LeaseStore* leases = store.leases();
+  if (leases == nullptr) throw std::invalid_argument("Scheduler: the job store " + store.describe() + " has no leases");
+  return *leases;
+}
+
+std::string finished_event() {
+  JobEvent done;
+  done.type = EventType::Finished;
+  return encode_stored_event(done);
 }
 
 }  // namespace
 
-Scheduler::Scheduler(std::vector<std::unique_ptr<ChunkExecutor>> replicas, SchedulerOptions options,
-                     SchedulerObserver* observer, JobStore* store)
-    : options_(options),
-      observer_(observer),
-      store_(store),
-      pool_(std::move(replicas), replica_pool_options(options), observer) {
-  for (size_t i = 0; i < pool_.size(); ++i) slots_.push_back(std::make_unique<Slot>());
+std::unique_ptr<JobStore> with_leases(std::unique_ptr<JobStore> store) {
+  if (store->leases() != nullptr) return store;
+  return std::make_unique<LocalLeaseStore>(std::move(store), finished_event());
 }
+
+std::unique_ptr<JobStore> with_leases(JobStore& borrowed) {
+  return std::make_unique<LocalLeaseStore>(borrowed, finished_event());
+}
+
+Scheduler::Scheduler(std::vector<std::unique_ptr<ChunkExecutor>> executors, PodOptions options, JobStore& store,
+                     JobLoader loader, SchedulerObserver* observer)
+    : options_(std::move(options)),
+      store_(store),
+      leases_(leases_of(store)),
+      loader_(std::move(loader)),
+      observer_(observer),
+      pool_(std::move(executors),
+            ReplicaPoolOptions{options_.scheduling.replica_failure_limit, options_.scheduling.retest_backoff,
+                               options_.scheduling.retest_backoff_max, options_.scheduling.liveness_grace},
+            observer) {}
 
 Scheduler::~Scheduler() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    stopping_ = true;  // from here on a durable store keeps unfinished jobs as they are (persisting_locked)
-    for (auto& [id, job] : jobs_) {
-      if (job->active() && !job->chunk_running) {
-        finish_locked(*job, JobState::Failed, ErrorKind::Unavailable, "server stopped");
-      }
-    }
-    timer_cv_.notify_all();
-    changed_.notify_all();
+    stopping_ = true;
+    hard_stop_ = true;
+    heartbeat_cv_.notify_all();
   }
-  pool_.stop();  // running chunks see should_stop(); workers end in next_chunk()
-  if (timer_.joinable()) timer_.join();
+  pool_.stop();  // running chunks see hard_stop_ and give their leases back in chunk_done
+  if (listener_.joinable()) listener_.join();
+  if (heartbeat_.joinable()) heartbeat_.join();
+  if (store_health_.joinable()) store_health_.join();
 }
 
 void Scheduler::start() {
@@ -112,932 +118,1143 @@ void Scheduler::start() {
     if (started_) return;
     started_ = true;
   }
+  listener_ = std::thread([this] { listen_loop(); });
+  heartbeat_ = std::thread([this] { heartbeat_loop(); });
+  store_health_ = std::thread([this] { store_health_loop(); });
   pool_.start(*this);
-  timer_ = std::thread([this] { timer_loop(); });
 }
 
 bool Scheduler::all_loaded() const { return pool_.all_loaded(); }
-
 bool Scheduler::live() const { return pool_.live(); }
 
 bool Scheduler::ready() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return pool_.all_loaded() && pool_.any_healthy() && !draining_ && !stopping_;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (draining_ || stopping_) return false;
+  }
+  return pool_.all_loaded() && pool_.any_healthy() && store_answers_;
 }
 
-// ---- the pool's side (ChunkSource) ----------------------------------------------------------------------------
+// The store's health as readiness sees it, from a check of its own (a statement under a short deadline, not TCP):
+// a store that stops answering turns readiness off after kStoreChecksToFail checks, one answer turns it on again.
+// ready() only reads the result, so probes never wait for the store.
+void Scheduler::store_health_loop() {
+  int failures = 0;
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopping_) {
+    lock.unlock();
+    bool answered = false;
+    {
+      StoreCallDeadline deadline(Clock::now() + kStoreCheckTimeout);
+      answered = leases_.reachable();
+    }
+    failures = answered ? 0 : failures + 1;
+    const bool now = failures < kStoreChecksToFail;
+    if (now != store_answers_.exchange(now)) {
+      if (now) {
+        spdlog::info("event=job_store_health answering=true");
+      } else {
+        spdlog::error("event=job_store_health answering=false checks_failed={} check_timeout_ms={}", failures,
+                      kStoreCheckTimeout.count());
+      }
+    }
+    lock.lock();
+    heartbeat_cv_.wait_for(lock, kStoreCheckPeriod, [&] { return stopping_; });
+  }
+}
+
+// On a shared store the pod's name tells its replicas from other pods' ("pod-1/cpu:0"); alone, "cpu:0".
+std::string Scheduler::lease_name(size_t replica) const {
+  return leases_.shared() ? options_.pod + "/" + pool_.name(replica) : pool_.name(replica);
+}
+
+// The gauges of queued and running work (the store's queue, this server's chunks).
+void Scheduler::report_queue() {
+  if (observer_ == nullptr) return;
+  try {
+    observer_->queue_changed(leases_.queue_depth(), running_jobs());
+  } catch (const StoreError&) {  // metrics only: the next report catches up
+  }
+}
+
+// ---- the pool's side: claim, run, commit ------------------------------------------------------------------------
+
+// Draining on a shared store stops claiming (the other pods continue the queue); a server that is the only one
+// finishes what it admitted. abort_all and the destructor stop claiming everywhere.
+bool Scheduler::claiming_locked() const { return !hard_stop_ && (!draining_ || !leases_.shared()); }
+
+std::vector<std::string> Scheduler::pass_over_locked(size_t replica, const std::vector<bool>& healthy) const {
+  struct Waiting {
+    std::string id;
+    policy::JobPlacement placement;
+  };
+  std::set<std::string> running;
+  for (const auto& [r, run] : running_) running.insert(run->job.id);
+  std::vector<Waiting> waiting;
+  // Every job whose payload this server holds (a first chunk too: it goes to the first idle replica, as a scheduler
+  // that pushes would place it); jobs this server knows nothing of are the store's order alone.
+  for (const auto& [id, cached] : cache_) {
+    if (!running.count(id)) waiting.push_back({id, {cached->holder, -1}});
+  }
+  for (const auto& [id, avoid] : avoid_) {
+    if (running.count(id)) continue;
+    auto it = std::find_if(waiting.begin(), waiting.end(), [&](const Waiting& w) { return w.id == id; });
+    if (it == waiting.end()) it = waiting.insert(waiting.end(), {id, {-1, -1}});
+    it->placement.avoid = static_cast<int>(avoid);
+  }
+  if (waiting.empty()) return {};
+  const auto now = Clock::now();
+  std::vector<policy::ReplicaView> views(healthy.size());
+  for (size_t i = 0; i < views.size(); ++i) {
+    auto run = running_.find(i);
+    views[i].healthy = healthy[i];
+    views[i].idle = healthy[i] && run == running_.end();
+    if (run != running_.end()) {
+      views[i].remaining_seconds = policy::remaining_seconds(
+          seconds_per_chunk_, std::chrono::duration<double>(now - run->second->started).count());
+    }
+  }
+  std::vector<std::string> pass_over;
+  for (const Waiting& w : waiting) {
+    std::vector<policy::ReplicaView> seen = views;
+    for (const Waiting& other : waiting) {
+      if (other.id != w.id && other.placement.holder >= 0) {
+        seen[static_cast<size_t>(other.placement.holder)].held_by_other_job = true;
+      }
+    }
+    const int chosen = policy::choose_replica(w.placement, seen, options_.scheduling.handoff_cost_seconds,
+                                              seconds_per_chunk_ > 0);
+    if (chosen != static_cast<int>(replica)) pass_over.push_back(w.id);
+  }
+  return pass_over;
+}
 
 std::optional<ChunkAssignment> Scheduler::next_chunk(size_t replica) {
-  std::unique_lock<std::mutex> lock(mu_);
-  Slot& slot = *slots_[replica];
-  if (!slot.pending) dispatch_locked();  // this replica is free now (chunk_done may have handed it one already)
-  slot.cv.wait(lock, [&] { return slot.pending.has_value() || interrupted_; });
-  if (!slot.pending) return std::nullopt;
-  ChunkAssignment assignment = std::move(*slot.pending);
-  slot.pending.reset();
+  while (true) {
+    uint64_t seen = 0;
+    std::vector<bool> healthy(pool_.size());
+    for (size_t i = 0; i < healthy.size(); ++i) healthy[i] = pool_.healthy(i);
+    std::vector<std::string> pass_over;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      work_.wait(lock, [&] { return interrupted_ || claiming_locked(); });
+      if (interrupted_) return std::nullopt;
+      seen = change_count_;
+      pass_over = pass_over_locked(replica, healthy);
+    }
+    std::optional<ChunkLease> lease;
+    try {
+      lease = leases_.claim(lease_name(replica), options_.lease_ttl, pass_over);
+    } catch (const StoreError& e) {
+      spdlog::warn("replica={} event=claim_failed error=\"{}\"", lease_name(replica), e.what());
+    }
+    if (lease) {
+      std::optional<ChunkAssignment> assignment;
+      try {
+        assignment = prepare(replica, *lease);
+      } catch (const StoreError& e) {
+        // The store went away mid-claim: the lease expires and some replica claims the chunk again.
+        spdlog::warn("job={} event=claim_prepare_failed error=\"{}\"", lease->job_id, e.what());
+        std::lock_guard<std::mutex> lock(mu_);
+        running_.erase(replica);
+      }
+      if (assignment) return assignment;
+      continue;  // the claimed chunk ended its job (deadline, unreadable request): look again at once
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    work_.wait_for(lock, options_.poll, [&] { return interrupted_ || change_count_ != seen; });
+  }
+}
+
+std::optional<ChunkAssignment> Scheduler::prepare(size_t replica, const ChunkLease& lease) {
+  const std::string name = lease_name(replica);
+  std::optional<StoredJob> job;
+  try {
+    job = leases_.load_job(lease.job_id);
+  } catch (const StoreError& e) {
+    spdlog::warn("job={} event=claim_load_failed error=\"{}\"", lease.job_id, e.what());
+  }
+  if (!job) {
+    leases_.release(lease);
+    return std::nullopt;
+  }
+  if (deadline_passed(*job)) {
+    finish(job->id, JobState::DeadlineExceeded, ErrorKind::DeadlineExceeded, "deadline passed while queued");
+    return std::nullopt;
+  }
+  const int attempt = attempts_of(job->id, lease.chunk_index) + (lease.takeover ? 1 : 0);
+  if (lease.takeover) {
+    spdlog::warn("job={} event=lease_takeover chunk={} from={} to={}", job->id, lease.chunk_index,
+                 lease.previous_replica, name);
+    if (observer_) observer_->lease_takeover(name);
+    JobEvent retry;
+    retry.type = EventType::ChunkRetry;
+    retry.chunk = lease.chunk_index;
+    retry.attempt = attempt - 1;
+    retry.message = "the lease of the replica running the chunk expired";
+    append(job->id, retry);
+  }
+  if (!policy::should_retry(attempt, options_.scheduling.chunk_retries, true)) {  // this replica is healthy
+    finish(job->id, JobState::Failed, ErrorKind::Internal,
+           "chunk " + std::to_string(lease.chunk_index) + " failed " + std::to_string(attempt) + " time(s)");
+    return std::nullopt;
+  }
+  std::string error;
+  const std::shared_ptr<Cached> cached = payload_for(*job, lease, error);
+  if (!cached) {
+    finish(job->id, JobState::Failed, ErrorKind::Internal, "the job cannot be resumed: " + error);
+    return std::nullopt;
+  }
+
+  auto run = std::make_shared<Running>();
+  run->lease = lease;
+  run->job = *job;
+  run->job.request.clear();
+  run->replica = name;
+  run->index = replica;
+  run->payload = cached->payload;
+  run->attempt = attempt;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto& rows = cached->chunk_rows;
+    for (size_t c = 0; c < rows.size(); ++c) {
+      run->rows_total += rows[c];
+      if (static_cast<int64_t>(c) < lease.chunk_index) run->rows_before += rows[c];
+    }
+    running_[replica] = run;
+    avoid_.erase(job->id);
+    cached->holder = static_cast<int>(replica);  // its payload stays here once the chunk commits
+  }
+
+  JobEvent started;
+  started.type = EventType::ChunkStarted;
+  started.chunk = lease.chunk_index;
+  started.chunk_count = lease.chunk_count;
+  started.replica = name;
+  started.handoff = lease.handoff;
+  started.attempt = attempt;
+  append(job->id, started);
+  const auto& rows = cached->chunk_rows;
+  if (lease.chunk_index < static_cast<int64_t>(rows.size()) && rows[static_cast<size_t>(lease.chunk_index)] > 0) {
+    try {  // after ChunkStarted's number, before ChunkFinished's: steps sort between them on every pod
+      const int64_t planned = rows[static_cast<size_t>(lease.chunk_index)];
+      run->step_numbers.push_back({1, leases_.reserve_sequences(job->id, planned)});
+      run->steps_reserved = planned;
+    } catch (const StoreError&) {
+      run->steps_reserved = 0;  // progress only: this chunk reports none
+    }
+  }
+  spdlog::info("job={} event=chunk_started chunk={}/{} replica={} attempt={} handoff={} token={}", job->id,
+               lease.chunk_index, lease.chunk_count, name, attempt, lease.handoff, lease.token);
+  if (observer_) {
+    const JobSnapshot s = snapshot(*job);
+    if (lease.chunk_index == 0 && attempt == 0) {
+      observer_->job_started(s, static_cast<double>(now_ms() - job->created_ms) / 1000.0);
+    }
+    if (lease.handoff) observer_->handoff(s, lease.previous_replica, name);
+    observer_->chunk_started(s, name, lease.chunk_index);
+  }
+
+  report_queue();
+  ChunkAssignment assignment;
+  assignment.work.job_id = job->id;
+  assignment.work.chunk_index = lease.chunk_index;
+  assignment.work.chunk_count = lease.chunk_count;
+  assignment.work.attempt = attempt;
+  assignment.work.handoff = lease.handoff;
+  assignment.work.payload = cached->payload.get();
+  assignment.payload = cached->payload;
+  Running* r = run.get();
+  assignment.callbacks.on_step = [this, r](int64_t row, int64_t of) { push_step(*r, row, of); };
+  assignment.callbacks.should_stop = [this, r] { return stop_requested(*r); };
   return assignment;
 }
 
-void Scheduler::chunk_done(size_t replica, ChunkAssignment assignment, ChunkResult result, double seconds) {
-  if (result.outcome == ChunkOutcome::Succeeded && store_ != nullptr && !result.bytes.empty()) {
-    // Outside the lock: a chunk's result is megabytes. Chunks of one job never run concurrently and the job's
-    // other rows do not hold chunks_done, so nothing races this commit.
+// The payload this pod already holds when the job's previous chunk ran here, else one re-created from the store.
+std::shared_ptr<Scheduler::Cached> Scheduler::payload_for(const StoredJob& job, const ChunkLease& lease,
+                                                                   std::string& error) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = cache_.find(job.id);
+    if (it != cache_.end() && it->second->chunks_held == lease.chunk_index) {
+      it->second->used = Clock::now();
+      return it->second;
+    }
+    if (it != cache_.end()) cache_.erase(it);  // another pod ran chunks since: its results are in the store
+  }
+  RestoredJob restored;
+  try {
+    std::vector<StoredChunk> chunks = store_.load_chunks(job.id);
+    if (static_cast<int64_t>(chunks.size()) < lease.chunk_index) {
+      throw std::runtime_error("the store holds " + std::to_string(chunks.size()) + " chunk results, chunk " +
+                               std::to_string(lease.chunk_index) + " needs them all");
+    }
+    chunks.resize(static_cast<size_t>(std::min<int64_t>(lease.chunk_index, static_cast<int64_t>(chunks.size()))));
+    restored = loader_(job, std::move(chunks));
+  } catch (const std::exception& e) {
+    restored.error = e.what();
+  }
+  if (!restored.payload) {
+    error = restored.error;
+    return nullptr;
+  }
+  auto cached = std::make_shared<Cached>();
+  cached->payload = restored.payload;
+  cached->description = restored.description;
+  cached->chunks_held = lease.chunk_index;
+  cached->chunk_rows = restored.chunk_rows;
+  cached->used = Clock::now();
+  std::lock_guard<std::mutex> lock(mu_);
+  cache_[job.id] = cached;
+  // Bounded: payloads hold latents on a device. Keep the most recently used, at most two per replica.
+  while (cache_.size() > 2 * pool_.size()) {
+    auto oldest = cache_.end();
+    for (auto it = cache_.begin(); it != cache_.end(); ++it) {
+      const bool in_use = std::any_of(running_.begin(), running_.end(),
+                                      [&](const auto& r) { return r.second->job.id == it->first; });
+      if (!in_use && it->first != job.id && (oldest == cache_.end() || it->second->used < oldest->second->used)) {
+        oldest = it;
+      }
+    }
+    if (oldest == cache_.end()) break;
+    cache_.erase(oldest);
+  }
+  return cached;
+}
+
+// Failed attempts of a chunk so far: its ChunkRetry events (a takeover is one too).
+int Scheduler::attempts_of(const std::string& job_id, int64_t chunk) const {
+  int attempts = 0;
+  for (const StoredEvent& stored : store_.load_events(job_id)) {
+    const JobEvent e = decode_stored_event(stored);
+    if (e.type == EventType::ChunkRetry && e.chunk == chunk) ++attempts;
+  }
+  return attempts;
+}
+
+bool Scheduler::stop_requested(const Running& run) const {
+  if (run.lost || run.cancel || deadline_passed(run.job)) return true;
+  std::lock_guard<std::mutex> lock(mu_);
+  return hard_stop_;
+}
+
+void Scheduler::push_step(Running& run, int64_t row, int64_t rows) {
+  JobEvent event;
+  event.type = EventType::Step;
+  event.chunk = run.lease.chunk_index;
+  event.chunk_count = run.lease.chunk_count;
+  event.replica = run.replica;
+  event.step = row;
+  event.steps = rows;
+  event.progress = run.rows_total > 0 ? static_cast<double>(run.rows_before + row) / static_cast<double>(run.rows_total)
+                                      : 0.0;
+  if (row < 1) return;
+  if (row > run.steps_reserved) {
     try {
-      store_->commit_chunk(assignment.work.job_id, {assignment.work.chunk_index, pool_.name(replica),
-                                                    assignment.work.attempt + 1, std::move(result.bytes)});
-    } catch (const StoreError& e) {
-      result.outcome = ChunkOutcome::NotStored;
-      result.error = e.what();
+      const int64_t more = std::max<int64_t>(rows, row) - run.steps_reserved;
+      run.step_numbers.push_back({run.steps_reserved + 1, leases_.reserve_sequences(run.job.id, more)});
+      run.steps_reserved += more;
+    } catch (const StoreError&) {
+      return;  // no number for it: progress only, the chunk goes on
     }
   }
-  result.bytes.clear();
+  const auto range = std::prev(std::upper_bound(run.step_numbers.begin(), run.step_numbers.end(),
+                                                std::make_pair(row, std::numeric_limits<uint64_t>::max())));
+  event.sequence = range->second + static_cast<uint64_t>(row - range->first);
+  event.time = WallClock::now();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    run.progress = event.progress;
+    keep_step_locked(run.job.id, event);
+  }
+  changed(run.job.id);
+  const auto now = Clock::now();
+  if (row == rows || now - run.last_published >= kStepPublishPeriod) {
+    run.last_published = now;
+    try {
+      leases_.publish_step(run.job.id, StoredEvent{event.sequence, encode_stored_event(event)});
+    } catch (const StoreError&) {  // progress only
+    }
+  }
+}
+
+// Step events of a job, this pod's or another's (from publish_step), bounded per job and in number of jobs.
+void Scheduler::keep_step_locked(const std::string& job_id, const JobEvent& event) {
+  auto it = steps_.find(job_id);
+  if (it == steps_.end()) {
+    if (steps_.size() >= kMaxStepJobs) {  // the job whose latest step is oldest goes
+      auto oldest = std::min_element(steps_.begin(), steps_.end(), [](const auto& a, const auto& b) {
+        return a.second.empty() || (!b.second.empty() && a.second.back().time < b.second.back().time);
+      });
+      steps_.erase(oldest);
+    }
+    it = steps_.emplace(job_id, std::deque<JobEvent>{}).first;
+  }
+  auto& steps = it->second;
+  for (const JobEvent& e : steps) {
+    if (e.sequence == event.sequence) return;  // our own notification coming back
+  }
+  steps.push_back(event);
+  std::sort(steps.begin(), steps.end(), [](const JobEvent& a, const JobEvent& b) { return a.sequence < b.sequence; });
+  while (steps.size() > kMaxStepEvents) steps.pop_front();
+}
+
+void Scheduler::chunk_done(size_t replica, ChunkAssignment /*assignment*/, ChunkResult result, double seconds) {
+  std::string job_id;
+  try {
+    job_id = settle(replica, std::move(result), seconds);
+  } catch (const StoreError& e) {
+    // Whatever was not stored is redone: the lease expires and the chunk is claimed again (a retry).
+    spdlog::error("replica={} event=chunk_settle_failed error=\"{}\"", lease_name(replica), e.what());
+  }
+  if (!job_id.empty()) changed(job_id);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++change_count_;
+    work_.notify_all();
+    changed_.notify_all();
+  }
+  report_queue();
+}
+
+std::string Scheduler::settle(size_t replica, ChunkResult result, double seconds) {
+  std::shared_ptr<Running> run;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    run = running_.at(replica);
+    running_.erase(replica);
+  }
+  const std::string& id = run->job.id;
+  const int64_t chunk = run->lease.chunk_index;
+  const bool last = chunk + 1 == run->lease.chunk_count;
+  bool stop = stop_requested(*run);
+  if (result.outcome == ChunkOutcome::Stopped && !stop) {
+    result.outcome = ChunkOutcome::Failed;
+    if (result.error.empty()) result.error = "chunk stopped without a request";
+  }
+
+  if (result.outcome == ChunkOutcome::Succeeded && !run->lost) {
+    JobEvent finished_chunk;
+    finished_chunk.type = EventType::ChunkFinished;
+    finished_chunk.chunk = chunk;
+    finished_chunk.chunk_count = run->lease.chunk_count;
+    finished_chunk.replica = run->replica;
+    finished_chunk.seconds = seconds;
+    finished_chunk.work = result.work;
+    finished_chunk.time = WallClock::now();
+    std::vector<std::string> events{encode_stored_event(finished_chunk)};
+    if (last) {
+      JobEvent done;
+      done.type = EventType::Finished;
+      done.time = WallClock::now();
+      events.push_back(encode_stored_event(done));
+    }
+    LeaseCommit commit;
+    std::string not_stored;
+    try {
+      commit = leases_.commit(run->lease, {chunk, run->replica, run->attempt + 1, std::move(result.bytes)}, events);
+    } catch (const StoreError& e) {
+      // A shared store that cannot be reached: the lease expires and a replica (maybe this one) runs the chunk again.
+      // A store of this server's own (a full disk, an I/O error) will not heal by waiting: the job fails.
+      spdlog::error("job={} event=commit_failed chunk={} error=\"{}\"", id, chunk, e.what());
+      if (!leases_.shared()) not_stored = e.what();
+    }
+    if (!not_stored.empty()) {
+      finish(id, JobState::Failed, ErrorKind::Internal,
+             "chunk " + std::to_string(chunk) + " could not be stored: " + not_stored);
+      return id;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (commit.committed) {
+      // Only the payload this chunk ran on holds its result (a submit on this pod may have cached another since).
+      auto it = cache_.find(id);
+      const bool ran_here = it != cache_.end() && it->second->payload == run->payload;
+      if (ran_here && !last) it->second->chunks_held = chunk + 1;
+      seconds_per_chunk_ = policy::update_seconds_per_work(seconds_per_chunk_, seconds, 1.0);
+      if (last) {
+        retire_now_ = true;
+        heartbeat_cv_.notify_all();
+      }
+      if (it != cache_.end() && (last || !ran_here)) cache_.erase(it);
+    } else {
+      cache_.erase(id);
+      spdlog::warn("job={} event=commit_fenced chunk={} replica={} token={}", id, chunk, run->replica,
+                   run->lease.token);
+    }
+    if (commit.committed) {
+      spdlog::info("job={} event=chunk_finished chunk={} replica={} seconds={:.3f}", id, chunk, run->replica, seconds);
+    }
+    if (commit.committed && observer_) {
+      StoredJob after = run->job;
+      after.chunks_done = chunk + 1;
+      if (last) after.state = job_state_name(JobState::Succeeded);
+      const JobSnapshot s = snapshot(after);
+      observer_->chunk_finished(s, run->replica, chunk, seconds, result.frames_generated);
+      if (last) observer_->job_finished(s);
+    }
+  } else if (run->lost) {
+    std::lock_guard<std::mutex> lock(mu_);
+    cache_.erase(id);
+    spdlog::warn("job={} event=lease_lost chunk={} replica={}", id, chunk, run->replica);
+  } else if (stop) {
+    if (run->cancel) {
+      finish(id, JobState::Cancelled, ErrorKind::Cancelled, "cancelled by the client");
+    } else if (deadline_passed(run->job)) {
+      finish(id, JobState::DeadlineExceeded, ErrorKind::DeadlineExceeded, "deadline passed while running");
+    } else {
+      leases_.release(run->lease);  // this pod stops: another one continues the job, not as a retry
+      std::lock_guard<std::mutex> lock(mu_);
+      cache_.erase(id);
+    }
+  } else if (result.outcome == ChunkOutcome::Failed) {
+    fail_or_retry(*run, result.error);
+  } else if (result.outcome == ChunkOutcome::Rejected) {
+    spdlog::warn("job={} event=chunk_rejected chunk={} replica={} error=\"{}\"", id, chunk, run->replica,
+                 result.error);
+    finish(id, JobState::Failed, ErrorKind::InvalidArgument, result.error);
+  } else if (result.outcome == ChunkOutcome::ResourceExhausted) {
+    spdlog::warn("job={} event=chunk_out_of_memory chunk={} replica={} error=\"{}\"", id, chunk, run->replica,
+                 result.error);
+    finish(id, JobState::Failed, ErrorKind::ResourceExhausted, result.error);
+  } else if (result.outcome == ChunkOutcome::NotStored) {
+    spdlog::error("job={} event=chunk_not_stored chunk={} error=\"{}\"", id, chunk, result.error);
+    finish(id, JobState::Failed, ErrorKind::Internal,
+           "chunk " + std::to_string(chunk) + " could not be stored: " + result.error);
+  }
+  return id;
+}
+
+void Scheduler::fail_or_retry(const Running& run, const std::string& error) {
+  const bool retry = policy::should_retry(run.attempt + 1, options_.scheduling.chunk_retries, pool_.any_healthy());
+  spdlog::warn("job={} event=chunk_failed chunk={} replica={} attempt={} retry={} error=\"{}\"", run.job.id,
+               run.lease.chunk_index, run.replica, run.attempt, retry, error);
+  if (observer_) observer_->chunk_failed(snapshot(run.job), run.replica, run.lease.chunk_index, error, retry);
+  if (!retry) {
+    finish(run.job.id, JobState::Failed, ErrorKind::Internal,
+           "chunk " + std::to_string(run.lease.chunk_index) + " failed " + std::to_string(run.attempt + 1) +
+               " time(s); last error on replica " + run.replica + ": " + error);
+    return;
+  }
+  JobEvent event;
+  event.type = EventType::ChunkRetry;
+  event.chunk = run.lease.chunk_index;
+  event.replica = run.replica;
+  event.attempt = run.attempt;
+  event.message = error;
+  append(run.job.id, event);
+  try {
+    if (std::optional<StoredJob> job = leases_.load_job(run.job.id, false)) {
+      ++job->retries;
+      store_.update_job(*job);
+    }
+  } catch (const StoreError& e) {
+    spdlog::error("job={} event=store_update_failed error=\"{}\"", run.job.id, e.what());
+  }
+  leases_.release(run.lease);
   std::lock_guard<std::mutex> lock(mu_);
-  complete_locked(replica, result, seconds);
-  dispatch_locked();
+  cache_.erase(run.job.id);  // the failed chunk may have left the payload half-advanced
+  avoid_[run.job.id] = run.index;
+}
+
+// Ends a job in the store (whichever pod gets there first), with its Finished event.
+void Scheduler::finish(const std::string& job_id, JobState state, ErrorKind kind, const std::string& error) {
+  try {
+    std::optional<StoredJob> job = leases_.load_job(job_id, false);
+    if (!job || is_terminal(parse_job_state(job->state))) return;
+    job->state = job_state_name(state);
+    job->error_kind = error_kind_name(kind);
+    job->error = error;
+    job->finished_ms = now_ms();
+    try {
+      store_.update_job(*job);
+    } catch (const StoreError& e) {
+      // A shared store keeps the job as it was (another pod, or this one, ends it later). This server's own store
+      // holds the end in memory (written through when it can be): its watchers hear it now.
+      spdlog::error("job={} event=store_update_failed state={} error=\"{}\"", job_id, job_state_name(state),
+                    e.what());
+      if (leases_.shared()) throw;
+    }
+    JobEvent event;
+    event.type = EventType::Finished;
+    event.message = error;
+    append(job_id, event);
+    spdlog::log(state == JobState::Succeeded ? spdlog::level::info : spdlog::level::warn,
+                "job={} event=finished state={} chunks_done={} error=\"{}\"", job_id, job_state_name(state),
+                job->chunks_done, error);
+    if (observer_) observer_->job_finished(snapshot(*job));
+  } catch (const StoreError& e) {
+    spdlog::error("job={} event=finish_failed state={} error=\"{}\"", job_id, job_state_name(state), e.what());
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cache_.erase(job_id);
+    avoid_.erase(job_id);
+    retire_now_ = true;
+    heartbeat_cv_.notify_all();
+  }
+  changed(job_id);
+  report_queue();
+}
+
+uint64_t Scheduler::append(const std::string& job_id, const JobEvent& event) {
+  JobEvent stamped = event;
+  stamped.time = WallClock::now();
+  try {
+    const std::vector<uint64_t> seq = leases_.append_events(job_id, {encode_stored_event(stamped)});
+    changed(job_id);  // this server's watchers at once (other pods' through the store, or their next poll)
+    return seq.empty() ? 0 : seq.front();
+  } catch (const StoreError& e) {
+    spdlog::error("job={} event=store_event_failed error=\"{}\"", job_id, e.what());
+    return 0;
+  }
 }
 
 void Scheduler::replicas_changed() {
   std::lock_guard<std::mutex> lock(mu_);
-  dispatch_locked();
+  ++change_count_;
+  work_.notify_all();
   changed_.notify_all();
 }
 
 void Scheduler::interrupt() {
   std::lock_guard<std::mutex> lock(mu_);
   interrupted_ = true;
-  for (auto& slot : slots_) slot->cv.notify_all();
+  hard_stop_ = true;
+  work_.notify_all();
 }
 
-void Scheduler::timer_loop() {
+// ---- store notifications, heartbeats, housekeeping -----------------------------------------------------------
+
+void Scheduler::changed(const std::string& job_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++change_count_;
+  work_.notify_all();
+  changed_.notify_all();
+  auto it = listeners_.find(job_id);
+  if (it != listeners_.end()) {
+    for (auto& [token, notify] : it->second) notify();
+  }
+  for (auto& [replica, run] : running_) {
+    if (run->job.id == job_id) {
+      renew_now_ = true;  // a cancel from another pod reaches this chunk at its next step, not its next heartbeat
+      heartbeat_cv_.notify_all();
+    }
+  }
+}
+
+void Scheduler::listen_loop() {
+  std::unique_ptr<ChangeListener> listener;
+  auto last_poll = Clock::now();
+  while (true) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return;
+    }
+    try {
+      if (!listener) listener = leases_.listen();
+      const JobChanges changes = listener->wait(options_.poll);
+      if (!changes.steps.empty()) {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (const auto& [id, stored] : changes.steps) {
+          try {
+            keep_step_locked(id, decode_stored_event(stored));
+          } catch (const std::exception&) {  // not a step we can read: the job id still wakes its watchers
+          }
+        }
+      }
+      for (const std::string& id : changes.job_ids) changed(id);
+      if (changes.missed) last_poll = Clock::time_point{};
+    } catch (const StoreError& e) {
+      listener.reset();
+      spdlog::warn("event=store_listen_failed error=\"{}\"", e.what());
+      std::unique_lock<std::mutex> lock(mu_);
+      heartbeat_cv_.wait_for(lock, options_.poll, [&] { return stopping_; });
+    }
+    // Fallback: notifications are hints (an expiring lease sends none), so every waiter looks again now and then.
+    if (Clock::now() - last_poll >= 5 * options_.poll) {
+      last_poll = Clock::now();
+      std::vector<std::string> watched;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (const auto& [id, listeners] : listeners_) watched.push_back(id);
+      }
+      for (const std::string& id : watched) changed(id);
+      std::lock_guard<std::mutex> lock(mu_);
+      ++change_count_;
+      work_.notify_all();
+      changed_.notify_all();
+    }
+  }
+}
+
+void Scheduler::heartbeat_loop() {
+  const auto period = std::max<std::chrono::milliseconds>(options_.lease_ttl / 3, std::chrono::milliseconds(10));
+  auto next_housekeeping = Clock::now();
   std::unique_lock<std::mutex> lock(mu_);
   while (!stopping_) {
-    timer_cv_.wait_for(lock, std::chrono::milliseconds(100));
+    heartbeat_cv_.wait_for(lock, period, [&] { return stopping_ || renew_now_ || retire_now_; });
     if (stopping_) break;
-    dispatch_locked();  // expires deadlines, refreshes queue positions and estimates
-    gc_locked();
-  }
-}
-
-// ---- policy ---------------------------------------------------------------------------------------------------
-
-bool Scheduler::stop_requested_locked(const Job& job, Clock::time_point now) const {
-  return job.cancel_requested || job.aborted || stopping_ || (job.spec.deadline && now >= *job.spec.deadline);
-}
-
-double Scheduler::estimate_seconds_locked(double work) const { return seconds_per_work_ * work; }
-
-void Scheduler::expire_locked(Clock::time_point now) {
-  for (auto& [id, job] : jobs_) {
-    if (job->active() && !job->chunk_running && job->spec.deadline && now >= *job->spec.deadline) {
-      finish_locked(*job, JobState::DeadlineExceeded, ErrorKind::DeadlineExceeded,
-                    job->state == JobState::Queued ? "deadline passed while queued" : "deadline passed between chunks");
-    }
-  }
-}
-
-void Scheduler::fail_waiting_jobs_locked(const std::string& reason) {
-  for (auto& [id, job] : jobs_) {
-    if (job->active() && !job->chunk_running) finish_locked(*job, JobState::Failed, ErrorKind::Unavailable, reason);
-  }
-}
-
-policy::JobKey Scheduler::key_locked(const Job& job) const {
-  const auto share = clients_.find(job.spec.client);
-  return {job.spec.priority, job.fair_key(), job.order, share == clients_.end() ? 0 : share->second.service};
-}
-
-void Scheduler::sort_for_dispatch_locked(std::vector<Job*>& jobs) const {
-  std::sort(jobs.begin(), jobs.end(),
-            [this](const Job* a, const Job* b) { return policy::dispatch_before(key_locked(*a), key_locked(*b)); });
-}
-
-// A client that becomes active (its first unfinished job) starts at client_share_start; its later jobs start within
-// its own share.
-void Scheduler::start_shares_locked(Job& job) {
-  std::vector<int64_t> own_jobs, active_clients;
-  std::set<std::string> active;
-  for (const auto* jobs : {&jobs_, &reserving_}) {
-    for (const auto& [id, other] : *jobs) {
-      if (!other->active() || other.get() == &job) continue;
-      if (other->spec.client == job.spec.client) own_jobs.push_back(other->fair_key());
-      active.insert(other->spec.client);
-    }
-  }
-  job.vbase = policy::fair_share_start(own_jobs);
-  if (!active.count(job.spec.client)) {
-    for (const std::string& client : active) {
-      const auto share = clients_.find(client);
-      active_clients.push_back(share == clients_.end() ? 0 : share->second.service);
-    }
-    const auto own = clients_.find(job.spec.client);
-    clients_[job.spec.client].service =
-        policy::client_share_start(own == clients_.end() ? -1 : own->second.service, active_clients);
-  }
-  clients_[job.spec.client].weight = job.spec.client_weight;
-}
-
-// Clients without an unfinished job are forgotten once they would start from the active clients' least service
-// anyway (bounded: anonymous clients are peer addresses).
-void Scheduler::forget_idle_clients_locked() {
-  std::set<std::string> active;
-  int64_t least = std::numeric_limits<int64_t>::max();
-  for (const auto* jobs : {&jobs_, &reserving_}) {
-    for (const auto& [id, job] : *jobs) {
-      if (job->active()) active.insert(job->spec.client);
-    }
-  }
-  for (const std::string& client : active) {
-    const auto share = clients_.find(client);
-    if (share != clients_.end()) least = std::min(least, share->second.service);
-  }
-  for (auto it = clients_.begin(); it != clients_.end();) {
-    const bool idle = !active.count(it->first);
-    if (idle && (it->second.service <= least || clients_.size() > kMaxIdleClients)) {
-      it = clients_.erase(it);
-    } else {
-      ++it;
-    }
-  }
-}
-
-std::vector<policy::ReplicaView> Scheduler::replica_views_locked(Clock::time_point now) const {
-  std::vector<policy::ReplicaView> views(slots_.size());
-  for (size_t r = 0; r < slots_.size(); ++r) {
-    const Slot& slot = *slots_[r];
-    policy::ReplicaView& v = views[r];
-    v.healthy = pool_.healthy(r);
-    v.idle = v.healthy && !slot.assigned;
-    if (slot.assigned) {
-      v.remaining_seconds = policy::remaining_seconds(slot.expected_seconds, seconds_since(slot.started, now));
-    }
-  }
-  return views;
-}
-
-void Scheduler::dispatch_locked() {
-  if (!started_ || stopping_) return;
-  const auto now = Clock::now();
-  expire_locked(now);
-  if (pool_.all_loaded() && !pool_.any_healthy()) fail_waiting_jobs_locked("no healthy replica");
-
-  std::vector<policy::ReplicaView> views = replica_views_locked(now);
-  auto any_idle = [&] { return std::any_of(views.begin(), views.end(), [](const auto& v) { return v.idle; }); };
-  if (any_idle()) {
-    std::vector<Job*> ready;
-    for (auto& [id, job] : jobs_) {
-      if (job->active() && !job->chunk_running && !job->cancel_requested && !job->aborted) ready.push_back(job.get());
-    }
-    // Each assignment charges its client, which can reorder the rest: sort again after each one.
-    while (!ready.empty() && any_idle()) {
-      sort_for_dispatch_locked(ready);
-      auto it = ready.begin();
-      int chosen = -1;
-      for (; it != ready.end(); ++it) {
-        chosen = choose_replica_locked(**it, views);
-        if (chosen >= 0) break;
-      }
-      if (it == ready.end()) break;
-      assign_locked(**it, static_cast<size_t>(chosen), now);
-      views[static_cast<size_t>(chosen)].idle = false;
-      ready.erase(it);
-    }
-  }
-  update_positions_locked(now);
-  notify_queue_locked();
-}
-
-int Scheduler::choose_replica_locked(const Job& job, std::vector<policy::ReplicaView> views) const {
-  for (const auto& [id, other] : jobs_) {
-    if (other.get() != &job && other->active() && !other->chunk_running && other->holder >= 0) {
-      views[static_cast<size_t>(other->holder)].held_by_other_job = true;
-    }
-  }
-  return policy::choose_replica({job.holder, job.avoid}, views, options_.handoff_cost_seconds, have_estimate_locked());
-}
-
-void Scheduler::assign_locked(Job& job, size_t index, Clock::time_point now) {
-  Slot& slot = *slots_[index];
-  const std::string& replica = pool_.name(index);
-  const int64_t chunk = job.chunks_done;
-  const double work = job.spec.chunk_work[static_cast<size_t>(chunk)];
-  slot.assigned = true;
-  slot.job_id = job.id;
-  slot.chunk = chunk;
-  slot.work = work;
-  slot.started = now;
-  slot.expected_seconds = estimate_seconds_locked(work);
-  ClientShare& share = clients_[job.spec.client];
-  share.service += policy::charge_chunk(share.weight);  // charged as it starts: the next idle replica sees it
-
-  const bool handoff = job.holder >= 0 && job.holder != static_cast<int>(index);
-  const JobSnapshot before = snapshot_locked(job);
-  if (handoff) {
-    ++job.handoffs;
-    const std::string& from = pool_.name(static_cast<size_t>(job.holder));
-    spdlog::info("job={} event=handoff chunk={} from={} to={}", job.id, chunk, from, replica);
-    if (observer_) observer_->handoff(before, from, replica);
-  }
-  if (job.state == JobState::Queued) {
-    job.state = JobState::Running;
-    job.started = WallClock::now();
-    if (observer_) observer_->job_started(snapshot_locked(job), seconds_since(job.created_mono, now));
-    persist_update_locked(job);
-  } else if (handoff) {
-    persist_update_locked(job);
-  }
-  job.chunk_running = true;
-  job.rows_in_chunk = 0;
-  job.position = 0;
-  job.eta = -1;
-
-  ChunkAssignment assignment;
-  assignment.work.job_id = job.id;
-  assignment.work.chunk_index = chunk;
-  assignment.work.chunk_count = static_cast<int64_t>(job.spec.chunk_work.size());
-  assignment.work.attempt = job.attempts;
-  assignment.work.handoff = handoff;
-  assignment.work.payload = job.spec.payload.get();
-  assignment.payload = job.spec.payload;
-  assignment.callbacks = callbacks_for_locked(job, index, chunk);
-  slot.pending = std::move(assignment);
-
-  JobEvent event;
-  event.type = EventType::ChunkStarted;
-  event.chunk = chunk;
-  event.chunk_count = static_cast<int64_t>(job.spec.chunk_work.size());
-  event.replica = replica;
-  event.handoff = handoff;
-  event.attempt = job.attempts;
-  push_event_locked(job, std::move(event));
-  spdlog::info("job={} event=chunk_started chunk={}/{} replica={} attempt={} handoff={}", job.id, chunk,
-               job.spec.chunk_work.size(), replica, job.attempts, handoff);
-  if (observer_) observer_->chunk_started(snapshot_locked(job), replica, chunk);
-  slot.cv.notify_one();
-}
-
-// Step events and stop checks of one running chunk. `job` is never collected while its chunk runs.
-ChunkCallbacks Scheduler::callbacks_for_locked(Job& job, size_t replica, int64_t chunk) {
-  ChunkCallbacks callbacks;
-  Job* running = &job;
-  const std::string name = pool_.name(replica);
-  callbacks.on_step = [this, running, name, chunk](int64_t row, int64_t rows) {
-    std::lock_guard<std::mutex> lock(mu_);
-    running->rows_in_chunk = row;
-    JobEvent event;
-    event.type = EventType::Step;
-    event.chunk = chunk;
-    event.chunk_count = static_cast<int64_t>(running->spec.chunk_work.size());
-    event.replica = name;
-    event.step = row;
-    event.steps = rows;
-    event.progress = running->rows_total > 0 ? static_cast<double>(running->rows_before_chunk + row) /
-                                                   static_cast<double>(running->rows_total)
-                                             : 0.0;
-    push_event_locked(*running, std::move(event));
-  };
-  callbacks.should_stop = [this, running] {
-    std::lock_guard<std::mutex> lock(mu_);
-    return stop_requested_locked(*running, Clock::now());
-  };
-  return callbacks;
-}
-
-void Scheduler::complete_locked(size_t index, const ChunkResult& result, double seconds) {
-  Slot& slot = *slots_[index];
-  const std::string& replica = pool_.name(index);
-  Job& job = *jobs_.at(slot.job_id);
-  const int64_t chunk = slot.chunk;
-  const double work = slot.work;
-  slot.assigned = false;
-  slot.job_id.clear();
-  job.chunk_running = false;
-  const std::string& error = result.error;
-  const bool stop = stop_requested_locked(job, Clock::now());
-
-  switch (result.outcome) {
-    case ChunkOutcome::Succeeded: {
-      seconds_per_work_ = policy::update_seconds_per_work(seconds_per_work_, seconds, work);
-      ++job.chunks_done;
-      job.holder = static_cast<int>(index);
-      job.avoid = -1;
-      job.attempts = 0;
-      job.chunk_replicas.push_back(replica);
-      job.rows_before_chunk += job.spec.chunk_rows.empty() ? 0 : job.spec.chunk_rows[static_cast<size_t>(chunk)];
-      job.rows_in_chunk = 0;
-      JobEvent event;
-      event.type = EventType::ChunkFinished;
-      event.chunk = chunk;
-      event.chunk_count = static_cast<int64_t>(job.spec.chunk_work.size());
-      event.replica = replica;
-      event.seconds = seconds;
-      event.work = result.work;
-      job.work += result.work;
-      push_event_locked(job, std::move(event));
-      spdlog::info("job={} event=chunk_finished chunk={} replica={} seconds={:.3f}", job.id, chunk, replica, seconds);
-      if (observer_) observer_->chunk_finished(snapshot_locked(job), replica, chunk, seconds, result.frames_generated);
-      if (job.chunks_done == static_cast<int64_t>(job.spec.chunk_work.size())) {
-        finish_locked(job, JobState::Succeeded, ErrorKind::None, "");
-      }
-      break;
-    }
-    case ChunkOutcome::ResourceExhausted:
-      // The request did not fit in the device's memory: its fault, not the replica's.
-      spdlog::warn("job={} event=chunk_out_of_memory chunk={} replica={} error=\"{}\"", job.id, chunk, replica, error);
-      if (!stop) finish_locked(job, JobState::Failed, ErrorKind::ResourceExhausted, error);
-      break;
-    case ChunkOutcome::NotStored:
-      spdlog::error("job={} event=chunk_not_stored chunk={} error=\"{}\"", job.id, chunk, error);
-      if (!stop) {
-        finish_locked(job, JobState::Failed, ErrorKind::Internal,
-                      "chunk " + std::to_string(chunk) + " could not be stored: " + error);
-      }
-      break;
-    case ChunkOutcome::Rejected:
-      spdlog::warn("job={} event=chunk_rejected chunk={} replica={} error=\"{}\"", job.id, chunk, replica, error);
-      if (!stop) finish_locked(job, JobState::Failed, ErrorKind::InvalidArgument, error);
-      break;
-    case ChunkOutcome::Failed: {
-      ++job.attempts;
-      const bool retry = !stop && policy::should_retry(job.attempts, options_.chunk_retries, pool_.any_healthy());
-      spdlog::warn("job={} event=chunk_failed chunk={} replica={} attempt={} retry={} error=\"{}\"", job.id, chunk,
-                   replica, job.attempts - 1, retry, error);
-      if (observer_) observer_->chunk_failed(snapshot_locked(job), replica, chunk, error, retry);
-      if (retry) {
-        ++job.retries;
-        job.avoid = static_cast<int>(index);
-        job.rows_in_chunk = 0;
-        JobEvent event;
-        event.type = EventType::ChunkRetry;
-        event.chunk = chunk;
-        event.replica = replica;
-        event.attempt = job.attempts - 1;
-        event.message = error;
-        push_event_locked(job, std::move(event));
-        persist_update_locked(job);
-      } else if (!stop) {
-        finish_locked(job, JobState::Failed, ErrorKind::Internal,
-                      "chunk " + std::to_string(chunk) + " failed " + std::to_string(job.attempts) +
-                          " time(s); last error on replica " + replica + ": " + error);
-      }
-      break;
-    }
-    case ChunkOutcome::Stopped:  // the pool turned a Stopped nobody asked for into Failed
-      break;
-  }
-  // Stop requests end the job whatever the chunk's outcome (a chunk that completed anyway is kept).
-  if (job.active() && stop) end_stopped_job_locked(job);
-  changed_.notify_all();
-}
-
-void Scheduler::end_stopped_job_locked(Job& job) {
-  if (job.aborted) {
-    finish_locked(job, JobState::Failed, ErrorKind::Unavailable, job.abort_reason);
-  } else if (stopping_) {
-    finish_locked(job, JobState::Failed, ErrorKind::Unavailable, "server stopped");
-  } else if (job.cancel_requested) {
-    finish_locked(job, JobState::Cancelled, ErrorKind::Cancelled, "cancelled by the client");
-  } else {
-    finish_locked(job, JobState::DeadlineExceeded, ErrorKind::DeadlineExceeded, "deadline passed while running");
-  }
-}
-
-void Scheduler::finish_locked(Job& job, JobState state, ErrorKind kind, const std::string& error) {
-  job.state = state;
-  job.error_kind = kind;
-  job.error = error;
-  job.finished = WallClock::now();
-  job.finished_mono = Clock::now();
-  job.position = 0;
-  job.eta = -1;
-  persist_update_locked(job);
-  JobEvent event;
-  event.type = EventType::Finished;
-  event.message = error;
-  push_event_locked(job, std::move(event));
-  if (state == JobState::Succeeded) {
-    spdlog::info("job={} event=finished state={} chunks={} handoffs={} retries={}", job.id, job_state_name(state),
-                 job.chunks_done, job.handoffs, job.retries);
-  } else {
-    spdlog::warn("job={} event=finished state={} chunks_done={} error=\"{}\"", job.id, job_state_name(state),
-                 job.chunks_done, error);
-  }
-  if (observer_) observer_->job_finished(snapshot_locked(job));
-  changed_.notify_all();
-}
-
-void Scheduler::push_event_locked(Job& job, JobEvent event) {
-  event.sequence = job.next_sequence++;
-  event.time = WallClock::now();
-  if (event.type != EventType::Step && persisting_locked()) {
-    try {
-      store_->append_event(job.id, {event.sequence, encode_stored_event(event)});
-    } catch (const StoreError& e) {
-      spdlog::error("job={} event=store_event_failed sequence={} error=\"{}\"", job.id, event.sequence, e.what());
-    }
-  }
-  job.events.push_back(std::move(event));
-  wake_watchers_locked(job);
-}
-
-bool Scheduler::persisting_locked() const {
-  // A stop of a durable server leaves unfinished jobs as they are stored: the next start resumes them.
-  return store_ != nullptr && !((stopping_ || keep_unfinished_) && store_->durable());
-}
-
-StoredJob Scheduler::stored_locked(const Job& job) const {
-  StoredJob s;
-  s.id = job.id;
-  s.order = job.order;
-  s.vbase = job.vbase;
-  s.owner = job.spec.owner;
-  s.client = job.spec.client;
-  s.priority = job.spec.priority;
-  const JobSnapshot snap = snapshot_locked(job);
-  if (snap.deadline) s.deadline_ms = wall_ms(*snap.deadline);
-  s.idempotency_key = job.spec.idempotency_key;
-  s.fingerprint = job.spec.fingerprint;
-  s.fingerprint_v2 = job.spec.fingerprint_v2;
-  s.state = job_state_name(job.state);
-  s.error_kind = error_kind_name(job.error_kind);
-  s.error = job.error;
-  s.created_ms = wall_ms(job.created);
-  s.started_ms = wall_ms(job.started);
-  s.finished_ms = wall_ms(job.finished);
-  s.chunk_count = static_cast<int64_t>(job.spec.chunk_work.size());
-  s.chunks_done = job.chunks_done;
-  s.retries = job.retries;
-  s.handoffs = job.handoffs;
-  return s;
-}
-
-void Scheduler::persist_update_locked(const Job& job) {
-  if (!persisting_locked()) return;
-  try {
-    store_->update_job(stored_locked(job));
-  } catch (const StoreError& e) {
-    spdlog::error("job={} event=store_update_failed error=\"{}\"", job.id, e.what());
-  }
-}
-
-void Scheduler::wake_watchers_locked(Job& job) {
-  job.watchers->notify_all();
-  for (const auto& [token, notify] : job.listeners) notify();
-}
-
-void Scheduler::update_positions_locked(Clock::time_point now) {
-  std::vector<Job*> waiting;  // every job waiting for a replica, in dispatch order
-  for (auto& [id, job] : jobs_) {
-    if (job->active() && !job->chunk_running) waiting.push_back(job.get());
-  }
-  sort_for_dispatch_locked(waiting);
-  int64_t healthy = 0;
-  double soonest_free = std::numeric_limits<double>::infinity();
-  for (const policy::ReplicaView& r : replica_views_locked(now)) {
-    if (!r.healthy) continue;
-    ++healthy;
-    soonest_free = std::min(soonest_free, r.idle ? 0.0 : r.remaining_seconds);
-  }
-  int64_t position = 0;
-  double work_ahead = 0;
-  for (Job* job : waiting) {
-    if (job->state == JobState::Queued) {
-      ++position;
-      const double eta =
-          policy::queue_eta(soonest_free, estimate_seconds_locked(work_ahead), healthy, have_estimate_locked());
-      const bool moved = position != job->position;
-      job->position = position;
-      job->eta = eta;
-      if (moved) {
-        JobEvent event;
-        event.type = EventType::Queued;
-        event.position = position;
-        event.eta_seconds = eta;
-        push_event_locked(*job, std::move(event));
-      }
-    }
-    work_ahead += job->spec.chunk_work[static_cast<size_t>(job->chunks_done)];
-  }
-}
-
-int64_t Scheduler::count_locked(JobState state) const {
-  return std::count_if(jobs_.begin(), jobs_.end(), [state](const auto& entry) { return entry.second->state == state; });
-}
-
-void Scheduler::notify_queue_locked() {
-  if (observer_) observer_->queue_changed(count_locked(JobState::Queued), count_locked(JobState::Running));
-}
-
-void Scheduler::gc_locked() {
-  const auto now = Clock::now();
-  std::vector<Job*> finished;
-  for (auto& [id, job] : jobs_) {
-    if (!job->active() && !job->chunk_running) finished.push_back(job.get());
-  }
-  std::sort(finished.begin(), finished.end(),
-            [](const Job* a, const Job* b) { return *a->finished_mono < *b->finished_mono; });
-  const int64_t excess = static_cast<int64_t>(finished.size()) - options_.max_retained_jobs;
-  for (size_t i = 0; i < finished.size(); ++i) {
-    Job* job = finished[i];
-    const bool expired = now - *job->finished_mono > options_.retention;
-    if (static_cast<int64_t>(i) >= excess && !expired) continue;
-    if (!job->spec.idempotency_key.empty()) idempotency_.erase({job->spec.owner, job->spec.idempotency_key});
-    if (store_ != nullptr) {
+    renew_now_ = false;
+    const bool retire = retire_now_;
+    retire_now_ = false;
+    std::vector<std::shared_ptr<Running>> runs;
+    for (auto& [replica, run] : running_) runs.push_back(run);
+    lock.unlock();
+    for (auto& run : runs) {
       try {
-        store_->drop_job(job->id, expired ? "its results were kept --result-ttl-seconds " +
-                                                std::to_string(options_.retention.count())
-                                          : "more than --max-retained-jobs " +
-                                                std::to_string(options_.max_retained_jobs) + " finished jobs");
+        const LeaseRenewal renewal = leases_.renew(run->lease, options_.lease_ttl);
+        if (!renewal.held) run->lost = true;
+        if (renewal.cancel_requested) run->cancel = true;
       } catch (const StoreError& e) {
-        spdlog::error("job={} event=store_remove_failed error=\"{}\"", job->id, e.what());
+        spdlog::warn("job={} event=lease_renew_failed error=\"{}\"", run->job.id, e.what());
       }
     }
-    wake_watchers_locked(*job);  // they find the job gone
-    jobs_.erase(job->id);
-  }  forget_idle_clients_locked();
-}
-
-// ---- snapshots and queries ------------------------------------------------------------------------------------
-
-JobSnapshot Scheduler::snapshot_locked(const Job& job) const {
-  JobSnapshot s;
-  s.id = job.id;
-  s.owner = job.spec.owner;
-  s.state = job.state;
-  s.priority = job.spec.priority;
-  s.idempotency_key = job.spec.idempotency_key;
-  s.created = job.created;
-  s.started = job.started;
-  s.finished = job.finished;
-  if (job.spec.deadline) {
-    s.deadline = job.created + std::chrono::duration_cast<WallClock::duration>(*job.spec.deadline - job.created_mono);
-  }
-  s.chunk_count = static_cast<int64_t>(job.spec.chunk_work.size());
-  s.chunks_done = job.chunks_done;
-  s.queue_position = job.state == JobState::Queued ? job.position : 0;
-  s.eta_seconds = job.state == JobState::Queued ? job.eta : -1;
-  if (job.state == JobState::Succeeded) {
-    s.progress = 1.0;
-  } else if (job.rows_total > 0) {
-    s.progress = static_cast<double>(job.rows_before_chunk + job.rows_in_chunk) / static_cast<double>(job.rows_total);
-  }
-  s.chunk_replicas = job.chunk_replicas;
-  s.work = job.work;
-  s.handoffs = job.handoffs;
-  s.retries = job.retries;
-  s.error_kind = job.error_kind;
-  s.error = job.error;
-  s.last_sequence = job.next_sequence - 1;
-  s.payload = job.spec.payload;
-  s.description = job.spec.description;
-  return s;
-}
-
-Scheduler::Job* Scheduler::find_locked(const std::string& id, const std::string& owner) const {
-  auto it = jobs_.find(id);
-  if (it == jobs_.end() || it->second->spec.owner != owner) return nullptr;
-  return it->second.get();
-}
-
-void Scheduler::check_admission(const JobSpec& spec) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!spec.idempotency_key.empty() && !draining_ && idempotency_.count({spec.owner, spec.idempotency_key})) return;
-  check_admission_locked(spec.client, spec.client_max_jobs);
-}
-
-void Scheduler::check_admission_locked(const std::string& client, int64_t client_max_jobs) const {
-  if (draining_ || stopping_) {
-    throw AdmissionError(AdmissionError::Reason::Draining, "server is draining: no new jobs are accepted");
-  }
-  if (pool_.all_loaded() && !pool_.any_healthy()) {
-    throw AdmissionError(AdmissionError::Reason::Unavailable, "no healthy replica");
-  }
-  int64_t active = 0, mine = 0;
-  double work = 0;  // of the chunks next in line, for the retry hint
-  auto count = [&](const Job& job) {
-    if (!job.active()) return;
-    ++active;
-    if (job.spec.client == client) ++mine;
-    work += job.spec.chunk_work[static_cast<size_t>(job.chunks_done)];
-  };
-  for (const auto& [id, job] : jobs_) count(*job);
-  for (const auto& [id, job] : reserving_) count(*job);  // admitted already, being stored
-  auto retry_after = [&] {
-    const auto statuses = pool_.status();
-    const auto healthy = std::count_if(statuses.begin(), statuses.end(), [](const auto& r) { return r.healthy; });
-    return policy::retry_after_seconds(estimate_seconds_locked(work), healthy, have_estimate_locked());
-  };
-  if (active >= options_.max_jobs) {
-    throw AdmissionError(AdmissionError::Reason::QueueFull,
-                         "queue full: " + std::to_string(active) + " jobs admitted (--max-queue " +
-                             std::to_string(options_.max_jobs) + ")",
-                         retry_after());
-  }
-  const int64_t cap = client_max_jobs > 0 ? client_max_jobs : options_.max_jobs_per_client;
-  if (cap > 0 && mine >= cap) {
-    throw AdmissionError(AdmissionError::Reason::ClientQueueFull,
-                         "client queue full: this client has " + std::to_string(mine) +
-                             " unfinished jobs (per-client cap " + std::to_string(cap) + ")",
-                         retry_after());
+    if (retire || Clock::now() >= next_housekeeping) {
+      housekeeping();
+      next_housekeeping = Clock::now() + 5 * options_.poll;
+    }
+    lock.lock();
   }
 }
 
-SubmitResult Scheduler::submit(JobSpec spec) {
-  if (spec.chunk_work.empty()) throw std::invalid_argument("scheduler: a job needs at least one chunk");
-  if (!spec.chunk_rows.empty() && spec.chunk_rows.size() != spec.chunk_work.size()) {
-    throw std::invalid_argument("scheduler: chunk_rows and chunk_work differ in size");
-  }
-  std::unique_lock<std::mutex> lock(mu_);
-  if (std::optional<SubmitResult> known = known_key_locked(spec, lock)) return *known;
-  check_admission_locked(spec.client, spec.client_max_jobs);
-  Job& job = reserve_locked(std::move(spec));
-  if (store_ == nullptr) return publish_locked(job.id);
-
-  // Acknowledged only once committed (a SIGKILL after this answer cannot lose the job), but stored without the lock:
-  // a request may be megabytes, and every other call would wait for it.
-  const std::string id = job.id;
-  StoredJob stored = stored_locked(job);
-  stored.request = std::move(job.spec.durable_request);
-  job.spec.durable_request.clear();
-  lock.unlock();
-  std::string store_error;
+// Deadlines of jobs no replica runs are enforced by whichever pod looks first; the metrics see the global queue.
+void Scheduler::housekeeping() {
   try {
-    store_->insert_job(std::move(stored));
+    for (const std::string& id : leases_.expire_deadlines()) {
+      JobEvent event;
+      event.type = EventType::Finished;
+      event.message = "deadline passed while queued";
+      append(id, event);
+      spdlog::warn("job={} event=finished state=DEADLINE_EXCEEDED reason=\"deadline passed while queued\"", id);
+      changed(id);
+    }
+    retire_finished();
+    if (observer_) observer_->queue_changed(leases_.queue_depth(), running_jobs());
   } catch (const StoreError& e) {
-    store_error = e.what();
+    spdlog::warn("event=housekeeping_failed error=\"{}\"", e.what());
   }
-  lock.lock();
-  if (!store_error.empty()) {
-    spdlog::error("job={} event=store_insert_failed error=\"{}\"", id, store_error);
-    release_locked(id);
-    throw AdmissionError(AdmissionError::Reason::Unavailable, "the job could not be stored: " + store_error, 1.0);
-  }
-  return publish_locked(id);
 }
 
-std::optional<SubmitResult> Scheduler::known_key_locked(const JobSpec& spec, std::unique_lock<std::mutex>& lock) {
-  while (true) {
+void Scheduler::retire_finished() {
+  const auto& o = options_.scheduling;
+  const int64_t before = now_ms() - std::chrono::duration_cast<std::chrono::milliseconds>(o.retention).count();
+  for (const LeaseStore::Retired& job : leases_.finished_to_retire(before, o.max_retained_jobs)) {
+    store_.drop_job(job.job_id, job.expired ? "its results were kept --result-ttl-seconds " +
+                                                  std::to_string(o.retention.count())
+                                            : "more than --max-retained-jobs " + std::to_string(o.max_retained_jobs) +
+                                                  " finished jobs");
+    changed(job.job_id);  // watchers find it gone
+  }
+}
+
+// ---- the transport's side -----------------------------------------------------------------------------------
+
+void Scheduler::admit_here() const {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
     if (draining_ || stopping_) {
       throw AdmissionError(AdmissionError::Reason::Draining, "server is draining: no new jobs are accepted");
     }
-    if (spec.idempotency_key.empty()) return std::nullopt;
-    auto it = idempotency_.find({spec.owner, spec.idempotency_key});
-    if (it == idempotency_.end()) return std::nullopt;
-    if (reserving_.count(it->second)) {
-      changed_.wait(lock);  // the first submission is being stored: its outcome decides
-      continue;
-    }
-    const Job* existing = find_locked(it->second, spec.owner);
-    if (existing == nullptr) return std::nullopt;
-    if (!same_fingerprint(existing->spec.fingerprint, existing->spec.fingerprint_v2, spec.fingerprint,
-                          spec.fingerprint_v2)) {
+  }
+  // While replicas load, jobs queue for them.
+  if (pool_.all_loaded() && !pool_.any_healthy()) {
+    throw AdmissionError(AdmissionError::Reason::Unavailable, "no healthy replica", 1.0);
+  }
+}
+
+AdmissionError Scheduler::queue_full(int64_t admitted) const {
+  return AdmissionError(AdmissionError::Reason::QueueFull,
+                        "queue full: " + std::to_string(admitted) + " jobs admitted (--max-queue " +
+                            std::to_string(options_.scheduling.max_jobs) + ")",
+                        retry_after());
+}
+
+AdmissionError Scheduler::client_queue_full(int64_t unfinished, int64_t cap) const {
+  return AdmissionError(AdmissionError::Reason::ClientQueueFull,
+                        "client queue full: this client has " + std::to_string(unfinished) +
+                            " unfinished jobs (per-client cap " + std::to_string(cap) + ")",
+                        retry_after());
+}
+
+int64_t Scheduler::client_cap(const JobSpec& spec) const {
+  return spec.client_max_jobs > 0 ? spec.client_max_jobs : options_.scheduling.max_jobs_per_client;
+}
+
+// The early check (before text encoding): submit() checks the limits again, atomically with its insert.
+void Scheduler::admit(const JobSpec& spec) const {
+  admit_here();
+  AdmissionCounts counts;
+  try {
+    counts = leases_.admission_counts(spec.client);
+  } catch (const StoreError& e) {
+    throw AdmissionError(AdmissionError::Reason::Unavailable, std::string("job store unavailable: ") + e.what(), 1.0);
+  }
+  if (counts.unfinished >= options_.scheduling.max_jobs) throw queue_full(counts.unfinished);
+  const int64_t cap = client_cap(spec);
+  if (cap > 0 && counts.unfinished_for_client >= cap) throw client_queue_full(counts.unfinished_for_client, cap);
+}
+
+void Scheduler::check_admission(const JobSpec& spec) const {
+  // A key may name an existing job, which passes (submit() deduplicates it in the store): leave those to submit().
+  if (!spec.idempotency_key.empty()) return;
+  admit(spec);
+}
+
+SubmitResult Scheduler::submit(JobSpec spec) {
+  if (spec.chunk_work.empty()) throw std::invalid_argument("submit: a job needs at least one chunk");
+  admit_here();  // the store checks the queue limits with the insert
+  StoredJob job;
+  job.owner = spec.owner;
+  job.client = spec.client;
+  job.client_weight = spec.client_weight;
+  job.priority = spec.priority;
+  if (spec.deadline) job.deadline_ms = deadline_ms(spec.deadline);
+  job.idempotency_key = spec.idempotency_key;
+  job.fingerprint = spec.fingerprint;
+  job.fingerprint_v2 = spec.fingerprint_v2;
+  job.state = job_state_name(JobState::Queued);
+  job.created_ms = now_ms();
+  job.chunk_count = static_cast<int64_t>(spec.chunk_work.size());
+  job.request = std::move(spec.durable_request);
+  InsertOutcome outcome;
+  try {
+    AdmissionLimits limits;
+    limits.max_unfinished = options_.scheduling.max_jobs;
+    limits.max_for_client = client_cap(spec);
+    outcome = insert_with_fresh_ids(leases_, job, limits, new_job_id);
+  } catch (const StoreError& e) {
+    spdlog::error("event=store_insert_failed error=\"{}\"", e.what());
+    throw AdmissionError(AdmissionError::Reason::Unavailable, std::string("the job could not be stored: ") + e.what(),
+                         1.0);
+  }
+  if (outcome.refused == InsertOutcome::Refusal::QueueFull) throw queue_full(outcome.unfinished);
+  if (outcome.refused == InsertOutcome::Refusal::IdTaken) {
+    throw AdmissionError(AdmissionError::Reason::Unavailable, "no free job id after " + std::to_string(kIdAttempts) +
+                         " attempts", 1.0);
+  }
+  if (outcome.refused == InsertOutcome::Refusal::ClientQueueFull) {
+    throw client_queue_full(outcome.unfinished, client_cap(spec));
+  }
+  if (!outcome.inserted) {
+    if (!same_fingerprint(outcome.fingerprint, outcome.fingerprint_v2, spec.fingerprint, spec.fingerprint_v2)) {
       throw AdmissionError(AdmissionError::Reason::IdempotencyConflict,
-                           "idempotency_key: already used by job " + existing->id + " with a different request");
+                           "idempotency_key: already used by job " + outcome.job_id + " with a different request");
     }
-    return SubmitResult{snapshot_locked(*existing), true};
+    std::optional<JobSnapshot> existing = get(outcome.job_id, spec.owner);
+    if (!existing) throw AdmissionError(AdmissionError::Reason::Unavailable, "the deduplicated job is gone", 1.0);
+    return {*existing, true};
   }
-}
-
-Scheduler::Job& Scheduler::reserve_locked(JobSpec spec) {
-  auto job = std::make_unique<Job>();
-  job->id = new_job_id();
-  while (jobs_.count(job->id) || reserving_.count(job->id)) job->id = new_job_id();
-  job->order = next_seq_++;
-  job->created = WallClock::now();
-  job->created_mono = Clock::now();
-  for (int64_t rows : spec.chunk_rows) job->rows_total += rows;
-  job->spec = std::move(spec);
-  start_shares_locked(*job);
-  if (!job->spec.idempotency_key.empty()) idempotency_[{job->spec.owner, job->spec.idempotency_key}] = job->id;
-  Job& ref = *job;
-  reserving_[ref.id] = std::move(job);
-  return ref;
-}
-
-SubmitResult Scheduler::publish_locked(const std::string& id) {
-  auto node = reserving_.extract(id);
-  Job& job = *node.mapped();
-  jobs_[id] = std::move(node.mapped());
-  spdlog::info("job={} event=submitted chunks={} priority={} owner={}", id, job.spec.chunk_work.size(),
-               job.spec.priority, job.spec.owner.empty() ? "-" : job.spec.owner);
-  if (observer_) observer_->job_submitted(snapshot_locked(job));
-  update_positions_locked(Clock::now());  // the first Queued event, before any ChunkStarted
-  dispatch_locked();
-  changed_.notify_all();  // a submission waiting on the same key
-  return {snapshot_locked(job), false};
-}
-
-void Scheduler::release_locked(const std::string& id) {
-  auto node = reserving_.extract(id);
-  const JobSpec& spec = node.mapped()->spec;
-  if (!spec.idempotency_key.empty()) idempotency_.erase({spec.owner, spec.idempotency_key});
-  changed_.notify_all();  // a submission waiting on the same key tries on its own
-}
-
-void Scheduler::restore(std::vector<RestoredJob> restored) {
-  std::lock_guard<std::mutex> lock(mu_);
-  const auto wall_now = WallClock::now();
-  const auto mono_now = Clock::now();
-  auto mono = [&](WallClock::time_point t) {
-    return mono_now + std::chrono::duration_cast<Clock::duration>(t - wall_now);
-  };
-  for (RestoredJob& r : restored) {
-    const StoredJob& s = r.stored;
-    auto job = std::make_unique<Job>();
-    job->id = s.id;
-    job->order = s.order;
-    next_seq_ = std::max(next_seq_, s.order + 1);
-    job->vbase = s.vbase;
-    job->spec.owner = s.owner;
-    job->spec.client = s.client;
-    job->spec.priority = s.priority;
-    if (s.deadline_ms) job->spec.deadline = mono(from_wall_ms(*s.deadline_ms));
-    job->spec.idempotency_key = s.idempotency_key;
-    job->spec.fingerprint = s.fingerprint;
-    job->spec.fingerprint_v2 = s.fingerprint_v2;
-    job->spec.payload = r.payload;
-    job->spec.description = r.description;
-    job->spec.chunk_work = r.chunk_work.empty() ? std::vector<double>(static_cast<size_t>(s.chunk_count), 1.0)
-                                                : r.chunk_work;
-    job->spec.chunk_rows = r.chunk_rows;
-    job->created = from_wall_ms(s.created_ms);
-    job->created_mono = mono(job->created);
-    if (s.started_ms) job->started = from_wall_ms(s.started_ms);
-    job->state = parse_job_state(s.state);
-    job->error_kind = parse_error_kind(s.error_kind);
-    job->error = s.error;
-    job->chunks_done = std::min<int64_t>(s.chunks_done, static_cast<int64_t>(job->spec.chunk_work.size()));
-    job->retries = s.retries;
-    job->handoffs = s.handoffs;
-    for (const auto& c : r.chunks) job->chunk_replicas.push_back(c.replica);
-    int64_t most_rows = 0;
-    for (size_t i = 0; i < job->spec.chunk_rows.size(); ++i) {
-      job->rows_total += job->spec.chunk_rows[i];
-      if (static_cast<int64_t>(i) < job->chunks_done) job->rows_before_chunk += job->spec.chunk_rows[i];
-      most_rows = std::max(most_rows, job->spec.chunk_rows[i]);
-    }
-    for (const auto& stored_event : r.events) {
-      try {
-        job->events.push_back(decode_stored_event(stored_event));
-        if (job->events.back().type == EventType::ChunkFinished) job->work += job->events.back().work;
-      } catch (const std::exception& e) {
-        spdlog::warn("job={} event=stored_event_unreadable sequence={} error=\"{}\"", s.id, stored_event.sequence,
-                     e.what());
-      }
-      job->next_sequence = std::max(job->next_sequence, stored_event.sequence + 1);
-    }
-    if (job->active()) {
-      // Step events were never stored: the numbers they took before the restart (at most one chunk's rows after
-      // the last stored event) are skipped, so that a client resuming with after_sequence misses nothing.
-      job->next_sequence += static_cast<uint64_t>(most_rows) + 1;
-      const bool in_flight = !job->events.empty() && job->events.back().type == EventType::ChunkStarted &&
-                             job->events.back().chunk == job->chunks_done;
-      const bool all_done = job->chunks_done == static_cast<int64_t>(job->spec.chunk_work.size());
-      Job& ref = *job;
-      jobs_[s.id] = std::move(job);
-      if (all_done) {
-        finish_locked(ref, JobState::Succeeded, ErrorKind::None, "");  // killed between its last commit and its end
-      } else if (!r.payload) {
-        finish_locked(ref, JobState::Failed, ErrorKind::Internal, "could not resume after a restart: " + r.error);
-      } else if (in_flight) {
-        ++ref.retries;
-        ++ref.attempts;
-        JobEvent event;
-        event.type = EventType::ChunkRetry;
-        event.chunk = ref.chunks_done;
-        event.replica = ref.events.back().replica;
-        event.attempt = ref.attempts - 1;
-        event.message = "the server restarted while the chunk ran";
-        push_event_locked(ref, std::move(event));
-        persist_update_locked(ref);
-      }
-      spdlog::info("job={} event=restored state={} chunks_done={}/{} in_flight={}", s.id, job_state_name(ref.state),
-                   ref.chunks_done, ref.spec.chunk_work.size(), in_flight);
-    } else {
-      job->finished = from_wall_ms(s.finished_ms);
-      job->finished_mono = mono(*job->finished);
-      jobs_[s.id] = std::move(job);
-    }
-    if (!s.idempotency_key.empty()) idempotency_[{s.owner, s.idempotency_key}] = s.id;
+  {
+    // This pod prepared the payload: if one of its replicas claims chunk 0, nothing is re-created.
+    auto cached = std::make_shared<Cached>();
+    cached->payload = spec.payload;
+    cached->description = spec.description;
+    cached->chunk_rows = spec.chunk_rows;
+    cached->used = Clock::now();
+    std::lock_guard<std::mutex> lock(mu_);
+    cache_.emplace(outcome.job_id, cached);  // never over a payload a replica of this pod already claimed it with
   }
-  notify_queue_locked();
+  JobEvent queued;
+  queued.type = EventType::Queued;
+  queued.chunk_count = static_cast<int64_t>(spec.chunk_work.size());
+  append(outcome.job_id, queued);
+  std::optional<JobSnapshot> snap = get(outcome.job_id, spec.owner);
+  if (!snap) throw AdmissionError(AdmissionError::Reason::Unavailable, "the job store lost the job", 1.0);
+  spdlog::info("job={} event=submitted chunks={} priority={} owner={}", outcome.job_id, snap->chunk_count,
+               snap->priority, spec.owner);
+  if (observer_) observer_->job_submitted(*snap);
+  changed(outcome.job_id);
+  report_queue();
+  return {*snap, false};
+}
+
+std::optional<StoredJob> Scheduler::find(const std::string& id, const std::string& owner) const {
+  std::optional<StoredJob> job = leases_.load_job(id, false);  // every read and wait: the state, not the request
+  if (!job || job->owner != owner) return std::nullopt;
+  return job;
+}
+
+JobSnapshot Scheduler::snapshot(const StoredJob& job) const {
+  JobSnapshot s;
+  s.id = job.id;
+  s.owner = job.owner;
+  s.state = parse_job_state(job.state);
+  s.priority = job.priority;
+  s.idempotency_key = job.idempotency_key;
+  s.created = from_wall_ms(job.created_ms);
+  if (job.started_ms > 0) s.started = from_wall_ms(job.started_ms);
+  if (job.finished_ms > 0) s.finished = from_wall_ms(job.finished_ms);
+  if (job.deadline_ms) s.deadline = from_wall_ms(*job.deadline_ms);
+  s.chunk_count = job.chunk_count;
+  s.chunks_done = job.chunks_done;
+  s.handoffs = job.handoffs;
+  s.retries = job.retries;
+  s.error_kind = parse_error_kind(job.error_kind);
+  s.error = job.error;
+  s.progress = job.chunk_count > 0 ? static_cast<double>(job.chunks_done) / static_cast<double>(job.chunk_count) : 0;
+  if (s.state == JobState::Succeeded) s.progress = 1.0;
+  return s;
 }
 
 std::optional<JobSnapshot> Scheduler::get(const std::string& id, const std::string& owner) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  const Job* job = find_locked(id, owner);
-  if (job == nullptr) return std::nullopt;
-  return snapshot_locked(*job);
+  std::optional<StoredJob> job = find(id, owner);  // StoreError: the transport answers UNAVAILABLE
+  if (!job) return std::nullopt;
+  const std::vector<StoredEvent> events = store_.load_events(id);
+  JobSnapshot s = snapshot(*job);
+  s.description = description_of(*job);
+  for (const StoredEvent& stored : events) {
+    s.last_sequence = std::max(s.last_sequence, stored.sequence);
+    const JobEvent e = decode_stored_event(stored);
+    if (e.type == EventType::ChunkFinished) {
+      s.chunk_replicas.push_back(e.replica);
+      s.work += e.work;
+    }
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  for (const auto& [replica, run] : running_) {
+    if (run->job.id == id && run->progress > s.progress) s.progress = run->progress;
+  }
+  if (auto it = steps_.find(id); it != steps_.end() && !it->second.empty()) {
+    s.last_sequence = std::max(s.last_sequence, it->second.back().sequence);
+    if (!is_terminal(s.state)) s.progress = std::max(s.progress, it->second.back().progress);  // another pod's chunk
+  }
+  if (auto it = cache_.find(id); it != cache_.end()) s.payload = it->second->payload;
+  if (aborted_ && !is_terminal(s.state)) {
+    s.state = JobState::Failed;
+    s.error_kind = ErrorKind::Unavailable;
+    s.error = *aborted_;
+  }
+  const bool running_here = std::any_of(running_.begin(), running_.end(),
+                                        [&](const auto& r) { return r.second->job.id == id; });
+  lock.unlock();
+  if (!is_terminal(s.state) && !running_here) place_in_queue(s);
+  return s;
 }
 
-std::optional<std::string> Scheduler::dropped(const std::string& id, const std::string& owner) const {
-  if (store_ == nullptr) return std::nullopt;
+// Where a job that waits for a replica stands, and when it should start (policy::queue_eta over this server's
+// replicas and chunk times).
+void Scheduler::place_in_queue(JobSnapshot& s) const {
+  LeaseStore::QueuePlace place;
   try {
-    return store_->dropped_reason(id, owner);
-  } catch (const StoreError& e) {
-    spdlog::warn("event=store_read_failed error=\"{}\"", e.what());
-    return std::nullopt;
+    place = leases_.queue_place(s.id);
+  } catch (const StoreError&) {
+    return;  // a nicety of reads: the snapshot stays without a position
   }
+  if (place.position == 0) return;
+  s.queue_position = place.position;
+  std::vector<bool> healthy(pool_.size());
+  for (size_t i = 0; i < healthy.size(); ++i) healthy[i] = pool_.healthy(i);
+  std::lock_guard<std::mutex> lock(mu_);
+  double soonest_free = -1;
+  int64_t healthy_count = 0;
+  const auto now = Clock::now();
+  for (size_t i = 0; i < healthy.size(); ++i) {
+    if (!healthy[i]) continue;
+    ++healthy_count;
+    auto run = running_.find(i);
+    const double free_in =
+        run == running_.end()
+            ? 0.0
+            : policy::remaining_seconds(seconds_per_chunk_,
+                                        std::chrono::duration<double>(now - run->second->started).count());
+    soonest_free = soonest_free < 0 ? free_in : std::min(soonest_free, free_in);
+  }
+  s.eta_seconds = policy::queue_eta(std::max(soonest_free, 0.0),
+                                    static_cast<double>(place.ahead) * seconds_per_chunk_, healthy_count,
+                                    seconds_per_chunk_ > 0);
+}
+
+double Scheduler::retry_after() const {
+  int64_t unfinished = 0;
+  try {
+    unfinished = leases_.admission_counts("").unfinished;
+  } catch (const StoreError&) {
+  }
+  double per_chunk = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    per_chunk = seconds_per_chunk_;
+  }
+  int64_t healthy = 0;
+  for (size_t i = 0; i < pool_.size(); ++i) healthy += pool_.healthy(i) ? 1 : 0;
+  return policy::retry_after_seconds(static_cast<double>(unfinished) * per_chunk, healthy, per_chunk > 0);
+}
+
+std::shared_ptr<const JobDescription> Scheduler::description_of(const StoredJob& job) const {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = cache_.find(job.id); it != cache_.end() && it->second->description) return it->second->description;
+    if (auto it = descriptions_.find(job.id); it != descriptions_.end()) return it->second;
+  }
+  const std::optional<StoredJob> with_request = leases_.load_job(job.id);
+  if (!with_request) return nullptr;
+  std::shared_ptr<const JobDescription> description = loader_(*with_request, {}).description;
+  if (!description) return nullptr;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (descriptions_.size() >= kMaxDescriptions) descriptions_.erase(descriptions_.begin());
+  descriptions_[job.id] = description;
+  return description;
 }
 
 std::optional<std::string> Scheduler::chunk_result(const std::string& id, const std::string& owner,
-                                                  int64_t index) const {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (store_ == nullptr || find_locked(id, owner) == nullptr) return std::nullopt;
-  }
-  return store_->load_chunk_bytes(id, index);  // outside the lock: megabytes
+                                                       int64_t index) const {
+  if (!find(id, owner)) return std::nullopt;
+  return store_.load_chunk_bytes(id, index);
 }
 
-std::optional<std::string> Scheduler::segment(const std::string& id, const std::string& owner, int64_t index) const {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (store_ == nullptr || find_locked(id, owner) == nullptr) return std::nullopt;
-  }
-  return store_->load_segment(id, index);
+std::optional<std::string> Scheduler::segment(const std::string& id, const std::string& owner,
+                                                  int64_t index) const {
+  if (!find(id, owner)) return std::nullopt;
+  return store_.load_segment(id, index);
 }
 
 std::vector<JobSnapshot> Scheduler::list(const std::string& owner) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  std::vector<const Job*> owned;
-  for (const auto& [id, job] : jobs_) {
-    if (job->spec.owner == owner) owned.push_back(job.get());
-  }
-  std::sort(owned.begin(), owned.end(), [](const Job* a, const Job* b) { return a->order < b->order; });
   std::vector<JobSnapshot> out;
-  out.reserve(owned.size());
-  for (const Job* job : owned) out.push_back(snapshot_locked(*job));
+  for (const StoredJob& job : leases_.jobs_of(owner)) out.push_back(snapshot(job));  // StoreError: UNAVAILABLE
+  std::lock_guard<std::mutex> lock(mu_);
+  if (aborted_) {
+    for (JobSnapshot& s : out) {
+      if (is_terminal(s.state)) continue;
+      s.state = JobState::Failed;
+      s.error_kind = ErrorKind::Unavailable;
+      s.error = *aborted_;
+    }
+  }
   return out;
 }
 
+std::optional<std::string> Scheduler::dropped(const std::string& id, const std::string& owner) const {
+  return store_.dropped_reason(id, owner);
+}
+
 std::optional<JobSnapshot> Scheduler::cancel(const std::string& id, const std::string& owner) {
-  std::lock_guard<std::mutex> lock(mu_);
-  Job* job = find_locked(id, owner);
-  if (job == nullptr) return std::nullopt;
-  if (job->active() && !job->cancel_requested) {
-    job->cancel_requested = true;
-    spdlog::info("job={} event=cancel_requested running={}", job->id, job->chunk_running);
-    if (!job->chunk_running) {
-      finish_locked(*job, JobState::Cancelled, ErrorKind::Cancelled, "cancelled by the client");
-      dispatch_locked();
-    }
-  }
-  return snapshot_locked(*job);
+  const CancelState state = leases_.request_cancel(id, owner);  // StoreError: UNAVAILABLE
+  if (state == CancelState::Unknown) return std::nullopt;
+  changed(id);  // a chunk running here stops at its next step
+  // Nobody runs it: end it here. Running: the pod running it sees the request at its next step (a notification
+  // makes it renew at once) and ends the job.
+  if (state == CancelState::Idle) finish(id, JobState::Cancelled, ErrorKind::Cancelled, "cancelled by the client");
+  return get(id, owner);
 }
 
 EventBatch Scheduler::wait_events(const std::string& id, const std::string& owner, uint64_t after_sequence,
-                                  Clock::time_point until) const {
-  std::unique_lock<std::mutex> lock(mu_);
-  EventBatch batch;
+                                      Clock::time_point until) const {
   while (true) {
-    const Job* job = find_locked(id, owner);
-    if (job == nullptr) {
+    uint64_t seen = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      seen = change_count_;
+    }
+    EventBatch batch;
+    std::optional<StoredJob> job;
+    std::vector<StoredEvent> stored;
+    bool unreadable = false;
+    try {
+      job = find(id, owner);
+      if (job) stored = store_.load_events(id);
+    } catch (const StoreError& e) {
+      // The store is away (a restart, a failover): watchers wait for it rather than hear NOT_FOUND.
+      spdlog::warn("job={} event=store_read_failed error=\"{}\"", id, e.what());
+      unreadable = true;
+    }
+    if (unreadable) {
+      if (Clock::now() >= until) return batch;
+      std::unique_lock<std::mutex> lock(mu_);
+      changed_.wait_until(lock, std::min(until, Clock::now() + options_.poll), [&] { return stopping_; });
+      if (stopping_) return batch;
+      continue;
+    }
+    if (!job) {
       batch.found = false;
       return batch;
     }
-    const auto first = std::upper_bound(job->events.begin(), job->events.end(), after_sequence,
-                                        [](uint64_t seq, const JobEvent& e) { return seq < e.sequence; });
-    batch.events.insert(batch.events.end(), first, job->events.end());
-    batch.finished = !job->active();
-    if (!batch.events.empty() || batch.finished) return batch;
-    const auto watchers = job->watchers;  // the job may be dropped while we wait
-    if (watchers->wait_until(lock, until) == std::cv_status::timeout) return batch;
+    for (const StoredEvent& s : stored) {
+      if (s.sequence > after_sequence) batch.events.push_back(decode_stored_event(s));
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (auto it = steps_.find(id); it != steps_.end()) {
+        for (const JobEvent& e : it->second) {
+          if (e.sequence > after_sequence) batch.events.push_back(e);
+        }
+      }
+    }
+    std::sort(batch.events.begin(), batch.events.end(),
+              [](const JobEvent& a, const JobEvent& b) { return a.sequence < b.sequence; });
+    batch.finished = is_terminal(parse_job_state(job->state)) &&
+                     std::any_of(stored.begin(), stored.end(), [](const StoredEvent& s) {
+                       return decode_stored_event(s).type == EventType::Finished;
+                     });
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (aborted_ && !is_terminal(parse_job_state(job->state))) {
+        // This server stopped serving: its watchers hear the end it answers with (the job stays in the store).
+        JobEvent end;
+        end.type = EventType::Finished;
+        end.message = *aborted_;
+        end.time = WallClock::now();
+        end.sequence = std::max<uint64_t>(stored.empty() ? 0 : stored.back().sequence, after_sequence) + 1;
+        batch.events.push_back(end);
+        batch.finished = true;
+      }
+    }
+    if (!batch.events.empty() || batch.finished || Clock::now() >= until) return batch;
+    std::unique_lock<std::mutex> lock(mu_);
+    changed_.wait_until(lock, std::min(until, Clock::now() + options_.poll),
+                        [&] { return change_count_ != seen || stopping_; });
+    if (stopping_) return batch;
   }
 }
 
 uint64_t Scheduler::subscribe(const std::string& id, const std::string& owner, std::function<void()> notify) {
+  try {
+    if (!find(id, owner)) return 0;
+  } catch (const StoreError&) {
+    return 0;
+  }
   std::lock_guard<std::mutex> lock(mu_);
-  Job* job = find_locked(id, owner);
-  if (job == nullptr) return 0;
   const uint64_t token = next_listener_++;
-  job->listeners[token] = std::move(notify);
+  listeners_[id][token] = std::move(notify);
   return token;
 }
 
 void Scheduler::unsubscribe(const std::string& id, uint64_t token) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = jobs_.find(id);
-  if (it != jobs_.end()) it->second->listeners.erase(token);
+  auto it = listeners_.find(id);
+  if (it == listeners_.end()) return;
+  it->second.erase(token);
+  if (it->second.empty()) listeners_.erase(it);
 }
 
-std::optional<JobSnapshot> Scheduler::wait_chunks(const std::string& id, const std::string& owner, int64_t chunks_seen,
-                                                  Clock::time_point until) const {
-  std::unique_lock<std::mutex> lock(mu_);
+std::optional<JobSnapshot> Scheduler::wait_chunks(const std::string& id, const std::string& owner,
+                                                      int64_t chunks_seen, Clock::time_point until) const {
   while (true) {
-    const Job* job = find_locked(id, owner);
-    if (job == nullptr) return std::nullopt;
-    if (job->chunks_done > chunks_seen || !job->active()) return snapshot_locked(*job);
-    const auto watchers = job->watchers;  // a chunk's end and the job's end are events of the job
-    if (watchers->wait_until(lock, until) == std::cv_status::timeout) return snapshot_locked(*job);
+    uint64_t seen = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      seen = change_count_;
+    }
+    std::optional<JobSnapshot> s;
+    try {
+      s = get(id, owner);
+    } catch (const StoreError&) {
+      if (Clock::now() >= until) throw;
+      std::unique_lock<std::mutex> lock(mu_);
+      changed_.wait_until(lock, std::min(until, Clock::now() + options_.poll), [&] { return stopping_; });
+      continue;
+    }
+    if (!s || s->chunks_done > chunks_seen || is_terminal(s->state) || Clock::now() >= until) return s;
+    std::unique_lock<std::mutex> lock(mu_);
+    changed_.wait_until(lock, std::min(until, Clock::now() + options_.poll),
+                        [&] { return change_count_ != seen || stopping_; });
+    if (stopping_) return s;
   }
 }
 
 void Scheduler::begin_drain() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!draining_)
-    spdlog::info("event=drain_started queued={} running={}", count_locked(JobState::Queued),
-                 count_locked(JobState::Running));
   draining_ = true;
-  changed_.notify_all();
+  spdlog::info("event=drain_started running_chunks={}", running_.size());
 }
 
 bool Scheduler::draining() const {
@@ -1046,40 +1263,48 @@ bool Scheduler::draining() const {
 }
 
 bool Scheduler::wait_idle(Clock::time_point until) const {
+  const bool shared = leases_.shared();
+  auto idle = [&] {
+    if (!running_.empty()) return false;
+    if (shared || hard_stop_) return true;  // nothing more runs here
+    try {
+      return leases_.admission_counts("").unfinished == 0;
+    } catch (const StoreError&) {
+      return false;
+    }
+  };
   std::unique_lock<std::mutex> lock(mu_);
-  return changed_.wait_until(lock, until, [&] {
-    const bool jobs_left = std::any_of(jobs_.begin(), jobs_.end(), [](const auto& entry) {
-      return entry.second->active() || entry.second->chunk_running;
-    });
-    return !jobs_left && reserving_.empty();
-  });
+  while (!idle()) {
+    if (Clock::now() >= until) return false;
+    changed_.wait_until(lock, std::min(until, Clock::now() + options_.poll));
+  }
+  return true;
 }
 
 void Scheduler::abort_all(const std::string& reason) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (store_ != nullptr && store_->durable()) {
-    keep_unfinished_ = true;  // the jobs end here, and stay unfinished in the store: the next start resumes them
-    spdlog::info("event=abort_keeps_stored_jobs store={}", store_->describe());
-  }
-  for (auto& [id, job] : jobs_) {
-    if (!job->active()) continue;
-    job->aborted = true;
-    job->abort_reason = reason;
-    if (!job->chunk_running) finish_locked(*job, JobState::Failed, ErrorKind::Unavailable, reason);
-  }
-  notify_queue_locked();
+  hard_stop_ = true;
+  draining_ = true;
+  aborted_ = reason;
+  ++change_count_;
+  changed_.notify_all();
+  spdlog::warn("event=abort_all running_chunks={} reason=\"{}\" (their leases go back to the store)", running_.size(),
+               reason);
 }
 
 std::vector<ReplicaStatus> Scheduler::replicas() const { return pool_.status(); }
 
 int64_t Scheduler::queued_jobs() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return count_locked(JobState::Queued);
+  try {
+    return leases_.queue_depth();
+  } catch (const StoreError&) {
+    return 0;
+  }
 }
 
 int64_t Scheduler::running_jobs() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return count_locked(JobState::Running);
+  return static_cast<int64_t>(running_.size());
 }
 
 }  // namespace skyreels::server

@@ -1,163 +1,189 @@
-// The in-memory chunk scheduler: a JobQueue (job_queue.h) whose jobs live in this process, written through to a
-// JobStore (job_store.h), and the ChunkSource (replica_pool.h) its own ReplicaPool pulls chunks from. Every decision
-// goes through the pure DispatchPolicy (dispatch_policy.h); replica health is the pool's; no gRPC, no LibTorch.
+// The chunk scheduler: the one JobQueue (job_queue.h), for one server and for many pods alike. No pod owns a job:
+// the store is the queue. Every server accepts submissions (the queue limit and idempotency keys are the store's,
+// so global), answers reads and waits for any job from the store (woken by the store's change notifications, polling
+// as a fallback), and its idle replicas claim chunk leases (job_lease.h): the store orders the ready chunks by the
+// pure policy (dispatch_policy.h), this server's placement rule passes over jobs it sends to another of its replicas,
+// a heartbeat renews the lease while the chunk runs, and the result commits under the lease's token, so a replica
+// that lost its lease (its pod died, or paused past the expiry) commits nothing and each chunk is committed once.
+// Memory and SQLite stores get their leases from LocalLeaseStore (with_leases()), PostgreSQL has its own.
 //
-// Policy, applied whenever a replica is idle and a chunk is ready:
-//  1. Order ready jobs by priority (higher first), then by their client's attained service (chunks started for the
-//     client, divided by its weight: a tenant with many jobs gets one share, not one per job), then by the job's
-//     attained service within its client (fewest chunks run first: a long video cannot starve short ones, jobs
-//     interleave at chunk boundaries), then by submission order.
-//  2. For each job in that order pick a replica: the one that ran its previous chunk (affinity: prefix latents and
-//     text embeddings are already there) when it is idle; otherwise an idle replica, unless the holder is busy and
-//     will finish sooner than a handoff costs (then the job waits for it). Moving a job counts as a handoff.
-//  3. A chunk that fails on a replica is retried (bounded) on another replica when there is one. The pool takes a
-//     replica whose chunks fail `replica_failure_limit` times in a row out and re-tests it (ChunkExecutor::probe)
-//     after a back-off that doubles up to a cap. A chunk that runs out of memory (ResourceExhausted) fails its job,
-//     not the replica. When no replica has been healthy for `liveness_grace`, live() turns false.
-//  4. Deadlines are checked before a chunk is dispatched and at every step; cancellation at every step.
-//  5. A submission reserves its admission slot and idempotency key under the lock, is stored without it (a request
-//     may be megabytes), and is published (or its reservation released) afterwards.
+// Policy, whatever the store:
+//  1. Order: priority, then the client's attained service (a tenant with many jobs gets one share, weighted), then
+//     the job's within its client (a long video cannot starve short ones; jobs interleave at chunk boundaries), then
+//     submission order. Among jobs that tie, the one whose previous chunk ran on the claiming replica.
+//  2. Placement (policy::choose_replica): a job whose payload is on one of this server's replicas stays there when
+//     that replica is idle, or busy for less than a handoff costs; a chunk that failed is retried on another replica
+//     when there is one. A moved job counts a handoff; a taken-over lease (its holder died) counts a retry.
+//  3. Retries are bounded (policy::should_retry); the pool takes a failing replica out and re-tests it.
+//  4. Deadlines are checked at claim and at every step, cancellation at every step (from any pod).
+//  5. Queue position, ETA and retry-after hints come from policy::queue_eta / retry_after_seconds.
+//
+// What stays in this server: the replicas (ReplicaPool), the payload of jobs whose previous chunk ran here (their
+// latents are already on the device; any other replica re-creates the payload from the stored request and chunks),
+// step-progress events, and watchers' subscriptions. Draining: on a shared store it stops claiming (other pods
+// continue the queue); alone, it finishes what it admitted. On a drain timeout (abort_all) running chunks stop and
+// give their leases back.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
-#include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include "server/dispatch_policy.h"
+#include "server/job_lease.h"
 #include "server/job_queue.h"
 #include "server/job_store.h"
-#include "server/job_types.h"
 #include "server/replica_pool.h"
 
 namespace skyreels::server {
 
-// The replica side of SchedulerOptions (failure limit, re-test back-off, liveness grace).
-ReplicaPoolOptions replica_pool_options(const SchedulerOptions& options);
+// Re-creates a job's payload from its stored request and committed chunks (the layer that owns the request does it:
+// the service). RestoredJob::payload null: the job cannot run (RestoredJob::error says why).
+using JobLoader = std::function<RestoredJob(const StoredJob& job, std::vector<StoredChunk> chunks)>;
 
-class Scheduler : public JobQueue, private ChunkSource {
+// Readiness follows a store check every kStoreCheckPeriod that must answer within kStoreCheckTimeout; after
+// kStoreChecksToFail failures in a row readiness is off (about 6 s after the store stops answering).
+inline constexpr std::chrono::milliseconds kStoreCheckPeriod{1000}, kStoreCheckTimeout{2000};
+inline constexpr int kStoreChecksToFail = 2;
+
+// `store` itself when it hands out leases (PostgreSQL), else a LocalLeaseStore over it (memory, SQLite).
+std::unique_ptr<JobStore> with_leases(std::unique_ptr<JobStore> store);
+std::unique_ptr<JobStore> with_leases(JobStore& borrowed);  // always a LocalLeaseStore; `borrowed` outlives it
+
+struct PodOptions {
+  SchedulerOptions scheduling;
+  std::string pod = "local";  // this pod's name (e.g. the hostname): replicas claim as "<pod>/<replica>"
+  std::chrono::milliseconds lease_ttl{30000};
+  std::chrono::milliseconds poll{1000};  // store polling when no notification arrives
+};
+
+class Scheduler final : public JobQueue, private ChunkSource {
  public:
-  // `store` (may be null: nothing is written) keeps jobs, chunk results and chunk-level events; it must outlive the
-  // scheduler. With a durable store, jobs left unfinished by a stop (destructor, abort_all) stay unfinished in the
-  // store, so that the next start resumes them.
-  Scheduler(std::vector<std::unique_ptr<ChunkExecutor>> replicas, SchedulerOptions options,
-            SchedulerObserver* observer = nullptr, JobStore* store = nullptr);
-  ~Scheduler() override;  // hard stop: running chunks are asked to stop, threads joined
+  // `store` must hand out leases (with_leases()) and outlive the scheduler; throws std::invalid_argument otherwise.
+  Scheduler(std::vector<std::unique_ptr<ChunkExecutor>> executors, PodOptions options, JobStore& store,
+            JobLoader loader, SchedulerObserver* observer = nullptr);
+  ~Scheduler() override;  // running chunks stop and give their leases back
   Scheduler(const Scheduler&) = delete;
   Scheduler& operator=(const Scheduler&) = delete;
 
-  // JobQueue (job_queue.h documents each call).
-  void restore(std::vector<RestoredJob> jobs) override;
   void start() override;
   bool all_loaded() const override;
-  bool ready() const override;
+  bool ready() const override;  // also: the store answers
   bool live() const override;
+
   SubmitResult submit(JobSpec spec) override;
   void check_admission(const JobSpec& spec) const override;
   std::optional<JobSnapshot> get(const std::string& id, const std::string& owner) const override;
   std::vector<JobSnapshot> list(const std::string& owner) const override;
   std::optional<std::string> dropped(const std::string& id, const std::string& owner) const override;
-  std::optional<JobSnapshot> cancel(const std::string& id, const std::string& owner) override;
   std::optional<std::string> chunk_result(const std::string& id, const std::string& owner,
                                           int64_t index) const override;
   std::optional<std::string> segment(const std::string& id, const std::string& owner, int64_t index) const override;
-  // Events with sequence > after_sequence; blocks until there is one, the job ended, or `until`.
+  std::optional<JobSnapshot> cancel(const std::string& id, const std::string& owner) override;
+
   EventBatch wait_events(const std::string& id, const std::string& owner, uint64_t after_sequence,
                          Clock::time_point until) const override;
   uint64_t subscribe(const std::string& id, const std::string& owner, std::function<void()> notify) override;
   void unsubscribe(const std::string& id, uint64_t token) override;
   std::optional<JobSnapshot> wait_chunks(const std::string& id, const std::string& owner, int64_t chunks_seen,
                                          Clock::time_point until) const override;
+
   void begin_drain() override;
   bool draining() const override;
+  // Shared store, or after abort_all: no chunk runs on this server. Alone: no job is unfinished.
   bool wait_idle(Clock::time_point until) const override;
+  // Running chunks stop and give their leases back; this server answers for its unfinished jobs as ended
+  // (UNAVAILABLE, `reason`) while the store keeps them for the next start or another pod.
   void abort_all(const std::string& reason) override;
+
   std::vector<ReplicaStatus> replicas() const override;
-  int64_t queued_jobs() const override;
-  int64_t running_jobs() const override;
-  const SchedulerOptions& options() const override { return options_; }
+  int64_t queued_jobs() const override;  // in the whole store
+  int64_t running_jobs() const override;  // chunks running on this pod
+  const SchedulerOptions& options() const override { return options_.scheduling; }
 
  private:
-  struct Job;
-  struct Slot;
-  struct ClientShare {
-    int64_t service = 0;  // policy::charge_chunk per chunk started for the client
-    int weight = 1;
-  };
-  static constexpr size_t kMaxIdleClients = 10000;
+  struct Running;
+  struct Cached;
 
-  // ChunkSource: the pool's workers pull here; dispatching happens under mu_ and hands the chunk to the slot.
+  // ChunkSource (the pool's workers)
   std::optional<ChunkAssignment> next_chunk(size_t replica) override;
   void chunk_done(size_t replica, ChunkAssignment assignment, ChunkResult result, double seconds) override;
   void replicas_changed() override;
   void interrupt() override;
 
-  void dispatch_locked();
-  policy::JobKey key_locked(const Job& job) const;
-  void sort_for_dispatch_locked(std::vector<Job*>& jobs) const;
-  void start_shares_locked(Job& job);
-  void forget_idle_clients_locked();
-  void expire_locked(Clock::time_point now);
-  void fail_waiting_jobs_locked(const std::string& reason);
-  std::vector<policy::ReplicaView> replica_views_locked(Clock::time_point now) const;
-  int choose_replica_locked(const Job& job, std::vector<policy::ReplicaView> views) const;
-  void assign_locked(Job& job, size_t replica, Clock::time_point now);
-  ChunkCallbacks callbacks_for_locked(Job& job, size_t replica, int64_t chunk);
-  void complete_locked(size_t replica, const ChunkResult& result, double seconds);
-  void end_stopped_job_locked(Job& job);
-  void finish_locked(Job& job, JobState state, ErrorKind kind, const std::string& error);
-  void push_event_locked(Job& job, JobEvent event);
-  // Write-through to the store (no-ops without one). A failed job or event write is logged; submit() fails instead.
-  StoredJob stored_locked(const Job& job) const;
-  void persist_update_locked(const Job& job);
-  bool persisting_locked() const;
-  void wake_watchers_locked(Job& job);
-  void update_positions_locked(Clock::time_point now);
-  void gc_locked();
-  void notify_queue_locked();
-  int64_t count_locked(JobState state) const;
-  // submit() in three steps: a known key answers (waiting for one still being stored), a reservation holds the
-  // admission slot and the key while the store writes, then the job is published or the reservation released.
-  std::optional<SubmitResult> known_key_locked(const JobSpec& spec, std::unique_lock<std::mutex>& lock);
-  Job& reserve_locked(JobSpec spec);
-  SubmitResult publish_locked(const std::string& id);
-  void release_locked(const std::string& id);
-  void check_admission_locked(const std::string& client, int64_t client_max_jobs) const;
-  JobSnapshot snapshot_locked(const Job& job) const;
-  double estimate_seconds_locked(double work) const;
-  bool have_estimate_locked() const { return seconds_per_work_ > 0; }
-  Job* find_locked(const std::string& id, const std::string& owner) const;
-  bool stop_requested_locked(const Job& job, Clock::time_point now) const;
-  void timer_loop();
+  std::optional<ChunkAssignment> prepare(size_t replica, const ChunkLease& lease);
+  bool claiming_locked() const;
+  // Jobs `replica` leaves to another replica of this server (policy::choose_replica over what this server knows:
+  // where each job's payload is, which replica just failed its chunk, how long busy replicas still need).
+  std::vector<std::string> pass_over_locked(size_t replica, const std::vector<bool>& healthy) const;
+  void place_in_queue(JobSnapshot& s) const;  // queue position and ETA of a waiting job
+  double retry_after() const;                 // the hint of a refused submission
+  std::string settle(size_t replica, ChunkResult result, double seconds);  // returns the job's id
+  // The payload with its chunk plan, held by the caller: the cache may evict or replace its entry meanwhile.
+  std::shared_ptr<Cached> payload_for(const StoredJob& job, const ChunkLease& lease, std::string& error);
+  int attempts_of(const std::string& job_id, int64_t chunk) const;
+  void finish(const std::string& job_id, JobState state, ErrorKind kind, const std::string& error);
+  void fail_or_retry(const Running& run, const std::string& error);
+  uint64_t append(const std::string& job_id, const JobEvent& event);
+  void push_step(Running& run, int64_t row, int64_t rows);
+  void keep_step_locked(const std::string& job_id, const JobEvent& event);
+  bool stop_requested(const Running& run) const;
+  std::string lease_name(size_t replica) const;
+  JobSnapshot snapshot(const StoredJob& job) const;
+  // What the transport reads of a job (parameters, chunk layout), re-created from the stored request the first time
+  // this pod is asked about a job it never ran; kept (bounded) since it never changes.
+  std::shared_ptr<const JobDescription> description_of(const StoredJob& job) const;
+  std::optional<StoredJob> find(const std::string& id, const std::string& owner) const;
+  void admit_here() const;  // draining, a healthy replica
+  void admit(const JobSpec& spec) const;
+  AdmissionError queue_full(int64_t admitted) const;
+  AdmissionError client_queue_full(int64_t unfinished, int64_t cap) const;
+  int64_t client_cap(const JobSpec& spec) const;  // the key's cap, else --max-jobs-per-client
+  void report_queue();
+  void changed(const std::string& job_id);  // wakes waiters and the job's subscribers
+  void listen_loop();
+  void heartbeat_loop();
+  void store_health_loop();
+  void housekeeping();
+  void retire_finished();
 
-  SchedulerOptions options_;
+  PodOptions options_;
+  JobStore& store_;
+  LeaseStore& leases_;
+  JobLoader loader_;
   SchedulerObserver* observer_;
-  JobStore* store_;
+  ReplicaPool pool_;
+
   mutable std::mutex mu_;
-  mutable std::condition_variable changed_;   // job ends, chunks done, drain, reservations settled (wait_idle, submit);
-                                              // job events wake only the job's own watchers (Job::watchers)
-  std::vector<std::unique_ptr<Slot>> slots_;  // per replica: the chunk handed to it (pending or running)
-  std::map<std::string, std::unique_ptr<Job>> jobs_;
-  std::map<std::string, std::unique_ptr<Job>> reserving_;                   // admitted, being stored: not visible yet
-  std::map<std::pair<std::string, std::string>, std::string> idempotency_;  // (owner, key) -> id (reserved too)
-  std::map<std::string, ClientShare> clients_;  // by JobSpec::client: fair share between tenants
-  uint64_t next_seq_ = 0;
+  mutable std::condition_variable changed_;  // any job changed (store notification, local event), running chunk ended
+  std::condition_variable work_;             // a chunk may have become ready
+  std::map<size_t, std::shared_ptr<Running>> running_;  // by replica
+  std::map<std::string, std::shared_ptr<Cached>> cache_;  // payloads of jobs whose last chunk ran here
+  std::map<std::string, std::deque<JobEvent>> steps_;     // step events of chunks run here or elsewhere (bounded)
+  std::map<std::string, size_t> avoid_;  // jobs whose chunk just failed on this replica (until claimed again)
+  double seconds_per_chunk_ = 0;         // moving average of this server's chunks (0: none measured yet)
+  std::optional<std::string> aborted_;   // abort_all's reason
+  bool retire_now_ = false;              // a job ended: retention runs at the next heartbeat
+  mutable std::map<std::string, std::shared_ptr<const JobDescription>> descriptions_;  // bounded
+  std::map<std::string, std::map<uint64_t, std::function<void()>>> listeners_;
   uint64_t next_listener_ = 1;
+  uint64_t change_count_ = 0;  // bumped by every change: next_chunk sleeps only when nothing changed since it looked
   bool draining_ = false;
+  bool hard_stop_ = false;  // abort_all / destructor: running chunks stop now
+  bool interrupted_ = false;
   bool stopping_ = false;
-  bool interrupted_ = false;      // the pool stops: next_chunk() hands out nothing more
-  bool keep_unfinished_ = false;  // abort_all() with a durable store: unfinished jobs stay so in the store
   bool started_ = false;
-  double seconds_per_work_ = 0;  // moving average over all replicas; 0 = no measurement yet
-  std::thread timer_;
-  std::condition_variable timer_cv_;
-  ReplicaPool pool_;  // last: its workers call back into everything above until ~Scheduler stops it
+  std::thread listener_, heartbeat_, store_health_;
+  std::atomic<bool> store_answers_{true};
+  std::condition_variable heartbeat_cv_;
+  bool renew_now_ = false;
 };
 
 }  // namespace skyreels::server

@@ -1266,17 +1266,6 @@ RestoredJob restore_job(const StoredJob& stored, std::vector<StoredChunk> chunks
   return r;
 }
 
-std::vector<RestoredJob> restore_jobs(const JobStore& store, const ServiceConfig& config) {
-  std::vector<RestoredJob> out;
-  for (StoredJob& stored : store.load_jobs()) {
-    std::vector<StoredChunk> chunks = store.load_chunks(stored.id);
-    RestoredJob r = restore_job(stored, std::move(chunks), config);
-    r.events = store.load_events(stored.id);
-    out.push_back(std::move(r));
-  }
-  return out;
-}
-
 std::unique_ptr<grpc::Service> make_video_service(JobQueue& jobs, ServiceConfig config) {
   return std::make_unique<VideoServiceImpl>(jobs, std::move(config));
 }

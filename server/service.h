@@ -84,11 +84,8 @@ struct ServiceConfig {
 // The skyreels.v1.VideoService implementation, to register with a grpc::ServerBuilder. `jobs` must outlive it.
 std::unique_ptr<grpc::Service> make_video_service(JobQueue& jobs, ServiceConfig config);
 
-// Reads every job back from `store` and re-creates its payload from the stored request and chunk results, for
-// JobQueue::restore(). A job whose payload cannot be re-created carries the reason (RestoredJob::error).
-std::vector<RestoredJob> restore_jobs(const JobStore& store, const ServiceConfig& config);
-// One job's payload re-created from its stored request and committed chunks (peers: a pod running a chunk of a job
-// whose previous chunk ran elsewhere). RestoredJob::payload null: RestoredJob::error says why.
+// One job's payload re-created from its stored request and committed chunks (the scheduler's JobLoader: a chunk of a
+// job whose payload is not on this server: after a restart, another pod's, or evicted). RestoredJob::payload null: RestoredJob::error says why.
 RestoredJob restore_job(const StoredJob& stored, std::vector<StoredChunk> chunks, const ServiceConfig& config);
 
 // A server interceptor that turns gRPC's answer to a request it could not parse (INTERNAL with an empty message: a

@@ -990,6 +990,7 @@ void call_every_store_method(server::JobStore& store) {
   attempt([&] { store.load_jobs(); });
   attempt([&] { store.load_chunks("j1"); });
   attempt([&] { store.load_events("j1"); });
+  attempt([&] { store.load_request("j1"); });
   attempt([&] { store.load_chunk_bytes("j1", 0); });
   attempt([&] { store.put_segment("j1", 0, "mp4"); });
   attempt([&] { store.load_segment("j1", 0); });

@@ -1,10 +1,14 @@
 // The chunk scheduler with fake executors: affinity, handoffs, fairness, priorities, retries, deadlines,
 // cancellation, admission and drain; submissions stored outside the lock; the replica pool against a scripted chunk
-// source. No model, no gRPC: every test runs in milliseconds.
+// source. No model, no gRPC. The Scheduler* cases run over every store ($SKYREELS_TEST_STORE: memory, sqlite, or
+// postgresql on a real PostgreSQL per harness; ctest names carry the store): one scheduler, the same answers.
 #include <gtest/gtest.h>
 #include <spdlog/spdlog.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
 
 #include <algorithm>
 #include <atomic>
@@ -22,8 +26,10 @@
 #include <vector>
 
 #include "server/fingerprint.h"
+#include "server/job_lease.h"
 #include "server/replica_pool.h"
 #include "server/scheduler.h"
+#include "tests/pg_fixture.h"
 
 namespace skyreels::server {
 namespace {
@@ -125,7 +131,9 @@ class FakeExecutor : public ChunkExecutor {
     const uint64_t previous = payload.outputs.empty() ? payload.seed : payload.outputs.back();
     payload.outputs.push_back(previous * 6364136223846793005ULL + 1442695040888963407ULL +
                               static_cast<uint64_t>(work.chunk_index));
-    return {ChunkOutcome::Succeeded, "", 4, {}, {}};
+    ChunkResult done{ChunkOutcome::Succeeded, "", 4, {}, {}};
+    done.bytes = std::to_string(payload.outputs.back());  // the chunk's stored result
+    return done;
   }
   void probe() override {
     log_->probed();
@@ -140,21 +148,70 @@ class FakeExecutor : public ChunkExecutor {
   int probes_ = 0;
 };
 
+// Which store the Scheduler* cases run over (ctest sets $SKYREELS_TEST_STORE per registration).
+std::string store_kind() {
+  const char* kind = std::getenv("SKYREELS_TEST_STORE");
+  return kind == nullptr || *kind == '\0' ? "memory" : kind;
+}
+
+// Re-creates a fake job's payload from its stored request (the seed) and committed results, as the service does.
+RestoredJob load_fake_job(const StoredJob& job, std::vector<StoredChunk> chunks) {
+  RestoredJob r;
+  auto payload = std::make_shared<FakePayload>(std::stoull(job.request.empty() ? "1" : job.request));
+  for (const StoredChunk& chunk : chunks) payload->outputs.push_back(std::stoull(chunk.bytes));
+  r.payload = payload;
+  r.chunk_rows.assign(static_cast<size_t>(job.chunk_count), 3);
+  return r;
+}
+
+// A fresh directory, removed with everything in it.
+struct ScratchDir {
+  std::string path;
+  ScratchDir() {
+    char name[] = "/tmp/skyreels-scheduler-XXXXXX";
+    if (::mkdtemp(name) == nullptr) throw std::runtime_error("mkdtemp failed");
+    path = name;
+  }
+  ~ScratchDir() { std::filesystem::remove_all(path); }
+};
+
 struct Harness {
   std::shared_ptr<RunLog> log = std::make_shared<RunLog>();
+  std::unique_ptr<test::PgServer> postgres;
+  std::unique_ptr<ScratchDir> dir;
+  std::unique_ptr<JobStore> store;
   std::unique_ptr<Scheduler> scheduler;
 
-  // `start_now` false: the caller restores jobs first, then calls start().
-  Harness(std::vector<FakeBehaviour> behaviours, SchedulerOptions options = {}, JobStore* store = nullptr,
+  // `start_now` false: the caller calls start(). `borrowed`: the store under the leases (else one of store_kind()).
+  Harness(std::vector<FakeBehaviour> behaviours, SchedulerOptions options = {}, JobStore* borrowed = nullptr,
           bool start_now = true) {
     spdlog::set_level(spdlog::level::warn);  // per-chunk info logs would drown the test output
     std::vector<std::unique_ptr<ChunkExecutor>> executors;
     for (size_t i = 0; i < behaviours.size(); ++i) {
       executors.push_back(std::make_unique<FakeExecutor>("fake:" + std::to_string(i), behaviours[i], log));
     }
-    scheduler = std::make_unique<Scheduler>(std::move(executors), options, nullptr, store);
+    store = borrowed != nullptr ? with_leases(*borrowed) : open_store();
+    PodOptions pod;
+    pod.scheduling = options;
+    scheduler = std::make_unique<Scheduler>(std::move(executors), pod, *store, load_fake_job);
     if (start_now) start();
   }
+
+  std::unique_ptr<JobStore> open_store() {
+    const std::string kind = store_kind();
+    if (kind == "sqlite") {
+      dir = std::make_unique<ScratchDir>();
+      return with_leases(open_job_store("sqlite:" + dir->path + "/jobs.sqlite"));
+    }
+    if (kind == "postgresql") {
+      postgres = std::make_unique<test::PgServer>();
+      return with_leases(open_job_store(postgres->url()));
+    }
+    if (kind != "memory") throw std::invalid_argument("SKYREELS_TEST_STORE: memory, sqlite or postgresql");
+    return with_leases(open_job_store("memory"));
+  }
+
+  bool shared_store() { return store->leases()->shared(); }
 
   void start() {
     scheduler->start();
@@ -174,6 +231,7 @@ struct Harness {
     spec.idempotency_key = key;
     spec.fingerprint = fingerprint;
     spec.payload = std::make_shared<FakePayload>(seed);
+    spec.durable_request = std::to_string(seed);
     return scheduler->submit(std::move(spec)).job.id;
   }
 
@@ -185,6 +243,7 @@ struct Harness {
     spec.chunk_work.assign(static_cast<size_t>(chunks), 1.0);
     spec.chunk_rows.assign(static_cast<size_t>(chunks), 3);
     spec.payload = std::make_shared<FakePayload>(1);
+    spec.durable_request = "1";
     return scheduler->submit(std::move(spec)).job.id;
   }
 
@@ -201,10 +260,14 @@ struct Harness {
     return snapshot.value_or(JobSnapshot{});
   }
 
-  static std::vector<uint64_t> outputs(const JobSnapshot& job) {
-    auto& payload = static_cast<FakePayload&>(*job.payload);
-    std::lock_guard<std::mutex> lock(payload.mu);
-    return payload.outputs;
+  // The job's chunk outputs as the store holds them (whichever replica, or pod, ran each chunk).
+  std::vector<uint64_t> outputs(const JobSnapshot& job) {
+    std::vector<uint64_t> out;
+    for (int64_t i = 0; i < job.chunks_done; ++i) {
+      const std::optional<std::string> bytes = scheduler->chunk_result(job.id, job.owner, i);
+      out.push_back(bytes ? std::stoull(*bytes) : 0);
+    }
+    return out;
   }
 };
 
@@ -265,14 +328,14 @@ TEST(Scheduler, JobWaitsForItsBusyHolderWhenAHandoffCostsMoreThanWaiting) {
 
 TEST(Scheduler, OutputDoesNotDependOnWhichReplicaRanEachChunk) {
   Harness one({FakeBehaviour{}});
-  const auto reference = Harness::outputs(one.wait(one.submit(5, 0, 42)));
+  const auto reference = one.outputs(one.wait(one.submit(5, 0, 42)));
   SchedulerOptions options;
   options.handoff_cost_seconds = 0;
   Harness two({steps(2ms), steps(3ms)}, options);
   std::vector<std::string> ids;
   for (uint64_t seed : {42, 7, 9}) ids.push_back(two.submit(5, 0, seed));
   const auto job = two.wait(ids[0]);
-  EXPECT_EQ(Harness::outputs(job), reference);
+  EXPECT_EQ(two.outputs(job), reference);
 }
 
 TEST(Scheduler, LongVideoDoesNotStarveAShortOneSubmittedLater) {
@@ -363,13 +426,13 @@ TEST(Scheduler, HigherPriorityJobsRunFirst) {
 
 TEST(Scheduler, FailedChunkIsRetriedOnAnotherReplicaAndTheOutputIsUnchanged) {
   Harness reference_harness({FakeBehaviour{}, FakeBehaviour{}});
-  const auto reference = Harness::outputs(reference_harness.wait(reference_harness.submit(3, 0, 5)));
+  const auto reference = reference_harness.outputs(reference_harness.wait(reference_harness.submit(3, 0, 5)));
 
   Harness h({failing_calls({1}), FakeBehaviour{}});
   const auto job = h.wait(h.submit(3, 0, 5));
   EXPECT_EQ(job.state, JobState::Succeeded);
   EXPECT_EQ(job.retries, 1);
-  EXPECT_EQ(Harness::outputs(job), reference);
+  EXPECT_EQ(h.outputs(job), reference);
   const auto log = h.log->snapshot();
   ASSERT_GE(log.size(), 2u);
   EXPECT_EQ(log[0], job.id + ":0@fake:0");
@@ -510,6 +573,8 @@ TEST(Scheduler, FullQueueRefusesWithARetryHint) {
   EXPECT_NO_THROW(h.submit(1)) << "room again once jobs finished";
 }
 
+// Alone on its store the server finishes what it admitted; on a shared store it stops claiming and leaves the queue to
+// the other pods (its running chunk still ends).
 TEST(Scheduler, DrainRefusesNewJobsAndFinishesAdmittedOnes) {
   Harness h({steps(5ms)});
   const auto a = h.submit(2);
@@ -523,6 +588,11 @@ TEST(Scheduler, DrainRefusesNewJobsAndFinishesAdmittedOnes) {
     EXPECT_EQ(e.reason(), AdmissionError::Reason::Draining);
   }
   EXPECT_TRUE(h.scheduler->wait_idle(Clock::now() + 5s));
+  if (h.shared_store()) {
+    EXPECT_EQ(h.scheduler->running_jobs(), 0);
+    EXPECT_FALSE(is_terminal(h.scheduler->get(b, "")->state)) << "b waits in the store for another pod";
+    return;
+  }
   EXPECT_EQ(h.scheduler->get(a, "")->state, JobState::Succeeded);
   EXPECT_EQ(h.scheduler->get(b, "")->state, JobState::Succeeded);
 }
@@ -1045,9 +1115,9 @@ TEST(Fingerprints, ARetryOfAJobRestoredFromBeforeTheUpgradeIsDeduplicatedByItsOl
   old.stored.chunks_done = 1;
   old.stored.created_ms = 1;
   old.stored.finished_ms = 2;
-  Harness fresh({steps(2ms)}, {}, nullptr, /*start_now=*/false);
-  fresh.scheduler->restore({old});
-  fresh.start();
+  const std::unique_ptr<JobStore> stored = open_job_store("memory");  // the store is the queue: the job is in it
+  stored->insert_job(old.stored);
+  Harness fresh({steps(2ms)}, {}, stored.get());
   JobSpec retry;
   retry.owner = "alice";
   retry.idempotency_key = "retry-me";

@@ -107,9 +107,10 @@ class ConditioningServerTest : public SharedServerSuite<ConditioningServerTest> 
 
 TEST_F(ConditioningServerTest, ImageToVideoAndVideoExtensionAcrossReplicasEqualTheSingleProcessResult) {
   // Three overlapping 3-chunk jobs on two replicas move between them; rounds repeat (new seeds) until an
-  // image-to-video and the video-extension job have each run on both replicas.
+  // image-to-video and the video-extension job have each run on both replicas. (The placement is deterministic: the
+  // job submitted last moves; the fault-injected run below moves a video-extension job for certain.)
   bool image_moved = false, video_moved = false;
-  for (uint64_t round = 0; round < 4 && !(image_moved && video_moved); ++round) {
+  for (uint64_t round = 0; round < 2 && !(image_moved && video_moved); ++round) {
     const uint64_t seed = 41 + 10 * round;
     const std::vector<pb::SubmitJobRequest> requests = {image_request(seed), video_request(seed + 1),
                                                         image_request(seed + 2)};
@@ -133,6 +134,21 @@ TEST_F(ConditioningServerTest, ImageToVideoAndVideoExtensionAcrossReplicasEqualT
       EXPECT_TRUE(at::equal(served, expected[i])) << "job " << i << ", max diff " << diff;
     }
   }
+  // A video-extension job moved midway for certain: its second chunk fails on cpu:0, so the retry runs on cpu:1 from
+  // the first chunk's stored result.
+  const std::string dir = golden_path(kI2v) + "/weights";
+  ServerProcess faulty({"--model", dir + "/diffusers", "--vae", dir + "/vae", "--devices", "cpu,cpu", "--dtype",
+                        "float32", "--handoff-cost-seconds", "0", "--fault-inject", "cpu:0@2"});
+  const std::string id = submit(faulty.client(), video_request(77)).job_id();
+  const pb::Job job = wait_job(faulty.client(), id, std::chrono::seconds(120));
+  ASSERT_EQ(job.state(), pb::JOB_STATE_SUCCEEDED) << job.error().message();
+  EXPECT_EQ(job.retries(), 1);
+  const std::set<std::string> replicas(job.chunk_replicas().begin(), job.chunk_replicas().end());
+  video_moved |= replicas.size() > 1;
+  const at::Tensor expected =
+      generate_reference(kV2v, " --video " + inputs_of(kV2v) + " --inputs-at 25:" + inputs_of(kI2v), 77);
+  EXPECT_TRUE(at::equal(download_latents(faulty.client(), id), expected))
+      << "chunks on " << ::testing::PrintToString(job.chunk_replicas());
   EXPECT_TRUE(image_moved) << "no image-to-video job ran on both replicas";
   EXPECT_TRUE(video_moved) << "the video-extension job never ran on both replicas";
 }
