@@ -16,7 +16,7 @@
 #include <thread>
 #include <vector>
 
-#include "server/scheduler.h"
+#include "server/queue/scheduler.h"
 
 namespace {
 

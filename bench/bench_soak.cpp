@@ -32,7 +32,7 @@
 #include <vector>
 
 #include "bench/bench_util.h"
-#include "server/client.h"
+#include "server/api/client.h"
 
 namespace {
 

@@ -25,8 +25,8 @@
 #include <thread>
 #include <vector>
 
-#include "server/job_lease.h"
-#include "server/job_store.h"
+#include "server/store/job_lease.h"
+#include "server/store/job_store.h"
 #include "tests/pg_fixture.h"
 
 namespace {

@@ -2,7 +2,7 @@
 #include <iostream>
 
 #include "cli/command.h"
-#include "server/client.h"
+#include "server/api/client.h"
 
 namespace {
 

@@ -3,8 +3,8 @@
 #include <iostream>
 
 #include "cli/command.h"
-#include "server/blob.h"
-#include "server/client.h"
+#include "server/job/blob.h"
+#include "server/api/client.h"
 
 namespace {
 

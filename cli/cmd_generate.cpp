@@ -21,8 +21,8 @@
 #include "model/text_encoding.h"
 #include "model/transformer_loader.h"
 #include "model/vae_wan.h"
-#include "server/generation_params.h"
-#include "server/generation_params_model.h"
+#include "server/job/generation_params.h"
+#include "server/job/generation_params_model.h"
 
 namespace {
 

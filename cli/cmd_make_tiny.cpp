@@ -2,7 +2,7 @@
 #include <iostream>
 
 #include "cli/command.h"
-#include "server/demo_model.h"
+#include "server/replica/demo_model.h"
 
 namespace {
 

@@ -11,9 +11,9 @@
 
 #include "cli/command.h"
 #include "model/safetensors.h"
-#include "server/blob.h"
-#include "server/client.h"
-#include "server/generation_params_proto.h"
+#include "server/job/blob.h"
+#include "server/api/client.h"
+#include "server/job/generation_params_proto.h"
 
 namespace {
 

@@ -4,8 +4,8 @@
 #include <stdexcept>
 
 #include "model/lora.h"
-#include "server/generation_params.h"
-#include "server/generation_params_model.h"
+#include "server/job/generation_params.h"
+#include "server/job/generation_params_model.h"
 
 namespace skyreels::cli {
 

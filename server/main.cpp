@@ -33,15 +33,17 @@
 
 #include "model/runtime.h"
 #include "model/transformer_loader.h"
-#include "server/auth.h"
-#include "server/demo_model.h"
-#include "server/encoders.h"
-#include "server/job_store_timed.h"
-#include "server/limits.h"
+#include "server/api/auth.h"
+#include "server/replica/demo_model.h"
+#include "server/media/encoders.h"
+#include "server/store/job_store_timed.h"
+#include "server/job/limits.h"
 #include "server/metrics.h"
-#include "server/replica.h"
-#include "server/scheduler.h"
-#include "server/service.h"
+#include "server/replica/replica.h"
+#include "server/queue/scheduler.h"
+#include "server/api/interceptors.h"
+#include "server/api/probes.h"
+#include "server/api/service.h"
 
 #ifndef SKYREELS_VERSION
 #define SKYREELS_VERSION "dev"
@@ -468,44 +470,60 @@ struct TempDir {
   }
 };
 
-int serve(const Options& o, Signals& signals) {
-  // ---- the job store first: a store that cannot be used stops the start before a model is loaded ----
-  const std::string store_spec =
+// The job store first: a store that cannot be used stops the start before a model is loaded.
+std::unique_ptr<JobStore> open_store(const Options& o) {
+  const std::string spec =
       o.job_store.empty() ? "sqlite:" + (std::filesystem::path(o.data_dir) / "jobs.sqlite").string() : o.job_store;
-  std::unique_ptr<JobStore> store = with_leases(open_job_store(store_spec));
+  std::unique_ptr<JobStore> store = with_leases(open_job_store(spec));
   spdlog::info("event=job_store store={} durable={}", store->describe(), store->durable());
+  return store;
+}
 
-  // ---- model ----
-  TempDir demo_dir;
-  std::string model_path = o.model;
+// The transformer checkpoint (or the demo's tiny one) and the LoRA adapters, checked before any replica loads.
+struct CheckedModel {
+  TempDir demo_dir;  // the demo's weights, removed once every replica holds them
+  std::string path;
+  skyreels::model::MappedTransformerCheckpoint mapped;
+  std::vector<skyreels::model::LoraAdapter> adapters;  // only checked here: the replicas read their own copies
+};
+
+std::unique_ptr<CheckedModel> check_model(const Options& o) {
+  auto m = std::make_unique<CheckedModel>();
+  m->path = o.model;
   if (o.demo) {
-    demo_dir.path = make_private_temp_dir("skyreels-demo");
-    write_tiny_model(demo_dir.path);
-    model_path = demo_dir.path;
-    spdlog::info("event=demo_model path={} (random weights, fixed seed)", model_path);
+    m->demo_dir.path = make_private_temp_dir("skyreels-demo");
+    write_tiny_model(m->demo_dir.path);
+    m->path = m->demo_dir.path;
+    spdlog::info("event=demo_model path={} (random weights, fixed seed)", m->path);
   }
   if (!o.tokenizer.empty() && o.text_encoder.empty()) throw UsageError("--tokenizer needs --text-encoder");
-  const auto mapped = skyreels::model::map_transformer_checkpoint(model_path);  // validates before any replica loads
-  const auto& config = mapped.config;
+  m->mapped = skyreels::model::map_transformer_checkpoint(m->path);
   // Adapters too: a bad one stops the start here, naming its key, not in every replica.
-  std::vector<skyreels::model::LoraAdapter> adapters;
-  for (const auto& spec : o.loras) adapters.push_back(skyreels::model::read_lora(spec));
-  skyreels::model::check_loras(adapters, skyreels::model::transformer_parameter_specs(config));
-  for (const auto& a : adapters) {
+  for (const auto& spec : o.loras) m->adapters.push_back(skyreels::model::read_lora(spec));
+  skyreels::model::check_loras(m->adapters, skyreels::model::transformer_parameter_specs(m->mapped.config));
+  for (const auto& a : m->adapters) {
     const auto r = skyreels::model::lora_report(a);
     spdlog::info("event=lora path={} scale={} format={} parameters={} max_rank={} ignored_keys={}", r.path, r.scale,
                  r.format, r.parameters, r.max_rank, r.ignored);
   }
+  return m;
+}
 
-  // ---- replicas ----
-  auto plans = plan_replicas(o.devices, skyreels::runtime::available_cores(), cuda_device_count());
-  const auto faults = parse_fault_rules(o.fault_inject);
+// One ModelReplica per planned device. Metrics come later (`work_sink`); replicas only report once they run chunks.
+struct Replicas {
+  std::vector<ReplicaOptions> plans;
+  std::vector<FaultRule> faults;
   std::vector<std::unique_ptr<ChunkExecutor>> executors;
   std::vector<std::string> names;
   std::vector<ReplicaDescription> descriptions;
-  // Metrics come later; replicas only report work once they run chunks.
-  auto work_sink = std::make_shared<std::atomic<Metrics*>>(nullptr);
-  for (auto& plan : plans) {
+};
+
+Replicas make_replicas(const Options& o, const std::string& model_path,
+                       const std::shared_ptr<std::atomic<Metrics*>>& work_sink) {
+  Replicas r;
+  r.plans = plan_replicas(o.devices, skyreels::runtime::available_cores(), cuda_device_count());
+  r.faults = parse_fault_rules(o.fault_inject);
+  for (auto& plan : r.plans) {
     plan.on_transformer_work = [work_sink](int64_t computed, int64_t exact, int64_t cache) {
       if (Metrics* m = work_sink->load()) m->transformer_work(computed, exact, cache);
     };
@@ -515,43 +533,23 @@ int serve(const Options& o, Signals& signals) {
     plan.dtype = o.dtype;
     plan.model_path = model_path;
     plan.loras = o.loras;
-    plan.faults = faults;
+    plan.faults = r.faults;
     plan.step_delay = std::chrono::milliseconds(o.step_delay_ms);
     plan.block_delay = std::chrono::milliseconds(o.block_delay_ms);
-    names.push_back(plan.name);
-    descriptions.push_back({plan.name, plan.device, plan.threads});
-    executors.push_back(std::make_unique<ModelReplica>(plan));
+    r.names.push_back(plan.name);
+    r.descriptions.push_back({plan.name, plan.device, plan.threads});
+    r.executors.push_back(std::make_unique<ModelReplica>(plan));
   }
-  for (const auto& f : faults) {
+  for (const auto& f : r.faults) {
     if (f.replica == kVideoEncoderFaultName) continue;  // the VAE/MP4 worker's rules, given to VideoEncoder below
-    if (std::find(names.begin(), names.end(), f.replica) == names.end()) {
+    if (std::find(r.names.begin(), r.names.end(), f.replica) == r.names.end()) {
       throw UsageError("--fault-inject: no replica named '" + f.replica + "'");
     }
   }
+  return r;
+}
 
-  // ---- optional model parts, metrics, scheduler ----
-  Metrics metrics(names, SKYREELS_VERSION, skyreels::model::describe_loras(o.loras));
-  work_sink->store(&metrics);
-  const std::shared_ptr<void> unsink(nullptr, [work_sink](void*) { work_sink->store(nullptr); });
-  TextEncoderFn text_encoder;
-  if (!o.text_encoder.empty()) {
-    const auto t0 = Clock::now();
-    text_encoder =
-        load_text_encoder(o.text_encoder, o.tokenizer, plans.front().device, o.dtype, config.text_dim, &metrics);
-    metrics.model_loaded(kComponentTextEncoder, std::chrono::duration<double>(Clock::now() - t0).count());
-  }
-  store = std::make_unique<TimedJobStore>(std::move(store), metrics.store_call_report());  // before its first use
-  std::unique_ptr<VideoEncoder> video;
-  if (!o.vae.empty()) {
-    const auto t0 = Clock::now();
-    video = std::make_unique<VideoEncoder>(o.vae, o.vae_device.empty() ? plans.front().device : o.vae_device, *store,
-                                           &metrics, 1024, faults);
-    metrics.model_loaded(kComponentVae, std::chrono::duration<double>(Clock::now() - t0).count());
-  }
-  metrics.serve(o.metrics_listen);
-  ObserverList observers;
-  observers.add(&metrics);
-  if (video) observers.add(video.get());
+SchedulerOptions scheduling_options(const Options& o) {
   SchedulerOptions scheduling;
   scheduling.max_jobs = o.max_queue;
   scheduling.max_jobs_per_client = o.transport.max_jobs_per_client;
@@ -563,29 +561,29 @@ int serve(const Options& o, Signals& signals) {
   scheduling.retest_backoff = to_millis(o.replica_retest_seconds);
   scheduling.retest_backoff_max = std::max(scheduling.retest_backoff, to_millis(o.replica_retest_max_seconds));
   scheduling.liveness_grace = std::chrono::seconds(o.liveness_grace_seconds);
+  return scheduling;
+}
 
-  // ---- gRPC ----
-  ApiKeys keys;
-  if (!o.api_keys.empty()) {
-    keys = ApiKeys::load(o.api_keys);
-    spdlog::info("event=api_keys_loaded count={}", keys.size());
-  }
-  warn_about_exposure(o);
-  ServiceConfig service_config;
-  service_config.version = SKYREELS_VERSION;
-  service_config.limits.max_frames = o.max_frames;
-  service_config.limits.max_height = o.max_height;
-  service_config.limits.max_width = o.max_width;
-  service_config.limits.max_steps = o.max_steps;
-  set_work_limits(o, config, plans, mapped.report.parameter_count, service_config.limits);
-  for (int i = 0; i < 3; ++i) service_config.model.patch_size[i] = config.patch_size[static_cast<size_t>(i)];
-  service_config.model.text_dim = config.text_dim;
-  service_config.model.num_frame_per_block = config.num_frame_per_block;
-  service_config.model.latent_channels = config.out_channels;
-  ModelSummary& summary = service_config.summary;
+// What the transport knows of the model, the limits and the optional parts.
+ServiceConfig service_config(const Options& o, const CheckedModel& model, const Replicas& replicas,
+                             const ApiKeys& keys, TextEncoderFn text_encoder, VideoEncoder* video,
+                             Metrics& metrics) {
+  const auto& config = model.mapped.config;
+  ServiceConfig c;
+  c.version = SKYREELS_VERSION;
+  c.limits.max_frames = o.max_frames;
+  c.limits.max_height = o.max_height;
+  c.limits.max_width = o.max_width;
+  c.limits.max_steps = o.max_steps;
+  set_work_limits(o, config, replicas.plans, model.mapped.report.parameter_count, c.limits);
+  for (int i = 0; i < 3; ++i) c.model.patch_size[i] = config.patch_size[static_cast<size_t>(i)];
+  c.model.text_dim = config.text_dim;
+  c.model.num_frame_per_block = config.num_frame_per_block;
+  c.model.latent_channels = config.out_channels;
+  ModelSummary& summary = c.summary;
   summary.source = o.demo ? "demo" : o.model;
-  summary.dtype = skyreels::runtime::resolve_dtype_name(o.dtype, plans.front().device);
-  summary.parameter_count = mapped.report.parameter_count;
+  summary.dtype = skyreels::runtime::resolve_dtype_name(o.dtype, replicas.plans.front().device);
+  summary.parameter_count = model.mapped.report.parameter_count;
   summary.num_layers = config.num_layers;
   summary.num_attention_heads = config.num_attention_heads;
   summary.attention_head_dim = config.attention_head_dim;
@@ -596,60 +594,53 @@ int serve(const Options& o, Signals& signals) {
   summary.patch_size = {config.patch_size[0], config.patch_size[1], config.patch_size[2]};
   summary.inject_sample_info = config.inject_sample_info;
   summary.num_frame_per_block = config.num_frame_per_block;
-  for (const auto& a : adapters) {
+  for (const auto& a : model.adapters) {
     const auto r = skyreels::model::lora_report(a);
     summary.loras.push_back({r.path, r.scale, r.format, r.parameters, r.max_rank});
   }
-  adapters.clear();  // the replicas read their own copies; these only checked the files
-  service_config.replicas = descriptions;
-  service_config.api_keys = &keys;
-  service_config.text_encoder = text_encoder;
-  service_config.vae_available = video != nullptr;
-  if (video) service_config.vae = video->vae();  // image / video conditioning
+  c.replicas = replicas.descriptions;
+  c.api_keys = &keys;
+  c.text_encoder = std::move(text_encoder);
+  c.vae_available = video != nullptr;
   if (video) {
-    service_config.want_video = [&video](const JobSnapshot& job) { video->want(job); };
-    service_config.wait_video = [&video](const std::string& id, int64_t chunk, Clock::time_point until) {
+    c.vae = video->vae();  // image / video conditioning
+    c.want_video = [video](const JobSnapshot& job) { video->want(job); };
+    c.wait_video = [video](const std::string& id, int64_t chunk, Clock::time_point until) {
       return video->wait_segment(id, chunk, until);
     };
   }
-  service_config.metrics = &metrics;
-  service_config.transport = o.transport;
-  // The service and the drain below see only the JobQueue seam.
-  std::unique_ptr<JobQueue> jobs;
-  {
-    PodOptions pod;
-    pod.scheduling = scheduling;
-    pod.pod = o.pod_name;
-    pod.lease_ttl = to_millis(o.lease_seconds);
-    // Payloads are re-created from the store: after a restart (expired leases are taken over), on another pod, or
-    // after this server evicted them.
-    auto loader = [&service_config](const StoredJob& job, std::vector<StoredChunk> chunks) {
-      return restore_job(job, std::move(chunks), service_config);
-    };
-    jobs = std::make_unique<Scheduler>(std::move(executors), pod, *store, loader, &observers);
-    spdlog::info("event=scheduler store={} shared={} pod={} lease_seconds={}", store->describe(),
-                 store->leases()->shared(), o.pod_name, o.lease_seconds);
-  }
-  // MP4s follow every commit the queue sees, also those of chunks another pod ran.
-  if (video) video->follow_with([&jobs](const std::string& id, const std::string& owner) { return jobs->get(id, owner); });
-  struct StopFollowing {  // destroyed before `jobs`, however serve() ends
-    VideoEncoder* video;
-    ~StopFollowing() {
-      if (video) video->follow_with({});
-    }
-  } stop_following{video.get()};
-  jobs->start();
-  auto service = make_video_service(*jobs, service_config);
+  c.metrics = &metrics;
+  c.transport = o.transport;
+  return c;
+}
 
+// The one job queue over the store; payloads are re-created from the store (after a restart, where expired leases
+// are taken over; on another pod; after this server evicted them).
+std::unique_ptr<JobQueue> make_queue(const Options& o, Replicas& replicas, JobStore& store,
+                                     const ServiceConfig& service_config, SchedulerObserver& observers) {
+  PodOptions pod;
+  pod.scheduling = scheduling_options(o);
+  pod.pod = o.pod_name;
+  pod.lease_ttl = to_millis(o.lease_seconds);
+  auto loader = [&service_config](const StoredJob& job, std::vector<StoredChunk> chunks) {
+    return restore_job(job, std::move(chunks), service_config);
+  };
+  auto jobs = std::make_unique<Scheduler>(std::move(replicas.executors), pod, store, loader, &observers);
+  spdlog::info("event=scheduler store={} shared={} pod={} lease_seconds={}", store.describe(),
+               store.leases()->shared(), o.pod_name, o.lease_seconds);
+  return jobs;
+}
+
+std::unique_ptr<grpc::Server> start_grpc(const Options& o, grpc::Service& service, int64_t max_request_bytes,
+                                         Metrics& metrics, int* port) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
   if (!o.tls_cert.empty()) credentials = tls_credentials(o);
   grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(o.listen, credentials, &port);
-  builder.RegisterService(service.get());
-  builder.SetMaxReceiveMessageSize(static_cast<int>(service_config.max_request_bytes));
+  builder.AddListeningPort(o.listen, credentials, port);
+  builder.RegisterService(&service);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(max_request_bytes));
   builder.SetMaxSendMessageSize(16 << 20);
   grpc::ResourceQuota quota("skyreels-server");
   quota.SetMaxThreads(o.transport.max_threads());  // streams never take the last 64 threads
@@ -663,38 +654,29 @@ int serve(const Options& o, Signals& signals) {
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10000);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (!server || port == 0) throw std::runtime_error("--listen: cannot listen on " + o.listen);
-  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
-  health->SetServingStatus("", false);
-  health->SetServingStatus("liveness", true);
-  bool live = true;
-  spdlog::info("event=listening address={} port={} tls={} api_keys={} replicas={} version={}", o.listen, port,
-               !o.tls_cert.empty(), keys.enabled(), names.size(), SKYREELS_VERSION);
+  if (!server || *port == 0) throw std::runtime_error("--listen: cannot listen on " + o.listen);
+  return server;
+}
 
-  // ---- serve until a signal; readiness follows the scheduler and whether unary calls are answered ----
-  UnaryProbe unary(*server);
-  {
-    std::lock_guard<std::mutex> lock(signals.mu);
-    signals.on_reload = [&keys] {
-      keys.reload();
-      spdlog::info("event=api_keys_loaded count={}", keys.size());
-    };
-  }
-  bool ready = false;
+// Until a signal: readiness follows the queue and whether unary calls are answered, liveness the replicas.
+void serve_until_signal(const Options& o, Signals& signals, JobQueue& jobs, grpc::Server& server, TempDir& demo_dir) {
+  grpc::HealthCheckServiceInterface* health = server.GetHealthCheckService();
+  UnaryProbe unary(server);
+  bool ready = false, live = true;
   while (signal_count(signals) == 0) {
-    if (!demo_dir.path.empty() && jobs->all_loaded()) {
+    if (!demo_dir.path.empty() && jobs.all_loaded()) {
       // Every replica has its (mapped or copied) weights: the files can go now, even if the process is killed later.
       std::error_code ec;
       std::filesystem::remove_all(demo_dir.path, ec);
       demo_dir.path.clear();
     }
-    const bool now_ready = jobs->ready() && unary.answered();
+    const bool now_ready = jobs.ready() && unary.answered();
     if (now_ready != ready) {
       health->SetServingStatus("", now_ready);
       spdlog::info("event=readiness serving={}", now_ready);
       ready = now_ready;
     }
-    if (const bool now_live = jobs->live(); now_live != live) {
+    if (const bool now_live = jobs.live(); now_live != live) {
       health->SetServingStatus("liveness", now_live);
       if (now_live) {
         spdlog::info("event=liveness serving=true");
@@ -707,26 +689,28 @@ int serve(const Options& o, Signals& signals) {
     }
     wait_for(signals, 1, std::chrono::milliseconds(100));
   }
+}
 
-  // ---- drain ----
-  spdlog::info("event=draining signal={} queued={} running={} timeout_seconds={}", signals.last, jobs->queued_jobs(),
-               jobs->running_jobs(), o.drain_timeout_seconds);
-  health->SetServingStatus("", false);
-  jobs->begin_drain();
+// Readiness off, no new jobs; admitted ones finish within the drain timeout, else they stop (kept in the store).
+void drain(const Options& o, Signals& signals, JobQueue& jobs, grpc::Server& server, VideoEncoder* video) {
+  spdlog::info("event=draining signal={} queued={} running={} timeout_seconds={}", signals.last, jobs.queued_jobs(),
+               jobs.running_jobs(), o.drain_timeout_seconds);
+  server.GetHealthCheckService()->SetServingStatus("", false);
+  jobs.begin_drain();
   const auto drain_deadline = Clock::now() + std::chrono::seconds(o.drain_timeout_seconds);
   bool idle = false;
-  while (!(idle = jobs->wait_idle(std::min(drain_deadline, Clock::now() + std::chrono::milliseconds(100))))) {
+  while (!(idle = jobs.wait_idle(std::min(drain_deadline, Clock::now() + std::chrono::milliseconds(100))))) {
     if (Clock::now() >= drain_deadline || signal_count(signals) >= 2) break;
   }
   if (!idle) {
     const std::string reason = signal_count(signals) >= 2 ? "server stopped (second signal)" : "drain timeout";
-    spdlog::warn("event=drain_abort reason=\"{}\" queued={} running={}", reason, jobs->queued_jobs(),
-                 jobs->running_jobs());
-    jobs->abort_all(reason);
+    spdlog::warn("event=drain_abort reason=\"{}\" queued={} running={}", reason, jobs.queued_jobs(),
+                 jobs.running_jobs());
+    jobs.abort_all(reason);
     // Running chunks stop after their current transformer block; a block that does not end in time is abandoned.
-    if (!jobs->wait_idle(Clock::now() + kFinalWait)) {
+    if (!jobs.wait_idle(Clock::now() + kFinalWait)) {
       spdlog::error("event=exit forced=true reason=\"{} chunk(s) still running {} s after the drain ended\"",
-                    jobs->running_jobs(), std::chrono::duration_cast<std::chrono::seconds>(kFinalWait).count());
+                    jobs.running_jobs(), std::chrono::duration_cast<std::chrono::seconds>(kFinalWait).count());
       spdlog::default_logger()->flush();
       std::_Exit(0);  // the workers are inside a forward: destructors would wait for them
     }
@@ -735,6 +719,74 @@ int serve(const Options& o, Signals& signals) {
     if (video) video->wait_idle(drain_deadline);
     wait_for(signals, 2, std::chrono::milliseconds(1500));
   }
+}
+
+int serve(const Options& o, Signals& signals) {
+  std::unique_ptr<JobStore> store = open_store(o);
+  const std::unique_ptr<CheckedModel> model = check_model(o);
+  auto work_sink = std::make_shared<std::atomic<Metrics*>>(nullptr);
+  Replicas replicas = make_replicas(o, model->path, work_sink);
+
+  // ---- metrics and the optional model parts ----
+  Metrics metrics(replicas.names, SKYREELS_VERSION, skyreels::model::describe_loras(o.loras));
+  work_sink->store(&metrics);
+  const std::shared_ptr<void> unsink(nullptr, [work_sink](void*) { work_sink->store(nullptr); });
+  TextEncoderFn text_encoder;
+  if (!o.text_encoder.empty()) {
+    const auto t0 = Clock::now();
+    text_encoder = load_text_encoder(o.text_encoder, o.tokenizer, replicas.plans.front().device, o.dtype,
+                                     model->mapped.config.text_dim, &metrics);
+    metrics.model_loaded(kComponentTextEncoder, std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  store = std::make_unique<TimedJobStore>(std::move(store), metrics.store_call_report());  // before its first use
+  std::unique_ptr<VideoEncoder> video;
+  if (!o.vae.empty()) {
+    const auto t0 = Clock::now();
+    video = std::make_unique<VideoEncoder>(o.vae, o.vae_device.empty() ? replicas.plans.front().device : o.vae_device,
+                                           *store, &metrics, 1024, replicas.faults);
+    metrics.model_loaded(kComponentVae, std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  metrics.serve(o.metrics_listen);
+  ObserverList observers;
+  observers.add(&metrics);
+  if (video) observers.add(video.get());
+
+  // ---- the queue and the transport ----
+  ApiKeys keys;
+  if (!o.api_keys.empty()) {
+    keys = ApiKeys::load(o.api_keys);
+    spdlog::info("event=api_keys_loaded count={}", keys.size());
+  }
+  warn_about_exposure(o);
+  const ServiceConfig config = service_config(o, *model, replicas, keys, text_encoder, video.get(), metrics);
+  // The service and the drain see only the JobQueue seam.
+  std::unique_ptr<JobQueue> jobs = make_queue(o, replicas, *store, config, observers);
+  // MP4s follow every commit the queue sees, also those of chunks another pod ran.
+  if (video) video->follow_with([&jobs](const std::string& id, const std::string& owner) { return jobs->get(id, owner); });
+  struct StopFollowing {  // destroyed before `jobs`, however serve() ends
+    VideoEncoder* video;
+    ~StopFollowing() {
+      if (video) video->follow_with({});
+    }
+  } stop_following{video.get()};
+  jobs->start();
+  auto service = make_video_service(*jobs, config);
+  int port = 0;
+  const std::unique_ptr<grpc::Server> server = start_grpc(o, *service, config.max_request_bytes, metrics, &port);
+  server->GetHealthCheckService()->SetServingStatus("", false);
+  server->GetHealthCheckService()->SetServingStatus("liveness", true);
+  spdlog::info("event=listening address={} port={} tls={} api_keys={} replicas={} version={}", o.listen, port,
+               !o.tls_cert.empty(), keys.enabled(), replicas.names.size(), SKYREELS_VERSION);
+  {
+    std::lock_guard<std::mutex> lock(signals.mu);
+    signals.on_reload = [&keys] {
+      keys.reload();
+      spdlog::info("event=api_keys_loaded count={}", keys.size());
+    };
+  }
+
+  serve_until_signal(o, signals, *jobs, *server, model->demo_dir);
+  drain(o, signals, *jobs, *server, video.get());
   {
     std::lock_guard<std::mutex> lock(signals.mu);
     signals.on_reload = nullptr;  // `keys` goes out of scope with this function

@@ -14,8 +14,8 @@
 #include <thread>
 #include <vector>
 
-#include "server/job_store_timed.h"
-#include "server/job_types.h"
+#include "server/store/job_store_timed.h"
+#include "server/queue/job_types.h"
 
 namespace prometheus {
 class Registry;

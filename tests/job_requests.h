@@ -6,7 +6,7 @@
 #include <random>
 #include <vector>
 
-#include "server/model_job.h"
+#include "server/replica/model_job.h"
 
 namespace skyreels::server::test_requests {
 

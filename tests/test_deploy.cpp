@@ -13,8 +13,8 @@
 #include <sstream>
 #include <thread>
 
-#include "server/job_store_memory.h"
-#include "server/job_store_timed.h"
+#include "server/store/job_store_memory.h"
+#include "server/store/job_store_timed.h"
 #include "server/metrics.h"
 #include "tests/deploy_support.h"
 #include "tests/test_util.h"

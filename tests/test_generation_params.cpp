@@ -13,10 +13,10 @@
 #include <vector>
 
 #include "model/diffusion_forcing.h"
-#include "server/generation_params.h"
-#include "server/generation_params_model.h"
-#include "server/generation_params_proto.h"
-#include "server/model_job.h"
+#include "server/job/generation_params.h"
+#include "server/job/generation_params_model.h"
+#include "server/job/generation_params_proto.h"
+#include "server/replica/model_job.h"
 #include "tests/test_util.h"
 #include "tests/job_requests.h"
 

@@ -15,9 +15,9 @@
 #include <thread>
 #include <vector>
 
-#include "server/job_lease.h"
-#include "server/job_store_postgres.h"
-#include "server/pg_db.h"
+#include "server/store/job_lease.h"
+#include "server/store/job_store_postgres.h"
+#include "server/store/pg_db.h"
 #include "tests/pg_fixture.h"
 
 namespace skyreels::test {

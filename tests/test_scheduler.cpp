@@ -25,10 +25,10 @@
 #include <thread>
 #include <vector>
 
-#include "server/fingerprint.h"
-#include "server/job_lease.h"
-#include "server/replica_pool.h"
-#include "server/scheduler.h"
+#include "server/queue/fingerprint.h"
+#include "server/store/job_lease.h"
+#include "server/replica/replica_pool.h"
+#include "server/queue/scheduler.h"
 #include "tests/pg_fixture.h"
 
 namespace skyreels::server {

@@ -19,8 +19,8 @@
 #include "model/umt5_encoder.h"
 #include "model/vae_wan.h"
 #include "model/video_mp4.h"
-#include "server/blob.h"
-#include "server/demo_model.h"
+#include "server/job/blob.h"
+#include "server/replica/demo_model.h"
 #include "tests/test_server_harness.h"
 #include "tests/test_util.h"
 

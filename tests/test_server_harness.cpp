@@ -23,8 +23,8 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "model/diffusion_forcing.h"
 #include "model/transformer_loader.h"
-#include "server/blob.h"
-#include "server/demo_model.h"
+#include "server/job/blob.h"
+#include "server/replica/demo_model.h"
 #include "tests/test_util.h"
 
 namespace skyreels::test {

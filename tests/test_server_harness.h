@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "server/client.h"
+#include "server/api/client.h"
 
 namespace skyreels::test {
 

@@ -19,8 +19,8 @@
 #include <vector>
 
 #include "grpc/health/v1/health.grpc.pb.h"
-#include "server/job_store_sqlite.h"
-#include "server/sqlite_db.h"
+#include "server/store/job_store_sqlite.h"
+#include "server/store/sqlite_db.h"
 #include "tests/test_server_harness.h"
 #include "tests/test_util.h"
 

@@ -1,0 +1,283 @@
+#include "server/api/codec.h"
+
+namespace skyreels::server::api {
+
+// ---- conversions --------------------------------------------------------------------------------------------------
+
+google::protobuf::Timestamp to_timestamp(WallClock::time_point t) {
+  google::protobuf::Timestamp ts;
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+  ts.set_seconds(ns / 1000000000);
+  ts.set_nanos(static_cast<int32_t>(ns % 1000000000));
+  return ts;
+}
+
+pb::JobState to_proto(JobState s) {
+  switch (s) {
+    case JobState::Queued:
+      return pb::JOB_STATE_QUEUED;
+    case JobState::Running:
+      return pb::JOB_STATE_RUNNING;
+    case JobState::Succeeded:
+      return pb::JOB_STATE_SUCCEEDED;
+    case JobState::Failed:
+      return pb::JOB_STATE_FAILED;
+    case JobState::Cancelled:
+      return pb::JOB_STATE_CANCELLED;
+    case JobState::DeadlineExceeded:
+      return pb::JOB_STATE_DEADLINE_EXCEEDED;
+  }
+  return pb::JOB_STATE_UNSPECIFIED;
+}
+
+StatusCode to_code(ErrorKind kind) {
+  switch (kind) {
+    case ErrorKind::None:
+      return StatusCode::OK;
+    case ErrorKind::Internal:
+      return StatusCode::INTERNAL;
+    case ErrorKind::Unavailable:
+      return StatusCode::UNAVAILABLE;
+    case ErrorKind::Cancelled:
+      return StatusCode::CANCELLED;
+    case ErrorKind::DeadlineExceeded:
+      return StatusCode::DEADLINE_EXCEEDED;
+    case ErrorKind::InvalidArgument:
+      return StatusCode::INVALID_ARGUMENT;
+    case ErrorKind::ResourceExhausted:
+      return StatusCode::RESOURCE_EXHAUSTED;
+  }
+  return StatusCode::UNKNOWN;
+}
+
+std::optional<RawTensor> raw_tensor(const pb::Tensor& t, bool present) {
+  if (!present) return std::nullopt;
+  RawTensor raw;
+  switch (t.dtype()) {
+    case pb::DTYPE_FLOAT32:
+      raw.dtype = "F32";
+      break;
+    case pb::DTYPE_BFLOAT16:
+      raw.dtype = "BF16";
+      break;
+    case pb::DTYPE_FLOAT16:
+      raw.dtype = "F16";
+      break;
+    default:
+      raw.dtype = "";
+      break;
+  }
+  raw.shape.assign(t.shape().begin(), t.shape().end());
+  raw.data = t.data();
+  return raw;
+}
+
+std::optional<PixelRequest> pixel_request(const pb::PixelInput& input, bool present) {
+  if (!present) return std::nullopt;
+  PixelRequest r;
+  if (input.source_case() == pb::PixelInput::kEncoded) r.encoded = input.encoded();
+  if (input.source_case() == pb::PixelInput::kTensor) r.tensor = raw_tensor(input.tensor(), true);
+  return r;
+}
+
+void conditioning_from_proto(const pb::JobSpec& spec, JobRequest& r) {
+  r.image = pixel_request(spec.image(), spec.has_image());
+  r.last_image = pixel_request(spec.last_image(), spec.has_last_image());
+  r.video = pixel_request(spec.video(), spec.has_video());
+  for (const pb::PromptChange& c : spec.prompt_changes()) {
+    PromptChangeRequest change;
+    change.from_frame = c.from_frame();
+    if (c.prompt_case() == pb::PromptChange::kText) change.text = c.text();
+    if (c.prompt_case() == pb::PromptChange::kEmbeddings) {
+      change.prompt_embeds = raw_tensor(c.embeddings().prompt_embeds(), c.embeddings().has_prompt_embeds());
+      change.negative_prompt_embeds =
+          raw_tensor(c.embeddings().negative_prompt_embeds(), c.embeddings().has_negative_prompt_embeds());
+    }
+    r.prompt_changes.push_back(std::move(change));
+  }
+}
+
+JobRequest request_from_proto(const pb::JobSpec& spec) {
+  JobRequest r;
+  switch (spec.conditioning_case()) {
+    case pb::JobSpec::kEmbeddings:
+      r.prompt_embeds = raw_tensor(spec.embeddings().prompt_embeds(), spec.embeddings().has_prompt_embeds());
+      r.negative_prompt_embeds =
+          raw_tensor(spec.embeddings().negative_prompt_embeds(), spec.embeddings().has_negative_prompt_embeds());
+      if (!r.prompt_embeds) throw ValidationError("embeddings.prompt_embeds: required");
+      break;
+    case pb::JobSpec::kEmbeddingsSafetensors:
+      r.embeddings_safetensors = spec.embeddings_safetensors();
+      break;
+    case pb::JobSpec::kText:
+      r.prompt = spec.text().prompt();
+      r.negative_prompt = spec.text().negative_prompt();
+      break;
+    case pb::JobSpec::CONDITIONING_NOT_SET:
+      break;
+  }
+  request_params_from_proto(spec.params(), r);
+  conditioning_from_proto(spec, r);
+  return r;
+}
+
+void f32_to_proto(const RawTensor& raw, pb::Tensor* out) {
+  out->set_dtype(pb::DTYPE_FLOAT32);
+  for (int64_t d : raw.shape) out->add_shape(d);
+  out->set_data(raw.data);
+}
+
+void text_to_embeddings(const ModelJob& job, pb::JobSpec& spec) {
+  if (spec.conditioning_case() == pb::JobSpec::kText) {
+    pb::PromptEmbeddings embeddings;
+    f32_to_proto(job.prompt_embeddings(false), embeddings.mutable_prompt_embeds());
+    const RawTensor negative = job.prompt_embeddings(true);
+    if (!negative.shape.empty()) f32_to_proto(negative, embeddings.mutable_negative_prompt_embeds());
+    *spec.mutable_embeddings() = std::move(embeddings);
+  }
+  for (int i = 0; i < spec.prompt_changes_size(); ++i) {
+    pb::PromptChange& change = *spec.mutable_prompt_changes(i);
+    if (change.prompt_case() != pb::PromptChange::kText) continue;
+    // No negative embeddings: a change given as text takes the job's negative prompt, which is stored above.
+    f32_to_proto(job.prompt_change_embeddings(static_cast<size_t>(i)),
+                 change.mutable_embeddings()->mutable_prompt_embeds());
+  }
+}
+
+std::string durable_request(const pb::SubmitJobRequest& request, const ModelJob& job) {
+  pb::SubmitJobRequest kept;
+  *kept.mutable_spec() = request.spec();
+  kept.set_priority(request.priority());
+  kept.set_produce_mp4(request.produce_mp4());
+  pb::JobSpec& spec = *kept.mutable_spec();
+  spec.mutable_params()->set_seed(job.params().seed);
+  text_to_embeddings(job, spec);
+  std::string bytes;
+  {
+    google::protobuf::io::StringOutputStream stream(&bytes);
+    google::protobuf::io::CodedOutputStream coded(&stream);
+    coded.SetSerializationDeterministic(true);
+    kept.SerializeToCodedStream(&coded);
+  }
+  return bytes;
+}
+
+Status not_found(const std::string& id) {
+  return Status(StatusCode::NOT_FOUND, "job '" + log_escape(id, kMaxJobIdBytes) + "' not found");
+}
+
+Status check_job_id(const std::string& id) {
+  if (id.size() > kMaxJobIdBytes) {
+    return Status(StatusCode::INVALID_ARGUMENT, "job_id: longer than " + std::to_string(kMaxJobIdBytes) + " bytes");
+  }
+  return Status::OK;
+}
+
+Status check_format(pb::ResultFormat format, bool vae_available) {
+  if (!pb::ResultFormat_IsValid(format)) {
+    return Status(StatusCode::INVALID_ARGUMENT, "format: " + std::to_string(static_cast<int>(format)) +
+                                                    " is not a ResultFormat (0 latents, 1 latents, 2 MP4)");
+  }
+  if (format == pb::RESULT_FORMAT_MP4 && !vae_available) {
+    return Status(StatusCode::FAILED_PRECONDITION, "format: MP4 needs a server started with --vae; ask for latents");
+  }
+  return Status::OK;
+}
+
+Status job_deadline(const pb::SubmitJobRequest& request, std::optional<Clock::time_point>* out) {
+  out->reset();
+  if (request.has_deadline()) {
+    const auto& d = request.deadline();
+    if (d.seconds() < kMinTimestampSeconds || d.seconds() > kMaxTimestampSeconds || d.nanos() < 0 ||
+        d.nanos() > 999999999) {
+      return Status(StatusCode::INVALID_ARGUMENT, "deadline: not a valid google.protobuf.Timestamp");
+    }
+    const auto now_seconds = std::chrono::duration_cast<std::chrono::seconds>(WallClock::now().time_since_epoch());
+    if (d.seconds() > now_seconds.count() + std::chrono::seconds(kMaxJobTimeout).count()) {
+      return Status(StatusCode::INVALID_ARGUMENT,
+                    "deadline: more than " + std::to_string(std::chrono::seconds(kMaxJobTimeout).count()) + " s ahead");
+    }
+    const auto wall = WallClock::time_point(std::chrono::duration_cast<WallClock::duration>(
+        std::chrono::seconds(d.seconds()) + std::chrono::nanoseconds(d.nanos())));
+    const auto left = wall - WallClock::now();
+    if (left <= WallClock::duration::zero()) return Status(StatusCode::INVALID_ARGUMENT, "deadline: already passed");
+    *out = Clock::now() + std::chrono::duration_cast<Clock::duration>(left);
+  } else if (request.has_timeout()) {
+    const auto& t = request.timeout();
+    const bool same_sign = (t.seconds() >= 0 && t.nanos() >= 0) || (t.seconds() <= 0 && t.nanos() <= 0);
+    if (t.nanos() < -999999999 || t.nanos() > 999999999 || !same_sign) {
+      return Status(StatusCode::INVALID_ARGUMENT, "timeout: not a valid google.protobuf.Duration");
+    }
+    if (t.seconds() < 0 || (t.seconds() == 0 && t.nanos() <= 0)) {
+      return Status(StatusCode::INVALID_ARGUMENT, "timeout: must be positive");
+    }
+    if (t.seconds() > std::chrono::seconds(kMaxJobTimeout).count()) {
+      return Status(StatusCode::INVALID_ARGUMENT,
+                    "timeout: longer than " + std::to_string(std::chrono::seconds(kMaxJobTimeout).count()) + " s");
+    }
+    *out = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::seconds(t.seconds()) +
+                                                                      std::chrono::nanoseconds(t.nanos()));
+  }
+  return Status::OK;
+}
+
+uint64_t deadline_fingerprint(const pb::SubmitJobRequest& request) {
+  uint64_t h = static_cast<uint64_t>(request.deadline_kind_case()) * 0xC2B2AE3D27D4EB4FULL;
+  if (request.has_deadline()) {
+    h ^= static_cast<uint64_t>(request.deadline().seconds()) * 0x9E3779B97F4A7C15ULL;
+    h ^= static_cast<uint64_t>(request.deadline().nanos()) * 0x165667B19E3779F9ULL;
+  } else if (request.has_timeout()) {
+    h ^= static_cast<uint64_t>(request.timeout().seconds()) * 0x9E3779B97F4A7C15ULL;
+    h ^= static_cast<uint64_t>(request.timeout().nanos()) * 0x165667B19E3779F9ULL;
+  }
+  return h;
+}
+
+std::string submission_fingerprint_v2(const ModelJob& job, const pb::SubmitJobRequest& request) {
+  FingerprintHasher h;
+  const std::string& of_request = job.fingerprint_v2();
+  h.bytes(of_request.data(), of_request.size());
+  const int64_t fields[] = {request.priority(), static_cast<int64_t>(request.deadline_kind_case()),
+                            request.has_deadline() ? request.deadline().seconds() : request.timeout().seconds(),
+                            request.has_deadline() ? request.deadline().nanos() : request.timeout().nanos()};
+  h.bytes(fields, sizeof fields);
+  return h.v2();
+}
+
+std::function<void(double)> vae_encode_metric(Metrics* metrics) {
+  if (metrics == nullptr) return {};
+  return [metrics](double seconds) { metrics->vae_call("encode", seconds); };
+}
+
+void work_to_proto(const TransformerWork& w, pb::TransformerWork* out) {
+  out->set_full(w.full);
+  out->set_computed(w.computed);
+  out->set_saved_exact(w.saved_exact);
+  out->set_saved_cache(w.saved_cache);
+}
+
+std::chrono::steady_clock::time_point rpc_deadline(const grpc::ServerContextBase& ctx) {
+  const auto deadline = ctx.deadline();
+  const auto left = deadline - std::chrono::system_clock::now();
+  if (deadline == std::chrono::system_clock::time_point::max() || left > std::chrono::hours(24)) {
+    return std::chrono::steady_clock::time_point::max();
+  }
+  return std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(left);
+}
+
+bool parse_page_token(const std::string& token, size_t* offset) {
+  if (token.empty() || token.size() > 18 || token.find_first_not_of("0123456789") != std::string::npos) return false;
+  *offset = static_cast<size_t>(std::stoull(token));
+  return true;
+}
+
+uint64_t random_seed() {
+  uint64_t seed = 0;
+  random_bytes(&seed, sizeof seed);
+  return seed >> 1;  // 63 bits: also fits signed 64-bit consumers
+}
+
+// Who is calling: `owner` decides which jobs they see ("" without API keys); `client` is what per-client caps count
+// (the key's client name, or the peer's address for anonymous callers).
+
+}  // namespace skyreels::server::api

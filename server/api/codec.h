@@ -1,0 +1,103 @@
+// The gRPC transport's message mapping and request codec: proto <-> job types (requests, jobs, events, tensors),
+// the checks a request's fields get before anything runs, the durable form of a submission, and the small helpers
+// every RPC family uses (deadlines, page tokens, seeds). Internal to api/.
+#pragma once
+
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/support/server_interceptor.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <thread>
+
+#include "server/job/generation_params_proto.h"
+#include "server/queue/fingerprint.h"
+#include "server/api/guards.h"
+#include "server/store/job_store.h"
+#include "skyreels/v1/video_service.grpc.pb.h"
+#include "server/api/service.h"
+
+namespace skyreels::server::api {
+
+namespace pb = ::skyreels::v1;
+using grpc::ServerContext;
+using grpc::Status;
+using grpc::StatusCode;
+
+constexpr size_t kPartBytes = 1 << 20;                  // result messages stay small whatever the chunk size
+constexpr auto kPoll = std::chrono::milliseconds(500);  // how often long streams look for a gone client
+constexpr size_t kMaxJobIdBytes = 64;                   // ours are 34 ("j-" + 32 hex digits)
+constexpr size_t kMaxIdempotencyKeyBytes = 128;
+// Deadlines and timeouts further out than this are refused: no job should wait in a queue for a month.
+constexpr std::chrono::hours kMaxJobTimeout{24 * 30};
+// google.protobuf.Timestamp's valid range: 0001-01-01T00:00:00Z .. 9999-12-31T23:59:59Z.
+constexpr int64_t kMinTimestampSeconds = -62135596800;
+constexpr int64_t kMaxTimestampSeconds = 253402300799;
+
+google::protobuf::Timestamp to_timestamp(WallClock::time_point t);
+
+pb::JobState to_proto(JobState s);
+
+StatusCode to_code(ErrorKind kind);
+
+std::optional<RawTensor> raw_tensor(const pb::Tensor& t, bool present);
+
+std::optional<PixelRequest> pixel_request(const pb::PixelInput& input, bool present);
+
+// Image / video conditioning and prompt changes (image-to-video, video extension, a prompt per chunk).
+void conditioning_from_proto(const pb::JobSpec& spec, JobRequest& r);
+
+JobRequest request_from_proto(const pb::JobSpec& spec);
+
+void f32_to_proto(const RawTensor& raw, pb::Tensor* out);
+
+// Text in a stored request is replaced by the embeddings it was encoded to at submit (setting the embeddings clears
+// the text: they are one oneof), so that a resume never encodes text, nor needs a text encoder.
+void text_to_embeddings(const ModelJob& job, pb::JobSpec& spec);
+
+// What the job store keeps of a request: the request with the values actually used filled in (the resolved seed; the
+// embeddings of every text), serialised deterministically. Deadlines are not part of it: the store keeps the
+// absolute deadline of the job.
+std::string durable_request(const pb::SubmitJobRequest& request, const ModelJob& job);
+
+// Ids are checked against kMaxJobIdBytes before any lookup, and echoed escaped.
+Status not_found(const std::string& id);
+
+Status check_job_id(const std::string& id);
+
+Status check_format(pb::ResultFormat format, bool vae_available);
+
+// A client's deadline or timeout as a point on our monotonic clock, range-checked before any arithmetic (chrono
+// overflows on values protobuf itself calls invalid, e.g. a timeout of 1e10 s or negative nanos).
+Status job_deadline(const pb::SubmitJobRequest& request, std::optional<Clock::time_point>* out);
+
+// What the deadline fields contribute to the idempotency fingerprint: the same key with another deadline or timeout
+// is another request.
+uint64_t deadline_fingerprint(const pb::SubmitJobRequest& request);
+
+// The request's SHA-256 fingerprint with what the submission adds to it (priority, deadline or timeout).
+std::string submission_fingerprint_v2(const ModelJob& job, const pb::SubmitJobRequest& request);
+
+std::function<void(double)> vae_encode_metric(Metrics* metrics);
+
+void work_to_proto(const TransformerWork& w, pb::TransformerWork* out);
+
+// The RPC's deadline on the steady clock (store calls made for it end then: StoreCallDeadline); max() when none.
+std::chrono::steady_clock::time_point rpc_deadline(const grpc::ServerContextBase& ctx);
+
+// A page token is the decimal offset ListJobs returned, nothing else (no sign, no spaces, no overflow).
+bool parse_page_token(const std::string& token, size_t* offset);
+
+uint64_t random_seed();
+
+}  // namespace skyreels::server::api

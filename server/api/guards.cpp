@@ -1,0 +1,102 @@
+#include "server/api/guards.h"
+
+#include <algorithm>
+#include <cstdio>
+
+namespace skyreels::server {
+
+std::unique_ptr<StreamLimiter::Slot> StreamLimiter::acquire(const std::string& client,
+                                                            std::optional<int64_t> client_cap, Refusal* why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t& mine = per_client_[client];
+  if (mine >= client_cap.value_or(max_per_client_)) {
+    if (mine == 0) per_client_.erase(client);
+    *why = Refusal::PerClient;
+    return nullptr;
+  }
+  if (open_ >= max_total_) {
+    if (mine == 0) per_client_.erase(client);
+    *why = Refusal::Total;
+    return nullptr;
+  }
+  ++mine;
+  ++open_;
+  if (observer_) observer_(open_);
+  *why = Refusal::None;
+  return std::make_unique<Slot>(this, client);
+}
+
+void StreamLimiter::release(const std::string& client) {
+  std::lock_guard<std::mutex> lock(mu_);
+  --open_;
+  if (observer_) observer_(open_);
+  auto it = per_client_.find(client);
+  if (it != per_client_.end() && --it->second <= 0) per_client_.erase(it);
+}
+
+int64_t StreamLimiter::open() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return open_;
+}
+
+std::unique_ptr<ConcurrencyGate::Pass> ConcurrencyGate::try_enter() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (inside_ >= limit_) return nullptr;
+  ++inside_;
+  return std::make_unique<Pass>(this);
+}
+
+int64_t ConcurrencyGate::inside() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return inside_;
+}
+
+ConcurrencyGate::Pass::~Pass() {
+  std::lock_guard<std::mutex> lock(gate_->mu_);
+  --gate_->inside_;
+}
+
+std::string log_escape(std::string_view text, size_t max_bytes) {
+  std::string out;
+  const size_t n = std::min(text.size(), max_bytes);
+  out.reserve(n + 16);
+  for (size_t i = 0; i < n; ++i) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    switch (c) {
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      default:
+        if (c < 0x20 || c >= 0x7f) {
+          char hex[5];
+          std::snprintf(hex, sizeof hex, "\\x%02x", c);
+          out += hex;
+        } else {
+          out += static_cast<char>(c);
+        }
+    }
+  }
+  if (text.size() > n) out += "...(" + std::to_string(text.size()) + " bytes)";
+  return out;
+}
+
+std::string peer_host(const std::string& peer) {
+  const auto colon = peer.rfind(':');
+  const auto scheme = peer.find(':');
+  if (colon == std::string::npos || colon == scheme) return peer;  // "unix:/path" and the like
+  return peer.substr(0, colon);
+}
+
+}  // namespace skyreels::server

@@ -1,0 +1,205 @@
+#include "server/api/video_service.h"
+
+namespace skyreels::server::api {
+
+VideoServiceImpl::VideoServiceImpl(JobQueue& jobs, ServiceConfig config)
+    : scheduler_(jobs),
+      config_(std::move(config)),
+      streams_(config_.transport.max_streams, config_.transport.max_streams_per_client),
+      encodes_(config_.transport.max_concurrent_encodes),
+      decodes_(config_.transport.max_concurrent_encodes) {
+  if (config_.metrics)
+    streams_.on_change([metrics = config_.metrics](int64_t open) { metrics->set_streams_open(open); });
+}
+
+Status VideoServiceImpl::GetServerInfo(ServerContext* ctx, const pb::GetServerInfoRequest*, pb::ServerInfo* response) {
+  const StoreCallDeadline store_deadline(rpc_deadline(*ctx));
+  Caller caller;
+  if (Status s = authenticate(ctx, &caller, false); !s.ok()) return s;
+  response->set_version(config_.version);
+  const ModelSummary& m = config_.summary;
+  auto* model = response->mutable_model();
+  model->set_source(m.source);
+  model->set_dtype(m.dtype);
+  model->set_parameter_count(m.parameter_count);
+  model->set_num_layers(m.num_layers);
+  model->set_num_attention_heads(m.num_attention_heads);
+  model->set_attention_head_dim(m.attention_head_dim);
+  model->set_text_dim(m.text_dim);
+  model->set_ffn_dim(m.ffn_dim);
+  model->set_in_channels(m.in_channels);
+  model->set_out_channels(m.out_channels);
+  for (int64_t p : m.patch_size) model->add_patch_size(p);
+  model->set_inject_sample_info(m.inject_sample_info);
+  model->set_num_frame_per_block(m.num_frame_per_block);
+  for (const auto& lora : m.loras) {
+    auto* l = model->add_loras();
+    l->set_path(lora.path);
+    l->set_scale(lora.scale);
+    l->set_format(lora.format);
+    l->set_parameters(lora.parameters);
+    l->set_max_rank(static_cast<int32_t>(lora.max_rank));
+  }
+  const auto statuses = scheduler_.replicas();
+  for (size_t i = 0; i < statuses.size(); ++i) {
+    auto* r = response->add_replicas();
+    r->set_name(statuses[i].name);
+    r->set_loaded(statuses[i].loaded);
+    r->set_healthy(statuses[i].healthy);
+    r->set_busy(statuses[i].busy);
+    r->set_chunks_run(statuses[i].chunks_run);
+    r->set_failures(statuses[i].failures);
+    r->set_error(statuses[i].error);
+    if (i < config_.replicas.size()) {
+      r->set_device(config_.replicas[i].device);
+      r->set_threads(config_.replicas[i].threads);
+    }
+  }
+  auto* limits = response->mutable_limits();
+  limits->set_max_queue(static_cast<int32_t>(scheduler_.options().max_jobs));
+  limits->set_max_frames(config_.limits.max_frames);
+  limits->set_max_height(config_.limits.max_height);
+  limits->set_max_width(config_.limits.max_width);
+  limits->set_max_steps(config_.limits.max_steps);
+  limits->set_max_text_tokens(config_.limits.max_text_tokens);
+  limits->set_chunk_retries(scheduler_.options().chunk_retries);
+  limits->set_max_request_bytes(config_.max_request_bytes);
+  limits->set_max_chunk_tokens(config_.limits.max_chunk_tokens);
+  limits->set_max_job_work(config_.limits.max_job_work);
+  limits->set_max_chunks(config_.limits.max_chunks);
+  response->set_vae_available(config_.vae_available);
+  response->set_text_encoder_available(static_cast<bool>(config_.text_encoder));
+  response->set_ready(scheduler_.ready());
+  response->set_draining(scheduler_.draining());
+  response->set_queued_jobs(static_cast<int32_t>(scheduler_.queued_jobs()));
+  response->set_running_jobs(static_cast<int32_t>(scheduler_.running_jobs()));
+  response->set_api_keys_required(config_.api_keys != nullptr && config_.api_keys->enabled());
+  for (const char* kind : {"embeddings", "prompt_changes"}) response->add_conditionings(kind);
+  if (config_.text_encoder) response->add_conditionings("text");
+  if (config_.vae) {
+    for (const char* kind : {"image", "last_image", "video"}) response->add_conditionings(kind);
+  }
+  return Status::OK;
+}
+
+Status VideoServiceImpl::authenticate(grpc::ServerContextBase* ctx, Caller* caller, bool submission) {
+  *caller = Caller{};
+  if (config_.api_keys == nullptr || !config_.api_keys->enabled()) {
+    caller->client = peer_host(ctx->peer());
+    return Status::OK;
+  }
+  const auto& metadata = ctx->client_metadata();
+  auto value = [&](const char* name) -> std::optional<std::string> {
+    auto it = metadata.find(name);
+    if (it == metadata.end()) return std::nullopt;
+    return std::string(it->second.data(), it->second.size());
+  };
+  const std::string key = presented_key(value("authorization"), value("x-api-key"));
+  std::optional<ClientIdentity> identity;
+  if (!key.empty()) identity = config_.api_keys->identify(key);
+  if (!identity) {
+    if (submission && config_.metrics) config_.metrics->rejected(kRejectUnauthenticated);
+    const bool own_probe = ctx->peer().rfind("inproc", 0) == 0;  // UnaryProbe: only this process can call inproc
+    if (!own_probe) {
+      spdlog::warn("event=unauthenticated peer={} key_present={}", log_escape(ctx->peer()), !key.empty());
+    }
+    return Status(StatusCode::UNAUTHENTICATED,
+                  key.empty() ? "missing API key: send metadata 'authorization: Bearer KEY' or 'x-api-key: KEY'"
+                              : "invalid API key");
+  }
+  caller->owner = identity->name;
+  caller->client = identity->name;
+  caller->limits = identity->limits;
+  return Status::OK;
+}
+
+Status VideoServiceImpl::open_stream(const Caller& caller, std::unique_ptr<StreamLimiter::Slot>* slot) {
+  StreamLimiter::Refusal why = StreamLimiter::Refusal::None;
+  *slot = streams_.acquire(caller.client, caller.limits.max_streams, &why);
+  if (*slot) return Status::OK;
+  const bool total = why == StreamLimiter::Refusal::Total;
+  if (config_.metrics) config_.metrics->stream_rejected(total ? kStreamRejectTotal : kStreamRejectPerClient);
+  const std::string message =
+      total ? "too many open streams on this server (--max-streams " + std::to_string(streams_.max_total()) + ")"
+            : "too many open streams for this client (cap " +
+                  std::to_string(caller.limits.max_streams.value_or(streams_.max_per_client())) +
+                  "): close a WatchJob, DownloadResult or Generate stream first";
+  spdlog::info("event=stream_rejected client={} reason={}", log_escape(caller.client),
+               total ? kStreamRejectTotal : kStreamRejectPerClient);
+  return Status(StatusCode::RESOURCE_EXHAUSTED, message);
+}
+
+Status VideoServiceImpl::reject(const char* reason, StatusCode code, const std::string& message) {
+  if (config_.metrics && reason != nullptr) config_.metrics->rejected(reason);
+  spdlog::info("event=rejected reason={} code={} message=\"{}\"", reason ? reason : "-", static_cast<int>(code),
+               log_escape(message));
+  return Status(code, message);
+}
+
+Status VideoServiceImpl::reject_with_retry_hint(ServerContext* ctx, const char* reason, const std::string& what, double seconds) {
+  const auto ms = static_cast<int64_t>(seconds * 1000.0);
+  ctx->AddTrailingMetadata("retry-after-ms", std::to_string(ms));
+  return reject(reason, StatusCode::RESOURCE_EXHAUSTED, what + "; retry after " + std::to_string(ms) + " ms");
+}
+
+Status VideoServiceImpl::admission_refused(ServerContext* ctx, const AdmissionError& e) {
+  switch (e.reason()) {
+    case AdmissionError::Reason::QueueFull:
+      return reject_with_retry_hint(ctx, kRejectQueueFull, e.what(), e.retry_after_seconds());
+    case AdmissionError::Reason::ClientQueueFull:
+      return reject_with_retry_hint(ctx, kRejectClientLimit, e.what(), e.retry_after_seconds());
+    case AdmissionError::Reason::Draining:
+      return reject(kRejectDraining, StatusCode::UNAVAILABLE, e.what());
+    case AdmissionError::Reason::Unavailable:
+      return reject(nullptr, StatusCode::UNAVAILABLE, e.what());
+    case AdmissionError::Reason::IdempotencyConflict:
+      return reject(nullptr, StatusCode::ALREADY_EXISTS, e.what());
+  }
+  return Status(StatusCode::INTERNAL, e.what());
+}
+
+}  // namespace skyreels::server::api
+
+namespace skyreels::server {
+
+using namespace api;
+
+RestoredJob restore_job(const StoredJob& stored, std::vector<StoredChunk> chunks, const ServiceConfig& config) {
+  RestoredJob r;
+  r.stored = stored;
+  r.stored.request.clear();
+  const std::string& id = stored.id;
+  try {
+    pb::SubmitJobRequest request;
+    if (!request.ParseFromString(stored.request)) throw std::runtime_error("the stored request is unreadable");
+    // Requests are stored with embeddings, never text: no text is encoded again. (Only a request stored by an older
+    // server may still hold prompt changes as text; they are encoded with this server's encoder.)
+    auto job = ModelJob::create(request_from_proto(request.spec()), config.model, config.limits, 0,
+                                config.text_encoder, config.vae, vae_encode_metric(config.metrics));
+    std::vector<std::string> bytes;
+    for (auto& chunk : chunks) bytes.push_back(std::move(chunk.bytes));
+    job->restore_results(bytes);  // the next chunk's tail; the results stay in the store
+    r.chunk_work = job->chunk_work();
+    r.chunk_rows = job->chunk_rows();
+    if (static_cast<int64_t>(r.chunk_work.size()) != stored.chunk_count) {
+      throw std::runtime_error("the request now plans " + std::to_string(r.chunk_work.size()) + " chunks, it had " +
+                               std::to_string(stored.chunk_count));
+    }
+    r.description = job->description();
+    r.payload = std::move(job);
+  } catch (const std::exception& e) {
+    r.error = e.what();
+    r.payload.reset();
+    r.description.reset();
+    spdlog::error("job={} event=restore_failed error=\"{}\"", id, log_escape(e.what()));
+  }
+  for (auto& chunk : chunks) chunk.bytes.clear();  // read back from the store when asked for
+  r.chunks = std::move(chunks);
+  return r;
+}
+
+std::unique_ptr<grpc::Service> make_video_service(JobQueue& jobs, ServiceConfig config) {
+  return std::make_unique<VideoServiceImpl>(jobs, std::move(config));
+}
+
+}  // namespace skyreels::server

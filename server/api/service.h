@@ -1,0 +1,92 @@
+// The gRPC transport: skyreels.v1.VideoService on top of a JobQueue. Converts messages, authenticates, maps
+// errors to status codes; no policy and no model code here.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "server/api/auth.h"
+#include "server/queue/job_queue.h"
+#include "server/metrics.h"
+#include "server/replica/model_job.h"
+
+namespace grpc {
+class Service;
+class Server;
+namespace experimental {
+class ServerInterceptorFactoryInterface;
+}
+}  // namespace grpc
+
+namespace skyreels::server {
+
+struct ReplicaDescription {
+  std::string name;
+  std::string device;
+  int threads = 0;
+};
+
+struct ModelSummary {
+  std::string source;  // path or "demo"
+  std::string dtype;
+  int64_t parameter_count = 0;
+  int64_t num_layers = 0, num_attention_heads = 0, attention_head_dim = 0, text_dim = 0, ffn_dim = 0;
+  int64_t in_channels = 16, out_channels = 16;
+  std::vector<int64_t> patch_size{1, 2, 2};
+  bool inject_sample_info = false;
+  int64_t num_frame_per_block = 1;
+  struct Lora {
+    std::string path;
+    double scale = 1.0;
+    std::string format;
+    int64_t parameters = 0;
+    int64_t max_rank = 0;
+  };
+  std::vector<Lora> loras;  // --lora adapters merged at load, in order
+};
+
+// Caps that keep one client from starving the others or the server (flags of the same names; defaults here only).
+struct TransportLimits {
+  int64_t max_streams = 256;            // --max-streams: open WatchJob/DownloadResult/Generate streams in total
+  int64_t max_streams_per_client = 16;  // --max-streams-per-client (an API key line's max_streams overrides)
+  int64_t max_jobs_per_client = 16;     // --max-jobs-per-client: unfinished jobs (API key line: max_jobs)
+  int64_t max_concurrent_encodes = 2;   // --max-concurrent-encodes: text prompts encoded at once
+  static constexpr int kUnaryThreadReserve = 64;  // server threads streams can never take
+  // The sync server's thread cap: an open DownloadResult or Generate holds a thread (WatchJob, a callback stream, does
+  // not), so even --max-streams of them leave the reserve to unary calls and probes.
+  int max_threads() const { return static_cast<int>(max_streams) + kUnaryThreadReserve; }
+};
+
+struct ServiceConfig {
+  std::string version;
+  ServerLimits limits;
+  ModelDescription model;
+  ModelSummary summary;
+  std::vector<ReplicaDescription> replicas;
+  int64_t max_request_bytes = 64 << 20;
+  bool vae_available = false;
+  // Starts (or keeps) the MP4 decode of a job's chunks: called when a job asks for MP4 at submit or when an MP4
+  // download finds a segment missing from the job store. Unset without a VAE.
+  std::function<void(const JobSnapshot&)> want_video;
+  // Waits (until the deadline given) for segment `chunk` of job `id` to be stored (VideoEncoder::wait_segment). Unset
+  // without a VAE.
+  std::function<SegmentWait(const std::string& id, int64_t chunk, Clock::time_point until)> wait_video;
+  TextEncoderFn text_encoder;  // unset: text prompts answer FAILED_PRECONDITION
+  std::shared_ptr<const model::WanVae>
+      vae;  // encodes image / video conditioning; null: they answer FAILED_PRECONDITION
+  const ApiKeys* api_keys = nullptr;
+  Metrics* metrics = nullptr;
+  TransportLimits transport;
+};
+
+// The skyreels.v1.VideoService implementation, to register with a grpc::ServerBuilder. `jobs` must outlive it.
+std::unique_ptr<grpc::Service> make_video_service(JobQueue& jobs, ServiceConfig config);
+
+// One job's payload re-created from its stored request and committed chunks (the scheduler's JobLoader: a chunk of a
+// job whose payload is not on this server: after a restart, another pod's, or evicted). RestoredJob::payload null: RestoredJob::error says why.
+RestoredJob restore_job(const StoredJob& stored, std::vector<StoredChunk> chunks, const ServiceConfig& config);
+
+
+}  // namespace skyreels::server

@@ -1,0 +1,121 @@
+// Every generation parameter of a job, one row each, in the table's order (the idempotency fingerprint's: never
+// reorder, new rows go at the end). A row declares the parameter's JobRequest member (as asked: unset is an empty
+// optional, a list is empty), its ResolvedParams member (as in effect) and its table entry (generation_params.h:
+// default, bounds, rules, flag, fingerprint), so that adding a parameter is its proto field, one row here and where
+// the model uses it (generation_params_model.cpp).
+//
+//   PARAM(member, "proto path", request type, resolved type, resolved initial value, .table().entry()...)
+//
+// The table entries are read only by generation_params.cpp, which has their helpers (limit, value_of, the rules).
+// Comments inside the list are /* */: a // comment would swallow the line continuation.
+#pragma once
+
+// clang-format off
+#define SKYREELS_GENERATION_PARAMS(PARAM) \
+  PARAM(num_frames, "num_frames", std::optional<int64_t>, int64_t, 0, \
+        .defaults(int64_t{97}) \
+        .within(1, max_frames, "--max-frames") \
+        .rule(four_k_plus_one) \
+        .flag("num-frames", "pixel frames of the whole video, 4k+1")) \
+  PARAM(height, "height", std::optional<int64_t>, int64_t, 0, \
+        .defaults(int64_t{544}) \
+        .within(16, limit(&ServerLimits::max_height), "--max-height") \
+        .rule(multiple_of_16) \
+        .flag("height", "pixels, a multiple of 16")) \
+  PARAM(width, "width", std::optional<int64_t>, int64_t, 0, \
+        .defaults(int64_t{960}) \
+        .within(16, limit(&ServerLimits::max_width), "--max-width") \
+        .rule(multiple_of_16) \
+        .flag("width", "pixels, a multiple of 16")) \
+  PARAM(num_inference_steps, "num_inference_steps", std::optional<int64_t>, int64_t, 0, \
+        .defaults(int64_t{50}) \
+        .within(1, limit(&ServerLimits::max_steps), "--max-steps") \
+        .flag("num-inference-steps", "denoising steps")) \
+  PARAM(base_num_frames, "base_num_frames", std::optional<int64_t>, int64_t, 0, \
+        .defaults(int64_t{97}) \
+        .within(1, max_frames, "--max-frames") \
+        .rule(four_k_plus_one) \
+        .flag("base-num-frames", "pixel frames per chunk of a long video, 4k+1")) \
+  PARAM(overlap_history, "overlap_history", std::optional<int64_t>, std::optional<int64_t>, {}, \
+        .defaults(DefaultRule::kUnset) \
+        .within(1, value_of(&R::base_num_frames)) \
+        .flag("overlap-history", "frames each chunk continues from the previous one (long videos)")) \
+  /* Each unit of ar_step adds a row per block to every chunk; beyond the step count it only adds cost. */ \
+  PARAM(ar_step, "ar_step", std::optional<int64_t>, int64_t, 0, \
+        .defaults(int64_t{0}) \
+        .within(0, value_of(&R::num_inference_steps), "at most num_inference_steps") \
+        .flag("ar-step", "0: synchronous; N: each block N steps behind the previous one")) \
+  PARAM(causal_block_size, "causal_block_size", std::optional<int64_t>, int64_t, 0, \
+        .defaults(DefaultRule::kModelBlockSize) \
+        .within(1, 1000) \
+        .flag("causal-block-size", "latent frames per causal block")) \
+  PARAM(fps, "fps", std::optional<int64_t>, int64_t, 0, \
+        .defaults(int64_t{24}) \
+        .within(1, 240) \
+        .flag("fps", "the fps the model is told")) \
+  PARAM(guidance_scale, "guidance_scale", std::optional<double>, double, 0, \
+        .defaults(6.0) \
+        .finite_within(0.0, 100.0) \
+        .flag("guidance-scale", "> 1: classifier-free guidance (needs a negative prompt)")) \
+  PARAM(flow_shift, "flow_shift", std::optional<double>, double, 0, \
+        .defaults(8.0) \
+        .finite_within(1e-3, 1000.0) \
+        .flag("flow-shift", "the sigma schedule's shift; --scheduler-config's value when given")) \
+  PARAM(addnoise_condition, "addnoise_condition", std::optional<double>, double, 0, \
+        .defaults(0.0) \
+        .finite_within(0.0, 999.0) \
+        .flag("addnoise-condition", "noise added to the frames a long video continues from")) \
+  PARAM(seed, "seed", std::optional<uint64_t>, uint64_t, 0, \
+        .defaults(DefaultRule::kRandomSeed) \
+        .flag("seed", "noise as torch.Generator('cpu').manual_seed(N) draws it (addnoise_condition's: seed N+1)")) \
+  PARAM(num_train_timesteps, "scheduler.num_train_timesteps", std::optional<int64_t>, int64_t, 0, \
+        .defaults(int64_t{1000}) \
+        .within(1, 100000) \
+        .flag("num-train-timesteps", "the sampler's training timesteps")) \
+  PARAM(solver_order, "scheduler.solver_order", std::optional<int64_t>, int64_t, 0, \
+        .defaults(int64_t{2}) \
+        .one_of({int64_t{1}, int64_t{2}}) \
+        .flag("solver-order", "UniPC order")) \
+  PARAM(lower_order_final, "scheduler.lower_order_final", std::optional<bool>, bool, true, \
+        .defaults(true) \
+        .flag("lower-order-final", "first order for the last steps")) \
+  PARAM(solver_type, "scheduler.solver_type", std::optional<std::string>, std::string, {}, \
+        .defaults(std::string("bh2")) \
+        .one_of({std::string("bh1"), std::string("bh2")}) \
+        .flag("solver-type", "UniPC's B(h)")) \
+  PARAM(final_sigmas_type, "scheduler.final_sigmas_type", std::optional<std::string>, std::string, {}, \
+        .defaults(std::string("zero")) \
+        .one_of({std::string("zero")}) \
+        .flag("final-sigmas-type", "the last sigma")) \
+  PARAM(disable_corrector, "scheduler.disable_corrector", std::vector<int64_t>, std::vector<int64_t>, {}, \
+        .within(0, value_of(&R::num_inference_steps, -1), "a step index") \
+        .rule(at_most_one_entry_per_step) \
+        .flag("disable-corrector", "step indices whose UniPC corrector is skipped")) \
+  /* Fewer transformer passes (issue 21). Unset, they leave the fingerprint of older jobs as it was. */ \
+  PARAM(exact_savings, "exact_savings", std::optional<bool>, bool, true, \
+        .defaults(true) \
+        .fingerprint_when_set() \
+        .flag("exact-savings", "false (or --no-exact-savings): every frame of every row, as diffusers computes")) \
+  PARAM(cache, "cache", std::optional<std::string>, std::string, {}, \
+        .defaults(std::string("none")) \
+        .one_of({std::string("none"), std::string("first-block"), std::string("first-block-per-block")}) \
+        .fingerprint_when_set() \
+        .flag("cache", "step cache: first-block = diffusers' FirstBlockCache (lossy, --cache-threshold); " \
+                  "first-block-per-block = one decision per causal block (--cache-max-skips)")) \
+  PARAM(cache_threshold, "cache_threshold", std::optional<double>, double, 0, \
+        .defaults(0.0) \
+        .finite_within(0.0, 10.0) \
+        .fingerprint_when_set() \
+        .flag("cache-threshold", "skip blocks 1..L-1 when block 0's relative residual change is at most this")) \
+  PARAM(cache_scope, "cache_scope", std::optional<std::string>, std::string, {}, \
+        .defaults(std::string("chunk")) \
+        .one_of({std::string("chunk"), std::string("request")}) \
+        .fingerprint_when_set() \
+        .flag("cache-scope", "chunk: cache state reset per chunk; request: kept across chunks as stock diffusers " \
+                  "(equal chunk lengths; skyreels generate only)")) \
+  PARAM(cache_max_skips, "cache_max_skips", std::optional<int64_t>, int64_t, 0, \
+        .defaults(int64_t{3}) \
+        .within(1, 1000, "skips in a row") \
+        .fingerprint_when_set() \
+        .flag("cache-max-skips", "first-block-per-block: at most this many skips in a row per causal block"))
+// clang-format on

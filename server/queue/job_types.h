@@ -1,0 +1,203 @@
+// The values the job queue (the Scheduler), the replica pool and the transport share:
+// what a submission carries (JobSpec), what a reader sees (JobSnapshot, JobEvent, EventBatch), why a submission is
+// refused (AdmissionError), a replica's status and the observer hook for metrics. No gRPC, no LibTorch, no threads.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "server/store/job_store.h"
+
+namespace skyreels::server {
+
+using Clock = std::chrono::steady_clock;
+using WallClock = std::chrono::system_clock;
+
+// What the layers above read of a job without knowing how it runs (parameters in effect, the layout of its chunk
+// results): defined by them (server/model_job.h), carried here unopened.
+struct JobDescription;
+
+// Per-job data only the executor understands (model inputs, the state carried between chunks; results go to the
+// job store). Shared by every replica that runs one of the job's chunks; chunks of one job never run concurrently.
+class JobPayload {
+ public:
+  virtual ~JobPayload() = default;
+};
+
+enum class JobState { Queued, Running, Succeeded, Failed, Cancelled, DeadlineExceeded };
+const char* job_state_name(JobState state);
+bool is_terminal(JobState state);
+
+// Why a job ended unsuccessfully, as a gRPC-style category (the transport maps it to a status code).
+enum class ErrorKind { None, Internal, Unavailable, Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted };
+const char* error_kind_name(ErrorKind kind);
+
+struct JobSpec {
+  std::string owner;            // client identity; jobs are only visible to their owner
+  std::string client;           // who the per-client cap counts against: the owner, or the peer address when anonymous
+  int64_t client_max_jobs = 0;  // this client's cap on unfinished jobs; 0: SchedulerOptions::max_jobs_per_client
+  int client_weight = 1;        // this client's share of the replicas relative to others (key file `weight=N`)
+  int priority = 0;
+  std::optional<Clock::time_point> deadline;
+  std::vector<double> chunk_work;   // relative cost of each chunk (e.g. tokens x rows); size = number of chunks
+  std::vector<int64_t> chunk_rows;  // denoising rows of each chunk (progress)
+  std::string idempotency_key;
+  uint64_t fingerprint = 0;    // of the request, to detect a reused idempotency key (v1: FNV-1a)
+  std::string fingerprint_v2;  // the same as SHA-256 (server/fingerprint.h); compared when the stored job has one
+  std::shared_ptr<JobPayload> payload;
+  std::shared_ptr<const JobDescription> description;
+  std::string durable_request;  // what the job store keeps to re-create the payload after a restart (opaque here)
+};
+
+// A job read back from the store at startup, with its payload re-created by the layer that owns the request.
+struct RestoredJob {
+  StoredJob stored;
+  std::vector<StoredChunk> chunks;  // committed chunks (bytes may be dropped once the payload holds them)
+  std::vector<StoredEvent> events;
+  std::shared_ptr<JobPayload> payload;                // null: the job cannot be resumed (see error)
+  std::shared_ptr<const JobDescription> description;  // null with the payload
+  std::vector<double> chunk_work;
+  std::vector<int64_t> chunk_rows;
+  std::string error;  // why the payload could not be re-created: the job, if unfinished, fails with it
+};
+
+// Transformer work in token-blocks (one token through one transformer block, as in
+// skyreels_transformer_token_blocks_total): what the uncached plan would compute, what was computed, and what the
+// exact savings and the step cache left out (full = computed + saved_exact + saved_cache).
+struct TransformerWork {
+  int64_t full = 0, computed = 0, saved_exact = 0, saved_cache = 0;
+  TransformerWork& operator+=(const TransformerWork& o) {
+    full += o.full;
+    computed += o.computed;
+    saved_exact += o.saved_exact;
+    saved_cache += o.saved_cache;
+    return *this;
+  }
+};
+
+enum class EventType { Queued, ChunkStarted, Step, ChunkFinished, ChunkRetry, Finished };
+
+struct JobEvent {
+  uint64_t sequence = 0;
+  EventType type = EventType::Queued;
+  WallClock::time_point time;
+  int64_t chunk = -1;
+  int64_t chunk_count = 0;
+  std::string replica;
+  int64_t step = 0, steps = 0;
+  int attempt = 0;
+  bool handoff = false;
+  double seconds = 0;       // ChunkFinished: chunk duration
+  TransformerWork work;     // ChunkFinished: the chunk's transformer work
+  int64_t position = 0;     // Queued
+  double eta_seconds = -1;  // Queued
+  double progress = 0;      // Step
+  std::string message;      // ChunkRetry: the error
+};
+
+struct JobSnapshot {
+  std::string id;
+  std::string owner;
+  JobState state = JobState::Queued;
+  int priority = 0;
+  std::string idempotency_key;
+  WallClock::time_point created;
+  std::optional<WallClock::time_point> started, finished;
+  std::optional<WallClock::time_point> deadline;
+  int64_t chunk_count = 0;
+  int64_t chunks_done = 0;
+  int64_t queue_position = 0;  // 1-based among jobs not started; 0 otherwise
+  double eta_seconds = -1;
+  double progress = 0;
+  std::vector<std::string> chunk_replicas;
+  TransformerWork work;  // of the chunks done (from their ChunkFinished events)
+  int handoffs = 0;
+  int retries = 0;
+  ErrorKind error_kind = ErrorKind::None;
+  std::string error;
+  uint64_t last_sequence = 0;
+  std::shared_ptr<JobPayload> payload;
+  std::shared_ptr<const JobDescription> description;
+};
+
+struct ReplicaStatus {
+  std::string name;
+  bool loaded = false;
+  bool healthy = false;
+  bool busy = false;
+  int64_t chunks_run = 0;
+  int64_t failures = 0;
+  int64_t recoveries = 0;  // times a re-test brought it back
+  std::string error;
+};
+
+// Submission refused: queue full or this client's share of it full (retry later), or draining.
+class AdmissionError : public std::runtime_error {
+ public:
+  enum class Reason { QueueFull, ClientQueueFull, Draining, Unavailable, IdempotencyConflict };
+  AdmissionError(Reason reason, const std::string& message, double retry_after_seconds = 0)
+      : std::runtime_error(message), reason_(reason), retry_after_seconds_(retry_after_seconds) {}
+  Reason reason() const { return reason_; }
+  double retry_after_seconds() const { return retry_after_seconds_; }
+
+ private:
+  Reason reason_;
+  double retry_after_seconds_;
+};
+
+struct SubmitResult {
+  JobSnapshot job;
+  bool deduplicated = false;
+};
+
+struct EventBatch {
+  std::vector<JobEvent> events;  // sequence > after
+  bool finished = false;         // the job is terminal and every event was returned
+  bool found = true;
+};
+
+// Metrics and logs hook, driven by the job queue (jobs, chunks, queue) and by the replica pool (replica_changed,
+// replica_recovered, step). Calls may come from several threads, some with a lock held: keep them cheap, thread-safe,
+// and never call back into the queue or the pool.
+class SchedulerObserver {
+ public:
+  virtual ~SchedulerObserver() = default;
+  virtual void job_submitted(const JobSnapshot&) {}
+  virtual void job_started(const JobSnapshot&, double /*queue_wait_seconds*/) {}
+  virtual void job_finished(const JobSnapshot&) {}
+  virtual void chunk_started(const JobSnapshot&, const std::string& /*replica*/, int64_t /*chunk*/) {}
+  virtual void chunk_finished(const JobSnapshot&, const std::string& /*replica*/, int64_t /*chunk*/, double /*seconds*/,
+                              int64_t /*frames*/) {}
+  virtual void chunk_failed(const JobSnapshot&, const std::string& /*replica*/, int64_t /*chunk*/,
+                            const std::string& /*error*/, bool /*will_retry*/) {}
+  virtual void step(const std::string& /*replica*/, double /*seconds*/) {}
+  virtual void handoff(const JobSnapshot&, const std::string& /*from*/, const std::string& /*to*/) {}
+  virtual void replica_changed(const ReplicaStatus&) {}
+  virtual void replica_recovered(const ReplicaStatus&) {}
+  virtual void queue_changed(int64_t /*queued*/, int64_t /*running*/) {}
+  // Peers: a replica took over a chunk whose lease expired (the pod running it died or stalled).
+  virtual void lease_takeover(const std::string& /*replica*/) {}
+};
+
+JobState parse_job_state(const std::string& name);  // job_state_name()'s inverse (unknown: Failed)
+ErrorKind parse_error_kind(const std::string& name);  // error_kind_name()'s inverse (unknown: None)
+int64_t wall_ms(WallClock::time_point t);  // ms since the Unix epoch, as the store keeps times
+int64_t wall_ms(const std::optional<WallClock::time_point>& t);  // 0 when unset
+WallClock::time_point from_wall_ms(int64_t ms);
+// Chunk-level events as job stores keep them (step events stay in memory).
+std::string encode_stored_event(const JobEvent& event);
+JobEvent decode_stored_event(const StoredEvent& stored);
+
+// Fresh random job id: "j-" + 32 hex digits of 128 bits from the OS (getrandom), so ids of pods started together
+// never collide in practice and cannot be predicted from earlier ones.
+inline constexpr int kJobIdBits = 128;
+std::string new_job_id();
+// `size` bytes from the OS's random source (getrandom); throws std::runtime_error when it fails.
+void random_bytes(void* out, size_t size);
+
+}  // namespace skyreels::server

@@ -1,0 +1,84 @@
+// A video job as the model sees it: the validated request (generation params with every default resolved, the seed,
+// the prompt embeddings, the chunk plan), the state carried between chunks (the tail of the latent video, on the
+// replica that produced it: what a handoff moves), and its torch-free description. Its chunk results are not kept
+// here: run_chunk hands each to the scheduler, which commits it to the job store, where readers find it. Torch-free
+// header.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "server/job/job_request.h"
+#include "server/replica/replica_pool.h"
+
+namespace skyreels::model {
+class SkyReelsV2Transformer;
+class WanVae;
+struct StepHooks;
+}  // namespace skyreels::model
+
+namespace skyreels::server {
+
+// Where an MP4 segment a download waits for stands (VideoEncoder::wait_segment).
+struct SegmentWait {
+  bool making = false;  // still being made: the wait ran out first
+  std::string error;    // it cannot be made (set: the rest does not matter)
+};
+
+class ModelJob : public JobPayload {
+ public:
+  // Validates every field (ValidationError / PreconditionError) and plans the chunks. `random_seed` is used when
+  // the request has no seed. Images and videos are decoded here (bounded by the request's size and --max-frames);
+  // `vae` encodes them later, once, when the job's first chunk runs (after admission); null: they are refused.
+  static std::shared_ptr<ModelJob> create(const JobRequest& request, const ModelDescription& model,
+                                          const ServerLimits& limits, uint64_t random_seed,
+                                          const TextEncoderFn& text_encoder = {},
+                                          std::shared_ptr<const model::WanVae> vae = nullptr,
+                                          std::function<void(double seconds)> on_vae_encode = {});
+  ~ModelJob() override;
+
+  const ResolvedParams& params() const;
+  std::shared_ptr<const JobDescription> description() const;
+  const std::vector<std::string>& warnings() const;  // e.g. overlap frames dropped by the block size
+  int64_t chunk_count() const;
+  std::vector<double> chunk_work() const;     // latent positions x rows x model passes, per chunk
+  int64_t max_chunk_tokens() const;           // transformer tokens of the largest chunk
+  int64_t total_work() const;                 // token-forwards of the whole job (ServerLimits::max_job_work)
+  std::vector<int64_t> chunk_rows() const;    // denoising rows per chunk
+  std::vector<int64_t> latent_shape() const;  // [1, C, F, h, w] of the whole video
+  std::pair<int64_t, int64_t> chunk_latent_range(int64_t chunk) const;
+  int64_t chunk_pixel_frames(int64_t chunk) const;   // frames chunk `chunk` adds to the decoded video
+  int64_t chunk_suffix_frames(int64_t chunk) const;  // ChunkLayout::suffix_frames
+  uint64_t fingerprint() const;                      // of everything that determines the output (idempotency)
+  const std::string& fingerprint_v2() const;         // the same as SHA-256 ("sha256:..."; server/fingerprint.h)
+  // The embeddings the job conditions on (F32 [1, T, text_dim]); the negative ones only with guidance.
+  RawTensor prompt_embeddings(bool negative = false) const;
+  // Prompt change `index`'s embeddings (F32), as given or as its text was encoded at submit.
+  RawTensor prompt_change_embeddings(size_t index) const;
+
+  // Runs one chunk on `model` (on the calling replica's device). Reads the tail left by the previous chunk, wherever
+  // it is; leaves the new tail on this device. Returns the chunk's result (safetensors: `latents` fp32
+  // [1, C, frames, h, w], the chunk's new frames), which the scheduler commits to the job store: results are read
+  // from there, the job does not keep them. Throws model::GenerationCancelled when hooks.cancelled() turns true.
+  std::string run_chunk(const model::SkyReelsV2Transformer& model, int64_t chunk, const model::StepHooks& hooks);
+
+  // After a restart: continues after the chunks that were committed (chunk 0, 1, ... in order, safetensors bytes as
+  // run_chunk made them), taking the next chunk's tail from them. Its noise is re-derived from the seed (a fresh
+  // seeded source skips ahead to any chunk), so the video is bit-identical to an uninterrupted run. Throws
+  // std::runtime_error when a result does not fit the plan.
+  void restore_results(const std::vector<std::string>& chunk_bytes);
+
+ private:
+  ModelJob();
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace skyreels::server

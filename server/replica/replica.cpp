@@ -1,0 +1,283 @@
+#include "server/replica/replica.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
+#include <spdlog/spdlog.h>
+#include <torch/cuda.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+#include <thread>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+#include <torch/version.h>
+
+#include "model/diffusion_forcing.h"
+#include "model/runtime.h"
+#include "model/transformer_loader.h"
+#include "server/replica/model_job.h"
+
+namespace skyreels::server {
+
+namespace {
+
+struct InjectedFault : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+bool contains(const std::string& text, const char* part) { return text.find(part) != std::string::npos; }
+
+// Gives the allocator's free memory back to the system after a failed chunk (the tensors are gone by now).
+void release_memory() {
+#if defined(__GLIBC__)
+  ::malloc_trim(0);
+#endif
+}
+
+std::string trim(const std::string& s) {
+  const auto b = s.find_first_not_of(" \t");
+  const auto e = s.find_last_not_of(" \t");
+  return b == std::string::npos ? "" : s.substr(b, e - b + 1);
+}
+
+}  // namespace
+
+std::vector<FaultRule> parse_fault_rules(const std::string& text) {
+  std::vector<FaultRule> rules;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    item = trim(item);
+    if (item.empty()) continue;
+    const auto at = item.rfind('@');
+    if (at == std::string::npos || at == 0) {
+      throw std::invalid_argument("--fault-inject: '" + item + "' is not REPLICA@N or REPLICA@N+");
+    }
+    FaultRule rule;
+    rule.replica = item.substr(0, at);
+    std::string n = item.substr(at + 1);
+    if (const auto colon = n.find(':'); colon != std::string::npos) {
+      const std::string kind = n.substr(colon + 1);
+      n = n.substr(0, colon);
+      if (kind == "error") {
+        rule.kind = FaultKind::Error;
+      } else if (kind == "oom") {
+        rule.kind = FaultKind::OutOfMemory;
+      } else if (kind == "dead") {
+        rule.kind = FaultKind::Dead;
+      } else {
+        throw std::invalid_argument("--fault-inject: '" + item + "': kind '" + kind + "' is not error, oom or dead");
+      }
+    }
+    if (!n.empty() && n.back() == '+') {
+      rule.and_later = true;
+      n.pop_back();
+    }
+    try {
+      size_t used = 0;
+      rule.nth = std::stoll(n, &used);
+      if (used != n.size() || rule.nth < 1) throw std::invalid_argument(n);
+    } catch (const std::exception&) {
+      throw std::invalid_argument("--fault-inject: '" + item + "': N must be a positive integer");
+    }
+    rules.push_back(rule);
+  }
+  return rules;
+}
+
+bool is_out_of_memory(const std::exception& e) {
+  if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr) return true;
+#if TORCH_VERSION_MAJOR >= 2
+  if (dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr) return true;
+#endif
+  if (dynamic_cast<const c10::Error*>(&e) == nullptr) return false;
+  const std::string what = e.what();
+  return contains(what, "DefaultCPUAllocator: can't allocate memory") || contains(what, "CUDA out of memory");
+}
+
+int cuda_device_count() { return static_cast<int>(torch::cuda::device_count()); }
+
+std::vector<ReplicaOptions> plan_replicas(const std::string& devices, int cores, int cuda_devices) {
+  std::vector<std::string> tokens;
+  if (trim(devices) == "auto") {
+    for (int i = 0; i < cuda_devices; ++i) tokens.push_back("cuda:" + std::to_string(i));
+    if (tokens.empty()) tokens.push_back("cpu");
+  } else {
+    std::stringstream in(devices);
+    std::string item;
+    while (std::getline(in, item, ',')) tokens.push_back(trim(item));
+  }
+  if (tokens.empty()) throw std::invalid_argument("--devices: empty list");
+
+  std::vector<ReplicaOptions> replicas;
+  std::map<std::string, int> seen;
+  int cpu_replicas = 0;
+  for (const auto& token : tokens) {
+    ReplicaOptions r;
+    if (token == "cpu") {
+      r.device = "cpu";
+      r.name = "cpu:" + std::to_string(cpu_replicas++);
+    } else if (token == "cuda" || token.rfind("cuda:", 0) == 0) {
+      int index = 0;
+      if (token != "cuda") {
+        const std::string n = token.substr(5);
+        if (n.empty() || n.find_first_not_of("0123456789") != std::string::npos) {
+          throw std::invalid_argument("--devices: '" + token + "' is not cuda:N");
+        }
+        index = std::stoi(n);
+      }
+      if (index >= cuda_devices) {
+        throw std::invalid_argument("--devices: cuda:" + std::to_string(index) + " does not exist (" +
+                                    std::to_string(cuda_devices) + " CUDA device(s) visible)");
+      }
+      r.device = "cuda:" + std::to_string(index);
+      const int repeat = seen[r.device]++;
+      r.name = repeat == 0 ? r.device : r.device + "/" + std::to_string(repeat);
+    } else {
+      throw std::invalid_argument("--devices: '" + token + "' is not auto, cpu or cuda:N");
+    }
+    replicas.push_back(r);
+  }
+  // CPU replicas split the cores evenly; CUDA replicas need one host thread each.
+  const int per_cpu = std::max(1, cores / std::max(1, cpu_replicas));
+  for (auto& r : replicas) r.threads = r.device == "cpu" ? per_cpu : 1;
+  return replicas;
+}
+
+ModelReplica::ModelReplica(ReplicaOptions options) : options_(std::move(options)) {}
+ModelReplica::~ModelReplica() = default;
+
+void ModelReplica::start() {
+  // Intra-op threads are per calling thread in LibTorch's OpenMP backend: set them on this worker thread.
+  if (options_.threads > 0) at::set_num_threads(options_.threads);
+  c10::InferenceMode inference;
+  model::TransformerLoadOptions load;
+  load.device = options_.device;
+  load.dtype = options_.dtype;
+  load.loras = options_.loras;
+  spdlog::info("replica={} event=loading device={} dtype={} threads={} model={}", options_.name, options_.device,
+               options_.dtype, options_.threads, options_.model_path);
+  model::LoadedTransformer loaded = model::load_transformer(options_.model_path, load);
+  model_ = std::move(loaded.model);
+  if (options_.on_loaded) options_.on_loaded(loaded.report.seconds);
+  const auto t0 = std::chrono::steady_clock::now();
+  warm_up();
+  spdlog::info("replica={} event=ready load_seconds={:.3f} warmup_seconds={:.3f} parameters={}", options_.name,
+               loaded.report.seconds, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+               loaded.report.parameter_count);
+}
+
+void ModelReplica::probe() {
+  if (!model_) throw std::logic_error("replica " + options_.name + " has no model loaded");
+  if (dead_) throw InjectedFault("injected fault (--fault-inject ...:dead): re-test of replica " + options_.name);
+  c10::InferenceMode inference;
+  warm_up();
+}
+
+// One forward on the smallest input: the first real chunk does not pay for lazy initialisation, and a re-test shows
+// whether the device works again.
+void ModelReplica::warm_up() const {
+  const auto& config = model_->config();
+  const auto device = model_->device();
+  model::TransformerForwardArgs args;
+  args.hidden_states =
+      at::zeros({1, config.in_channels, config.patch_size[0], config.patch_size[1], config.patch_size[2]},
+                at::TensorOptions().device(device).dtype(model_->compute_dtype()));
+  args.timestep = at::zeros({1, config.patch_size[0]}, at::TensorOptions().device(device).dtype(at::kLong));
+  args.encoder_hidden_states =
+      at::zeros({1, 1, config.text_dim}, at::TensorOptions().device(device).dtype(model_->compute_dtype()));
+  if (config.inject_sample_info) args.fps = at::ones({1}, at::TensorOptions().device(device).dtype(at::kLong));
+  model_->forward(args);
+}
+
+const FaultRule* ModelReplica::fault_due(int64_t run) const {
+  for (const auto& rule : options_.faults) {
+    if (rule.replica != options_.name) continue;
+    if (run == rule.nth || (rule.and_later && run > rule.nth)) return &rule;
+  }
+  return nullptr;
+}
+
+ChunkResult ModelReplica::run(const ChunkWork& work, const ChunkCallbacks& callbacks) {
+  if (!model_) throw std::logic_error("replica " + options_.name + " has no model loaded");
+  auto* job = dynamic_cast<ModelJob*>(work.payload);
+  if (job == nullptr) throw std::logic_error("replica " + options_.name + ": the job payload is not a ModelJob");
+  const int64_t run_number = ++runs_;
+  const FaultRule* fault = fault_due(run_number);
+
+  c10::InferenceMode inference;
+  model::StepHooks hooks;
+  // Polled before every row and after every transformer block: a cancel, deadline or drain acts within one block.
+  hooks.cancelled = [this, &callbacks] {
+    if (options_.block_delay.count() > 0) std::this_thread::sleep_for(options_.block_delay);
+    return callbacks.should_stop();
+  };
+  hooks.on_step = [&](int64_t, int64_t row, int64_t rows) {
+    if (fault) throw_fault(*fault, run_number);
+    if (options_.step_delay.count() > 0) std::this_thread::sleep_for(options_.step_delay);
+    callbacks.on_step(row + 1, rows);
+  };
+  // What the chunk's transformer calls computed against the uncached plan (logged per chunk, counted in metrics).
+  struct {
+    int64_t full = 0, computed = 0, exact = 0, cache = 0;
+  } work_done;
+  hooks.on_call = [this, &work_done](const model::TransformerCallReport& call) {
+    work_done.full += call.token_blocks_full;
+    work_done.computed += call.token_blocks_computed;
+    work_done.exact += call.token_blocks_saved_exact;
+    work_done.cache += call.token_blocks_saved_cache;
+    if (options_.on_transformer_work) {
+      options_.on_transformer_work(call.token_blocks_computed, call.token_blocks_saved_exact,
+                                   call.token_blocks_saved_cache);
+    }
+  };
+  std::string bytes;  // the chunk's result, for the job store
+  try {
+    bytes = job->run_chunk(*model_, work.chunk_index, hooks);
+    spdlog::info("replica={} event=chunk_work chunk={} token_blocks_full={} computed={} saved_exact={} saved_cache={}",
+                 options_.name, work.chunk_index, work_done.full, work_done.computed, work_done.exact,
+                 work_done.cache);
+  } catch (const model::GenerationCancelled&) {
+    return {ChunkOutcome::Stopped, "", 0, {}, {}};
+  } catch (const std::invalid_argument& e) {
+    // The model refuses this request's inputs (validation missed a case): the job's fault, not the replica's.
+    return {ChunkOutcome::Rejected, e.what(), 0, {}, {}};
+  } catch (const std::exception& e) {
+    if (!is_out_of_memory(e)) throw;  // counts against the replica
+    // Out of memory: this request is too large for the device. Its tensors are freed by now; hand the memory back.
+    release_memory();
+    return {
+        ChunkOutcome::ResourceExhausted,
+        std::string("out of memory on replica ") + options_.name + " (the request is too large for it): " + e.what(),
+        0, {}, {}};
+  }
+  ChunkResult done{ChunkOutcome::Succeeded, "", job->chunk_pixel_frames(work.chunk_index), std::move(bytes), {}};
+  done.work = {work_done.full, work_done.computed, work_done.exact, work_done.cache};
+  return done;
+}
+
+void ModelReplica::throw_fault(const FaultRule& rule, int64_t run_number) {
+  const std::string where = "replica " + options_.name + ", chunk run " + std::to_string(run_number);
+  switch (rule.kind) {
+    case FaultKind::OutOfMemory:
+      // The message LibTorch 1.13's CPU allocator raises, so that the real classifier is exercised.
+      throw c10::Error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                       "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1099511627776 bytes "
+                       "(injected fault, --fault-inject ...:oom, " +
+                           where + ")");
+    case FaultKind::Dead:
+      dead_ = true;
+      throw InjectedFault("injected fault (--fault-inject ...:dead) on " + where);
+    case FaultKind::Error:
+      break;
+  }
+  throw InjectedFault("injected fault (--fault-inject) on " + where);
+}
+
+}  // namespace skyreels::server

@@ -1,0 +1,88 @@
+// One replica: the transformer loaded onto one device, running chunks of ModelJobs for the replica pool.
+// Test hooks (documented in --help): a fault plan that makes chosen chunk runs throw, and a per-step delay.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "model/lora.h"
+#include "server/replica/replica_pool.h"
+
+namespace skyreels::model {
+class SkyReelsV2Transformer;
+}
+
+namespace skyreels::server {
+
+// "--fault-inject REPLICA@N[+][:KIND][,...]": the N-th chunk run (1-based) on replica REPLICA fails after its first
+// step; with '+', that run and every later one on that replica. KIND: "error" (default: a device error, counted
+// against the replica), "oom" (an out-of-memory error, as LibTorch raises it: the request's fault), "dead" (a device
+// error, and every re-test of the replica fails too). Also read from $SKYREELS_FAULT_INJECT.
+enum class FaultKind { Error, OutOfMemory, Dead };
+struct FaultRule {
+  std::string replica;
+  int64_t nth = 1;
+  bool and_later = false;
+  FaultKind kind = FaultKind::Error;
+};
+std::vector<FaultRule> parse_fault_rules(const std::string& text);  // throws std::invalid_argument
+
+// Whether an exception from a forward is an allocation failure: c10::OutOfMemoryError (LibTorch 2.x), std::bad_alloc,
+// or a c10::Error whose message is LibTorch's CPU or CUDA out-of-memory message (LibTorch 1.13).
+bool is_out_of_memory(const std::exception& e);
+
+struct ReplicaOptions {
+  std::string name;    // metric label, e.g. "cpu:0", "cuda:1"
+  std::string device;  // torch device, e.g. "cpu", "cuda:1"
+  std::string dtype = "auto";
+  std::string model_path;
+  std::vector<model::LoraSpec> loras;  // merged into the weights at load (--lora)
+  int threads = 0;  // intra-op threads for this replica's worker thread; 0 = leave as is
+  std::vector<FaultRule> faults;
+  std::chrono::milliseconds step_delay{0};  // test hook: sleep after every denoising step
+  std::chrono::milliseconds block_delay{
+      0};  // test hook: sleep at every stop check (after each block, before each step)
+  // After every transformer call: token-blocks computed, saved by the exact savings, saved by the step cache.
+  std::function<void(int64_t computed, int64_t saved_exact, int64_t saved_cache)> on_transformer_work;
+  // Once the weights are loaded (and merged with any LoRA), with the seconds it took; warm-up not included.
+  std::function<void(double seconds)> on_loaded;
+};
+
+struct ReplicaInfo {
+  std::string device;
+  std::string dtype;
+  int threads = 0;
+};
+
+class ModelReplica : public ChunkExecutor {
+ public:
+  explicit ModelReplica(ReplicaOptions options);
+  ~ModelReplica() override;
+  std::string name() const override { return options_.name; }
+  void start() override;  // loads the weights on this replica's device and runs one warm-up forward
+  ChunkResult run(const ChunkWork& work, const ChunkCallbacks& callbacks) override;
+  void probe() override;  // the warm-up forward again (a replica taken out comes back when it passes)
+  const ReplicaOptions& options() const { return options_; }
+
+ private:
+  const FaultRule* fault_due(int64_t run) const;
+  void warm_up() const;
+  [[noreturn]] void throw_fault(const FaultRule& rule, int64_t run_number);
+  bool dead_ = false;  // a "dead" fault fired: re-tests fail too
+  ReplicaOptions options_;
+  std::unique_ptr<model::SkyReelsV2Transformer> model_;
+  int64_t runs_ = 0;
+};
+
+// Splits --devices into replicas: "auto" (every CUDA device, else one CPU replica), "cpu", "cuda:0,cuda:1",
+// repeats such as "cpu,cpu". CPU replicas share the cores: each gets max(1, cores / cpu replicas) threads.
+std::vector<ReplicaOptions> plan_replicas(const std::string& devices, int cores, int cuda_devices);
+
+// CUDA devices this LibTorch sees (0 on CPU-only builds).
+int cuda_device_count();
+
+}  // namespace skyreels::server

@@ -1,0 +1,116 @@
+// Chunk leases for a store only this server uses (memory, SQLite): the LeaseStore seam PostgreSQL offers many pods,
+// kept in this process and written through to the store, so that one server runs the very scheduler a fleet runs.
+//
+// The job rows (without their requests), their events and the leases live here; every change is written to the
+// wrapped store as it happens (results and requests are read back from it). Opening over a durable store reads its
+// jobs back: a job that was running when the server died has an expired lease, so its chunk is taken over (counted
+// as a retry) like a dead pod's; a job killed between its last commit and its end is ended here, with
+// `finished_event` (the scheduler's encoding of its Finished event: the store does not know the encoding). The clock is this
+// process's wall clock. Event numbers of an unfinished job continue past every number it can have handed out before
+// (step events are numbered but never stored), so that a watcher resuming with after_sequence misses nothing.
+#pragma once
+
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "server/store/job_lease.h"
+#include "server/store/job_store.h"
+
+namespace skyreels::server {
+
+class LocalLeaseStore final : public JobStore, public LeaseStore {
+ public:
+  // Step events one chunk can number (LeaseStore::reserve_sequences): more than any chunk's rows (limits.h).
+  static constexpr uint64_t kStepNumbersPerChunk = 1 << 16;
+
+  // Both read the store's jobs back (StoreError when they cannot be read); `borrowed` must outlive this.
+  LocalLeaseStore(std::unique_ptr<JobStore> owned, std::string finished_event);
+  LocalLeaseStore(JobStore& borrowed, std::string finished_event);
+  ~LocalLeaseStore() override;
+
+  // JobStore: written through to the wrapped store; rows and events are answered from here.
+  std::string describe() const override;
+  bool durable() const override;
+  LeaseStore* leases() override { return this; }
+  void insert_job(StoredJob job) override;
+  void update_job(const StoredJob& job) override;
+  void commit_chunk(const std::string& job_id, const StoredChunk& chunk) override;
+  void append_event(const std::string& job_id, const StoredEvent& event) override;
+  void drop_job(const std::string& job_id, const std::string& reason) override;
+  std::optional<std::string> dropped_reason(const std::string& job_id, const std::string& owner) const override;
+  std::vector<StoredJob> load_jobs() const override;
+  std::vector<StoredChunk> load_chunks(const std::string& job_id) const override;
+  std::vector<StoredEvent> load_events(const std::string& job_id) const override;
+  std::optional<std::string> load_request(const std::string& job_id) const override;
+  std::optional<std::string> load_chunk_bytes(const std::string& job_id, int64_t index) const override;
+  void put_segment(const std::string& job_id, int64_t index, const std::string& bytes) override;
+  std::optional<std::string> load_segment(const std::string& job_id, int64_t index) const override;
+
+  // LeaseStore
+  std::optional<ChunkLease> claim(const std::string& replica, std::chrono::milliseconds ttl,
+                                  const std::vector<std::string>& pass_over = {}) override;
+  LeaseRenewal renew(const ChunkLease& lease, std::chrono::milliseconds ttl) override;
+  LeaseCommit commit(const ChunkLease& lease, const StoredChunk& chunk,
+                     const std::vector<std::string>& events) override;
+  bool release(const ChunkLease& lease) override;
+  std::vector<std::string> expire_deadlines() override;
+  std::vector<Retired> finished_to_retire(int64_t finished_before_ms, int64_t keep) const override;
+  CancelState request_cancel(const std::string& job_id, const std::string& owner) override;
+  InsertOutcome insert_job_once(const StoredJob& job, AdmissionLimits limits = {}) override;
+  AdmissionCounts admission_counts(const std::string& client) const override;
+  int64_t queue_depth() const override;
+  QueuePlace queue_place(const std::string& job_id) const override;
+  std::vector<StoredJob> jobs_of(const std::string& owner) const override;
+  bool shared() const override { return false; }
+  std::optional<StoredJob> load_job(const std::string& job_id, bool with_request = true) const override;
+  std::vector<uint64_t> append_events(const std::string& job_id, const std::vector<std::string>& events) override;
+  uint64_t reserve_sequences(const std::string& job_id, int64_t count) override;
+  void publish_step(const std::string& job_id, const StoredEvent& event) override;
+  std::unique_ptr<ChangeListener> listen() override;  // hears nothing: no other process writes here
+  bool reachable() const override { return true; }  // a failing call is the caller's StoreError
+
+ private:
+  struct Entry {
+    StoredJob job;  // without the request
+    std::vector<StoredEvent> events;
+    uint64_t next_sequence = 1;
+    bool inserting = false;  // admitted, being written to the store: counted and keyed, not yet visible
+    bool cancel_requested = false;
+    std::string last_replica;  // ran the previous chunk
+    // The lease: held when `leased`; live until expires_ms; `committing`: its result is being written (never expires).
+    bool leased = false, committing = false;
+    uint64_t token = 0;
+    std::string lease_replica;
+    int64_t expires_ms = 0;
+  };
+  struct Client {
+    int64_t service = 0;
+    int weight = 1;
+  };
+
+  void read_back(const std::string& finished_event);
+  Entry* visible_locked(const std::string& job_id);
+  const Entry* visible_locked(const std::string& job_id) const;
+  bool ready_locked(const Entry& e, int64_t now) const;
+  std::vector<const Entry*> ready_in_order_locked(int64_t now) const;
+  bool client_active_locked(const std::string& client) const;
+  uint64_t append_locked(Entry& e, const std::string& data);  // stored at once; returns its number
+
+  std::unique_ptr<JobStore> owned_;
+  JobStore& inner_;
+  mutable std::mutex mu_;
+  std::condition_variable inserted_;  // an insert finished (stored or refused)
+  std::map<std::string, Entry> jobs_;
+  std::map<std::pair<std::string, std::string>, std::string> keys_;  // (owner, idempotency key) -> id
+  std::map<std::string, Client> clients_;
+  std::set<std::string> dropped_;  // ids dropped while this process ran (never issued again)
+  uint64_t next_order_ = 1;
+};
+
+}  // namespace skyreels::server

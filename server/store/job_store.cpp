@@ -1,0 +1,70 @@
+// open_job_store(): the --job-store spec to a backend; the deadline of store calls.
+#include <algorithm>
+#include <memory>
+
+#include "server/store/job_store.h"
+#include "server/store/job_store_memory.h"
+#include "server/store/job_store_postgres.h"
+#include "server/store/job_store_sqlite.h"
+#include "server/store/pg_db.h"
+
+namespace skyreels::server {
+
+namespace {
+
+thread_local std::chrono::steady_clock::time_point call_deadline = std::chrono::steady_clock::time_point::max();
+
+// PATH with an optional "?synchronous=normal|full".
+}  // namespace
+
+StoreCallDeadline::StoreCallDeadline(std::chrono::steady_clock::time_point until) : previous_(call_deadline) {
+  call_deadline = std::min(call_deadline, until);
+}
+
+StoreCallDeadline::~StoreCallDeadline() { call_deadline = previous_; }
+
+std::chrono::steady_clock::time_point store_call_deadline() {
+  return std::min(call_deadline, std::chrono::steady_clock::now() + kStoreCallTimeout);
+}
+
+namespace {
+
+std::unique_ptr<JobStore> open_sqlite(const std::string& spec) {
+  std::string path = spec;
+  bool full = false;
+  const auto query = spec.rfind('?');
+  if (query != std::string::npos) {
+    const std::string option = spec.substr(query + 1);
+    if (option != "synchronous=full" && option != "synchronous=normal") {
+      throw StoreError("--job-store: unknown option '" + option + "' (sqlite:PATH?synchronous=normal|full)");
+    }
+    full = option == "synchronous=full";
+    path = spec.substr(0, query);
+  }
+  if (path.empty()) throw StoreError("--job-store: sqlite: needs a file path");
+  return std::make_unique<SqliteJobStore>(path, full);
+}
+
+}  // namespace
+
+std::optional<std::string> JobStore::load_request(const std::string& job_id) const {
+  for (StoredJob& job : load_jobs()) {
+    if (job.id == job_id) return std::move(job.request);
+  }
+  return std::nullopt;
+}
+
+std::unique_ptr<JobStore> open_job_store(const std::string& spec) {
+  if (spec == "memory") return std::make_unique<MemoryJobStore>();
+  const std::string sqlite = "sqlite:";
+  if (spec.rfind(sqlite, 0) == 0 && spec.size() > sqlite.size()) {
+    return open_sqlite(spec.substr(sqlite.size()));
+  }
+  if (spec.rfind("postgresql://", 0) == 0 || spec.rfind("postgres://", 0) == 0) {
+    return std::make_unique<PostgresJobStore>(spec);
+  }
+  throw StoreError("--job-store: '" + pg::redact_url(spec) +
+                   "' is neither memory, sqlite:PATH nor postgresql://[USER[:PASSWORD]@]HOST[:PORT]/DB");
+}
+
+}  // namespace skyreels::server

@@ -1,0 +1,76 @@
+// `--job-store postgresql://...` (or postgres://; also $SKYREELS_JOB_STORE, so that the password stays out of the
+// process list): the job store that several servers share. Unlike SQLite it is not held exclusively; the servers
+// split the chunks through leases (job_lease.h). Versioned schema, migrated forward at startup under an advisory lock
+// so that pods starting together agree; a newer schema stops the start. Every failure is a StoreError naming the
+// store (password redacted); a lost connection is re-made on the next call (pg_db.h).
+#pragma once
+
+#include <memory>
+
+#include "server/store/job_lease.h"
+#include "server/store/job_store.h"
+
+namespace skyreels::server {
+
+namespace pg {
+class Pool;
+class Connection;
+}  // namespace pg
+
+class PostgresJobStore final : public JobStore, public LeaseStore {
+ public:
+  static constexpr int kSchemaVersion = 2;
+  static constexpr int kConnections = 4;
+  explicit PostgresJobStore(const std::string& url);  // connects and migrates; throws StoreError
+  ~PostgresJobStore() override;
+
+  std::string describe() const override;
+  bool durable() const override { return true; }
+  LeaseStore* leases() override { return this; }
+  void insert_job(StoredJob job) override;
+  void update_job(const StoredJob& job) override;
+  void commit_chunk(const std::string& job_id, const StoredChunk& chunk) override;
+  void append_event(const std::string& job_id, const StoredEvent& event) override;
+  void drop_job(const std::string& job_id, const std::string& reason) override;
+  std::optional<std::string> dropped_reason(const std::string& job_id, const std::string& owner) const override;
+  std::vector<StoredJob> load_jobs() const override;
+  std::vector<StoredChunk> load_chunks(const std::string& job_id) const override;
+  std::vector<StoredEvent> load_events(const std::string& job_id) const override;
+  std::optional<std::string> load_request(const std::string& job_id) const override;
+  std::optional<std::string> load_chunk_bytes(const std::string& job_id, int64_t index) const override;
+  void put_segment(const std::string& job_id, int64_t index, const std::string& bytes) override;
+  std::optional<std::string> load_segment(const std::string& job_id, int64_t index) const override;
+
+  // LeaseStore
+  std::optional<ChunkLease> claim(const std::string& replica, std::chrono::milliseconds ttl,
+                                  const std::vector<std::string>& pass_over = {}) override;
+  LeaseRenewal renew(const ChunkLease& lease, std::chrono::milliseconds ttl) override;
+  LeaseCommit commit(const ChunkLease& lease, const StoredChunk& chunk,
+                     const std::vector<std::string>& events) override;
+  bool release(const ChunkLease& lease) override;
+  std::vector<std::string> expire_deadlines() override;
+  std::vector<Retired> finished_to_retire(int64_t finished_before_ms, int64_t keep) const override;
+  CancelState request_cancel(const std::string& job_id, const std::string& owner) override;
+  InsertOutcome insert_job_once(const StoredJob& job, AdmissionLimits limits = {}) override;
+  AdmissionCounts admission_counts(const std::string& client) const override;
+  int64_t queue_depth() const override;
+  QueuePlace queue_place(const std::string& job_id) const override;
+  std::vector<StoredJob> jobs_of(const std::string& owner) const override;
+  bool shared() const override { return true; }
+  std::optional<StoredJob> load_job(const std::string& job_id, bool with_request = true) const override;
+  std::vector<uint64_t> append_events(const std::string& job_id, const std::vector<std::string>& events) override;
+  uint64_t reserve_sequences(const std::string& job_id, int64_t count) override;
+  void publish_step(const std::string& job_id, const StoredEvent& event) override;
+  std::unique_ptr<ChangeListener> listen() override;
+  bool reachable() const override;
+
+ private:
+  void migrate();
+  std::optional<ChunkLease> lease_locked_candidate(pg::Connection& c, const std::string& replica,
+                                                   std::chrono::milliseconds ttl,
+                                                   const std::vector<std::string>& pass_over);
+  std::string url_;
+  std::unique_ptr<pg::Pool> pool_;
+};
+
+}  // namespace skyreels::server
