@@ -214,8 +214,27 @@ std::vector<std::string> Scheduler::pass_over_locked(size_t replica, const std::
           seconds_per_chunk_, std::chrono::duration<double>(now - run->second->started).count());
     }
   }
+  // Jobs no replica holds yet go to the idle replicas in order, as a scheduler that pushes would place them: those no
+  // waiting job has affinity to first, by index. This replica takes one only when that many jobs wait for it.
+  size_t fresh = 0;
+  for (const Waiting& w : waiting) fresh += w.placement.holder < 0 && w.placement.avoid < 0 ? 1 : 0;
+  auto holds = [&](size_t i) {
+    return std::any_of(waiting.begin(), waiting.end(),
+                       [&](const Waiting& w) { return w.placement.holder == static_cast<int>(i); });
+  };
+  auto ranks_before = [&](size_t i) {  // idle replica i is offered fresh jobs before this one
+    if (holds(i) != holds(replica)) return !holds(i);
+    return i < replica;
+  };
+  size_t rank = 0;
+  for (size_t i = 0; i < views.size(); ++i) rank += i != replica && views[i].idle && ranks_before(i) ? 1 : 0;
+  const bool take_fresh = rank < fresh;
   std::vector<std::string> pass_over;
   for (const Waiting& w : waiting) {
+    if (w.placement.holder < 0 && w.placement.avoid < 0) {
+      if (!take_fresh) pass_over.push_back(w.id);
+      continue;
+    }
     std::vector<policy::ReplicaView> seen = views;
     for (const Waiting& other : waiting) {
       if (other.id != w.id && other.placement.holder >= 0) {
@@ -282,7 +301,9 @@ std::optional<ChunkAssignment> Scheduler::prepare(size_t replica, const ChunkLea
     finish(job->id, JobState::DeadlineExceeded, ErrorKind::DeadlineExceeded, "deadline passed while queued");
     return std::nullopt;
   }
-  const int attempt = attempts_of(job->id, lease.chunk_index) + (lease.takeover ? 1 : 0);
+  // A job that was never retried (the stored count covers every pod) has no retry events to read.
+  const int attempt =
+      (job->retries == 0 ? 0 : attempts_of(job->id, lease.chunk_index)) + (lease.takeover ? 1 : 0);
   if (lease.takeover) {
     spdlog::warn("job={} event=lease_takeover chunk={} from={} to={}", job->id, lease.chunk_index,
                  lease.previous_replica, name);
@@ -423,10 +444,13 @@ std::shared_ptr<Scheduler::Cached> Scheduler::payload_for(const StoredJob& job, 
 }
 
 // Failed attempts of a chunk so far: its ChunkRetry events (a takeover is one too).
+// Read from the end back to the previous chunk's end: a long video's earlier events are never decoded again.
 int Scheduler::attempts_of(const std::string& job_id, int64_t chunk) const {
+  const std::vector<StoredEvent> events = store_.load_events(job_id);
   int attempts = 0;
-  for (const StoredEvent& stored : store_.load_events(job_id)) {
-    const JobEvent e = decode_stored_event(stored);
+  for (auto it = events.rbegin(); it != events.rend(); ++it) {
+    const JobEvent e = decode_stored_event(*it);
+    if (e.type == EventType::Queued || (e.type == EventType::ChunkFinished && e.chunk < chunk)) break;
     if (e.type == EventType::ChunkRetry && e.chunk == chunk) ++attempts;
   }
   return attempts;

@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <random>
 
 #include "server/queue/dispatch_policy.h"
 #include "server/store/pg_db.h"
@@ -83,7 +84,14 @@ const std::string& without_request_columns() {
   return columns;
 }
 
-std::string notify_sql(const std::string& column) { return "pg_notify('skyreels_jobs', " + column + ")"; }
+std::string notify_sql(const std::string& payload) { return "pg_notify('skyreels_jobs', " + payload + ")"; }
+
+// This store's tag on the changes it announces ("ID\nORIGIN"), so that its own listener skips them: the scheduler
+// that made a change has already woken its waiters. (A pod of the version before reads the id and ignores the rest.)
+std::string new_origin() {
+  std::random_device os;  // a tag, not a secret
+  return std::to_string(os()) + std::to_string(os());
+}
 
 StoredJob job_from_row(const pg::Result& r, int i) {
   StoredJob j;
@@ -185,8 +193,10 @@ InsertOutcome insert_outcome(const pg::Result& r, bool inserted) {
 
 class PgChangeListener final : public ChangeListener {
  public:
-  explicit PgChangeListener(const std::string& url) : listener_(url, LeaseStore::kChangesChannel) {}
-  // A payload is a job id, or "ID\nSEQUENCE\nEVENT" for step progress (publish_step).
+  PgChangeListener(const std::string& url, std::string origin)
+      : listener_(url, LeaseStore::kChangesChannel), origin_(std::move(origin)) {}
+  // A payload is a job id, "ID\nORIGIN" for a change some store announced, or "ID\nSEQUENCE\nEVENT" for step
+  // progress (publish_step). Changes this listener's own store announced are skipped.
   JobChanges wait(std::chrono::milliseconds timeout) override {
     pg::Listener::Batch batch = listener_.wait(timeout);
     JobChanges changes;
@@ -199,6 +209,7 @@ class PgChangeListener final : public ChangeListener {
       }
       const size_t second = payload.find('\n', first + 1);
       const std::string id = payload.substr(0, first);
+      if (second == std::string::npos && payload.compare(first + 1, std::string::npos, origin_) == 0) continue;
       changes.job_ids.push_back(id);
       if (second == std::string::npos) continue;
       try {
@@ -212,12 +223,13 @@ class PgChangeListener final : public ChangeListener {
 
  private:
   pg::Listener listener_;
+  std::string origin_;
 };
 
 }  // namespace
 
 PostgresJobStore::PostgresJobStore(const std::string& url)
-    : url_(url), pool_(std::make_unique<pg::Pool>(url, kConnections)) {
+    : url_(url), origin_(new_origin()), pool_(std::make_unique<pg::Pool>(url, kConnections)) {
   migrate();
   spdlog::info("event=job_store_opened store=postgresql url={} schema_version={}", describe(), kSchemaVersion);
 }
@@ -266,14 +278,15 @@ void PostgresJobStore::insert_job(StoredJob j) {
   auto c = pool_->acquire();
   std::vector<Param> params = job_params(j);
   params.emplace_back(static_cast<int64_t>(j.order));
-  c->exec("WITH i AS (" + insert_job_sql("$21", "$2") + " RETURNING id) SELECT " + notify_sql("id") + " FROM i", params);
+  c->exec("WITH i AS (" + insert_job_sql("$21", "$2") + " RETURNING id) SELECT " + notify_change_sql("id") + " FROM i",
+          params);
 }
 
 void PostgresJobStore::update_job(const StoredJob& j) {
   auto c = pool_->acquire();
   c->exec("WITH u AS (UPDATE jobs SET state=$2, error_kind=$3, error=$4, started_ms=$5, finished_ms=$6, retries=$7,"
           " handoffs=$8 WHERE id=$1 RETURNING id) SELECT " +
-              notify_sql("id") + " FROM u",
+              notify_change_sql("id") + " FROM u",
           {j.id, j.state, j.error_kind, Param::bytes(j.error), j.started_ms, j.finished_ms, j.retries, j.handoffs});
 }
 
@@ -284,7 +297,7 @@ void PostgresJobStore::commit_chunk(const std::string& job_id, const StoredChunk
           " c AS (INSERT INTO chunks(job_id, idx, replica, attempts, bytes) SELECT id, $2, $3, $4, $5 FROM u"
           " ON CONFLICT (job_id, idx) DO UPDATE SET replica = EXCLUDED.replica, attempts = EXCLUDED.attempts,"
           " bytes = EXCLUDED.bytes RETURNING job_id) SELECT " +
-              notify_sql("job_id") + " FROM c",
+              notify_change_sql("job_id") + " FROM c",
           {job_id, chunk.index, chunk.replica, chunk.attempts, Param::bytes(chunk.bytes)});
 }
 
@@ -311,7 +324,7 @@ void PostgresJobStore::drop_job(const std::string& job_id, const std::string& re
     c->exec("DELETE FROM dropped WHERE seq <= $1", {tomb.int64(0, 0) - kMaxTombstones});
   }
   const pg::Result gone = c->exec("WITH d AS (DELETE FROM jobs WHERE id = $1 RETURNING id, client) SELECT " +
-                                       notify_sql("id") + ", client FROM d",
+                                       notify_change_sql("id") + ", client FROM d",
                                    {job_id});  // chunks, events and segments cascade
   if (gone.rows() == 1) {  // a client none of whose jobs is left starts afresh (bounded: clients may be addresses)
     c->exec("DELETE FROM clients WHERE client = $1 AND NOT EXISTS (SELECT 1 FROM jobs WHERE client = $1)",
@@ -516,7 +529,7 @@ LeaseCommit PostgresJobStore::commit(const ChunkLease& lease, const StoredChunk&
     c->exec("INSERT INTO events(job_id, seq, data) VALUES($1, $2, $3)",
             {lease.job_id, static_cast<int64_t>(seq), Param::bytes(data)});
   }
-  c->exec("SELECT " + notify_sql("$1"), {lease.job_id});
+  c->exec("SELECT " + notify_change_sql("$1"), {lease.job_id});
   tx.commit();
   return out;
 }
@@ -527,7 +540,7 @@ std::vector<std::string> PostgresJobStore::expire_deadlines() {
                                            " error_kind = 'deadline_exceeded', error = $1, finished_ms = ") +
                                    kNowMs + " WHERE " + kUnfinished + " AND deadline_ms IS NOT NULL AND deadline_ms <= " +
                                    kNowMs + " AND (lease_replica IS NULL OR lease_expires_ms <= " + kNowMs +
-                                   ") RETURNING id) SELECT id, " + notify_sql("id") + " FROM u",
+                                   ") RETURNING id) SELECT id, " + notify_change_sql("id") + " FROM u",
                                {Param::bytes(std::string("deadline passed while queued"))});
   std::vector<std::string> ids;
   for (int i = 0; i < r.rows(); ++i) ids.push_back(r.text(i, 0));
@@ -550,7 +563,7 @@ bool PostgresJobStore::release(const ChunkLease& lease) {
   const pg::Result r = c->exec("WITH u AS (UPDATE jobs SET lease_replica = NULL, lease_expires_ms = NULL"
                                " WHERE id = $1 AND lease_token = $2 AND lease_replica IS NOT NULL RETURNING id)"
                                " SELECT " +
-                                   notify_sql("id") + " FROM u",
+                                   notify_change_sql("id") + " FROM u",
                                {lease.job_id, static_cast<int64_t>(lease.token)});
   return r.rows() == 1;
 }
@@ -565,7 +578,7 @@ CancelState PostgresJobStore::request_cancel(const std::string& job_id, const st
   CancelState state = CancelState::Unknown;
   if (r.rows() == 1) {
     state = r.boolean(0, 0) ? CancelState::Running : CancelState::Idle;
-    c->exec("SELECT " + notify_sql("$1"), {job_id});
+    c->exec("SELECT " + notify_change_sql("$1"), {job_id});
   } else if (c->exec("SELECT 1 FROM jobs WHERE id = $1 AND owner = $2", {job_id, owner}).rows() == 1) {
     state = CancelState::AlreadyFinished;
   }
@@ -615,7 +628,7 @@ InsertOutcome PostgresJobStore::insert_job_once(const StoredJob& j, AdmissionLim
   const pg::Result inserted =
       c->exec("WITH i AS (" + insert_job_sql("nextval('job_order')", least_attained_service_sql()) +
                   " RETURNING id, fingerprint, ord, vbase, fingerprint_v2) SELECT id, fingerprint, ord, vbase,"
-                  " fingerprint_v2, " + notify_sql("id") +
+                  " fingerprint_v2, " + notify_change_sql("id") +
                   " FROM i",
               params);
   tx.commit();
@@ -692,7 +705,11 @@ void PostgresJobStore::publish_step(const std::string& job_id, const StoredEvent
   c->exec("SELECT " + notify_sql("$1"), {job_id + "\n" + std::to_string(event.sequence) + "\n" + event.data});
 }
 
-std::unique_ptr<ChangeListener> PostgresJobStore::listen() { return std::make_unique<PgChangeListener>(url_); }
+std::unique_ptr<ChangeListener> PostgresJobStore::listen() { return std::make_unique<PgChangeListener>(url_, origin_); }
+
+std::string PostgresJobStore::notify_change_sql(const std::string& job_id) const {
+  return notify_sql("(" + job_id + ")::text || E'\\n" + origin_ + "'");
+}
 
 bool PostgresJobStore::reachable() const {
   try {

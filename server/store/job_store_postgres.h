@@ -69,7 +69,9 @@ class PostgresJobStore final : public JobStore, public LeaseStore {
   std::optional<ChunkLease> lease_locked_candidate(pg::Connection& c, const std::string& replica,
                                                    std::chrono::milliseconds ttl,
                                                    const std::vector<std::string>& pass_over);
+  std::string notify_change_sql(const std::string& job_id) const;  // SQL announcing a change of `job_id` (an expression)
   std::string url_;
+  std::string origin_;  // tags the changes this store announces (its own listener skips them)
   std::unique_ptr<pg::Pool> pool_;
 };
 
