@@ -491,7 +491,7 @@ void Scheduler::push_step(Running& run, int64_t row, int64_t rows) {
     run.progress = event.progress;
     keep_step_locked(run.job.id, event);
   }
-  changed(run.job.id);
+  stepped(run.job.id);
   const auto now = Clock::now();
   if (row == rows || now - run.last_published >= kStepPublishPeriod) {
     run.last_published = now;
@@ -766,6 +766,41 @@ void Scheduler::changed(const std::string& job_id) {
   }
 }
 
+// Step progress: only the job's watchers hear it (no replica has new work, no lease needs renewing).
+void Scheduler::stepped(const std::string& job_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++change_count_;
+  changed_.notify_all();
+  auto it = listeners_.find(job_id);
+  if (it != listeners_.end()) {
+    for (auto& [token, notify] : it->second) notify();
+  }
+}
+
+// One wait on the store's change notifications (another pod's changes; a listener re-made after a lost connection).
+void Scheduler::hear_other_pods(std::unique_ptr<ChangeListener>& listener, Clock::time_point& last_poll) {
+  try {
+    if (!listener) listener = leases_.listen();
+    const JobChanges changes = listener->wait(options_.poll);
+    if (!changes.steps.empty()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& [id, stored] : changes.steps) {
+        try {
+          keep_step_locked(id, decode_stored_event(stored));
+        } catch (const std::exception&) {  // not a step we can read: the job id still wakes its watchers
+        }
+      }
+    }
+    for (const std::string& id : changes.job_ids) changed(id);
+    if (changes.missed) last_poll = Clock::time_point{};
+  } catch (const StoreError& e) {
+    listener.reset();
+    spdlog::warn("event=store_listen_failed error=\"{}\"", e.what());
+    std::unique_lock<std::mutex> lock(mu_);
+    heartbeat_cv_.wait_for(lock, options_.poll, [&] { return stopping_; });
+  }
+}
+
 void Scheduler::listen_loop() {
   std::unique_ptr<ChangeListener> listener;
   auto last_poll = Clock::now();
@@ -774,23 +809,10 @@ void Scheduler::listen_loop() {
       std::lock_guard<std::mutex> lock(mu_);
       if (stopping_) return;
     }
-    try {
-      if (!listener) listener = leases_.listen();
-      const JobChanges changes = listener->wait(options_.poll);
-      if (!changes.steps.empty()) {
-        std::lock_guard<std::mutex> lock(mu_);
-        for (const auto& [id, stored] : changes.steps) {
-          try {
-            keep_step_locked(id, decode_stored_event(stored));
-          } catch (const std::exception&) {  // not a step we can read: the job id still wakes its watchers
-          }
-        }
-      }
-      for (const std::string& id : changes.job_ids) changed(id);
-      if (changes.missed) last_poll = Clock::time_point{};
-    } catch (const StoreError& e) {
-      listener.reset();
-      spdlog::warn("event=store_listen_failed error=\"{}\"", e.what());
+    if (leases_.shared()) {
+      hear_other_pods(listener, last_poll);
+    } else {
+      // Nobody else writes to this store: every change was made, and announced, here. Only the poll below is left.
       std::unique_lock<std::mutex> lock(mu_);
       heartbeat_cv_.wait_for(lock, options_.poll, [&] { return stopping_; });
     }

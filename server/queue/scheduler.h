@@ -148,7 +148,9 @@ class Scheduler final : public JobQueue, private ChunkSource {
   int64_t client_cap(const JobSpec& spec) const;  // the key's cap, else --max-jobs-per-client
   void report_queue();
   void changed(const std::string& job_id);  // wakes waiters and the job's subscribers
+  void stepped(const std::string& job_id);  // wakes the job's waiters and subscribers only
   void listen_loop();
+  void hear_other_pods(std::unique_ptr<ChangeListener>& listener, Clock::time_point& last_poll);
   void heartbeat_loop();
   void store_health_loop();
   void housekeeping();
