@@ -179,6 +179,11 @@ void Scheduler::report_queue() {
 
 // ---- the pool's side: claim, run, commit ------------------------------------------------------------------------
 
+// How long a running chunk still needs, by this server's average chunk time.
+double Scheduler::remaining_locked(const Running& run, Clock::time_point now) const {
+  return policy::remaining_seconds(seconds_per_chunk_, std::chrono::duration<double>(now - run.started).count());
+}
+
 // Draining on a shared store stops claiming (the other pods continue the queue); a server that is the only one
 // finishes what it admitted. abort_all and the destructor stop claiming everywhere.
 bool Scheduler::claiming_locked() const { return !hard_stop_ && (!draining_ || !leases_.shared()); }
@@ -209,10 +214,7 @@ std::vector<std::string> Scheduler::pass_over_locked(size_t replica, const std::
     auto run = running_.find(i);
     views[i].healthy = healthy[i];
     views[i].idle = healthy[i] && run == running_.end();
-    if (run != running_.end()) {
-      views[i].remaining_seconds = policy::remaining_seconds(
-          seconds_per_chunk_, std::chrono::duration<double>(now - run->second->started).count());
-    }
+    if (run != running_.end()) views[i].remaining_seconds = remaining_locked(*run->second, now);
   }
   // Jobs no replica holds yet go to the idle replicas in order, as a scheduler that pushes would place them: those no
   // waiting job has affinity to first, by index. This replica takes one only when that many jobs wait for it.
@@ -754,10 +756,7 @@ void Scheduler::changed(const std::string& job_id) {
   ++change_count_;
   work_.notify_all();
   changed_.notify_all();
-  auto it = listeners_.find(job_id);
-  if (it != listeners_.end()) {
-    for (auto& [token, notify] : it->second) notify();
-  }
+  notify_subscribers_locked(job_id);
   for (auto& [replica, run] : running_) {
     if (run->job.id == job_id) {
       renew_now_ = true;  // a cancel from another pod reaches this chunk at its next step, not its next heartbeat
@@ -766,15 +765,19 @@ void Scheduler::changed(const std::string& job_id) {
   }
 }
 
+void Scheduler::notify_subscribers_locked(const std::string& job_id) {
+  auto it = listeners_.find(job_id);
+  if (it != listeners_.end()) {
+    for (auto& [token, notify] : it->second) notify();
+  }
+}
+
 // Step progress: only the job's watchers hear it (no replica has new work, no lease needs renewing).
 void Scheduler::stepped(const std::string& job_id) {
   std::lock_guard<std::mutex> lock(mu_);
   ++change_count_;
   changed_.notify_all();
-  auto it = listeners_.find(job_id);
-  if (it != listeners_.end()) {
-    for (auto& [token, notify] : it->second) notify();
-  }
+  notify_subscribers_locked(job_id);
 }
 
 // One wait on the store's change notifications (another pod's changes; a listener re-made after a lost connection).
@@ -1109,11 +1112,7 @@ void Scheduler::place_in_queue(JobSnapshot& s) const {
     if (!healthy[i]) continue;
     ++healthy_count;
     auto run = running_.find(i);
-    const double free_in =
-        run == running_.end()
-            ? 0.0
-            : policy::remaining_seconds(seconds_per_chunk_,
-                                        std::chrono::duration<double>(now - run->second->started).count());
+    const double free_in = run == running_.end() ? 0.0 : remaining_locked(*run->second, now);
     soonest_free = soonest_free < 0 ? free_in : std::min(soonest_free, free_in);
   }
   s.eta_seconds = policy::queue_eta(std::max(soonest_free, 0.0),

@@ -149,6 +149,8 @@ class Scheduler final : public JobQueue, private ChunkSource {
   void report_queue();
   void changed(const std::string& job_id);  // wakes waiters and the job's subscribers
   void stepped(const std::string& job_id);  // wakes the job's waiters and subscribers only
+  void notify_subscribers_locked(const std::string& job_id);
+  double remaining_locked(const Running& run, Clock::time_point now) const;
   void listen_loop();
   void hear_other_pods(std::unique_ptr<ChangeListener>& listener, Clock::time_point& last_poll);
   void heartbeat_loop();

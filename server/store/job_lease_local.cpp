@@ -88,13 +88,27 @@ std::vector<const LocalLeaseStore::Entry*> LocalLeaseStore::ready_in_order_locke
     if (ready_locked(e, now)) ready.push_back(&e);
   }
   auto key = [&](const Entry* e) {
-    auto client = clients_.find(e->job.client);
     return policy::JobKey{e->job.priority, e->job.vbase + e->job.chunks_done, e->job.order,
-                          client == clients_.end() ? 0 : client->second.service};
+                          client_service_locked(e->job.client)};
   };
   std::stable_sort(ready.begin(), ready.end(),
                    [&](const Entry* a, const Entry* b) { return policy::dispatch_before(key(a), key(b)); });
   return ready;
+}
+
+int64_t LocalLeaseStore::client_service_locked(const std::string& client) const {
+  auto it = clients_.find(client);
+  return it == clients_.end() ? 0 : it->second.service;
+}
+
+AdmissionCounts LocalLeaseStore::counts_locked(const std::string& client) const {
+  AdmissionCounts counts;
+  for (const auto& [id, e] : jobs_) {
+    if (!unfinished(e.job)) continue;
+    ++counts.unfinished;
+    if (e.job.client == client) ++counts.unfinished_for_client;
+  }
+  return counts;
 }
 
 bool LocalLeaseStore::client_active_locked(const std::string& client) const {
@@ -231,9 +245,8 @@ std::optional<ChunkLease> LocalLeaseStore::claim(const std::string& replica, std
   if (ready.empty()) return std::nullopt;
   std::vector<ClaimCandidate> candidates;
   for (const Entry* e : ready) {
-    auto client = clients_.find(e->job.client);
     candidates.push_back({e->job.priority, e->job.vbase + e->job.chunks_done, e->last_replica,
-                          client == clients_.end() ? 0 : client->second.service});
+                          client_service_locked(e->job.client)});
   }
   Entry& e = jobs_.at(ready[claim_preference(candidates, replica).front()]->job.id);
 
@@ -404,15 +417,7 @@ InsertOutcome LocalLeaseStore::insert_job_once(const StoredJob& job, AdmissionLi
     found.vbase = existing.job.vbase;
     return found;
   }
-  const AdmissionCounts counts = [&] {
-    AdmissionCounts c;
-    for (const auto& [id, e] : jobs_) {
-      if (!unfinished(e.job)) continue;
-      ++c.unfinished;
-      if (e.job.client == job.client) ++c.unfinished_for_client;
-    }
-    return c;
-  }();
+  const AdmissionCounts counts = counts_locked(job.client);
   InsertOutcome refused;
   if (limits.max_unfinished > 0 && counts.unfinished >= limits.max_unfinished) {
     refused.refused = InsertOutcome::Refusal::QueueFull;
@@ -481,13 +486,7 @@ InsertOutcome LocalLeaseStore::insert_job_once(const StoredJob& job, AdmissionLi
 
 AdmissionCounts LocalLeaseStore::admission_counts(const std::string& client) const {
   std::lock_guard<std::mutex> lock(mu_);
-  AdmissionCounts counts;
-  for (const auto& [id, e] : jobs_) {
-    if (!unfinished(e.job)) continue;
-    ++counts.unfinished;
-    if (e.job.client == client) ++counts.unfinished_for_client;
-  }
-  return counts;
+  return counts_locked(client);
 }
 
 int64_t LocalLeaseStore::queue_depth() const {

@@ -100,6 +100,8 @@ class LocalLeaseStore final : public JobStore, public LeaseStore {
   bool ready_locked(const Entry& e, int64_t now) const;
   std::vector<const Entry*> ready_in_order_locked(int64_t now) const;
   bool client_active_locked(const std::string& client) const;
+  int64_t client_service_locked(const std::string& client) const;  // 0 for a client never charged
+  AdmissionCounts counts_locked(const std::string& client) const;  // unfinished jobs (being inserted too)
   uint64_t append_locked(Entry& e, const std::string& data);  // stored at once; returns its number
 
   std::unique_ptr<JobStore> owned_;
