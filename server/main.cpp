@@ -44,6 +44,8 @@
 #include "server/api/interceptors.h"
 #include "server/api/probes.h"
 #include "server/api/service.h"
+#include "server/http/http_api.h"
+#include "server/http/http_server.h"
 
 #ifndef SKYREELS_VERSION
 #define SKYREELS_VERSION "dev"
@@ -77,6 +79,11 @@ model:
 network:
   --listen HOST:PORT          gRPC (default 0.0.0.0:50051)
   --metrics-listen HOST:PORT  Prometheus /metrics (default 0.0.0.0:9090)
+  --http-listen HOST:PORT     HTTP/1.1 next to gRPC (off by default): OpenAI's Videos API at /v1/videos, /healthz,
+                              /readyz and /metrics; the same API keys (Authorization: Bearer KEY), caps and
+                              admission as gRPC, and the same --tls-cert/--tls-key; connections at most
+                              --max-streams (--max-streams-per-client per address), bodies at most the request limit
+  --http-idle-timeout-seconds N   an HTTP connection that sends nothing for N s is closed (default 30)
   --tls-cert FILE --tls-key FILE   serve TLS (both or neither)
   --api-keys FILE             require a key per call: lines 'KEY [CLIENT_NAME] [max_priority=N] [max_jobs=N]
                               [max_streams=N]' (keys >= 32 characters); each client sees only its own jobs;
@@ -150,6 +157,8 @@ struct Options {
   std::string dtype = "auto";
   std::string listen = "0.0.0.0:50051";
   std::string metrics_listen = "0.0.0.0:9090";
+  std::string http_listen;  // empty: no HTTP listener
+  int64_t http_idle_timeout_seconds = 30;
   std::string tls_cert, tls_key, api_keys;
   int64_t max_queue = 64, max_frames = 1457, max_height = 1280, max_width = 1280, max_steps = 100;
   int64_t max_chunk_tokens = 0, max_job_work = 0;  // 0: derived (server/limits.h)
@@ -213,6 +222,7 @@ Options parse(int argc, char** argv) {
                                                  {"--dtype", &o.dtype},
                                                  {"--listen", &o.listen},
                                                  {"--metrics-listen", &o.metrics_listen},
+                                                 {"--http-listen", &o.http_listen},
                                                  {"--tls-cert", &o.tls_cert},
                                                  {"--tls-key", &o.tls_key},
                                                  {"--api-keys", &o.api_keys},
@@ -246,7 +256,8 @@ Options parse(int argc, char** argv) {
                                          {"--max-jobs-per-client", {&o.transport.max_jobs_per_client, 1, 1000000}},
                                          {"--max-streams", {&o.transport.max_streams, 1, 100000}},
                                          {"--max-streams-per-client", {&o.transport.max_streams_per_client, 1, 100000}},
-                                         {"--max-concurrent-encodes", {&o.transport.max_concurrent_encodes, 1, 1024}}};
+                                         {"--max-concurrent-encodes", {&o.transport.max_concurrent_encodes, 1, 1024}},
+                                         {"--http-idle-timeout-seconds", {&o.http_idle_timeout_seconds, 1, 3600}}};
   std::map<std::string, double*> doubles = {{"--handoff-cost-seconds", &o.handoff_cost_seconds},
                                             {"--replica-retest-seconds", &o.replica_retest_seconds},
                                             {"--replica-retest-max-seconds", &o.replica_retest_max_seconds},
@@ -658,8 +669,45 @@ std::unique_ptr<grpc::Server> start_grpc(const Options& o, grpc::Service& servic
   return server;
 }
 
+// What the health service says, for the HTTP probes too.
+struct Health {
+  std::atomic<bool> ready{false};
+  std::atomic<bool> live{true};
+};
+
+// The HTTP door (--http-listen): its calls go into the gRPC service over the in-process channel.
+std::unique_ptr<http::HttpServer> start_http(const Options& o, grpc::Server& server, const Health& health,
+                                             const Metrics& metrics, const ServiceConfig& service) {
+  if (o.http_listen.empty()) return nullptr;
+  grpc::ChannelArguments arguments;
+  arguments.SetMaxReceiveMessageSize(-1);
+  arguments.SetMaxSendMessageSize(-1);
+  http::HttpApiConfig config;
+  config.ready = [&health] { return health.ready.load(); };
+  config.live = [&health] { return health.live.load(); };
+  config.metrics = [&metrics] { return metrics.render(); };
+  config.vae_available = service.vae_available;
+  config.result_ttl_seconds = o.result_ttl_seconds;
+  auto api = std::make_shared<http::HttpApi>(server.InProcessChannel(arguments), std::move(config));
+  http::HttpOptions options;
+  options.listen = o.http_listen;
+  if (!o.tls_cert.empty()) {
+    options.tls_cert = read_file(o.tls_cert, "--tls-cert");
+    options.tls_key = read_file(o.tls_key, "--tls-key");
+  }
+  options.max_body_bytes = service.max_request_bytes;
+  options.max_connections = static_cast<unsigned>(o.transport.max_streams);
+  options.max_connections_per_client = static_cast<unsigned>(o.transport.max_streams_per_client);
+  options.idle_timeout_seconds = static_cast<unsigned>(o.http_idle_timeout_seconds);
+  auto listener = std::make_unique<http::HttpServer>(
+      options, [api](const http::Request& r) { return api->handle(r); }, &http::HttpApi::refuse);
+  spdlog::info("event=http_listening address={} port={} tls={}", o.http_listen, listener->port(), !o.tls_cert.empty());
+  return listener;
+}
+
 // Until a signal: readiness follows the queue and whether unary calls are answered, liveness the replicas.
-void serve_until_signal(const Options& o, Signals& signals, JobQueue& jobs, grpc::Server& server, TempDir& demo_dir) {
+void serve_until_signal(const Options& o, Signals& signals, JobQueue& jobs, grpc::Server& server, TempDir& demo_dir,
+                        Health& state) {
   grpc::HealthCheckServiceInterface* health = server.GetHealthCheckService();
   UnaryProbe unary(server);
   bool ready = false, live = true;
@@ -673,11 +721,13 @@ void serve_until_signal(const Options& o, Signals& signals, JobQueue& jobs, grpc
     const bool now_ready = jobs.ready() && unary.answered();
     if (now_ready != ready) {
       health->SetServingStatus("", now_ready);
+      state.ready = now_ready;
       spdlog::info("event=readiness serving={}", now_ready);
       ready = now_ready;
     }
     if (const bool now_live = jobs.live(); now_live != live) {
       health->SetServingStatus("liveness", now_live);
+      state.live = now_live;
       if (now_live) {
         spdlog::info("event=liveness serving=true");
       } else {
@@ -692,7 +742,9 @@ void serve_until_signal(const Options& o, Signals& signals, JobQueue& jobs, grpc
 }
 
 // Readiness off, no new jobs; admitted ones finish within the drain timeout, else they stop (kept in the store).
-void drain(const Options& o, Signals& signals, JobQueue& jobs, grpc::Server& server, VideoEncoder* video) {
+void drain(const Options& o, Signals& signals, JobQueue& jobs, grpc::Server& server, VideoEncoder* video,
+           Health& state) {
+  state.ready = false;
   spdlog::info("event=draining signal={} queued={} running={} timeout_seconds={}", signals.last, jobs.queued_jobs(),
                jobs.running_jobs(), o.drain_timeout_seconds);
   server.GetHealthCheckService()->SetServingStatus("", false);
@@ -785,13 +837,16 @@ int serve(const Options& o, Signals& signals) {
     };
   }
 
-  serve_until_signal(o, signals, *jobs, *server, model->demo_dir);
-  drain(o, signals, *jobs, *server, video.get());
+  Health health;
+  std::unique_ptr<http::HttpServer> http_server = start_http(o, *server, health, metrics, config);
+  serve_until_signal(o, signals, *jobs, *server, model->demo_dir, health);
+  drain(o, signals, *jobs, *server, video.get(), health);
   {
     std::lock_guard<std::mutex> lock(signals.mu);
     signals.on_reload = nullptr;  // `keys` goes out of scope with this function
   }
   spdlog::info("event=shutdown");
+  http_server.reset();  // its calls go through the gRPC server
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   server->Wait();
   metrics.stop();

@@ -108,6 +108,13 @@ std::optional<ClientIdentity> ApiKeys::identify(const std::string& key) const {
   return found;
 }
 
+std::optional<std::string> forwarded_address(const std::string& value) {
+  const std::string& secret = forwarding_secret();
+  if (value.size() <= secret.size() || value[secret.size()] != ' ') return std::nullopt;
+  if (!constant_time_equal(value.substr(0, secret.size()), secret)) return std::nullopt;
+  return value.substr(secret.size() + 1);
+}
+
 std::string presented_key(const std::optional<std::string>& authorization,
                           const std::optional<std::string>& x_api_key) {
   if (authorization) {

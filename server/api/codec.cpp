@@ -116,6 +116,7 @@ JobRequest request_from_proto(const pb::JobSpec& spec) {
     case pb::JobSpec::CONDITIONING_NOT_SET:
       break;
   }
+  r.described_prompt = spec.prompt_text();
   request_params_from_proto(spec.params(), r);
   conditioning_from_proto(spec, r);
   return r;
@@ -129,6 +130,7 @@ void f32_to_proto(const RawTensor& raw, pb::Tensor* out) {
 
 void text_to_embeddings(const ModelJob& job, pb::JobSpec& spec) {
   if (spec.conditioning_case() == pb::JobSpec::kText) {
+    spec.set_prompt_text(spec.text().prompt());
     pb::PromptEmbeddings embeddings;
     f32_to_proto(job.prompt_embeddings(false), embeddings.mutable_prompt_embeds());
     const RawTensor negative = job.prompt_embeddings(true);

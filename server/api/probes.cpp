@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 
+#include "server/api/auth.h"
 #include "server/api/guards.h"
 #include "server/queue/job_types.h"
 #include "skyreels/v1/video_service.grpc.pb.h"
@@ -37,6 +38,7 @@ bool UnaryProbe::answered() {
   if (now < impl_->next) return impl_->answered;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + impl_->period);
+  ctx.AddMetadata(kForwardedPeerMetadata, forwarded_peer(kSelfPeer));
   pb::ServerInfo info;
   const Status status = impl_->stub->GetServerInfo(&ctx, pb::GetServerInfoRequest(), &info);
   const bool answered = status.ok() || status.error_code() == StatusCode::UNAUTHENTICATED;

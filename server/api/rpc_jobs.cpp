@@ -95,6 +95,7 @@ void VideoServiceImpl::job_to_proto(const JobSnapshot& s, pb::Job* out) const {
     for (int64_t d : job->latent_shape) out->add_latent_shape(d);
     out->set_num_frames(static_cast<int32_t>(job->params.num_frames));
     out->set_video_available(config_.vae_available);
+    out->set_prompt(job->prompt);
   }
 }
 

@@ -84,24 +84,28 @@ Status VideoServiceImpl::GetServerInfo(ServerContext* ctx, const pb::GetServerIn
 
 Status VideoServiceImpl::authenticate(grpc::ServerContextBase* ctx, Caller* caller, bool submission) {
   *caller = Caller{};
-  if (config_.api_keys == nullptr || !config_.api_keys->enabled()) {
-    caller->client = peer_host(ctx->peer());
-    return Status::OK;
-  }
   const auto& metadata = ctx->client_metadata();
   auto value = [&](const char* name) -> std::optional<std::string> {
     auto it = metadata.find(name);
     if (it == metadata.end()) return std::nullopt;
     return std::string(it->second.data(), it->second.size());
   };
+  // Calls this process makes on a client's behalf (HTTP) name that client; the readiness probe names itself.
+  const auto forwarded = value(kForwardedPeerMetadata);
+  const std::optional<std::string> http_peer = forwarded ? forwarded_address(*forwarded) : std::nullopt;
+  const bool own_probe = http_peer && *http_peer == kSelfPeer;
+  const std::string peer = http_peer ? "http:" + *http_peer : ctx->peer();
+  if (config_.api_keys == nullptr || !config_.api_keys->enabled()) {
+    caller->client = http_peer ? *http_peer : peer_host(ctx->peer());
+    return Status::OK;
+  }
   const std::string key = presented_key(value("authorization"), value("x-api-key"));
   std::optional<ClientIdentity> identity;
   if (!key.empty()) identity = config_.api_keys->identify(key);
   if (!identity) {
     if (submission && config_.metrics) config_.metrics->rejected(kRejectUnauthenticated);
-    const bool own_probe = ctx->peer().rfind("inproc", 0) == 0;  // UnaryProbe: only this process can call inproc
     if (!own_probe) {
-      spdlog::warn("event=unauthenticated peer={} key_present={}", log_escape(ctx->peer()), !key.empty());
+      spdlog::warn("event=unauthenticated peer={} key_present={}", log_escape(peer), !key.empty());
     }
     return Status(StatusCode::UNAUTHENTICATED,
                   key.empty() ? "missing API key: send metadata 'authorization: Bearer KEY' or 'x-api-key: KEY'"

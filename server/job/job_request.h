@@ -57,6 +57,7 @@ struct JobRequest {
   std::optional<std::string> embeddings_safetensors;  // a safetensors file's bytes
   std::optional<std::string> prompt;                  // text (needs a text encoder)
   std::optional<std::string> negative_prompt;
+  std::string described_prompt;  // the text embeddings were encoded from (JobSpec.prompt_text): description only
   // Image-to-video (image, optionally last_image) or video extension (video).
   std::optional<PixelRequest> image, last_image, video;
   std::vector<PromptChangeRequest> prompt_changes;
@@ -116,6 +117,7 @@ struct ChunkLayout {
 // the parameters in effect and the layout of its chunk results (the results themselves are in the job store).
 struct JobDescription {
   ResolvedParams params;
+  std::string prompt;  // the text prompt; empty when asked for by embeddings
   std::vector<int64_t> latent_shape;  // [1, C, F, h, w] of the whole video
   std::vector<ChunkLayout> chunks;
 };

@@ -390,9 +390,10 @@ void check_work(const ModelJob& job, const ServerLimits& limits) {
   }
 }
 
-std::shared_ptr<const JobDescription> describe(const ModelJob& job) {
+std::shared_ptr<const JobDescription> describe(const ModelJob& job, const JobRequest& request) {
   auto description = std::make_shared<JobDescription>();
   description->params = job.params();
+  description->prompt = request.prompt.value_or(request.described_prompt);
   description->latent_shape = job.latent_shape();
   for (int64_t k = 0; k < job.chunk_count(); ++k) {
     const auto [begin, end] = job.chunk_latent_range(k);
@@ -484,7 +485,7 @@ std::shared_ptr<ModelJob> ModelJob::create(const JobRequest& request, const Mode
   d.fingerprint_v2 = std::move(fingerprint.v2);
 
   check_work(*job, limits);
-  d.description = describe(*job);
+  d.description = describe(*job, request);
   return job;
 }
 

@@ -1,0 +1,308 @@
+#include "server/http/http_server.h"
+
+#include <arpa/inet.h>
+#include <microhttpd.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <spdlog/spdlog.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+
+namespace skyreels::server::http {
+
+namespace {
+
+std::string lower(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
+  return s;
+}
+
+// What one connection's current request has gathered between libmicrohttpd's calls.
+struct Exchange {
+  std::string body;
+  bool answered = false;  // a refusal was queued before the body was read (too large)
+};
+
+struct FormState {
+  std::vector<FormPart>* parts;
+  size_t max_parts;
+  int64_t max_bytes;
+  int64_t bytes = 0;
+  bool too_many = false;
+};
+
+MHD_Result collect_value(void* cls, MHD_ValueKind, const char* key, const char* value) {
+  auto* out = static_cast<std::map<std::string, std::string>*>(cls);
+  if (key) (*out)[lower(key)] = value ? value : "";
+  return MHD_YES;
+}
+
+MHD_Result collect_argument(void* cls, MHD_ValueKind, const char* key, const char* value) {
+  auto* out = static_cast<std::map<std::string, std::string>*>(cls);
+  if (key) (*out)[key] = value ? value : "";
+  return MHD_YES;
+}
+
+MHD_Result collect_part(void* cls, MHD_ValueKind, const char* key, const char* filename, const char* content_type,
+                        const char*, const char* data, uint64_t offset, size_t size) {
+  auto* form = static_cast<FormState*>(cls);
+  if (offset == 0 || form->parts->empty() || form->parts->back().name != (key ? key : "")) {
+    if (form->parts->size() >= form->max_parts) {
+      form->too_many = true;
+      return MHD_NO;
+    }
+    form->parts->push_back({key ? key : "", filename ? filename : "", content_type ? content_type : "", ""});
+  }
+  form->bytes += static_cast<int64_t>(size);
+  if (form->bytes > form->max_bytes) return MHD_NO;
+  form->parts->back().data.append(data, size);
+  return MHD_YES;
+}
+
+std::string peer_of(MHD_Connection* connection) {
+  const MHD_ConnectionInfo* info = MHD_get_connection_info(connection, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
+  if (info == nullptr || info->client_addr == nullptr) return "unknown";
+  char host[INET6_ADDRSTRLEN] = {0};
+  const sockaddr* a = info->client_addr;
+  if (a->sa_family == AF_INET) {
+    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(a)->sin_addr, host, sizeof host);
+  } else if (a->sa_family == AF_INET6) {
+    inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr, host, sizeof host);
+  } else {
+    return "unknown";
+  }
+  return host;
+}
+
+// HOST:PORT ("[::1]:8080", "0.0.0.0:8080", "localhost:0") into a socket address.
+sockaddr_storage resolve(const std::string& listen, bool* ipv6) {
+  const size_t colon = listen.rfind(':');
+  if (colon == std::string::npos) throw std::runtime_error("--http-listen: expected HOST:PORT, got '" + listen + "'");
+  std::string host = listen.substr(0, colon);
+  const std::string port = listen.substr(colon + 1);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  char* end = nullptr;
+  const long number = std::strtol(port.c_str(), &end, 10);
+  if (port.empty() || *end != '\0' || number < 0 || number > 65535) {
+    throw std::runtime_error("--http-listen: bad port in '" + listen + "'");
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &found) != 0 || found == nullptr) {
+    throw std::runtime_error("--http-listen: cannot resolve '" + host + "'");
+  }
+  sockaddr_storage address{};
+  std::memcpy(&address, found->ai_addr, found->ai_addrlen);
+  *ipv6 = found->ai_family == AF_INET6;
+  freeaddrinfo(found);
+  return address;
+}
+
+}  // namespace
+
+std::optional<std::string> Request::header(const std::string& lower_case_name) const {
+  auto it = headers.find(lower_case_name);
+  if (it == headers.end()) return std::nullopt;
+  return it->second;
+}
+
+std::optional<std::string> Request::query_value(const std::string& name) const {
+  auto it = query.find(name);
+  if (it == query.end()) return std::nullopt;
+  return it->second;
+}
+
+struct HttpServer::Impl {
+  HttpOptions options;
+  Handler handler;
+  MHD_Daemon* daemon = nullptr;
+  int port = 0;
+
+  static MHD_Result send(MHD_Connection* connection, const Response& r) {
+    MHD_Response* response =
+        MHD_create_response_from_buffer(r.body.size(), const_cast<char*>(r.body.data()), MHD_RESPMEM_MUST_COPY);
+    if (response == nullptr) return MHD_NO;
+    if (!r.content_type.empty()) MHD_add_response_header(response, MHD_HTTP_HEADER_CONTENT_TYPE, r.content_type.c_str());
+    for (const auto& [name, value] : r.headers) MHD_add_response_header(response, name.c_str(), value.c_str());
+    const MHD_Result queued = MHD_queue_response(connection, static_cast<unsigned>(r.status), response);
+    MHD_destroy_response(response);
+    return queued;
+  }
+
+  Refuser refuse;
+
+  Response refusal(int status, const std::string& message) const { return refuse(status, message); }
+
+  MHD_Result answer(MHD_Connection* connection, const char* url, const char* method, const char* upload,
+                    size_t* upload_size, void** context) {
+    auto* exchange = static_cast<Exchange*>(*context);
+    if (exchange == nullptr) {  // headers only so far
+      exchange = new Exchange;
+      *context = exchange;
+      const char* length = MHD_lookup_connection_value(connection, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+      if (length != nullptr && std::strtoull(length, nullptr, 10) > static_cast<uint64_t>(options.max_body_bytes)) {
+        exchange->answered = true;
+        return send(connection, refusal(413, "the request body is over " + std::to_string(options.max_body_bytes) +
+                                                 " bytes"));
+      }
+      return MHD_YES;
+    }
+    if (*upload_size != 0) {
+      if (exchange->answered) {
+        *upload_size = 0;
+        return MHD_YES;
+      }
+      if (exchange->body.size() + *upload_size > static_cast<size_t>(options.max_body_bytes)) {
+        exchange->answered = true;
+        *upload_size = 0;
+        return send(connection, refusal(413, "the request body is over " + std::to_string(options.max_body_bytes) +
+                                                 " bytes"));
+      }
+      exchange->body.append(upload, *upload_size);
+      *upload_size = 0;
+      return MHD_YES;
+    }
+    if (exchange->answered) return MHD_YES;
+    Request request;
+    request.method = method;
+    request.path = url;
+    request.peer = peer_of(connection);
+    MHD_get_connection_values(connection, MHD_HEADER_KIND, collect_value, &request.headers);
+    MHD_get_connection_values(connection, MHD_GET_ARGUMENT_KIND, collect_argument, &request.query);
+    request.body = std::move(exchange->body);
+    const std::string type = lower(request.header("content-type").value_or(""));
+    if (type.rfind("multipart/form-data", 0) == 0) {
+      if (std::optional<Response> refused = parse_form(connection, request)) return send(connection, *refused);
+    }
+    Response response;
+    try {
+      response = handler(request);
+    } catch (const std::exception& e) {
+      spdlog::error("event=http_handler_failed method={} path={} error=\"{}\"", request.method, request.path, e.what());
+      response = refusal(500, "internal error");
+    }
+    return send(connection, response);
+  }
+
+  // The body's parts into request.parts; a refusal when it has too many or is not multipart at all.
+  std::optional<Response> parse_form(MHD_Connection* connection, Request& request) const {
+    request.multipart = true;
+    FormState form{&request.parts, options.max_form_parts, options.max_body_bytes};
+    MHD_PostProcessor* processor = MHD_create_post_processor(connection, 64 << 10, collect_part, &form);
+    if (processor == nullptr) return refusal(400, "malformed multipart/form-data (no boundary)");
+    const MHD_Result ok = MHD_post_process(processor, request.body.data(), request.body.size());
+    const MHD_Result finished = MHD_destroy_post_processor(processor);
+    if (form.too_many) {
+      return refusal(400, "multipart/form-data with more than " + std::to_string(options.max_form_parts) + " parts");
+    }
+    if (ok != MHD_YES || finished != MHD_YES) return refusal(400, "malformed multipart/form-data body");
+    request.body.clear();
+    return std::nullopt;
+  }
+};
+
+namespace {
+
+MHD_Result on_request(void* cls, MHD_Connection* connection, const char* url, const char* method, const char*,
+                      const char* upload, size_t* upload_size, void** context) {
+  return static_cast<HttpServer::Impl*>(cls)->answer(connection, url, method, upload, upload_size, context);
+}
+
+void on_completed(void*, MHD_Connection*, void** context, MHD_RequestTerminationCode) {
+  delete static_cast<Exchange*>(*context);
+  *context = nullptr;
+}
+
+void on_log(void*, const char* format, va_list arguments) {
+  char line[512];
+  std::vsnprintf(line, sizeof line, format, arguments);
+  std::string text(line);
+  while (!text.empty() && (text.back() == '\n' || text.back() == '\r')) text.pop_back();
+  spdlog::debug("event=http_library message=\"{}\"", text);
+}
+
+}  // namespace
+
+HttpServer::HttpServer(HttpOptions options, Handler handler, Refuser refuse) : impl_(std::make_unique<Impl>()) {
+  impl_->options = std::move(options);
+  impl_->handler = std::move(handler);
+  impl_->refuse = std::move(refuse);
+  const HttpOptions& o = impl_->options;
+  bool ipv6 = false;
+  sockaddr_storage address = resolve(o.listen, &ipv6);
+  unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION | MHD_USE_ERROR_LOG;
+  if (ipv6) flags |= MHD_USE_IPv6;
+  const bool tls = !o.tls_cert.empty();
+  if (tls) {
+    if (MHD_is_feature_supported(MHD_FEATURE_TLS) != MHD_YES) {
+      throw std::runtime_error("--http-listen: this libmicrohttpd has no TLS");
+    }
+    flags |= MHD_USE_TLS;
+  }
+  std::vector<MHD_OptionItem> items = {
+      {MHD_OPTION_SOCK_ADDR, 0, &address},
+      {MHD_OPTION_CONNECTION_LIMIT, o.max_connections, nullptr},
+      {MHD_OPTION_PER_IP_CONNECTION_LIMIT, o.max_connections_per_client, nullptr},
+      {MHD_OPTION_CONNECTION_TIMEOUT, o.idle_timeout_seconds, nullptr},
+      {MHD_OPTION_CONNECTION_MEMORY_LIMIT, static_cast<intptr_t>(o.header_memory_bytes), nullptr},
+      {MHD_OPTION_LISTENING_ADDRESS_REUSE, 1, nullptr},
+      {MHD_OPTION_NOTIFY_COMPLETED, reinterpret_cast<intptr_t>(&on_completed), nullptr},
+      {MHD_OPTION_EXTERNAL_LOGGER, reinterpret_cast<intptr_t>(&on_log), nullptr},
+  };
+  if (tls) {
+    items.push_back({MHD_OPTION_HTTPS_MEM_CERT, 0, const_cast<char*>(o.tls_cert.c_str())});
+    items.push_back({MHD_OPTION_HTTPS_MEM_KEY, 0, const_cast<char*>(o.tls_key.c_str())});
+  }
+  items.push_back({MHD_OPTION_END, 0, nullptr});
+  impl_->daemon = MHD_start_daemon(flags, 0, nullptr, nullptr, &on_request, impl_.get(), MHD_OPTION_ARRAY,
+                                   items.data(), MHD_OPTION_END);
+  if (impl_->daemon == nullptr) throw std::runtime_error("--http-listen: cannot listen on " + o.listen);
+  const MHD_DaemonInfo* info = MHD_get_daemon_info(impl_->daemon, MHD_DAEMON_INFO_BIND_PORT);
+  impl_->port = info != nullptr ? info->port : 0;
+}
+
+HttpServer::~HttpServer() {
+  if (impl_->daemon != nullptr) MHD_stop_daemon(impl_->daemon);
+}
+
+int HttpServer::port() const { return impl_->port; }
+
+std::optional<std::pair<uint64_t, uint64_t>> byte_range(const std::string& header, uint64_t size) {
+  const std::string prefix = "bytes=";
+  if (header.rfind(prefix, 0) != 0 || size == 0) return std::nullopt;
+  const std::string spec = header.substr(prefix.size());
+  if (spec.find(',') != std::string::npos) return std::nullopt;
+  const size_t dash = spec.find('-');
+  if (dash == std::string::npos) return std::nullopt;
+  const std::string a = spec.substr(0, dash), b = spec.substr(dash + 1);
+  auto number = [](const std::string& s, uint64_t* out) {
+    if (s.empty() || s.size() > 19 || !std::all_of(s.begin(), s.end(), ::isdigit)) return false;
+    *out = std::stoull(s);
+    return true;
+  };
+  uint64_t first = 0, last = size - 1;
+  if (a.empty()) {  // the last N bytes
+    uint64_t n = 0;
+    if (!number(b, &n) || n == 0) return std::nullopt;
+    first = n >= size ? 0 : size - n;
+  } else {
+    if (!number(a, &first) || first >= size) return std::nullopt;
+    if (!b.empty()) {
+      if (!number(b, &last) || last < first) return std::nullopt;
+      last = std::min(last, size - 1);
+    }
+  }
+  return std::make_pair(first, last);
+}
+
+}  // namespace skyreels::server::http

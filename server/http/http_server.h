@@ -1,0 +1,82 @@
+// The HTTP/1.1 listener (--http-listen): libmicrohttpd with a thread per connection, bounded in number (in all and
+// per client address), in header memory, in body size, in multipart parts and in idle time. Every request is read
+// whole (up to the limit) and handed to one handler function; the handler's answer goes back as one response. No
+// routing or API here (server/http/http_api.* holds that): this file is the socket side only.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace skyreels::server::http {
+
+// One part of a multipart/form-data body.
+struct FormPart {
+  std::string name;
+  std::string filename;  // empty for a plain field
+  std::string content_type;
+  std::string data;
+};
+
+struct Request {
+  std::string method;
+  std::string path;  // without the query string, percent-decoded
+  std::map<std::string, std::string> query;
+  std::map<std::string, std::string> headers;  // names in lower case
+  std::string body;
+  std::vector<FormPart> parts;  // multipart/form-data bodies, parsed
+  bool multipart = false;
+  std::string peer;  // the client's address, without the port
+
+  std::optional<std::string> header(const std::string& lower_case_name) const;
+  std::optional<std::string> query_value(const std::string& name) const;
+};
+
+struct Response {
+  int status = 200;
+  std::string content_type = "application/json";
+  std::string body;
+  std::vector<std::pair<std::string, std::string>> headers;
+};
+
+using Handler = std::function<Response(const Request&)>;
+// The answer to a request the listener refuses itself (a body over the limit, a malformed multipart): status, why.
+using Refuser = std::function<Response(int status, const std::string& message)>;
+
+struct HttpOptions {
+  std::string listen;    // HOST:PORT (port 0: a free one)
+  std::string tls_cert;  // PEM contents (not paths); both or neither
+  std::string tls_key;
+  int64_t max_body_bytes = 64 << 20;
+  unsigned max_connections = 256;
+  unsigned max_connections_per_client = 32;
+  unsigned idle_timeout_seconds = 30;  // a connection that sends nothing for this long is closed (slowloris)
+  size_t header_memory_bytes = 64 << 10;  // request line + headers of one connection (a header bomb gets 431/413)
+  size_t max_form_parts = 64;
+};
+
+class HttpServer {
+ public:
+  // Binds and starts serving; throws std::runtime_error when it cannot.
+  HttpServer(HttpOptions options, Handler handler, Refuser refuse);
+  ~HttpServer();  // stops accepting, waits for the connections' threads
+  HttpServer(const HttpServer&) = delete;
+  HttpServer& operator=(const HttpServer&) = delete;
+  int port() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// "bytes=A-B" / "bytes=A-" / "bytes=-N" against a body of `size` bytes: the [first, last] range, nullopt when the
+// header is not one satisfiable single range (multi-range requests are answered whole).
+std::optional<std::pair<uint64_t, uint64_t>> byte_range(const std::string& header, uint64_t size);
+
+}  // namespace skyreels::server::http

@@ -1,0 +1,46 @@
+// What the HTTP routes share (internal to server/http/): one call into the gRPC service on behalf of an HTTP request,
+// the mapping of gRPC statuses to HTTP ones, and OpenAI's error shape.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "server/http/http_api.h"
+#include "skyreels/v1/video_service.grpc.pb.h"
+
+namespace skyreels::server::http {
+
+namespace pb = ::skyreels::v1;
+
+struct ServiceCall {
+  pb::VideoService::Stub& stub;
+  const HttpApiConfig& config;
+  const Request& request;
+  // A client context carrying the request's API key and client address, with a deadline `timeout_ms` from now.
+  std::unique_ptr<grpc::ClientContext> context(int64_t timeout_ms) const;
+  std::unique_ptr<grpc::ClientContext> context() const { return context(config.call_timeout_ms); }
+};
+
+Response json_response(int status, const nlohmann::json& body);
+
+// {"error": {"message", "type", "param", "code"}}; `type` from the status unless given.
+Response error_response(int status, const std::string& message, const std::string& param = "",
+                        const std::string& code = "", const std::string& type = "");
+
+// A failed call's answer: INVALID_ARGUMENT 400 (param = the field the message starts with), UNAUTHENTICATED 401,
+// PERMISSION_DENIED 403, NOT_FOUND 404, ALREADY_EXISTS 409 (an idempotency conflict), RESOURCE_EXHAUSTED 429 with
+// Retry-After when the service sent a retry hint (413 without: a request over a size limit), FAILED_PRECONDITION
+// 400, UNAVAILABLE 503 (+ Retry-After), DEADLINE_EXCEEDED 504, others 500.
+Response from_status(const grpc::Status& status, const grpc::ClientContext& context);
+
+// OpenAI's Videos API.
+Response create_video(const ServiceCall& call);
+Response retrieve_video(const ServiceCall& call, const std::string& id);
+Response list_videos(const ServiceCall& call);
+Response delete_video(const ServiceCall& call, const std::string& id);
+Response video_content(const ServiceCall& call, const std::string& id);
+
+}  // namespace skyreels::server::http

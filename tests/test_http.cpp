@@ -1,0 +1,277 @@
+// The HTTP door (--http-listen): OpenAI's Videos API driven by the official `openai` npm package (tests/http), the
+// probes and /metrics, and hostile HTTP clients. The server is the real binary on 127.0.0.1 (test_server_harness).
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "model/umt5_encoder.h"
+#include "model/video_mp4.h"
+#include "tests/test_server_harness.h"
+#include "tests/test_util.h"
+
+namespace skyreels::test {
+namespace {
+
+namespace pb = ::skyreels::v1;
+
+const std::string kKey = "http-key-0123456789abcdef0123456789ab";
+
+// One connection from `source` (e.g. 127.0.0.2, another client address on loopback) to 127.0.0.1:port, or -1.
+int connect_from(int port, const char* source = nullptr) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  if (source != nullptr) {
+    sockaddr_in local{};
+    local.sin_family = AF_INET;
+    ::inet_pton(AF_INET, source, &local.sin_addr);
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&local), sizeof local) != 0) {
+      ::close(fd);
+      return -1;
+    }
+  }
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  ::inet_pton(AF_INET, "127.0.0.1", &address.sin_addr);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Everything the server sends until it closes the connection or `seconds` pass.
+std::string read_all(int fd, double seconds) {
+  std::string out;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  char buffer[65536];
+  while (std::chrono::steady_clock::now() < until) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 100) <= 0) continue;
+    const ssize_t n = ::recv(fd, buffer, sizeof buffer, 0);
+    if (n <= 0) break;
+    out.append(buffer, static_cast<size_t>(n));
+  }
+  return out;
+}
+
+// Sends `raw` (a whole request, "Connection: close" in it) and returns the answer.
+std::string http_exchange(int port, const std::string& raw, double seconds = 10, const char* source = nullptr) {
+  const int fd = connect_from(port, source);
+  if (fd < 0) return "";
+  size_t sent = 0;
+  while (sent < raw.size()) {
+    const ssize_t n = ::send(fd, raw.data() + sent, raw.size() - sent, MSG_NOSIGNAL);
+    if (n <= 0) break;
+    sent += static_cast<size_t>(n);
+  }
+  const std::string answer = read_all(fd, seconds);
+  ::close(fd);
+  return answer;
+}
+
+int status_of(const std::string& answer) {
+  if (answer.rfind("HTTP/1.", 0) != 0 || answer.size() < 12) return -1;
+  return std::atoi(answer.substr(9, 3).c_str());
+}
+
+std::string body_of(const std::string& answer) {
+  const size_t end = answer.find("\r\n\r\n");
+  return end == std::string::npos ? "" : answer.substr(end + 4);
+}
+
+std::string post(const std::string& path, const std::string& content_type, const std::string& body,
+                 const std::string& key = kKey) {
+  return "POST " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nAuthorization: Bearer " + key +
+         "\r\nContent-Type: " + content_type + "\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n" +
+         body;
+}
+
+std::string get(const std::string& path) {
+  return "GET " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nAuthorization: Bearer " + kKey +
+         "\r\n\r\n";
+}
+
+class HttpServerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    const std::string dir = temp_dir("http");
+    std::ofstream(dir + "/keys") << kKey << " http-client\n";
+    encoder_dir_ = new std::string(temp_dir("http-umt5"));
+    model::write_tiny_text_encoder(*encoder_dir_, 32, 7);  // d_model = the demo transformer's text_dim
+    http_port_ = free_port();
+    server_ = new ServerProcess(
+        {"--demo", "--vae", "demo", "--devices", "cpu", "--dtype", "float32", "--text-encoder", *encoder_dir_,
+         "--tokenizer", golden_path("umt5_encoder/e3_prompts_to_embeds/tokenizer"), "--api-keys", dir + "/keys",
+         "--http-listen", "127.0.0.1:" + std::to_string(http_port_), "--http-idle-timeout-seconds", "2",
+         "--max-streams-per-client", "8"},
+        true, kKey);
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    server_ = nullptr;
+    delete encoder_dir_;
+  }
+  static inline ServerProcess* server_ = nullptr;
+  static inline std::string* encoder_dir_ = nullptr;
+  static inline int http_port_ = 0;
+};
+
+TEST_F(HttpServerTest, TheOfficialOpenAiSdkMakesListsDownloadsAndDeletesVideos) {
+  const std::string tests = data_path("..");
+  ASSERT_TRUE(std::filesystem::exists(tests + "/http/node_modules/openai/package.json"))
+      << "the openai npm package is not installed: run scripts/test.sh (npm ci --prefix tests/http)";
+  const std::string out = temp_dir("http-sdk");
+  const std::string command = "cd " + tests + "/http && SKYREELS_HTTP_URL=http://127.0.0.1:" +
+                              std::to_string(http_port_) + " SKYREELS_API_KEY=" + kKey + " SKYREELS_OUT=" + out +
+                              " timeout 240 node openai_sdk.test.mjs > " + out + "/node.log 2>&1";
+  const int rc = std::system(command.c_str());
+  std::ifstream log(out + "/node.log");
+  const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  ASSERT_EQ(rc, 0) << text << "\nserver log:\n" << server_->log();
+
+  // The MP4s decode with FFmpeg to the video's frames: 2 s at 8 fps = 17.
+  for (const char* name : {"plain.mp4", "reference.mp4"}) {
+    const auto video = video::read_video(out + "/" + name);
+    EXPECT_EQ(video.info.frames, 17) << name;
+    EXPECT_EQ(video.info.width, 48) << name;
+    EXPECT_EQ(video.info.height, 32) << name;
+  }
+
+  // HTTP and gRPC make the same video from the same request: the latents are equal bit for bit.
+  std::ifstream ids_file(out + "/ids.json");
+  const auto ids = nlohmann::json::parse(ids_file);
+  pb::SubmitJobRequest request;
+  request.mutable_spec()->mutable_text()->set_prompt("A cat walks on the grass, realistic style.");
+  auto* p = request.mutable_spec()->mutable_params();
+  p->set_width(48);
+  p->set_height(32);
+  p->set_num_frames(17);
+  p->set_fps(8);
+  p->set_num_inference_steps(2);
+  p->set_seed(7);
+  const pb::Job by_grpc = wait_job(server_->client(), submit(server_->client(), request).job_id());
+  ASSERT_EQ(by_grpc.state(), pb::JOB_STATE_SUCCEEDED) << by_grpc.error().message();
+  const at::Tensor a = download_latents(server_->client(), ids["plain"].get<std::string>());
+  const at::Tensor b = download_latents(server_->client(), by_grpc.job_id());
+  EXPECT_TRUE(a.equal(b)) << "max |diff| " << (a - b).abs().max().item<double>();
+}
+
+TEST_F(HttpServerTest, ProbesAndMetricsAnswerWithoutAKey) {
+  const std::string live = http_exchange(http_port_, "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  EXPECT_EQ(status_of(live), 200) << live;
+  const std::string ready = http_exchange(http_port_, "GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  EXPECT_EQ(status_of(ready), 200) << ready;
+  const std::string metrics = http_exchange(http_port_, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  EXPECT_EQ(status_of(metrics), 200);
+  EXPECT_NE(body_of(metrics).find("skyreels_replicas"), std::string::npos) << body_of(metrics).substr(0, 500);
+}
+
+TEST_F(HttpServerTest, ErrorsComeInOpenAisShapeWithTheRightStatus) {
+  auto error_of = [](const std::string& answer) {
+    return nlohmann::json::parse(body_of(answer), nullptr, false);
+  };
+  const std::string no_key = http_exchange(http_port_, post("/v1/videos", "application/json", R"({"prompt":"x"})", "wrong"));
+  EXPECT_EQ(status_of(no_key), 401) << no_key;
+  EXPECT_EQ(error_of(no_key)["error"]["type"], "authentication_error");
+
+  const std::string unknown = http_exchange(http_port_, post("/v1/videos", "application/json", R"({"prompt":"x","colour":1})"));
+  EXPECT_EQ(status_of(unknown), 400) << unknown;
+  EXPECT_EQ(error_of(unknown)["error"]["param"], "colour");
+
+  const std::string bad_field =
+      http_exchange(http_port_, post("/v1/videos", "application/json", R"({"prompt":"x","num_inference_steps":"many"})"));
+  EXPECT_EQ(status_of(bad_field), 400) << bad_field;
+
+  const std::string not_json = http_exchange(http_port_, post("/v1/videos", "application/json", "{not json"));
+  EXPECT_EQ(status_of(not_json), 400) << not_json;
+
+  const std::string missing = http_exchange(http_port_, get("/v1/videos/nope"));
+  EXPECT_EQ(status_of(missing), 404) << missing;
+  EXPECT_EQ(error_of(missing)["error"]["type"], "not_found_error");
+
+  const std::string route = http_exchange(http_port_, get("/v2/nothing"));
+  EXPECT_EQ(status_of(route), 404) << route;
+}
+
+TEST_F(HttpServerTest, JsonBodiesCreateVideosAsFormsDo) {
+  const std::string created = http_exchange(
+      http_port_, post("/v1/videos", "application/json",
+                       R"({"prompt":"A dog runs.","size":"48x32","seconds":2,"fps":8,"num_inference_steps":1,"seed":3})"));
+  ASSERT_EQ(status_of(created), 200) << created;
+  const auto video = nlohmann::json::parse(body_of(created));
+  EXPECT_EQ(video["object"], "video");
+  EXPECT_EQ(video["size"], "48x32");
+  EXPECT_EQ(video["seconds"], "2");
+  EXPECT_EQ(video["skyreels"]["params"]["num_frames"], "17") << "the job's own fields, proto JSON mapping";
+  wait_job(server_->client(), video["id"].get<std::string>());
+}
+
+TEST_F(HttpServerTest, HostileClientsGetBoundedAnswersAndLeaveGrpcAndProbesAlone) {
+  // A body announced far over the limit: refused before it is read.
+  const std::string huge = http_exchange(
+      http_port_, "POST /v1/videos HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n"
+                  "Authorization: Bearer " + kKey + "\r\nContent-Length: 1000000000000\r\n\r\n{");
+  EXPECT_EQ(status_of(huge), 413) << huge;
+
+  // A multipart of 10,000 parts, and one that is not multipart at all.
+  std::string parts;
+  for (int i = 0; i < 10000; ++i) parts += "--b\r\nContent-Disposition: form-data; name=\"f" + std::to_string(i) + "\"\r\n\r\nv\r\n";
+  parts += "--b--\r\n";
+  const std::string many = http_exchange(http_port_, post("/v1/videos", "multipart/form-data; boundary=b", parts));
+  EXPECT_EQ(status_of(many), 400) << many.substr(0, 300);
+  const std::string broken = http_exchange(http_port_, post("/v1/videos", "multipart/form-data", "garbage"));
+  EXPECT_EQ(status_of(broken), 400) << broken;
+
+  // A header bomb: bounded by the connection's header memory.
+  std::string bomb = "GET /readyz HTTP/1.1\r\nHost: x\r\n";
+  for (int i = 0; i < 4000; ++i) bomb += "X-Bomb-" + std::to_string(i) + ": " + std::string(40, 'a') + "\r\n";
+  bomb += "Connection: close\r\n\r\n";
+  const std::string bombed = http_exchange(http_port_, bomb);
+  EXPECT_TRUE(status_of(bombed) == 431 || status_of(bombed) == 413 || bombed.empty()) << bombed.substr(0, 200);
+
+  // Slowloris: a request line that never ends is closed after the idle timeout (2 s here).
+  const int slow = connect_from(http_port_);
+  ASSERT_GE(slow, 0);
+  ::send(slow, "GET /readyz HTTP/1.1\r\nHost:", 27, MSG_NOSIGNAL);
+  const auto t0 = std::chrono::steady_clock::now();
+  read_all(slow, 10);
+  const double held = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ::close(slow);
+  EXPECT_LT(held, 6.0) << "the idle connection was not closed";
+
+  // 1,000 idle connections from one address: at most --max-streams-per-client are kept; another address, gRPC and
+  // the probes are unaffected.
+  std::vector<int> idle;
+  for (int i = 0; i < 1000; ++i) {
+    const int fd = connect_from(http_port_);
+    if (fd >= 0) idle.push_back(fd);
+  }
+  const std::string other = http_exchange(http_port_, "GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 10,
+                                     "127.0.0.2");
+  EXPECT_EQ(status_of(other), 200) << other;
+  EXPECT_EQ(health_status(server_->address(), ""), grpc::health::v1::HealthCheckResponse::SERVING);
+  for (int fd : idle) ::close(fd);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const std::string after = http_exchange(http_port_, "GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  EXPECT_EQ(status_of(after), 200) << after;
+}
+
+}  // namespace
+}  // namespace skyreels::test
