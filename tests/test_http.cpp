@@ -13,6 +13,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <google/protobuf/util/json_util.h>
+
+#include <algorithm>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -271,6 +274,105 @@ TEST_F(HttpServerTest, HostileClientsGetBoundedAnswersAndLeaveGrpcAndProbesAlone
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   const std::string after = http_exchange(http_port_, "GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
   EXPECT_EQ(status_of(after), 200) << after;
+}
+
+}  // namespace
+}  // namespace skyreels::test
+
+namespace skyreels::test {
+namespace {
+
+// The `id:` of every Server-Sent Event in `text`, in order; *finished when a `finished` event is among them.
+std::vector<uint64_t> event_ids(const std::string& text, bool* finished = nullptr) {
+  std::vector<uint64_t> ids;
+  size_t at = 0;
+  while ((at = text.find("\nid: ", at)) != std::string::npos || (ids.empty() && text.rfind("id: ", 0) == 0)) {
+    at = at == std::string::npos ? 0 : at + 1;
+    ids.push_back(std::stoull(text.substr(at + 4)));
+    at += 4;
+  }
+  if (finished) *finished = text.find("\nevent: finished\n") != std::string::npos;
+  return ids;
+}
+
+// GET the job's events (HTTP/1.0: no chunked framing) until `events` have arrived or the stream ends.
+std::string read_events(int port, const std::string& id, const std::string& last_event_id, size_t events) {
+  const int fd = connect_from(port);
+  if (fd < 0) return "";
+  std::string request = "GET /skyreels/v1/jobs/" + id + "/events HTTP/1.0\r\nAuthorization: Bearer " + kKey + "\r\n";
+  if (!last_event_id.empty()) request += "Last-Event-ID: " + last_event_id + "\r\n";
+  request += "\r\n";
+  ::send(fd, request.data(), request.size(), MSG_NOSIGNAL);
+  std::string text;
+  char buffer[65536];
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < until && event_ids(text).size() < events) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 100) <= 0) continue;
+    const ssize_t n = ::recv(fd, buffer, sizeof buffer, 0);
+    if (n <= 0) break;
+    text.append(buffer, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  return text;
+}
+
+// Chunk `chunk`'s result bytes as gRPC's DownloadResult sends them.
+std::string grpc_chunk(server::Client& client, const std::string& id, int chunk) {
+  auto ctx = client.context(60);
+  pb::DownloadResultRequest request;
+  request.set_job_id(id);
+  request.set_from_chunk(chunk);
+  request.set_no_wait(true);
+  auto reader = client.stub().DownloadResult(ctx.get(), request);
+  std::string bytes;
+  pb::ResultPart part;
+  while (reader->Read(&part) && part.chunk_index() == chunk) {
+    bytes += part.data();
+    if (part.last_part()) break;
+  }
+  ctx->TryCancel();
+  reader->Finish();
+  return bytes;
+}
+
+TEST_F(HttpServerTest, TheJsonApiStreamsResumableEventsAndServesTheLatentsGrpcServes) {
+  // A long video (4 chunks) as SubmitJobRequest JSON, embeddings included (bytes in base64).
+  std::string body;
+  google::protobuf::util::JsonPrintOptions options;
+  ASSERT_TRUE(google::protobuf::util::MessageToJsonString(long_video_request(11, 2), &body, options).ok());
+  const std::string submitted = http_exchange(http_port_, post("/skyreels/v1/jobs", "application/json", body));
+  ASSERT_EQ(status_of(submitted), 200) << submitted.substr(0, 500);
+  const std::string id = nlohmann::json::parse(body_of(submitted))["job"]["job_id"];
+
+  // Three events, a disconnect, then the rest from Last-Event-ID: together exactly the uninterrupted stream.
+  std::vector<uint64_t> head = event_ids(read_events(http_port_, id, "", 3));
+  ASSERT_GE(head.size(), 3u);
+  head.resize(3);  // what this client saw before it went away (one read may bring more)
+  bool finished = false;
+  const std::vector<uint64_t> tail =
+      event_ids(read_events(http_port_, id, std::to_string(head.back()), 100000), &finished);
+  EXPECT_TRUE(finished);
+  std::vector<uint64_t> resumed = head;
+  resumed.insert(resumed.end(), tail.begin(), tail.end());
+  const std::vector<uint64_t> whole = event_ids(read_events(http_port_, id, "", 100000));
+  EXPECT_EQ(resumed, whole) << "an event lost or repeated across the reconnect";
+  EXPECT_TRUE(std::is_sorted(whole.begin(), whole.end()));
+
+  const std::string job = http_exchange(http_port_, get("/skyreels/v1/jobs/" + id));
+  ASSERT_EQ(status_of(job), 200);
+  const auto state = nlohmann::json::parse(body_of(job));
+  EXPECT_EQ(state["state"], "JOB_STATE_SUCCEEDED");
+  const int chunks = state["chunks_total"];
+  EXPECT_EQ(chunks, 4);
+  for (int c = 0; c < chunks; ++c) {
+    const std::string http = http_exchange(http_port_, get("/skyreels/v1/jobs/" + id + "/result?chunk=" + std::to_string(c)));
+    ASSERT_EQ(status_of(http), 200) << http.substr(0, 300);
+    EXPECT_EQ(body_of(http), grpc_chunk(server_->client(), id, c)) << "chunk " << c;
+  }
+  const std::string info = http_exchange(http_port_, get("/skyreels/v1/server-info"));
+  EXPECT_EQ(status_of(info), 200);
+  EXPECT_EQ(nlohmann::json::parse(body_of(info))["vae_available"], true);
 }
 
 }  // namespace

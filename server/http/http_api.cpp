@@ -169,6 +169,7 @@ Response HttpApi::handle(const Request& request) const {
     return r;
   }
   const ServiceCall call{*impl_->stub, impl_->config, request};
+  if (path.rfind("/skyreels/v1/", 0) == 0) return skyreels_route(call);
   const std::string videos = "/v1/videos";
   if (path == videos || path == videos + "/") {
     if (method == "POST") return create_video(call);

@@ -1,5 +1,5 @@
-// The HTTP door into the service (--http-listen): OpenAI's Videos API (/v1/videos), the probes (/healthz, /readyz)
-// and /metrics. Every job call goes through the gRPC service over the server's in-process channel, so HTTP gets the
+// The HTTP door into the service (--http-listen): OpenAI's Videos API (/v1/videos), the service's own API in JSON
+// (/skyreels/v1/...), the probes (/healthz, /readyz) and /metrics. Every job call goes through the gRPC service over the server's in-process channel, so HTTP gets the
 // very same authentication, per-client caps, admission and answers as gRPC (one implementation of each); this layer
 // only maps requests and statuses. The client's address travels as metadata only this process can send (inproc).
 #pragma once

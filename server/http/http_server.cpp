@@ -30,6 +30,34 @@ struct Exchange {
   bool answered = false;  // a refusal was queued before the body was read (too large)
 };
 
+struct StreamState {
+  std::shared_ptr<BodyStream> stream;
+  std::string pending;
+  size_t offset;
+};
+
+ssize_t read_stream(void* cls, uint64_t, char* buffer, size_t max) {
+  auto* state = static_cast<StreamState*>(cls);
+  while (state->offset >= state->pending.size()) {
+    std::optional<std::string> more;
+    try {
+      more = state->stream->next();
+    } catch (const std::exception& e) {
+      spdlog::warn("event=http_stream_failed error=\"{}\"", e.what());
+      return MHD_CONTENT_READER_END_WITH_ERROR;
+    }
+    if (!more) return MHD_CONTENT_READER_END_OF_STREAM;
+    state->pending = std::move(*more);
+    state->offset = 0;
+  }
+  const size_t n = std::min(max, state->pending.size() - state->offset);
+  std::memcpy(buffer, state->pending.data() + state->offset, n);
+  state->offset += n;
+  return static_cast<ssize_t>(n);
+}
+
+void free_stream(void* cls) { delete static_cast<StreamState*>(cls); }
+
 struct FormState {
   std::vector<FormPart>* parts;
   size_t max_parts;
@@ -130,7 +158,10 @@ struct HttpServer::Impl {
 
   static MHD_Result send(MHD_Connection* connection, const Response& r) {
     MHD_Response* response =
-        MHD_create_response_from_buffer(r.body.size(), const_cast<char*>(r.body.data()), MHD_RESPMEM_MUST_COPY);
+        r.stream ? MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 << 10, &read_stream,
+                                                     new StreamState{r.stream, {}, 0}, &free_stream)
+                 : MHD_create_response_from_buffer(r.body.size(), const_cast<char*>(r.body.data()),
+                                                   MHD_RESPMEM_MUST_COPY);
     if (response == nullptr) return MHD_NO;
     if (!r.content_type.empty()) MHD_add_response_header(response, MHD_HTTP_HEADER_CONTENT_TYPE, r.content_type.c_str());
     for (const auto& [name, value] : r.headers) MHD_add_response_header(response, name.c_str(), value.c_str());

@@ -37,11 +37,21 @@ struct Request {
   std::optional<std::string> query_value(const std::string& name) const;
 };
 
+// A response body produced while it is sent (Server-Sent Events): next() blocks until it has bytes (it sends its own
+// keep-alives) and returns nullopt at the end. Destroyed on the listener's thread when the response ends or the client
+// goes away, so its destructor is where it stops what feeds it.
+class BodyStream {
+ public:
+  virtual ~BodyStream() = default;
+  virtual std::optional<std::string> next() = 0;
+};
+
 struct Response {
   int status = 200;
   std::string content_type = "application/json";
   std::string body;
   std::vector<std::pair<std::string, std::string>> headers;
+  std::shared_ptr<BodyStream> stream;  // set: the body is the stream's, `body` is ignored
 };
 
 using Handler = std::function<Response(const Request&)>;

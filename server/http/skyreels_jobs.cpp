@@ -1,0 +1,263 @@
+// The service's own API as JSON (/skyreels/v1/...) for curl and scripts: the gRPC messages in protobuf's JSON mapping,
+// WatchJob as Server-Sent Events (resumable with Last-Event-ID = the event sequence), results per chunk.
+#include <google/protobuf/util/json_util.h>
+
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "server/http/routes.h"
+
+namespace skyreels::server::http {
+
+namespace {
+
+namespace protobuf = google::protobuf;
+
+constexpr auto kKeepAlive = std::chrono::seconds(15);  // an SSE comment this often keeps proxies from closing idle streams
+constexpr int64_t kStreamTimeoutMs = int64_t{7} * 24 * 3600 * 1000;  // a watch lives as long as its job, within a week
+
+std::string to_json(const protobuf::Message& message) {
+  protobuf::util::JsonPrintOptions options;
+  options.preserve_proto_field_names = true;
+  options.always_print_primitive_fields = true;
+  std::string out;
+  (void)protobuf::util::MessageToJsonString(message, &out, options);
+  return out;
+}
+
+Response message_response(const protobuf::Message& message) {
+  Response r;
+  r.body = to_json(message);
+  return r;
+}
+
+std::optional<Response> from_json(const std::string& body, protobuf::Message* message) {
+  if (body.empty()) return error_response(400, "the request has no body: send a JSON " + message->GetTypeName());
+  const auto status = protobuf::util::JsonStringToMessage(body, message, protobuf::util::JsonParseOptions());
+  if (!status.ok()) {
+    return error_response(400, "the body is not a " + message->GetTypeName() + " in JSON: " +
+                                   std::string(status.message()));
+  }
+  return std::nullopt;
+}
+
+std::optional<uint64_t> unsigned_value(const std::optional<std::string>& text) {
+  if (!text || text->empty() || text->size() > 19 || text->find_first_not_of("0123456789") != std::string::npos) {
+    return std::nullopt;
+  }
+  return std::stoull(*text);
+}
+
+std::string event_type(const pb::JobEvent& event) {
+  const auto* field = event.GetDescriptor()->FindFieldByNumber(static_cast<int>(event.event_case()));
+  return field ? field->name() : "event";
+}
+
+std::string sse(const pb::JobEvent& event) {
+  return "id: " + std::to_string(event.sequence()) + "\nevent: " + event_type(event) + "\ndata: " + to_json(event) +
+         "\n\n";
+}
+
+// WatchJob as Server-Sent Events: a thread reads the gRPC stream into a queue that the listener drains.
+class EventStream : public BodyStream {
+ public:
+  EventStream(std::unique_ptr<grpc::ClientContext> context, std::unique_ptr<grpc::ClientReader<pb::JobEvent>> reader)
+      : context_(std::move(context)), reader_(std::move(reader)), thread_([this] { read(); }) {}
+
+  ~EventStream() override {
+    context_->TryCancel();
+    thread_.join();
+  }
+
+  // Waits for the stream's first event, or its end: the status when it ended without one (then no SSE is sent).
+  std::optional<grpc::Status> wait_started(std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, timeout, [&] { return done_ || !queue_.empty(); });
+    if (queue_.empty() && done_ && !status_.ok()) return status_;
+    return std::nullopt;
+  }
+
+  std::optional<std::string> next() override {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!cv_.wait_for(lock, kKeepAlive, [&] { return done_ || !queue_.empty(); })) return std::string(": keep-alive\n\n");
+    if (!queue_.empty()) {
+      std::string text = std::move(queue_.front());
+      queue_.pop_front();
+      return text;
+    }
+    if (!status_.ok() && !error_sent_) {
+      error_sent_ = true;
+      return "event: error\ndata: " + from_status(status_, *context_).body + "\n\n";
+    }
+    return std::nullopt;
+  }
+
+ private:
+  void read() {
+    pb::JobEvent event;
+    while (reader_->Read(&event)) {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(sse(event));
+      cv_.notify_all();
+    }
+    grpc::Status status = reader_->Finish();
+    std::lock_guard<std::mutex> lock(mu_);
+    status_ = std::move(status);
+    done_ = true;
+    cv_.notify_all();
+  }
+
+  std::unique_ptr<grpc::ClientContext> context_;
+  std::unique_ptr<grpc::ClientReader<pb::JobEvent>> reader_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::string> queue_;
+  grpc::Status status_;
+  bool done_ = false;
+  bool error_sent_ = false;
+  std::thread thread_;  // last: starts once the rest exists
+};
+
+Response submit_job(const ServiceCall& call) {
+  pb::SubmitJobRequest request;
+  if (auto refused = from_json(call.request.body, &request)) return *refused;
+  if (auto key = call.request.header("idempotency-key")) request.set_idempotency_key(*key);
+  auto context = call.context();
+  pb::SubmitJobResponse response;
+  const grpc::Status status = call.stub.SubmitJob(context.get(), request, &response);
+  if (!status.ok()) return from_status(status, *context);
+  return message_response(response);
+}
+
+Response list_jobs(const ServiceCall& call) {
+  pb::ListJobsRequest request;
+  if (auto size = call.request.query_value("page_size")) {
+    const auto n = unsigned_value(size);
+    if (!n || *n > 1000) return error_response(400, "page_size: an integer in [0, 1000]", "page_size");
+    request.set_page_size(static_cast<int32_t>(*n));
+  }
+  request.set_page_token(call.request.query_value("page_token").value_or(""));
+  auto context = call.context();
+  pb::ListJobsResponse response;
+  const grpc::Status status = call.stub.ListJobs(context.get(), request, &response);
+  if (!status.ok()) return from_status(status, *context);
+  return message_response(response);
+}
+
+Response get_job(const ServiceCall& call, const std::string& id) {
+  pb::GetJobRequest request;
+  request.set_job_id(id);
+  auto context = call.context();
+  pb::Job job;
+  const grpc::Status status = call.stub.GetJob(context.get(), request, &job);
+  if (!status.ok()) return from_status(status, *context);
+  return message_response(job);
+}
+
+Response cancel_job(const ServiceCall& call, const std::string& id) {
+  pb::CancelJobRequest request;
+  request.set_job_id(id);
+  auto context = call.context();
+  pb::Job job;
+  const grpc::Status status = call.stub.CancelJob(context.get(), request, &job);
+  if (!status.ok()) return from_status(status, *context);
+  return message_response(job);
+}
+
+Response job_events(const ServiceCall& call, const std::string& id) {
+  pb::WatchJobRequest request;
+  request.set_job_id(id);
+  auto after = call.request.header("last-event-id");
+  if (!after) after = call.request.query_value("after_sequence");
+  if (after) {
+    const auto n = unsigned_value(after);
+    if (!n) return error_response(400, "Last-Event-ID: an event sequence number, got '" + *after + "'", "after_sequence");
+    request.set_after_sequence(*n);
+  }
+  request.set_skip_steps(call.request.query_value("skip_steps").value_or("") == "true");
+  auto context = call.context(kStreamTimeoutMs);
+  grpc::ClientContext* raw = context.get();
+  auto reader = call.stub.WatchJob(raw, request);
+  auto stream = std::make_shared<EventStream>(std::move(context), std::move(reader));
+  if (auto failed = stream->wait_started(std::chrono::milliseconds(call.config.call_timeout_ms))) {
+    return from_status(*failed, *raw);
+  }
+  Response r;
+  r.content_type = "text/event-stream";
+  r.headers = {{"Cache-Control", "no-cache"}, {"X-Accel-Buffering", "no"}};
+  r.stream = std::move(stream);
+  return r;
+}
+
+// One chunk's result: ?chunk=N (required) &format=latents (safetensors, default) | mp4.
+Response job_result(const ServiceCall& call, const std::string& id) {
+  const auto chunk = unsigned_value(call.request.query_value("chunk"));
+  if (!chunk || *chunk > 100000) return error_response(400, "chunk: the chunk index, an integer", "chunk");
+  const std::string format = call.request.query_value("format").value_or("latents");
+  if (format != "latents" && format != "mp4") return error_response(400, "format: latents or mp4", "format");
+  pb::DownloadResultRequest request;
+  request.set_job_id(id);
+  request.set_format(format == "mp4" ? pb::RESULT_FORMAT_MP4 : pb::RESULT_FORMAT_LATENTS);
+  request.set_from_chunk(static_cast<int32_t>(*chunk));
+  request.set_no_wait(true);
+  auto context = call.context(call.config.download_timeout_ms);
+  auto reader = call.stub.DownloadResult(context.get(), request);
+  Response r;
+  pb::ResultPart part;
+  bool complete = false;
+  while (!complete && reader->Read(&part)) {
+    if (part.chunk_index() != static_cast<int32_t>(*chunk)) break;
+    r.body += part.data();
+    complete = part.last_part();
+    if (complete) {
+      r.headers = {{"X-Skyreels-Chunk-Count", std::to_string(part.chunk_count())},
+                   {"X-Skyreels-Latent-Frames", std::to_string(part.latent_frame_begin()) + "-" +
+                                                    std::to_string(part.latent_frame_end())}};
+    }
+  }
+  if (complete) context->TryCancel();  // the later chunks are not wanted
+  const grpc::Status status = reader->Finish();
+  if (!complete) {
+    if (!status.ok()) return from_status(status, *context);
+    return error_response(409, "chunk " + std::to_string(*chunk) + " of job '" + id + "' is not finished", "chunk",
+                          "chunk_not_ready");
+  }
+  r.content_type = format == "mp4" ? "video/mp4" : "application/octet-stream";
+  return r;
+}
+
+Response server_info(const ServiceCall& call) {
+  auto context = call.context();
+  pb::ServerInfo info;
+  const grpc::Status status = call.stub.GetServerInfo(context.get(), pb::GetServerInfoRequest(), &info);
+  if (!status.ok()) return from_status(status, *context);
+  return message_response(info);
+}
+
+}  // namespace
+
+Response skyreels_route(const ServiceCall& call) {
+  const std::string& path = call.request.path;
+  const std::string& method = call.request.method;
+  const std::string jobs = "/skyreels/v1/jobs";
+  if (path == "/skyreels/v1/server-info" && method == "GET") return server_info(call);
+  if (path == jobs) {
+    if (method == "POST") return submit_job(call);
+    if (method == "GET") return list_jobs(call);
+    return error_response(405, "use GET or POST on " + jobs);
+  }
+  if (path.rfind(jobs + "/", 0) != 0) return error_response(404, "no route " + method + " " + path);
+  const std::string rest = path.substr(jobs.size() + 1);
+  const size_t slash = rest.find('/');
+  const std::string id = rest.substr(0, slash);
+  const std::string action = slash == std::string::npos ? "" : rest.substr(slash + 1);
+  if (action.empty() && method == "GET") return get_job(call, id);
+  if (action == "cancel" && method == "POST") return cancel_job(call, id);
+  if (action == "events" && method == "GET") return job_events(call, id);
+  if (action == "result" && method == "GET") return job_result(call, id);
+  return error_response(404, "no route " + method + " " + path);
+}
+
+}  // namespace skyreels::server::http
