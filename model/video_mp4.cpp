@@ -313,6 +313,53 @@ void write_mp4(const std::string& path, const at::Tensor& video, const Mp4Option
   writer.finish();
 }
 
+std::vector<uint8_t> encode_png(const at::Tensor& rgb) {
+  quiet_ffmpeg();
+  if (rgb.dim() != 3 || rgb.size(2) != 3 || rgb.scalar_type() != at::kByte) {
+    throw VideoError("encode_png: expected uint8 [H, W, 3], got " + std::to_string(rgb.dim()) + " dims");
+  }
+  const at::Tensor image = rgb.contiguous();
+  const int height = static_cast<int>(image.size(0)), width = static_cast<int>(image.size(1));
+  const AVCodec* codec = avcodec_find_encoder(AV_CODEC_ID_PNG);
+  if (codec == nullptr) throw VideoError("encode_png: this FFmpeg has no PNG encoder");
+  AVCodecContext* ctx = avcodec_alloc_context3(codec);
+  AVFrame* frame = av_frame_alloc();
+  AVPacket* packet = av_packet_alloc();
+  std::vector<uint8_t> out;
+  try {
+    if (ctx == nullptr || frame == nullptr || packet == nullptr) throw VideoError("encode_png: out of memory");
+    ctx->width = width;
+    ctx->height = height;
+    ctx->pix_fmt = AV_PIX_FMT_RGB24;
+    ctx->time_base = AVRational{1, 1};
+    check(avcodec_open2(ctx, codec, nullptr), "encode_png: cannot open the encoder");
+    frame->format = AV_PIX_FMT_RGB24;
+    frame->width = width;
+    frame->height = height;
+    check(av_frame_get_buffer(frame, 0), "encode_png: frame buffer");
+    const uint8_t* src = image.data_ptr<uint8_t>();
+    for (int y = 0; y < height; ++y) {
+      std::memcpy(frame->data[0] + static_cast<ptrdiff_t>(y) * frame->linesize[0], src + static_cast<ptrdiff_t>(y) * width * 3,
+                  static_cast<size_t>(width) * 3);
+    }
+    check(avcodec_send_frame(ctx, frame), "encode_png: encoding");
+    check(avcodec_send_frame(ctx, nullptr), "encode_png: flushing");
+    while (avcodec_receive_packet(ctx, packet) == 0) {
+      out.insert(out.end(), packet->data, packet->data + packet->size);
+      av_packet_unref(packet);
+    }
+  } catch (...) {
+    av_packet_free(&packet);
+    av_frame_free(&frame);
+    avcodec_free_context(&ctx);
+    throw;
+  }
+  av_packet_free(&packet);
+  av_frame_free(&frame);
+  avcodec_free_context(&ctx);
+  return out;
+}
+
 std::vector<uint8_t> encode_mp4_segment(const at::Tensor& video, const Mp4Options& options) {
   if (video.dim() != 4) throw VideoError("encode_mp4_segment: expected a video [3, T, H, W]");
   std::vector<uint8_t> bytes;
@@ -525,7 +572,10 @@ class Reader {
         throw VideoError("read_video: " + name_ + " has more than " + std::to_string(limits_.max_frames) +
                          " frames (the limit)");
       }
-      frames_.push_back(to_rgb(frame_));
+      if (limits_.keep_frames.empty() ||
+          std::binary_search(limits_.keep_frames.begin(), limits_.keep_frames.end(), decoded_)) {
+        frames_.push_back(to_rgb(frame_));
+      }
       ++decoded_;
       if (limits_.keep_last > 0 && static_cast<int64_t>(frames_.size()) > limits_.keep_last) {
         frames_.erase(frames_.begin());

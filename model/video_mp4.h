@@ -73,6 +73,8 @@ void write_mp4(const std::string& path, const at::Tensor& video, const Mp4Option
 // One self-contained MP4 (fragmented, playable on its own) in memory: what a server sends per chunk when each
 // chunk is its own file.
 std::vector<uint8_t> encode_mp4_segment(const at::Tensor& video, const Mp4Options& options = {});
+// One uint8 RGB image [H, W, 3] as a PNG file's bytes.
+std::vector<uint8_t> encode_png(const at::Tensor& rgb);
 
 struct VideoInfo {
   std::string codec;      // "h264"
@@ -97,6 +99,7 @@ struct ReadLimits {
   int max_height = 0;
   int64_t max_frames = 0;
   int64_t keep_last = 0;  // > 0: keep only the last keep_last decoded frames (memory bounded by them, not the file)
+  std::vector<int64_t> keep_frames;  // non-empty: keep only these frame indices (ascending); the others are dropped
 };
 
 // Any container/codec FFmpeg reads: MP4 videos, and PNG / JPEG images as one-frame videos.

@@ -157,6 +157,11 @@ TEST_F(HttpServerTest, TheOfficialOpenAiSdkMakesListsDownloadsAndDeletesVideos) 
     EXPECT_EQ(video.info.height, 32) << name;
   }
 
+  const auto thumbnail = video::read_video(out + "/thumbnail.png");
+  EXPECT_EQ(thumbnail.info.frames, 1);
+  EXPECT_EQ(thumbnail.info.width, 48);
+  EXPECT_EQ(thumbnail.info.height, 32);
+
   // HTTP and gRPC make the same video from the same request: the latents are equal bit for bit.
   std::ifstream ids_file(out + "/ids.json");
   const auto ids = nlohmann::json::parse(ids_file);
@@ -370,6 +375,14 @@ TEST_F(HttpServerTest, TheJsonApiStreamsResumableEventsAndServesTheLatentsGrpcSe
     ASSERT_EQ(status_of(http), 200) << http.substr(0, 300);
     EXPECT_EQ(body_of(http), grpc_chunk(server_->client(), id, c)) << "chunk " << c;
   }
+  // The sprite sheet: the first frame of each of the 4 chunks, in a 2 x 2 grid.
+  const std::string sheet = http_exchange(http_port_, get("/v1/videos/" + id + "/content?variant=spritesheet"), 60);
+  ASSERT_EQ(status_of(sheet), 200) << sheet.substr(0, 300);
+  const std::string png = body_of(sheet);
+  const auto decoded = video::read_video_bytes(std::vector<uint8_t>(png.begin(), png.end()));
+  EXPECT_EQ(decoded.info.width, 2 * 48);
+  EXPECT_EQ(decoded.info.height, 2 * 32);
+
   const std::string info = http_exchange(http_port_, get("/skyreels/v1/server-info"));
   EXPECT_EQ(status_of(info), 200);
   EXPECT_EQ(nlohmann::json::parse(body_of(info))["vae_available"], true);

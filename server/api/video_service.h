@@ -174,6 +174,8 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
       part->set_last_part(offset + n == total);
       part->set_latent_frame_begin(static_cast<int32_t>(begin));
       part->set_latent_frame_end(static_cast<int32_t>(end));
+      part->set_pixel_frame_begin(static_cast<int32_t>(layout.pixel_begin));
+      part->set_pixel_frame_end(static_cast<int32_t>(layout.pixel_end));
       if (!writer->Write(message)) return false;
       offset += n;
     } while (offset < total);

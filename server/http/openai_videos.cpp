@@ -13,6 +13,7 @@
 #include <set>
 
 #include "server/http/routes.h"
+#include "server/http/stills.h"
 
 namespace skyreels::server::http {
 
@@ -369,8 +370,8 @@ Response delete_video(const ServiceCall& call, const std::string& id) {
 
 Response video_content(const ServiceCall& call, const std::string& id) {
   const std::string variant = call.request.query_value("variant").value_or("video");
-  if (variant != "video") {
-    return error_response(400, "variant: '" + variant + "' is not served here; use video", "variant");
+  if (variant != "video" && variant != "thumbnail" && variant != "spritesheet") {
+    return error_response(400, "variant: video, thumbnail or spritesheet, not '" + variant + "'", "variant");
   }
   {
     pb::GetJobRequest request;
@@ -393,10 +394,24 @@ Response video_content(const ServiceCall& call, const std::string& id) {
   auto context = call.context(call.config.download_timeout_ms);
   auto reader = call.stub.DownloadResult(context.get(), request);
   std::string mp4;
+  std::vector<int64_t> chunk_starts;  // the first frame each chunk made
   pb::ResultPart part;
-  while (reader->Read(&part)) mp4 += part.data();
+  while (reader->Read(&part)) {
+    if (part.offset() == 0) chunk_starts.push_back(part.pixel_frame_begin());
+    mp4 += part.data();
+  }
   const grpc::Status status = reader->Finish();
   if (!status.ok()) return from_status(status, *context);
+  if (variant != "video") {
+    Response still;
+    still.content_type = "image/png";
+    try {
+      still.body = variant == "thumbnail" ? first_frame_png(mp4) : sprite_sheet_png(mp4, chunk_starts);
+    } catch (const std::exception& e) {
+      return error_response(500, "the " + variant + " of video '" + id + "' could not be made: " + e.what());
+    }
+    return still;
+  }
 
   Response r;
   r.content_type = "video/mp4";

@@ -111,6 +111,8 @@ struct ChunkLayout {
   // Latent frames at the end of the chunk's result that are conditioning, not video (the last_image latent): decoding
   // leaves them out, as diffusers does.
   int64_t suffix_frames = 0;
+  int64_t pixel_begin = 0;  // the chunk's pixel frames [begin, end) of the decoded video
+  int64_t pixel_end = 0;
 };
 
 // What the transport and the video encoder read of a job (JobSnapshot::description), fixed when the job is created:

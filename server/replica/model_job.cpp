@@ -395,9 +395,12 @@ std::shared_ptr<const JobDescription> describe(const ModelJob& job, const JobReq
   description->params = job.params();
   description->prompt = request.prompt.value_or(request.described_prompt);
   description->latent_shape = job.latent_shape();
+  int64_t pixels = 0;
   for (int64_t k = 0; k < job.chunk_count(); ++k) {
     const auto [begin, end] = job.chunk_latent_range(k);
-    description->chunks.push_back({begin, end, job.chunk_suffix_frames(k)});
+    const int64_t pixel_begin = pixels;
+    pixels += job.chunk_pixel_frames(k);
+    description->chunks.push_back({begin, end, job.chunk_suffix_frames(k), pixel_begin, pixels});
   }
   return description;
 }

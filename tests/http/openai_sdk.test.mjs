@@ -98,6 +98,9 @@ assert.equal(plain.prompt, prompt);
 assert.ok(plain.completed_at >= plain.created_at && plain.expires_at > plain.completed_at);
 const mp4 = Buffer.from(await (await client.videos.downloadContent(plain.id)).arrayBuffer());
 writeFileSync(`${out}/plain.mp4`, mp4);
+const thumbnail = await client.videos.downloadContent(plain.id, { variant: 'thumbnail' });
+assert.equal(thumbnail.headers.get('content-type'), 'image/png');
+writeFileSync(`${out}/thumbnail.png`, Buffer.from(await thumbnail.arrayBuffer()));
 const ranged = await fetch(`${base}/v1/videos/${plain.id}/content`, {
   headers: { Authorization: `Bearer ${process.env.SKYREELS_API_KEY}`, Range: 'bytes=10-109' },
 });
