@@ -156,6 +156,12 @@ TEST_F(HttpServerTest, TheOfficialOpenAiSdkMakesListsDownloadsAndDeletesVideos) 
     EXPECT_EQ(video.info.width, 48) << name;
     EXPECT_EQ(video.info.height, 32) << name;
   }
+  {
+    const auto video = video::read_video(out + "/extended.mp4");  // the continued 9 frames and 16 new ones
+    EXPECT_EQ(video.info.frames, 25);
+    EXPECT_EQ(video.info.width, 48);
+    EXPECT_EQ(video.info.height, 32);
+  }
 
   const auto thumbnail = video::read_video(out + "/thumbnail.png");
   EXPECT_EQ(thumbnail.info.frames, 1);

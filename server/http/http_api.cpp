@@ -183,6 +183,10 @@ Response HttpApi::handle(const Request& request) const {
       if (method != "GET") return error_response(405, "use GET on " + path);
       return video_content(call, rest.substr(0, rest.size() - content.size()));
     }
+    if (rest == "extensions") {
+      if (method == "POST") return extend_video(call);
+      return error_response(405, "use POST on " + path);
+    }
     if (rest.find('/') != std::string::npos) return error_response(404, "no route " + method + " " + path);
     if (method == "GET") return retrieve_video(call, rest);
     if (method == "DELETE") return delete_video(call, rest);

@@ -138,7 +138,8 @@ std::string seconds_text(int64_t frames, int64_t fps) {
 }
 
 // `seconds` and `size` into the parameters they stand for.
-std::optional<Response> read_shape(const json& values, std::set<std::string>* used, pb::GenerationParams* params) {
+std::optional<Response> read_shape(const json& values, std::set<std::string>* used, pb::GenerationParams* params,
+                                   int64_t default_fps) {
   if (auto it = values.find("size"); it != values.end()) {
     used->insert("size");
     const std::string size = text_of(*it).value_or("");
@@ -165,7 +166,7 @@ std::optional<Response> read_shape(const json& values, std::set<std::string>* us
     if (params->has_num_frames()) {
       return error_response(400, "seconds: give seconds or num_frames, not both", "seconds");
     }
-    const int64_t fps = params->has_fps() ? params->fps() : kDefaultFps;
+    const int64_t fps = params->has_fps() ? params->fps() : default_fps;
     // 4k+1 frames, as the model needs: 4 s at 24 fps = 97.
     params->set_num_frames(4 * std::llround(seconds * static_cast<double>(fps) / 4.0) + 1);
   }
@@ -253,23 +254,56 @@ Response renamed(Response r, const std::set<std::string>& used) {
 
 }  // namespace
 
-Response create_video(const ServiceCall& call) {
-  Fields fields;
-  if (auto refused = read_fields(call.request, &fields)) return *refused;
-  const json& values = fields.values;
-  std::set<std::string> used;
-  pb::SubmitJobRequest submit;
-  pb::JobSpec* spec = submit.mutable_spec();
+namespace {
+
+// A finished video's MP4 (its chunks' segments joined) into *mp4, the first frame of each chunk into *chunk_starts;
+// the job into *job. An error response when it is not finished or cannot be read.
+std::optional<Response> download_mp4(const ServiceCall& call, const std::string& id, pb::Job* job, std::string* mp4,
+                                     std::vector<int64_t>* chunk_starts) {
+  {
+    pb::GetJobRequest request;
+    request.set_job_id(id);
+    auto context = call.context();
+    const grpc::Status status = call.stub.GetJob(context.get(), request, job);
+    if (!status.ok()) return from_status(status, *context);
+    if (job->state() != pb::JOB_STATE_SUCCEEDED) {
+      return finished(job->state())
+                 ? error_response(400, "video '" + id + "' failed; it has no content", "", "video_failed")
+                 : error_response(409, "video '" + id + "' is " + video_status(job->state()) +
+                                           "; its content exists once it is completed", "", "video_not_ready");
+    }
+  }
+  pb::DownloadResultRequest request;
+  request.set_job_id(id);
+  request.set_format(pb::RESULT_FORMAT_MP4);
+  request.set_no_wait(true);
+  auto context = call.context(call.config.download_timeout_ms);
+  auto reader = call.stub.DownloadResult(context.get(), request);
+  pb::ResultPart part;
+  while (reader->Read(&part)) {
+    if (part.offset() == 0) chunk_starts->push_back(part.pixel_frame_begin());
+    *mp4 += part.data();
+  }
+  const grpc::Status status = reader->Finish();
+  if (!status.ok()) return from_status(status, *context);
+  return std::nullopt;
+}
+
+// What create and extend both take: prompt, negative_prompt, model, priority, the generation parameters under their
+// own names, size and seconds (read_shape). Names read go into *used.
+std::optional<Response> read_request(const ServiceCall& call, const json& values, std::set<std::string>* used,
+                                     pb::SubmitJobRequest* submit, int64_t default_fps = kDefaultFps) {
+  pb::JobSpec* spec = submit->mutable_spec();
   const auto prompt = values.contains("prompt") ? text_of(values["prompt"]) : std::nullopt;
   if (!prompt || prompt->empty()) return error_response(400, "prompt: required", "prompt");
-  used.insert("prompt");
+  used->insert("prompt");
   spec->mutable_text()->set_prompt(*prompt);
   if (values.contains("negative_prompt")) {
-    used.insert("negative_prompt");
+    used->insert("negative_prompt");
     spec->mutable_text()->set_negative_prompt(text_of(values["negative_prompt"]).value_or(""));
   }
   if (values.contains("model")) {
-    used.insert("model");
+    used->insert("model");
     const std::string model = text_of(values["model"]).value_or("");
     if (model != call.config.model_id) {
       return error_response(400, "model: this server serves '" + call.config.model_id + "', not '" + model + "'",
@@ -277,20 +311,25 @@ Response create_video(const ServiceCall& call) {
     }
   }
   if (values.contains("priority")) {
-    used.insert("priority");
+    used->insert("priority");
     const std::string text = text_of(values["priority"]).value_or("");
     char* end = nullptr;
     const long priority = std::strtol(text.c_str(), &end, 10);
     if (text.empty() || *end != '\0' || priority < -10 || priority > 10) {
       return error_response(400, "priority: an integer in [-10, 10]", "priority");
     }
-    submit.set_priority(static_cast<int32_t>(priority));
+    submit->set_priority(static_cast<int32_t>(priority));
   }
-  if (auto refused = read_params(values, &used, spec->mutable_params())) return *refused;
-  if (auto refused = read_shape(values, &used, spec->mutable_params())) return *refused;
-  if (values.contains("input_reference") || fields.files.count("input_reference")) used.insert("input_reference");
-  if (auto refused = read_reference(fields, spec)) return *refused;
-  for (const auto& [name, value] : values.items()) {
+  if (auto refused = read_params(values, used, spec->mutable_params())) return *refused;
+  if (auto refused = read_shape(values, used, spec->mutable_params(), default_fps)) return refused;
+  if (!spec->params().has_fps() && default_fps != kDefaultFps) spec->mutable_params()->set_fps(default_fps);
+  return std::nullopt;
+}
+
+// Submits what the request asked for, once every name it sent was understood.
+Response submit_video(const ServiceCall& call, const Fields& fields, const std::set<std::string>& used,
+                      pb::SubmitJobRequest& submit) {
+  for (const auto& [name, value] : fields.values.items()) {
     if (!used.count(name)) return error_response(400, "unknown parameter '" + name + "'", name, "unknown_parameter");
   }
   for (const auto& [name, part] : fields.files) {
@@ -298,12 +337,73 @@ Response create_video(const ServiceCall& call) {
   }
   if (auto key = call.request.header("idempotency-key")) submit.set_idempotency_key(*key);
   submit.set_produce_mp4(call.config.vae_available);
-
   auto context = call.context();
   pb::SubmitJobResponse response;
   const grpc::Status status = call.stub.SubmitJob(context.get(), submit, &response);
   if (!status.ok()) return renamed(from_status(status, *context), used);
   return json_response(200, video_object(response.job(), call.config));
+}
+
+constexpr int64_t kDefaultExtensionOverlap = 17;  // SkyReels-V2's own examples continue the last 17 frames
+
+}  // namespace
+
+Response create_video(const ServiceCall& call) {
+  Fields fields;
+  if (auto refused = read_fields(call.request, &fields)) return *refused;
+  std::set<std::string> used;
+  pb::SubmitJobRequest submit;
+  if (auto refused = read_request(call, fields.values, &used, &submit)) return *refused;
+  if (fields.values.contains("input_reference") || fields.files.count("input_reference")) used.insert("input_reference");
+  if (auto refused = read_reference(fields, submit.mutable_spec())) return *refused;
+  return submit_video(call, fields, used, submit);
+}
+
+// The SDK's extend: a finished video (by id) or an uploaded MP4 continued by `seconds` of new frames from its last
+// overlap_history frames (video-to-video); num_frames counts those continued frames too, as the pipeline does.
+Response extend_video(const ServiceCall& call) {
+  Fields fields;
+  if (auto refused = read_fields(call.request, &fields)) return *refused;
+  // The source first: its size and frame rate are the extension's unless the request says otherwise.
+  std::string source;
+  int64_t width = 0, height = 0, fps = kDefaultFps;
+  if (auto file = fields.files.find("video"); file != fields.files.end()) {
+    source = file->second->data;
+    try {
+      const VideoShape shape = video_shape(source);
+      width = shape.width;
+      height = shape.height;
+      if (shape.fps >= 1) fps = std::llround(shape.fps);
+    } catch (const std::exception& e) {
+      return error_response(400, std::string("video: not a readable MP4: ") + e.what(), "video");
+    }
+  } else {
+    auto it = fields.values.find("video");
+    if (it == fields.values.end() || !it->is_object() || !it->contains("id") || !(*it)["id"].is_string()) {
+      return error_response(400, "video: required, an MP4 file or {\"id\": \"VIDEO_ID\"}", "video");
+    }
+    pb::Job job;
+    std::vector<int64_t> chunk_starts;
+    if (auto refused = download_mp4(call, (*it)["id"].get<std::string>(), &job, &source, &chunk_starts)) {
+      return *refused;
+    }
+    width = job.params().width();
+    height = job.params().height();
+    fps = job.params().fps();
+  }
+  std::set<std::string> used{"video"};
+  pb::SubmitJobRequest submit;
+  if (auto refused = read_request(call, fields.values, &used, &submit, fps)) return *refused;
+  pb::GenerationParams& params = *submit.mutable_spec()->mutable_params();
+  if (!params.has_width() && !params.has_height()) {
+    params.set_width(width);
+    params.set_height(height);
+  }
+  params.set_fps(params.has_fps() ? params.fps() : fps);
+  if (!params.has_overlap_history()) params.set_overlap_history(kDefaultExtensionOverlap);
+  if (used.count("seconds")) params.set_num_frames(params.overlap_history() + params.num_frames() - 1);
+  submit.mutable_spec()->mutable_video()->set_encoded(std::move(source));
+  return submit_video(call, fields, used, submit);
 }
 
 Response retrieve_video(const ServiceCall& call, const std::string& id) {
@@ -368,40 +468,16 @@ Response delete_video(const ServiceCall& call, const std::string& id) {
   return json_response(200, {{"id", id}, {"object", "video.deleted"}, {"deleted", true}});
 }
 
+
 Response video_content(const ServiceCall& call, const std::string& id) {
   const std::string variant = call.request.query_value("variant").value_or("video");
   if (variant != "video" && variant != "thumbnail" && variant != "spritesheet") {
     return error_response(400, "variant: video, thumbnail or spritesheet, not '" + variant + "'", "variant");
   }
-  {
-    pb::GetJobRequest request;
-    request.set_job_id(id);
-    auto context = call.context();
-    pb::Job job;
-    const grpc::Status status = call.stub.GetJob(context.get(), request, &job);
-    if (!status.ok()) return from_status(status, *context);
-    if (job.state() != pb::JOB_STATE_SUCCEEDED) {
-      return finished(job.state())
-                 ? error_response(400, "video '" + id + "' failed; it has no content", "", "video_failed")
-                 : error_response(409, "video '" + id + "' is " + video_status(job.state()) +
-                                           "; its content exists once it is completed", "", "video_not_ready");
-    }
-  }
-  pb::DownloadResultRequest request;
-  request.set_job_id(id);
-  request.set_format(pb::RESULT_FORMAT_MP4);
-  request.set_no_wait(true);
-  auto context = call.context(call.config.download_timeout_ms);
-  auto reader = call.stub.DownloadResult(context.get(), request);
+  pb::Job job;
   std::string mp4;
-  std::vector<int64_t> chunk_starts;  // the first frame each chunk made
-  pb::ResultPart part;
-  while (reader->Read(&part)) {
-    if (part.offset() == 0) chunk_starts.push_back(part.pixel_frame_begin());
-    mp4 += part.data();
-  }
-  const grpc::Status status = reader->Finish();
-  if (!status.ok()) return from_status(status, *context);
+  std::vector<int64_t> chunk_starts;
+  if (auto refused = download_mp4(call, id, &job, &mp4, &chunk_starts)) return *refused;
   if (variant != "video") {
     Response still;
     still.content_type = "image/png";

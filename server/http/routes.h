@@ -38,6 +38,7 @@ Response from_status(const grpc::Status& status, const grpc::ClientContext& cont
 
 // OpenAI's Videos API.
 Response create_video(const ServiceCall& call);
+Response extend_video(const ServiceCall& call);
 Response retrieve_video(const ServiceCall& call, const std::string& id);
 Response list_videos(const ServiceCall& call);
 Response delete_video(const ServiceCall& call, const std::string& id);

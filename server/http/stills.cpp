@@ -26,6 +26,13 @@ std::string png(const at::Tensor& rgb) {
 
 }  // namespace
 
+VideoShape video_shape(const std::string& mp4) {
+  video::ReadLimits limits;
+  limits.keep_frames = {0};
+  const auto video = video::read_video_bytes(std::vector<uint8_t>(mp4.begin(), mp4.end()), limits);
+  return {video.info.width, video.info.height, video.info.fps};
+}
+
 std::string first_frame_png(const std::string& mp4) { return png(frames_of(mp4, {0}).select(0, 0)); }
 
 std::string sprite_sheet_png(const std::string& mp4, const std::vector<int64_t>& frames) {

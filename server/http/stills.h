@@ -4,9 +4,18 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace skyreels::server::http {
+
+struct VideoShape {
+  int64_t width = 0, height = 0;
+  double fps = 0;
+};
+
+// A video's size and frame rate (its first frame decoded). Throws when it is not one FFmpeg reads.
+VideoShape video_shape(const std::string& mp4);
 
 // The first frame.
 std::string first_frame_png(const std::string& mp4);

@@ -126,6 +126,19 @@ const withUrl = await client.videos.create({
 });
 assert.equal((await finished(withUrl.id)).status, 'completed');
 
+// Extensions (video-to-video): of a finished video by id, and of an uploaded MP4; 2 s more after the last 9 frames.
+const byId = await client.videos.extend({ prompt, video: { id: plain.id }, seconds: '2', overlap_history: 9, num_inference_steps: 2 });
+const extendedById = await finished(byId.id);
+assert.equal(extendedById.status, 'completed', JSON.stringify(extendedById.error));
+assert.equal(extendedById.skyreels.params.num_frames, '25');
+writeFileSync(`${out}/extended.mp4`, Buffer.from(await (await client.videos.downloadContent(byId.id)).arrayBuffer()));
+const byUpload = await client.videos.extend({
+  prompt, video: await toFile(mp4, 'source.mp4', { type: 'video/mp4' }), seconds: '2', fps: 8, overlap_history: 9, num_inference_steps: 2,
+});
+const extendedUpload = await finished(byUpload.id);
+assert.equal(extendedUpload.status, 'completed', JSON.stringify(extendedUpload.error));
+assert.equal(extendedUpload.size, '48x32');
+
 // A video deleted while it waits behind a long one (one replica) is cancelled.
 const ahead = await client.videos.create({ prompt, ...shape, num_inference_steps: 100 });
 const long = await client.videos.create({ prompt, ...shape, num_inference_steps: 100 });
