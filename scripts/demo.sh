@@ -31,16 +31,18 @@ free_port() {
 }
 PORT=${PORT:-$(free_port)}
 METRICS_PORT=${METRICS_PORT:-$(free_port)}
+HTTP_PORT=${HTTP_PORT:-$(free_port)}
 SERVER="127.0.0.1:$PORT"
 mkdir -p "$OUT"
 LOG="$OUT/server.log"
 # A fresh data dir (the job store) per run: a demo never resumes an earlier run's jobs.
 DATA_DIR=$(mktemp -d "${TMPDIR:-/tmp}/skyreels-demo-data-XXXXXX")
 
-echo "demo: starting skyreels-server --demo on $SERVER (2 CPU replicas), metrics on 127.0.0.1:$METRICS_PORT"
+echo "demo: starting skyreels-server --demo on $SERVER (2 CPU replicas), HTTP on 127.0.0.1:$HTTP_PORT," \
+  "metrics on 127.0.0.1:$METRICS_PORT"
 "$BIN/skyreels-server" --demo --vae demo --text-encoder demo --tokenizer assets/demo/tokenizer \
   --devices cpu,cpu --listen "$SERVER" --data-dir "$DATA_DIR" \
-  --metrics-listen "127.0.0.1:$METRICS_PORT" \
+  --metrics-listen "127.0.0.1:$METRICS_PORT" --http-listen "127.0.0.1:$HTTP_PORT" \
   >"$LOG" 2>&1 &
 SERVER_PID=$!
 stop_server() {
@@ -68,6 +70,23 @@ echo "demo: job $JOB"
 "$BIN/skyreels" download --server "$SERVER" "$JOB" --out "$OUT/"
 "$BIN/skyreels" download --server "$SERVER" "$JOB" --out "$OUT/" --format mp4
 
+# The same server through its HTTP door, as an OpenAI SDK or curl sees it: POST /v1/videos, poll, download the MP4.
+HTTP="http://127.0.0.1:$HTTP_PORT"
+echo "demo: the OpenAI-compatible API: POST $HTTP/v1/videos"
+VIDEO=$(curl -sS --fail-with-body "$HTTP/v1/videos" -F "prompt=a lighthouse in a storm, waves crashing" \
+  -F size=64x64 -F seconds=2 -F fps=8 -F num_inference_steps=4 -F seed=7)
+VIDEO_ID=$(printf '%s' "$VIDEO" | grep -o '"id":"[^"]*"' | head -n 1 | cut -d'"' -f4)
+echo "demo: video $VIDEO_ID"
+for _ in $(seq 600); do
+  STATE=$(curl -sS "$HTTP/v1/videos/$VIDEO_ID" | grep -o '"status":"[^"]*"' | head -n 1 | cut -d'"' -f4)
+  [ "$STATE" = completed ] && break
+  [ "$STATE" = failed ] && { echo "demo: the HTTP video failed" >&2; exit 1; }
+  sleep 0.2
+done
+[ "$STATE" = completed ] || { echo "demo: the HTTP video did not complete" >&2; exit 1; }
+curl -sS --fail "$HTTP/v1/videos/$VIDEO_ID/content" -o "$OUT/$VIDEO_ID.mp4"
+curl -sS --fail "$HTTP/v1/videos/$VIDEO_ID/content?variant=thumbnail" -o "$OUT/$VIDEO_ID.png"
+
 # Keep the metrics the run produced next to the result.
 {
   exec 3<>"/dev/tcp/127.0.0.1/$METRICS_PORT"
@@ -85,4 +104,5 @@ if [ "$STATUS" -ne 0 ]; then
   echo "demo: server exited with $STATUS; log in $LOG" >&2
   exit 1
 fi
-echo "demo: done: $OUT/$JOB.safetensors (latents), $OUT/$JOB.mp4, $OUT/metrics.txt, $OUT/server.log"
+echo "demo: done: $OUT/$JOB.safetensors (latents), $OUT/$JOB.mp4, over HTTP $OUT/$VIDEO_ID.mp4 and its" \
+  "thumbnail $OUT/$VIDEO_ID.png, $OUT/metrics.txt, $OUT/server.log"

@@ -13,14 +13,15 @@ PACKAGES=(
   libspdlog-dev libfmt-dev prometheus-cpp-dev nlohmann-json3-dev libsqlite3-dev
   libgtest-dev libgmock-dev libyaml-dev
   libavcodec-dev libavformat-dev libswscale-dev libavutil-dev
-  openssl postgresql libpq-dev libmicrohttpd-dev
-  prometheus kubernetes-client nodejs npm
+  openssl postgresql libpq-dev libmicrohttpd-dev curl
+  prometheus kubernetes-client nodejs npm chromium
 )
 
-# Packages wanted only for a command (tests run promtool, kubectl kustomize, and node + npm for the openai SDK): a
-# machine that already has the command from elsewhere keeps it (Google's `kubectl` package, for one, owns
-# /usr/bin/kubectl as well; a newer Node.js than Debian 12's 18 — the openai package asks for 22, works on 20).
-declare -A COMMAND_OF=([prometheus]=promtool [kubernetes-client]=kubectl [nodejs]=node [npm]=npm)
+# Packages wanted only for a command (tests run promtool, kubectl kustomize, node + npm for the openai SDK, and
+# chromium for the page): a machine that already has the command from elsewhere keeps it (Google's `kubectl` package,
+# for one, owns /usr/bin/kubectl as well; so does a newer Node.js than Debian 12's 18 — the openai package asks for
+# 22 and works on 20).
+declare -A COMMAND_OF=([prometheus]=promtool [kubernetes-client]=kubectl [nodejs]=node [npm]=npm [chromium]=chromium)
 
 install_deps() {
   local missing=()

@@ -396,3 +396,42 @@ TEST_F(HttpServerTest, TheJsonApiStreamsResumableEventsAndServesTheLatentsGrpcSe
 
 }  // namespace
 }  // namespace skyreels::test
+
+namespace skyreels::test {
+namespace {
+
+// The page at / in headless Chromium (Debian's `chromium`, driven over the DevTools protocol by
+// tests/http/page_in_chromium.mjs): a prompt submitted, progress advancing, the video playing before the job ends.
+TEST(HttpPageTest, ThePageInChromiumShowsProgressAndPlaysTheVideoBeforeTheJobEnds) {
+  ASSERT_EQ(std::system("command -v chromium > /dev/null"), 0) << "Debian's chromium is missing (scripts/setup.sh)";
+  const std::string encoder_dir = temp_dir("http-page-umt5");
+  model::write_tiny_text_encoder(encoder_dir, 32, 7);
+  const int http_port = free_port();
+  ServerProcess server({"--demo", "--vae", "demo", "--devices", "cpu", "--dtype", "float32", "--text-encoder",
+                        encoder_dir, "--tokenizer", golden_path("umt5_encoder/e3_prompts_to_embeds/tokenizer"),
+                        "--http-listen", "127.0.0.1:" + std::to_string(http_port), "--step-delay-ms", "150"});
+  const std::string page = http_exchange(http_port, "GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  ASSERT_EQ(status_of(page), 200);
+  EXPECT_NE(page.find("text/html"), std::string::npos);
+
+  // 37 frames at 8 fps in chunks of 17 with an overlap of 9: 4 chunks, each played as soon as it is made.
+  const std::string url = "http://127.0.0.1:" + std::to_string(http_port) +
+                          "/#prompt=A%20cat%20walks%20on%20the%20grass&size=64x64&seconds=4.5&fps=8&steps=4&seed=5"
+                          "&base_num_frames=17&overlap_history=9&autostart";
+  const std::string out = temp_dir("http-page");
+  const std::string command = "cd " + data_path("..") + "/http && SKYREELS_PAGE_URL='" + url + "' SKYREELS_OUT=" +
+                              out + " timeout 200 node --experimental-websocket page_in_chromium.mjs > " + out +
+                              "/node.log 2>&1";
+  const int rc = std::system(command.c_str());
+  std::ifstream log(out + "/node.log");
+  const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  ASSERT_EQ(rc, 0) << text << "\nserver log:\n" << server.log();
+  EXPECT_TRUE(std::filesystem::exists(out + "/page.png"));
+  // Kept as the test's artifact (and the README's picture when refreshed by hand).
+  std::filesystem::create_directories(std::string(SKYREELS_BIN_DIR) + "/../test-artifacts");
+  std::filesystem::copy_file(out + "/page.png", std::string(SKYREELS_BIN_DIR) + "/../test-artifacts/page.png",
+                             std::filesystem::copy_options::overwrite_existing);
+}
+
+}  // namespace
+}  // namespace skyreels::test

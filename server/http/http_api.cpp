@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "server/api/auth.h"
+#include "server/http/page.h"
 #include "server/http/routes.h"
 
 namespace skyreels::server::http {
@@ -160,6 +161,13 @@ Response HttpApi::refuse(int status, const std::string& message) { return error_
 Response HttpApi::handle(const Request& request) const {
   const std::string& path = request.path;
   const std::string& method = request.method;
+  if (path == "/" && method == "GET") {
+    Response r;
+    r.content_type = "text/html; charset=utf-8";
+    r.body = kPageHtml;
+    r.headers = {{"Cache-Control", "no-cache"}, {"X-Content-Type-Options", "nosniff"}};
+    return r;
+  }
   if (path == "/healthz" || path == "/livez") return probe(impl_->config.live(), "live");
   if (path == "/readyz") return probe(impl_->config.ready(), "ready");
   if (path == "/metrics") {
