@@ -349,18 +349,24 @@ std::shared_ptr<grpc::ServerCredentials> tls_credentials(const Options& o) {
   return grpc::experimental::TlsServerCredentials(options);
 }
 
-bool is_loopback(const std::string& listen) {
-  const std::string host = split_host_port(listen, "--listen").first;
+bool is_loopback_address(const std::string& listen, const char* flag) {
+  const std::string host = split_host_port(listen, flag).first;
   return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
 }
 
 // Configurations that work but expose more than an operator may think.
 void warn_about_exposure(const Options& o) {
-  if (o.api_keys.empty() && !is_loopback(o.listen)) {
+  if (o.api_keys.empty() && !is_loopback_address(o.listen, "--listen")) {
     spdlog::warn(
         "event=insecure_config listen={} problem=\"no --api-keys: any client that reaches this address can "
         "submit, watch, cancel and download every job\"",
         o.listen);
+  }
+  if (o.api_keys.empty() && !o.http_listen.empty() && !is_loopback_address(o.http_listen, "--http-listen")) {
+    spdlog::warn(
+        "event=insecure_config listen={} problem=\"no --api-keys: any client that reaches this HTTP address can "
+        "submit, watch, cancel and download every job\"",
+        o.http_listen);
   }
   if (!o.api_keys.empty() && o.tls_cert.empty()) {
     spdlog::warn(
@@ -677,7 +683,7 @@ struct Health {
 
 // The HTTP door (--http-listen): its calls go into the gRPC service over the in-process channel.
 std::unique_ptr<http::HttpServer> start_http(const Options& o, grpc::Server& server, const Health& health,
-                                             const Metrics& metrics, const ServiceConfig& service) {
+                                             Metrics& metrics, const ServiceConfig& service) {
   if (o.http_listen.empty()) return nullptr;
   grpc::ChannelArguments arguments;
   arguments.SetMaxReceiveMessageSize(-1);
@@ -686,6 +692,9 @@ std::unique_ptr<http::HttpServer> start_http(const Options& o, grpc::Server& ser
   config.ready = [&health] { return health.ready.load(); };
   config.live = [&health] { return health.live.load(); };
   config.metrics = [&metrics] { return metrics.render(); };
+  config.observe = [&metrics](const std::string& route, int status, double seconds) {
+    metrics.http_handled(route, status, seconds);
+  };
   config.vae_available = service.vae_available;
   config.result_ttl_seconds = o.result_ttl_seconds;
   auto api = std::make_shared<http::HttpApi>(server.InProcessChannel(arguments), std::move(config));

@@ -143,6 +143,14 @@ Metrics::Metrics(const std::vector<std::string>& replica_names, const std::strin
                              .Name("grpc_server_handling_seconds")
                              .Help("Time from an RPC's start to its status, by type, service and method")
                              .Register(r);
+  http_requests_family_ = &BuildCounter()
+                              .Name("skyreels_http_requests_total")
+                              .Help("HTTP requests answered (--http-listen), by route template and status code")
+                              .Register(r);
+  http_seconds_family_ = &BuildHistogram()
+                              .Name("skyreels_http_request_duration_seconds")
+                              .Help("Time from an HTTP request's end to its response's start, by route template")
+                              .Register(r);
   auto& rejected =
       BuildCounter().Name("skyreels_jobs_rejected_total").Help("Submissions refused, by reason").Register(r);
   for (const char* reason : {kRejectInvalidArgument, kRejectQueueFull, kRejectUnauthenticated, kRejectDraining,
@@ -357,6 +365,23 @@ Metrics::RpcSeries& Metrics::rpc_series_locked(const std::string& type, const st
 void Metrics::rpc_started(const std::string& type, const std::string& service, const std::string& method) {
   std::lock_guard<std::mutex> lock(rpc_mu_);
   rpc_series_locked(type, service, method).started->Increment();
+}
+
+void Metrics::http_handled(const std::string& route, int status, double seconds) {
+  std::lock_guard<std::mutex> lock(rpc_mu_);
+  auto counter = http_requests_.find({route, status});
+  if (counter == http_requests_.end()) {
+    counter = http_requests_
+                  .emplace(std::make_pair(route, status),
+                           &http_requests_family_->Add({{"route", route}, {"code", std::to_string(status)}}))
+                  .first;
+  }
+  counter->second->Increment();
+  auto histogram = http_seconds_.find(route);
+  if (histogram == http_seconds_.end()) {
+    histogram = http_seconds_.emplace(route, &http_seconds_family_->Add({{"route", route}}, kRpc)).first;
+  }
+  histogram->second->Observe(seconds);
 }
 
 void Metrics::rpc_handled(const std::string& type, const std::string& service, const std::string& method, int code,

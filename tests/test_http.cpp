@@ -195,6 +195,8 @@ TEST_F(HttpServerTest, ProbesAndMetricsAnswerWithoutAKey) {
   const std::string metrics = http_exchange(http_port_, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
   EXPECT_EQ(status_of(metrics), 200);
   EXPECT_NE(body_of(metrics).find("skyreels_replicas"), std::string::npos) << body_of(metrics).substr(0, 500);
+  // Requests are counted by route template and status.
+  EXPECT_GE(metric_value(body_of(metrics), "skyreels_http_requests_total{code=\"200\",route=\"/readyz\"}"), 1);
 }
 
 TEST_F(HttpServerTest, ErrorsComeInOpenAisShapeWithTheRightStatus) {

@@ -159,27 +159,43 @@ HttpApi::~HttpApi() = default;
 Response HttpApi::refuse(int status, const std::string& message) { return error_response(status, message); }
 
 Response HttpApi::handle(const Request& request) const {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string template_of = "other";
+  Response r = route(request, &template_of);
+  if (impl_->config.observe) {
+    impl_->config.observe(template_of, r.status,
+                          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return r;
+}
+
+// The answer, and the route's template into *route (bounded label values for the metrics).
+Response HttpApi::route(const Request& request, std::string* route) const {
   const std::string& path = request.path;
   const std::string& method = request.method;
+  const HttpApiConfig& config = impl_->config;
   if (path == "/" && method == "GET") {
+    *route = "/";
     Response r;
     r.content_type = "text/html; charset=utf-8";
     r.body = kPageHtml;
     r.headers = {{"Cache-Control", "no-cache"}, {"X-Content-Type-Options", "nosniff"}};
     return r;
   }
-  if (path == "/healthz" || path == "/livez") return probe(impl_->config.live(), "live");
-  if (path == "/readyz") return probe(impl_->config.ready(), "ready");
+  if (path == "/healthz" || path == "/livez" || path == "/readyz" || path == "/metrics") *route = path;
+  if (path == "/healthz" || path == "/livez") return probe(config.live(), "live");
+  if (path == "/readyz") return probe(config.ready(), "ready");
   if (path == "/metrics") {
     Response r;
     r.content_type = "text/plain; version=0.0.4; charset=utf-8";
-    r.body = impl_->config.metrics();
+    r.body = config.metrics();
     return r;
   }
-  const ServiceCall call{*impl_->stub, impl_->config, request};
-  if (path.rfind("/skyreels/v1/", 0) == 0) return skyreels_route(call);
+  const ServiceCall call{*impl_->stub, config, request};
+  if (path.rfind("/skyreels/v1/", 0) == 0) return skyreels_route(call, route);
   const std::string videos = "/v1/videos";
   if (path == videos || path == videos + "/") {
+    *route = videos;
     if (method == "POST") return create_video(call);
     if (method == "GET") return list_videos(call);
     return error_response(405, "use GET or POST on " + videos);
@@ -187,15 +203,18 @@ Response HttpApi::handle(const Request& request) const {
   if (path.rfind(videos + "/", 0) == 0) {
     std::string rest = path.substr(videos.size() + 1);
     const std::string content = "/content";
-    if (rest.size() > content.size() && rest.compare(rest.size() - content.size(), content.size(), content) == 0) {
-      if (method != "GET") return error_response(405, "use GET on " + path);
-      return video_content(call, rest.substr(0, rest.size() - content.size()));
-    }
     if (rest == "extensions") {
+      *route = videos + "/extensions";
       if (method == "POST") return extend_video(call);
       return error_response(405, "use POST on " + path);
     }
+    if (rest.size() > content.size() && rest.compare(rest.size() - content.size(), content.size(), content) == 0) {
+      *route = videos + "/{id}/content";
+      if (method != "GET") return error_response(405, "use GET on " + path);
+      return video_content(call, rest.substr(0, rest.size() - content.size()));
+    }
     if (rest.find('/') != std::string::npos) return error_response(404, "no route " + method + " " + path);
+    *route = videos + "/{id}";
     if (method == "GET") return retrieve_video(call, rest);
     if (method == "DELETE") return delete_video(call, rest);
     return error_response(405, "use GET or DELETE on " + path);

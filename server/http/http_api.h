@@ -21,6 +21,8 @@ struct HttpApiConfig {
   std::function<bool()> ready;  // readiness and liveness as the gRPC health service reports them
   std::function<bool()> live;
   std::function<std::string()> metrics;  // the Prometheus exposition
+  // Each answer: the route's template, the status, seconds from the request to its answer (may be unset).
+  std::function<void(const std::string& route, int status, double seconds)> observe;
   bool vae_available = false;            // jobs made here produce MP4 as they go
   int64_t result_ttl_seconds = 86400;    // expires_at of a finished video
   std::string model_id = "skyreels-v2-df";
@@ -32,13 +34,14 @@ class HttpApi {
  public:
   HttpApi(std::shared_ptr<grpc::Channel> channel, HttpApiConfig config);
   ~HttpApi();
-  Response handle(const Request& request) const;
+  Response handle(const Request& request) const;  // answers and reports it to config.observe
   // What the listener answers by itself (413, a malformed multipart): OpenAI's error shape.
   static Response refuse(int status, const std::string& message);
 
   struct Impl;
 
  private:
+  Response route(const Request& request, std::string* route) const;
   std::unique_ptr<Impl> impl_;
 };
 

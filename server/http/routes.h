@@ -45,6 +45,6 @@ Response delete_video(const ServiceCall& call, const std::string& id);
 Response video_content(const ServiceCall& call, const std::string& id);
 
 // The service's own API in JSON (/skyreels/v1/...): jobs, their events as Server-Sent Events, results, server info.
-Response skyreels_route(const ServiceCall& call);
+Response skyreels_route(const ServiceCall& call, std::string* route);  // *route: the template
 
 }  // namespace skyreels::server::http

@@ -238,12 +238,16 @@ Response server_info(const ServiceCall& call) {
 
 }  // namespace
 
-Response skyreels_route(const ServiceCall& call) {
+Response skyreels_route(const ServiceCall& call, std::string* route) {
   const std::string& path = call.request.path;
   const std::string& method = call.request.method;
   const std::string jobs = "/skyreels/v1/jobs";
-  if (path == "/skyreels/v1/server-info" && method == "GET") return server_info(call);
+  if (path == "/skyreels/v1/server-info" && method == "GET") {
+    *route = path;
+    return server_info(call);
+  }
   if (path == jobs) {
+    *route = jobs;
     if (method == "POST") return submit_job(call);
     if (method == "GET") return list_jobs(call);
     return error_response(405, "use GET or POST on " + jobs);
@@ -253,11 +257,13 @@ Response skyreels_route(const ServiceCall& call) {
   const size_t slash = rest.find('/');
   const std::string id = rest.substr(0, slash);
   const std::string action = slash == std::string::npos ? "" : rest.substr(slash + 1);
+  const bool known = action.empty() || action == "cancel" || action == "events" || action == "result";
+  if (known) *route = jobs + "/{id}" + (action.empty() ? "" : "/" + action);
   if (action.empty() && method == "GET") return get_job(call, id);
   if (action == "cancel" && method == "POST") return cancel_job(call, id);
   if (action == "events" && method == "GET") return job_events(call, id);
   if (action == "result" && method == "GET") return job_result(call, id);
-  return error_response(404, "no route " + method + " " + path);
+  return error_response(known ? 405 : 404, "no route " + method + " " + path);
 }
 
 }  // namespace skyreels::server::http
