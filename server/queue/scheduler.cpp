@@ -494,6 +494,7 @@ void Scheduler::push_step(Running& run, int64_t row, int64_t rows) {
     keep_step_locked(run.job.id, event);
   }
   stepped(run.job.id);
+  if (!leases_.shared()) return;  // no other pod to tell
   const auto now = Clock::now();
   if (row == rows || now - run.last_published >= kStepPublishPeriod) {
     run.last_published = now;
@@ -516,12 +517,11 @@ void Scheduler::keep_step_locked(const std::string& job_id, const JobEvent& even
     }
     it = steps_.emplace(job_id, std::deque<JobEvent>{}).first;
   }
-  auto& steps = it->second;
-  for (const JobEvent& e : steps) {
-    if (e.sequence == event.sequence) return;  // our own notification coming back
-  }
-  steps.push_back(event);
-  std::sort(steps.begin(), steps.end(), [](const JobEvent& a, const JobEvent& b) { return a.sequence < b.sequence; });
+  auto& steps = it->second;  // ascending by sequence
+  const auto at = std::lower_bound(steps.begin(), steps.end(), event.sequence,
+                                   [](const JobEvent& e, uint64_t sequence) { return e.sequence < sequence; });
+  if (at != steps.end() && at->sequence == event.sequence) return;  // our own notification coming back
+  steps.insert(at, event);
   while (steps.size() > kMaxStepEvents) steps.pop_front();
 }
 
@@ -757,6 +757,14 @@ void Scheduler::changed(const std::string& job_id) {
   work_.notify_all();
   changed_.notify_all();
   notify_subscribers_locked(job_id);
+}
+
+// A change that may be a cancel (a client's here, or anything another pod wrote): a chunk of the job running here
+// renews its lease at once, which is where it learns of a cancel. Not for this pod's own events: a renewal per event
+// is a store call per event.
+void Scheduler::changed_maybe_cancelled(const std::string& job_id) {
+  changed(job_id);
+  std::lock_guard<std::mutex> lock(mu_);
   for (auto& [replica, run] : running_) {
     if (run->job.id == job_id) {
       renew_now_ = true;  // a cancel from another pod reaches this chunk at its next step, not its next heartbeat
@@ -794,7 +802,7 @@ void Scheduler::hear_other_pods(std::unique_ptr<ChangeListener>& listener, Clock
         }
       }
     }
-    for (const std::string& id : changes.job_ids) changed(id);
+    for (const std::string& id : changes.job_ids) changed_maybe_cancelled(id);
     if (changes.missed) last_poll = Clock::time_point{};
   } catch (const StoreError& e) {
     listener.reset();
@@ -1186,7 +1194,7 @@ std::optional<std::string> Scheduler::dropped(const std::string& id, const std::
 std::optional<JobSnapshot> Scheduler::cancel(const std::string& id, const std::string& owner) {
   const CancelState state = leases_.request_cancel(id, owner);  // StoreError: UNAVAILABLE
   if (state == CancelState::Unknown) return std::nullopt;
-  changed(id);  // a chunk running here stops at its next step
+  changed_maybe_cancelled(id);  // a chunk running here stops at its next step
   // Nobody runs it: end it here. Running: the pod running it sees the request at its next step (a notification
   // makes it renew at once) and ends the job.
   if (state == CancelState::Idle) finish(id, JobState::Cancelled, ErrorKind::Cancelled, "cancelled by the client");

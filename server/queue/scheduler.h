@@ -148,6 +148,7 @@ class Scheduler final : public JobQueue, private ChunkSource {
   int64_t client_cap(const JobSpec& spec) const;  // the key's cap, else --max-jobs-per-client
   void report_queue();
   void changed(const std::string& job_id);  // wakes waiters and the job's subscribers
+  void changed_maybe_cancelled(const std::string& job_id);  // and a chunk of it running here renews now
   void stepped(const std::string& job_id);  // wakes the job's waiters and subscribers only
   void notify_subscribers_locked(const std::string& job_id);
   double remaining_locked(const Running& run, Clock::time_point now) const;
