@@ -9,7 +9,9 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <cctype>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -433,6 +435,89 @@ TEST(HttpPageTest, ThePageInChromiumShowsProgressAndPlaysTheVideoBeforeTheJobEnd
   std::filesystem::create_directories(std::string(SKYREELS_BIN_DIR) + "/../test-artifacts");
   std::filesystem::copy_file(out + "/page.png", std::string(SKYREELS_BIN_DIR) + "/../test-artifacts/page.png",
                              std::filesystem::copy_options::overwrite_existing);
+}
+
+}  // namespace
+}  // namespace skyreels::test
+
+namespace skyreels::test {
+namespace {
+
+std::string json_post(const std::string& path, const std::string& body, const std::string& idempotency_key = "") {
+  std::string request = "POST " + path + " HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n";
+  if (!idempotency_key.empty()) request += "Idempotency-Key: " + idempotency_key + "\r\n";
+  return request + "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
+}
+
+std::string header_of(const std::string& answer, const std::string& name) {
+  const std::string head = answer.substr(0, answer.find("\r\n\r\n"));
+  std::string lower = head;
+  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+  const size_t at = lower.find("\r\n" + name + ":");
+  if (at == std::string::npos) return "";
+  const size_t begin = head.find_first_not_of(' ', at + name.size() + 3);
+  return head.substr(begin, head.find("\r\n", begin) - begin);
+}
+
+// Admission over HTTP is gRPC's: the per-client cap counts HTTP clients by their own address, a full cap is 429 with
+// Retry-After, and an idempotency key reused with another request is 409.
+TEST(HttpAdmissionTest, CapsCountEachClientAddressAndRefusalsCarryRetryAfter) {
+  const std::string encoder_dir = temp_dir("http-admission-umt5");
+  model::write_tiny_text_encoder(encoder_dir, 32, 7);
+  const int http_port = free_port();
+  ServerProcess server({"--demo", "--devices", "cpu", "--dtype", "float32", "--text-encoder", encoder_dir,
+                        "--tokenizer", golden_path("umt5_encoder/e3_prompts_to_embeds/tokenizer"), "--http-listen",
+                        "127.0.0.1:" + std::to_string(http_port), "--max-jobs-per-client", "1", "--step-delay-ms",
+                        "100"});
+  const std::string video = R"({"prompt":"A dog runs.","size":"48x32","seconds":2,"fps":8,"num_inference_steps":20})";
+  const std::string first = http_exchange(http_port, json_post("/v1/videos", video, "key-1"));
+  ASSERT_EQ(status_of(first), 200) << first;
+
+  const std::string over = http_exchange(http_port, json_post("/v1/videos", video));
+  EXPECT_EQ(status_of(over), 429) << over;
+  EXPECT_FALSE(header_of(over, "retry-after").empty()) << over;
+  EXPECT_EQ(nlohmann::json::parse(body_of(over))["error"]["type"], "rate_limit_error");
+
+  const std::string other_client =
+      http_exchange(http_port, json_post("/v1/videos", video), 10, "127.0.0.2");  // another address: its own cap
+  EXPECT_EQ(status_of(other_client), 200) << other_client;
+
+  const std::string same_key_other_request = http_exchange(
+      http_port, json_post("/v1/videos", R"({"prompt":"A cat.","size":"48x32","seconds":2,"fps":8})", "key-1"));
+  EXPECT_EQ(status_of(same_key_other_request), 409) << same_key_other_request;
+  const std::string same_key_same_request = http_exchange(http_port, json_post("/v1/videos", video, "key-1"));
+  ASSERT_EQ(status_of(same_key_same_request), 200) << same_key_same_request;
+  EXPECT_EQ(nlohmann::json::parse(body_of(same_key_same_request))["id"], nlohmann::json::parse(body_of(first))["id"]);
+}
+
+// Over TLS with the gRPC port's certificate (--tls-cert/--tls-key); plain HTTP is not answered there.
+TEST(HttpTlsTest, TheHttpPortServesTlsWithTheGrpcCertificate) {
+  const std::string dir = temp_dir("http-tls");
+  ASSERT_EQ(std::system(("openssl req -x509 -newkey rsa:2048 -nodes -keyout " + dir + "/key.pem -out " + dir +
+                         "/cert.pem -days 1 -subj /CN=localhost > /dev/null 2>&1")
+                            .c_str()),
+            0);
+  const int http_port = free_port();
+  ServerProcess server({"--demo", "--devices", "cpu", "--tls-cert", dir + "/cert.pem", "--tls-key", dir + "/key.pem",
+                        "--http-listen", "127.0.0.1:" + std::to_string(http_port)},
+                       false);
+  const std::string url = "https://127.0.0.1:" + std::to_string(http_port) + "/healthz";
+  std::string answer;
+  for (int i = 0; i < 100 && answer.find("live ok") == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    FILE* curl = ::popen(("curl -s --cacert " + dir + "/cert.pem --resolve localhost:" + std::to_string(http_port) +
+                          ":127.0.0.1 https://localhost:" + std::to_string(http_port) + "/healthz")
+                             .c_str(),
+                         "r");
+    ASSERT_NE(curl, nullptr);
+    char buffer[256];
+    answer.clear();
+    while (std::fgets(buffer, sizeof buffer, curl) != nullptr) answer += buffer;
+    ::pclose(curl);
+  }
+  EXPECT_NE(answer.find("live ok"), std::string::npos) << url << ": " << answer << "\n" << server.log();
+  const std::string plain = http_exchange(http_port, "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 3);
+  EXPECT_NE(status_of(plain), 200) << plain;
 }
 
 }  // namespace

@@ -144,6 +144,24 @@ Response from_status(const grpc::Status& status, const grpc::ClientContext& cont
   return r;
 }
 
+std::optional<Response> get_job(const ServiceCall& call, const std::string& id, pb::Job* job) {
+  pb::GetJobRequest request;
+  request.set_job_id(id);
+  auto context = call.context();
+  const grpc::Status status = call.stub.GetJob(context.get(), request, job);
+  if (!status.ok()) return from_status(status, *context);
+  return std::nullopt;
+}
+
+std::optional<Response> cancel_job(const ServiceCall& call, const std::string& id, pb::Job* job) {
+  pb::CancelJobRequest request;
+  request.set_job_id(id);
+  auto context = call.context();
+  const grpc::Status status = call.stub.CancelJob(context.get(), request, job);
+  if (!status.ok()) return from_status(status, *context);
+  return std::nullopt;
+}
+
 struct HttpApi::Impl {
   std::unique_ptr<pb::VideoService::Stub> stub;
   HttpApiConfig config;

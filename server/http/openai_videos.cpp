@@ -260,18 +260,12 @@ namespace {
 // the job into *job. An error response when it is not finished or cannot be read.
 std::optional<Response> download_mp4(const ServiceCall& call, const std::string& id, pb::Job* job, std::string* mp4,
                                      std::vector<int64_t>* chunk_starts) {
-  {
-    pb::GetJobRequest request;
-    request.set_job_id(id);
-    auto context = call.context();
-    const grpc::Status status = call.stub.GetJob(context.get(), request, job);
-    if (!status.ok()) return from_status(status, *context);
-    if (job->state() != pb::JOB_STATE_SUCCEEDED) {
-      return finished(job->state())
-                 ? error_response(400, "video '" + id + "' failed; it has no content", "", "video_failed")
-                 : error_response(409, "video '" + id + "' is " + video_status(job->state()) +
-                                           "; its content exists once it is completed", "", "video_not_ready");
-    }
+  if (auto failed = get_job(call, id, job)) return failed;
+  if (job->state() != pb::JOB_STATE_SUCCEEDED) {
+    return finished(job->state())
+               ? error_response(400, "video '" + id + "' failed; it has no content", "", "video_failed")
+               : error_response(409, "video '" + id + "' is " + video_status(job->state()) +
+                                         "; its content exists once it is completed", "", "video_not_ready");
   }
   pb::DownloadResultRequest request;
   request.set_job_id(id);
@@ -407,12 +401,8 @@ Response extend_video(const ServiceCall& call) {
 }
 
 Response retrieve_video(const ServiceCall& call, const std::string& id) {
-  pb::GetJobRequest request;
-  request.set_job_id(id);
-  auto context = call.context();
   pb::Job job;
-  const grpc::Status status = call.stub.GetJob(context.get(), request, &job);
-  if (!status.ok()) return from_status(status, *context);
+  if (auto failed = get_job(call, id, &job)) return *failed;
   return json_response(200, video_object(job, call.config));
 }
 
@@ -459,12 +449,8 @@ Response list_videos(const ServiceCall& call) {
 // Cancels a video still being made; the job record itself stays until retention drops it (the job store keeps no
 // delete of its own yet), so a later GET shows it failed with code "cancelled".
 Response delete_video(const ServiceCall& call, const std::string& id) {
-  pb::CancelJobRequest request;
-  request.set_job_id(id);
-  auto context = call.context();
   pb::Job job;
-  const grpc::Status status = call.stub.CancelJob(context.get(), request, &job);
-  if (!status.ok()) return from_status(status, *context);
+  if (auto failed = cancel_job(call, id, &job)) return *failed;
   return json_response(200, {{"id", id}, {"object", "video.deleted"}, {"deleted", true}});
 }
 

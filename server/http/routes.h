@@ -5,6 +5,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <memory>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -35,6 +36,10 @@ Response error_response(int status, const std::string& message, const std::strin
 // Retry-After when the service sent a retry hint (413 without: a request over a size limit), FAILED_PRECONDITION
 // 400, UNAVAILABLE 503 (+ Retry-After), DEADLINE_EXCEEDED 504, others 500.
 Response from_status(const grpc::Status& status, const grpc::ClientContext& context);
+
+// GetJob and CancelJob for the request's caller: the job into *job, or the answer to the failure.
+std::optional<Response> get_job(const ServiceCall& call, const std::string& id, pb::Job* job);
+std::optional<Response> cancel_job(const ServiceCall& call, const std::string& id, pb::Job* job);
 
 // OpenAI's Videos API.
 Response create_video(const ServiceCall& call);

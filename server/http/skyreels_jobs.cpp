@@ -146,23 +146,15 @@ Response list_jobs(const ServiceCall& call) {
   return message_response(response);
 }
 
-Response get_job(const ServiceCall& call, const std::string& id) {
-  pb::GetJobRequest request;
-  request.set_job_id(id);
-  auto context = call.context();
+Response job(const ServiceCall& call, const std::string& id) {
   pb::Job job;
-  const grpc::Status status = call.stub.GetJob(context.get(), request, &job);
-  if (!status.ok()) return from_status(status, *context);
+  if (auto failed = get_job(call, id, &job)) return *failed;
   return message_response(job);
 }
 
-Response cancel_job(const ServiceCall& call, const std::string& id) {
-  pb::CancelJobRequest request;
-  request.set_job_id(id);
-  auto context = call.context();
+Response cancelled(const ServiceCall& call, const std::string& id) {
   pb::Job job;
-  const grpc::Status status = call.stub.CancelJob(context.get(), request, &job);
-  if (!status.ok()) return from_status(status, *context);
+  if (auto failed = cancel_job(call, id, &job)) return *failed;
   return message_response(job);
 }
 
@@ -259,8 +251,8 @@ Response skyreels_route(const ServiceCall& call, std::string* route) {
   const std::string action = slash == std::string::npos ? "" : rest.substr(slash + 1);
   const bool known = action.empty() || action == "cancel" || action == "events" || action == "result";
   if (known) *route = jobs + "/{id}" + (action.empty() ? "" : "/" + action);
-  if (action.empty() && method == "GET") return get_job(call, id);
-  if (action == "cancel" && method == "POST") return cancel_job(call, id);
+  if (action.empty() && method == "GET") return job(call, id);
+  if (action == "cancel" && method == "POST") return cancelled(call, id);
   if (action == "events" && method == "GET") return job_events(call, id);
   if (action == "result" && method == "GET") return job_result(call, id);
   return error_response(known ? 405 : 404, "no route " + method + " " + path);
