@@ -46,6 +46,7 @@
 #include "server/api/service.h"
 #include "server/http/http_api.h"
 #include "server/http/http_server.h"
+#include "server/webhook/webhook_sender.h"
 
 #ifndef SKYREELS_VERSION
 #define SKYREELS_VERSION "dev"
@@ -84,6 +85,11 @@ network:
                               admission as gRPC, and the same --tls-cert/--tls-key; connections at most
                               --max-streams (--max-streams-per-client per address), bodies at most the request limit
   --http-idle-timeout-seconds N   an HTTP connection that sends nothing for N s is closed (default 30)
+  --webhook-secret-file FILE  jobs may carry a webhook (SubmitJobRequest.webhook, webhook_url over HTTP): their
+                              events are POSTed signed as Standard Webhooks with this key ("whsec_" + base64, or
+                              raw), from a durable outbox in the job store, retried with back-off
+  --webhook-allow-hosts LIST  the hosts a webhook may call, comma-separated: exact names or *.example.com (so that
+                              a client cannot make the server call internal addresses)
   --tls-cert FILE --tls-key FILE   serve TLS (both or neither)
   --api-keys FILE             require a key per call: lines 'KEY [CLIENT_NAME] [max_priority=N] [max_jobs=N]
                               [max_streams=N]' (keys >= 32 characters); each client sees only its own jobs;
@@ -158,6 +164,7 @@ struct Options {
   std::string listen = "0.0.0.0:50051";
   std::string metrics_listen = "0.0.0.0:9090";
   std::string http_listen;  // empty: no HTTP listener
+  std::string webhook_secret_file, webhook_allow_hosts;  // both, or no webhooks
   int64_t http_idle_timeout_seconds = 30;
   std::string tls_cert, tls_key, api_keys;
   int64_t max_queue = 64, max_frames = 1457, max_height = 1280, max_width = 1280, max_steps = 100;
@@ -223,6 +230,8 @@ Options parse(int argc, char** argv) {
                                                  {"--listen", &o.listen},
                                                  {"--metrics-listen", &o.metrics_listen},
                                                  {"--http-listen", &o.http_listen},
+                                                 {"--webhook-secret-file", &o.webhook_secret_file},
+                                                 {"--webhook-allow-hosts", &o.webhook_allow_hosts},
                                                  {"--tls-cert", &o.tls_cert},
                                                  {"--tls-key", &o.tls_key},
                                                  {"--api-keys", &o.api_keys},
@@ -306,6 +315,9 @@ Options parse(int argc, char** argv) {
   if (o.model.empty() == !o.demo)
     throw UsageError(o.demo ? "--demo and --model exclude each other" : "--model DIR is required (or --demo)");
   if (o.tls_cert.empty() != o.tls_key.empty()) throw UsageError("--tls-cert and --tls-key go together");
+  if (o.webhook_secret_file.empty() != o.webhook_allow_hosts.empty()) {
+    throw UsageError("--webhook-secret-file and --webhook-allow-hosts go together");
+  }
   if (o.fault_inject.empty()) {
     if (const char* env = std::getenv("SKYREELS_FAULT_INJECT")) o.fault_inject = env;
   }
@@ -681,6 +693,28 @@ struct Health {
   std::atomic<bool> live{true};
 };
 
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    item.erase(0, item.find_first_not_of(' '));
+    item.erase(item.find_last_not_of(' ') + 1);
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+// Webhook deliveries (--webhook-secret-file, --webhook-allow-hosts), from the job store's event logs.
+std::unique_ptr<WebhookSender> make_webhooks(const Options& o, JobStore& store, Metrics& metrics) {
+  if (o.webhook_secret_file.empty()) return nullptr;
+  WebhookOptions options;
+  options.secret = read_webhook_secret(o.webhook_secret_file);
+  options.allow_hosts = split_list(o.webhook_allow_hosts);
+  spdlog::info("event=webhooks allow_hosts=\"{}\"", o.webhook_allow_hosts);
+  return std::make_unique<WebhookSender>(store, std::move(options), &metrics);
+}
+
 // The HTTP door (--http-listen): its calls go into the gRPC service over the in-process channel.
 std::unique_ptr<http::HttpServer> start_http(const Options& o, grpc::Server& server, const Health& health,
                                              Metrics& metrics, const ServiceConfig& service) {
@@ -807,8 +841,10 @@ int serve(const Options& o, Signals& signals) {
                                            *store, &metrics, 1024, replicas.faults);
     metrics.model_loaded(kComponentVae, std::chrono::duration<double>(Clock::now() - t0).count());
   }
+  std::unique_ptr<WebhookSender> webhooks = make_webhooks(o, *store, metrics);
   metrics.serve(o.metrics_listen);
   ObserverList observers;
+  if (webhooks) observers.add(webhooks.get());
   observers.add(&metrics);
   if (video) observers.add(video.get());
 
@@ -819,7 +855,14 @@ int serve(const Options& o, Signals& signals) {
     spdlog::info("event=api_keys_loaded count={}", keys.size());
   }
   warn_about_exposure(o);
-  const ServiceConfig config = service_config(o, *model, replicas, keys, text_encoder, video.get(), metrics);
+  ServiceConfig config = service_config(o, *model, replicas, keys, text_encoder, video.get(), metrics);
+  if (webhooks) {
+    config.check_webhook = [hosts = split_list(o.webhook_allow_hosts)](const std::string& url,
+                                                                       const std::vector<std::string>& events) {
+      std::string why = check_webhook_url(url, hosts);
+      return why.empty() ? check_webhook_events(events) : why;
+    };
+  }
   // The service and the drain see only the JobQueue seam.
   std::unique_ptr<JobQueue> jobs = make_queue(o, replicas, *store, config, observers);
   // MP4s follow every commit the queue sees, also those of chunks another pod ran.
@@ -831,6 +874,7 @@ int serve(const Options& o, Signals& signals) {
     }
   } stop_following{video.get()};
   jobs->start();
+  if (webhooks) webhooks->start();
   auto service = make_video_service(*jobs, config);
   int port = 0;
   const std::unique_ptr<grpc::Server> server = start_grpc(o, *service, config.max_request_bytes, metrics, &port);

@@ -143,6 +143,11 @@ Metrics::Metrics(const std::vector<std::string>& replica_names, const std::strin
                              .Name("grpc_server_handling_seconds")
                              .Help("Time from an RPC's start to its status, by type, service and method")
                              .Register(r);
+  auto& webhooks = BuildCounter()
+                       .Name("skyreels_webhook_deliveries_total")
+                       .Help("Webhook delivery attempts, by outcome: delivered, failed (retried later), abandoned")
+                       .Register(r);
+  for (const char* outcome : {"delivered", "failed", "abandoned"}) webhook_attempts_[outcome] = &webhooks.Add({{"outcome", outcome}});
   http_requests_family_ = &BuildCounter()
                               .Name("skyreels_http_requests_total")
                               .Help("HTTP requests answered (--http-listen), by route template and status code")
@@ -365,6 +370,10 @@ Metrics::RpcSeries& Metrics::rpc_series_locked(const std::string& type, const st
 void Metrics::rpc_started(const std::string& type, const std::string& service, const std::string& method) {
   std::lock_guard<std::mutex> lock(rpc_mu_);
   rpc_series_locked(type, service, method).started->Increment();
+}
+
+void Metrics::webhook_attempted(const std::string& outcome) {
+  if (auto it = webhook_attempts_.find(outcome); it != webhook_attempts_.end()) it->second->Increment();
 }
 
 void Metrics::http_handled(const std::string& route, int status, double seconds) {

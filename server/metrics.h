@@ -76,6 +76,8 @@ class Metrics : public SchedulerObserver {
   // One RPC, as go-grpc-prometheus counts it: started, then handled with its code (grpc::StatusCode) and duration.
   // `type` is unary / client_stream / server_stream / bidi_stream; `service` and `method` as in "/service/method".
   void rpc_started(const std::string& type, const std::string& service, const std::string& method);
+  // One webhook delivery attempt ended: outcome delivered, failed (a retry follows) or abandoned.
+  void webhook_attempted(const std::string& outcome);
   // One HTTP request answered (--http-listen): `route` is the route's template ("/v1/videos/{id}"), never a path.
   void http_handled(const std::string& route, int status, double seconds);
   void rpc_handled(const std::string& type, const std::string& service, const std::string& method, int code,
@@ -132,6 +134,7 @@ class Metrics : public SchedulerObserver {
   prometheus::Family<prometheus::Counter>* rpc_handled_family_;
   prometheus::Family<prometheus::Histogram>* rpc_seconds_family_;
   std::mutex rpc_mu_;
+  std::map<std::string, prometheus::Counter*> webhook_attempts_;  // by outcome
   prometheus::Family<prometheus::Counter>* http_requests_family_;
   prometheus::Family<prometheus::Histogram>* http_seconds_family_;
   std::map<std::pair<std::string, int>, prometheus::Counter*> http_requests_;  // by (route, status), under rpc_mu_

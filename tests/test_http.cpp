@@ -217,6 +217,11 @@ TEST_F(HttpServerTest, ErrorsComeInOpenAisShapeWithTheRightStatus) {
       http_exchange(http_port_, post("/v1/videos", "application/json", R"({"prompt":"x","num_inference_steps":"many"})"));
   EXPECT_EQ(status_of(bad_field), 400) << bad_field;
 
+  const std::string no_webhooks = http_exchange(
+      http_port_, post("/v1/videos", "application/json", R"({"prompt":"x","webhook_url":"http://127.0.0.1:9/h"})"));
+  EXPECT_EQ(status_of(no_webhooks), 400) << no_webhooks;  // this server has no --webhook-secret-file
+  EXPECT_EQ(error_of(no_webhooks)["error"]["code"], "failed_precondition");
+
   const std::string not_json = http_exchange(http_port_, post("/v1/videos", "application/json", "{not json"));
   EXPECT_EQ(status_of(not_json), 400) << not_json;
 

@@ -151,6 +151,7 @@ std::string durable_request(const pb::SubmitJobRequest& request, const ModelJob&
   *kept.mutable_spec() = request.spec();
   kept.set_priority(request.priority());
   kept.set_produce_mp4(request.produce_mp4());
+  *kept.mutable_webhook() = request.webhook();
   pb::JobSpec& spec = *kept.mutable_spec();
   spec.mutable_params()->set_seed(job.params().seed);
   text_to_embeddings(job, spec);

@@ -152,6 +152,14 @@ void VideoServiceImpl::event_to_proto(const std::string& id, const std::string& 
       if (auto job = scheduler_.get(id, owner)) job_to_proto(*job, out->mutable_finished()->mutable_job());
       break;
     }
+    case EventType::Webhook: {
+      auto* w = out->mutable_webhook();
+      w->set_event_sequence(e.target);
+      w->set_attempt(e.attempt);
+      w->set_outcome(e.message);
+      w->set_http_status(e.status);
+      break;
+    }
   }
 }
 

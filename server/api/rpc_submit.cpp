@@ -74,6 +74,17 @@ Status VideoServiceImpl::check_submission(const pb::SubmitJobRequest& request, c
                   "priority: " + std::to_string(request.priority()) + " is above this client's max_priority " +
                       std::to_string(*caller.limits.max_priority));
   }
+  if (request.has_webhook()) {
+    if (!config_.check_webhook) {
+      return reject(kRejectInvalidArgument, StatusCode::FAILED_PRECONDITION,
+                    "webhook: this server sends no webhooks (start it with --webhook-secret-file and "
+                    "--webhook-allow-hosts)");
+    }
+    const auto& events = request.webhook().events();
+    const std::string why =
+        config_.check_webhook(request.webhook().url(), std::vector<std::string>(events.begin(), events.end()));
+    if (!why.empty()) return reject(kRejectInvalidArgument, StatusCode::INVALID_ARGUMENT, why);
+  }
   if (request.idempotency_key().size() > kMaxIdempotencyKeyBytes) {
     return reject(kRejectInvalidArgument, StatusCode::INVALID_ARGUMENT,
                   "idempotency_key: longer than " + std::to_string(kMaxIdempotencyKeyBytes) + " bytes");

@@ -79,6 +79,8 @@ struct ServiceConfig {
   const ApiKeys* api_keys = nullptr;
   Metrics* metrics = nullptr;
   TransportLimits transport;
+  // Why a job's webhook (URL, event names) is refused, "" when it is fine; unset: this server sends no webhooks.
+  std::function<std::string(const std::string& url, const std::vector<std::string>& events)> check_webhook;
 };
 
 // The skyreels.v1.VideoService implementation, to register with a grpc::ServerBuilder. `jobs` must outlive it.

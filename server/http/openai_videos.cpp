@@ -2,7 +2,6 @@
 // the job's per-chunk MP4 segments joined (a fragmented MP4).
 #include <google/protobuf/descriptor.h>
 #include <google/protobuf/util/json_util.h>
-#include <openssl/evp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -11,8 +10,10 @@
 #include <optional>
 #include <regex>
 #include <set>
+#include <sstream>
 
 #include "server/http/routes.h"
+#include "server/job/base64.h"
 #include "server/http/stills.h"
 
 namespace skyreels::server::http {
@@ -59,18 +60,6 @@ std::optional<std::string> text_of(const json& value) {
   if (value.is_string()) return value.get<std::string>();
   if (value.is_number()) return value.dump();
   return std::nullopt;
-}
-
-std::optional<std::string> base64_decode(const std::string& text) {
-  if (text.size() % 4 != 0) return std::nullopt;
-  std::string out(text.size() / 4 * 3, '\0');
-  const int n = EVP_DecodeBlock(reinterpret_cast<unsigned char*>(out.data()),
-                                reinterpret_cast<const unsigned char*>(text.data()), static_cast<int>(text.size()));
-  if (n < 0) return std::nullopt;
-  size_t padding = 0;
-  for (size_t i = text.size(); i > 0 && text[i - 1] == '=' && padding < 2; --i) ++padding;
-  out.resize(static_cast<size_t>(n) - padding);
-  return out;
 }
 
 // input_reference: an uploaded image, or {"image_url": "data:image/...;base64,..."}.
@@ -313,6 +302,25 @@ std::optional<Response> read_request(const ServiceCall& call, const json& values
       return error_response(400, "priority: an integer in [-10, 10]", "priority");
     }
     submit->set_priority(static_cast<int32_t>(priority));
+  }
+  if (values.contains("webhook_url")) {
+    used->insert("webhook_url");
+    submit->mutable_webhook()->set_url(text_of(values["webhook_url"]).value_or(""));
+  }
+  if (values.contains("webhook_events")) {  // "completed,failed" (a form) or ["completed", "failed"] (JSON)
+    used->insert("webhook_events");
+    const json& given = values["webhook_events"];
+    std::vector<std::string> names;
+    if (given.is_array()) {
+      for (const json& e : given) names.push_back(e.is_string() ? e.get<std::string>() : e.dump());
+    } else {
+      std::stringstream list(text_of(given).value_or(""));
+      for (std::string name; std::getline(list, name, ',');) {
+        if (!name.empty()) names.push_back(name);
+      }
+    }
+    for (const std::string& name : names) submit->mutable_webhook()->add_events(name);
+    if (!values.contains("webhook_url")) return error_response(400, "webhook_events: needs webhook_url", "webhook_events");
   }
   if (auto refused = read_params(values, used, spec->mutable_params())) return *refused;
   if (auto refused = read_shape(values, used, spec->mutable_params(), default_fps)) return refused;

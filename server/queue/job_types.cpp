@@ -85,6 +85,10 @@ std::string encode_stored_event(const JobEvent& e) {
   if (e.type == EventType::ChunkFinished) {
     j["work"] = {e.work.full, e.work.computed, e.work.saved_exact, e.work.saved_cache};
   }
+  if (e.type == EventType::Webhook) {
+    j["target"] = e.target;
+    j["status"] = e.status;
+  }
   if (e.type == EventType::Step) {  // published to other pods, never stored
     j["step"] = e.step;
     j["steps"] = e.steps;
@@ -120,6 +124,8 @@ static JobEvent decode_event_json(const StoredEvent& stored) {
   e.step = j.value("step", int64_t{0});
   e.steps = j.value("steps", int64_t{0});
   e.progress = j.value("progress", 0.0);
+  e.target = j.value("target", uint64_t{0});
+  e.status = j.value("status", 0);
   if (j.contains("work")) {  // ChunkFinished events stored before it have none
     const auto& w = j.at("work");
     e.work = {w.at(0).get<int64_t>(), w.at(1).get<int64_t>(), w.at(2).get<int64_t>(), w.at(3).get<int64_t>()};

@@ -80,7 +80,7 @@ struct TransformerWork {
   }
 };
 
-enum class EventType { Queued, ChunkStarted, Step, ChunkFinished, ChunkRetry, Finished };
+enum class EventType { Queued, ChunkStarted, Step, ChunkFinished, ChunkRetry, Finished, Webhook };
 
 struct JobEvent {
   uint64_t sequence = 0;
@@ -97,7 +97,9 @@ struct JobEvent {
   int64_t position = 0;     // Queued
   double eta_seconds = -1;  // Queued
   double progress = 0;      // Step
-  std::string message;      // ChunkRetry: the error
+  std::string message;      // ChunkRetry: the error; Webhook: the outcome (attempting, delivered, abandoned)
+  uint64_t target = 0;      // Webhook: the sequence of the event delivered
+  int status = 0;           // Webhook: the receiver's HTTP status
 };
 
 struct JobSnapshot {

@@ -1,0 +1,114 @@
+// Webhooks: a job's events POSTed to the URL it gave (SubmitJobRequest.webhook), signed as Standard Webhooks (the
+// scheme OpenAI's webhooks use): headers webhook-id, webhook-timestamp and webhook-signature = "v1," + base64 of
+// HMAC-SHA256(secret, id + "." + timestamp + "." + body).
+//
+// The outbox is the job's own event log in the job store, so it is as durable as the job: each deliverable event
+// (the first chunk started, a chunk finished, the job completed or failed) has one webhook-id
+// ("msg_<job id>_<event sequence>") for good; every attempt is recorded in the log before it is made (a
+// WebhookDelivery event, attempt N), and its end after (delivered, or abandoned once retries are exhausted). After a
+// crash or restart the sender reads the logs again and carries on: nothing is lost, and an event that reaches the
+// receiver twice does so under the same webhook-id with a higher attempt number (header skyreels-webhook-attempt),
+// which the log recorded. Deliveries run on the sender's own threads with a timeout each, so a slow or dead receiver
+// delays nothing but its own retries; retries back off exponentially up to a cap.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "server/queue/job_types.h"
+#include "server/store/job_store.h"
+
+namespace skyreels::server {
+
+class Metrics;
+
+struct WebhookOptions {
+  std::string secret;                    // the signing key's bytes (read_webhook_secret)
+  std::vector<std::string> allow_hosts;  // host names a webhook may call: exact, or "*.example.com"
+  int max_attempts = 8;
+  std::chrono::milliseconds first_retry{1000};  // then twice as long each time, up to max_retry
+  std::chrono::milliseconds max_retry{60000};
+  std::chrono::milliseconds timeout{10000};     // one attempt, connection included
+  std::chrono::milliseconds poll{1000};         // how often due retries are looked for
+  // Shared store (pods on PostgreSQL): a job's deliveries are the pod's that accepted it; another pod makes an
+  // attempt only this long after it was due (the accepting pod stopped, or is gone).
+  std::chrono::milliseconds takeover_grace{30000};
+  int workers = 4;                              // deliveries at once
+};
+
+// The webhook event filter names, and the event type each delivers.
+inline const std::vector<std::string>& webhook_event_names() {
+  static const std::vector<std::string> names = {"started", "chunk_finished", "completed", "failed"};
+  return names;
+}
+
+// "" when a webhook may call `url` (http or https, a host in the allow-list, no user info), else why not.
+std::string check_webhook_url(const std::string& url, const std::vector<std::string>& allow_hosts);
+// "" when every name is one of webhook_event_names(), else why not.
+std::string check_webhook_events(const std::vector<std::string>& events);
+// The key in --webhook-secret-file: "whsec_" + base64 (as Standard Webhooks and OpenAI print secrets) is decoded;
+// anything else is used as it is (surrounding whitespace removed). Throws std::runtime_error.
+std::string read_webhook_secret(const std::string& path);
+// "v1," + base64(HMAC-SHA256(secret, id.timestamp.body)).
+std::string webhook_signature(const std::string& secret, const std::string& id, int64_t timestamp,
+                              const std::string& body);
+
+class WebhookSender : public SchedulerObserver {
+ public:
+  // `store` (with leases) must outlive the sender; `metrics` may be null.
+  WebhookSender(JobStore& store, WebhookOptions options, Metrics* metrics = nullptr);
+  ~WebhookSender() override;
+  // Reads every stored job with a webhook (deliveries a restart interrupted), then follows new events.
+  void start();
+
+  void job_submitted(const JobSnapshot& job) override { look_at(job.id, true); }
+  void chunk_started(const JobSnapshot& job, const std::string&, int64_t) override { look_at(job.id); }
+  void chunk_finished(const JobSnapshot& job, const std::string&, int64_t, double, int64_t) override {
+    look_at(job.id);
+  }
+  void job_finished(const JobSnapshot& job) override { look_at(job.id); }
+
+ private:
+  struct Delivery {
+    std::string job_id;
+    uint64_t target = 0;  // the event's sequence
+    int attempt = 1;
+    std::string url;
+    std::string type;
+    std::string body;
+  };
+  struct Followed {
+    Clock::time_point next_check;
+    bool accepted_here = false;
+  };
+
+  void look_at(const std::string& job_id, bool accepted_here = false);
+  void scan_loop();
+  void scan(const std::string& job_id, Clock::time_point now);
+  void work_loop();
+  void deliver(const Delivery& delivery);
+  void record(const Delivery& delivery, const std::string& outcome, int status);
+
+  JobStore& store_;
+  WebhookOptions options_;
+  Metrics* metrics_;
+  std::mutex mu_;
+  std::condition_variable scan_cv_, work_cv_;
+  std::map<std::string, Followed> followed_;        // jobs with deliveries not all ended
+  std::set<std::string> busy_;                       // jobs with a delivery queued or in flight
+  std::deque<Delivery> queue_;
+  bool stopping_ = false;
+  bool started_ = false;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace skyreels::server

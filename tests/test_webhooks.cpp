@@ -1,0 +1,201 @@
+// Webhooks (--webhook-secret-file, --webhook-allow-hosts): every event a job asked for arrives signed, each under one
+// webhook-id, in order; a server SIGKILLed while its receiver fails still delivers everything after a restart, a
+// duplicate only ever being a retry the server numbered; a hanging receiver delays no other job's webhooks; URLs
+// outside the allow-list are refused at submit. The receiver is the project's own HTTP listener on 127.0.0.1.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "server/http/http_server.h"
+#include "server/webhook/webhook_sender.h"
+#include "tests/test_server_harness.h"
+#include "tests/test_util.h"
+
+namespace skyreels::test {
+namespace {
+
+namespace pb = ::skyreels::v1;
+
+// The key's bytes: Standard Webhooks' "whsec_" + base64 of them is what the server is given.
+const std::string kKey = "a webhook signing key of 32 byte";
+const std::string kSecretText = "whsec_YSB3ZWJob29rIHNpZ25pbmcga2V5IG9mIDMyIGJ5dGU=";
+
+struct Received {
+  std::string id, type, path;
+  int attempt = 0;
+  bool signature_ok = false;
+  int answered = 0;
+};
+
+server::http::HttpOptions loopback() {
+  server::http::HttpOptions options;
+  options.listen = "127.0.0.1:0";
+  return options;
+}
+
+// Answers by path: /ok 200; /flaky 500 while `failing`, then 200; /hang after 12 s.
+class Receiver {
+ public:
+  Receiver()
+      : server_(loopback(), [this](const server::http::Request& r) { return answer(r); },
+                [](int status, const std::string& m) { return server::http::Response{status, "text/plain", m, {}, {}}; }) {}
+  std::string url(const std::string& path) const { return "http://127.0.0.1:" + std::to_string(server_.port()) + path; }
+  std::vector<Received> received() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return received_;
+  }
+  // Waits until `count` distinct webhook-ids were answered 2xx on `path`.
+  bool wait_delivered(const std::string& path, size_t count, double seconds) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+    while (std::chrono::steady_clock::now() < until) {
+      if (delivered_ids(path).size() >= count) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return false;
+  }
+  std::vector<std::string> delivered_ids(const std::string& path) {
+    std::vector<std::string> ids;
+    for (const Received& r : received()) {
+      if (r.path == path && r.answered == 200 && std::find(ids.begin(), ids.end(), r.id) == ids.end()) ids.push_back(r.id);
+    }
+    return ids;
+  }
+  std::atomic<bool> failing{true};
+
+ private:
+  server::http::Response answer(const server::http::Request& r) {
+    Received got;
+    got.path = r.path;
+    got.id = r.header("webhook-id").value_or("");
+    got.attempt = std::atoi(r.header("skyreels-webhook-attempt").value_or("0").c_str());
+    const std::string timestamp = r.header("webhook-timestamp").value_or("0");
+    got.signature_ok = r.header("webhook-signature").value_or("") ==
+                       server::webhook_signature(kKey, got.id, std::atoll(timestamp.c_str()), r.body);
+    got.type = nlohmann::json::parse(r.body, nullptr, false).value("type", "");
+    if (r.path == "/hang") std::this_thread::sleep_for(std::chrono::seconds(12));
+    got.answered = r.path == "/flaky" && failing ? 500 : 200;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      received_.push_back(got);
+    }
+    return {got.answered, "text/plain", "", {}, {}};
+  }
+  std::mutex mu_;
+  std::vector<Received> received_;
+  server::http::HttpServer server_;
+};
+
+std::string secret_file() {
+  const std::string path = temp_dir("webhook-secret") + "/secret";
+  std::ofstream(path) << kSecretText << "\n";
+  return path;
+}
+
+pb::SubmitJobRequest with_webhook(pb::SubmitJobRequest request, const std::string& url) {
+  request.mutable_webhook()->set_url(url);
+  for (const char* e : {"started", "chunk_finished", "completed", "failed"}) request.mutable_webhook()->add_events(e);
+  return request;
+}
+
+// The 4-chunk long video: started, 4 chunks finished, completed.
+constexpr size_t kEventsPerJob = 6;
+
+TEST(Webhooks, EveryEventArrivesSignedOnceInOrder) {
+  Receiver receiver;
+  ServerProcess server({"--demo", "--devices", "cpu", "--webhook-secret-file", secret_file(), "--webhook-allow-hosts",
+                        "127.0.0.1"});
+  const pb::Job job = wait_job(server.client(), submit(server.client(), with_webhook(long_video_request(1, 1),
+                                                                                      receiver.url("/ok"))).job_id());
+  ASSERT_EQ(job.state(), pb::JOB_STATE_SUCCEEDED);
+  ASSERT_TRUE(receiver.wait_delivered("/ok", kEventsPerJob, 30)) << server.log();
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // nothing more should come
+  const auto got = receiver.received();
+  ASSERT_EQ(got.size(), kEventsPerJob);
+  std::vector<std::string> types;
+  for (const Received& r : got) {
+    EXPECT_TRUE(r.signature_ok) << r.id;
+    EXPECT_EQ(r.attempt, 1) << r.id;
+    EXPECT_EQ(r.id.rfind("msg_" + job.job_id() + "_", 0), 0u) << r.id;
+    types.push_back(r.type);
+  }
+  EXPECT_EQ(types, (std::vector<std::string>{"video.started", "video.chunk_finished", "video.chunk_finished",
+                                             "video.chunk_finished", "video.chunk_finished", "video.completed"}));
+}
+
+TEST(Webhooks, AServerKilledWhileItsReceiverFailsDeliversEverythingAfterARestart) {
+  Receiver receiver;
+  const std::string data = temp_dir("webhook-data");
+  const std::vector<std::string> args = {"--demo", "--devices", "cpu", "--data-dir", data, "--webhook-secret-file",
+                                         secret_file(), "--webhook-allow-hosts", "127.0.0.1"};
+  std::string id;
+  {
+    ServerProcess server(args);
+    id = submit(server.client(), with_webhook(long_video_request(2, 1), receiver.url("/flaky"))).job_id();
+    ASSERT_EQ(wait_job(server.client(), id).state(), pb::JOB_STATE_SUCCEEDED);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // a few refused attempts
+    server.signal(SIGKILL);
+    server.wait_exit(std::chrono::seconds(10));
+  }
+  EXPECT_FALSE(receiver.received().empty()) << "no attempt before the kill";
+  receiver.failing = false;
+  ServerProcess restarted(args);
+  ASSERT_TRUE(receiver.wait_delivered("/flaky", kEventsPerJob, 60)) << restarted.log();
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  // Each id delivered exactly once; any id seen more often came with higher attempt numbers each time.
+  std::map<std::string, std::vector<Received>> by_id;
+  for (const Received& r : receiver.received()) by_id[r.id].push_back(r);
+  EXPECT_EQ(by_id.size(), kEventsPerJob);
+  for (const auto& [webhook_id, deliveries] : by_id) {
+    int ok = 0, attempt = 0;
+    for (const Received& r : deliveries) {
+      EXPECT_TRUE(r.signature_ok);
+      EXPECT_GT(r.attempt, attempt) << webhook_id << ": a repeat the server did not number as a retry";
+      attempt = r.attempt;
+      ok += r.answered == 200 ? 1 : 0;
+    }
+    EXPECT_EQ(ok, 1) << webhook_id;
+  }
+}
+
+TEST(Webhooks, AHangingReceiverDelaysNoOtherJob) {
+  Receiver receiver;
+  ServerProcess server({"--demo", "--devices", "cpu", "--webhook-secret-file", secret_file(), "--webhook-allow-hosts",
+                        "127.0.0.1"});
+  const std::string hanging = submit(server.client(), with_webhook(long_video_request(3, 1), receiver.url("/hang"))).job_id();
+  const std::string fine = submit(server.client(), with_webhook(long_video_request(4, 1), receiver.url("/ok"))).job_id();
+  ASSERT_EQ(wait_job(server.client(), fine).state(), pb::JOB_STATE_SUCCEEDED);
+  EXPECT_TRUE(receiver.wait_delivered("/ok", kEventsPerJob, 8)) << "the other job's webhooks waited";
+  EXPECT_TRUE(receiver.delivered_ids("/hang").empty());
+}
+
+TEST(Webhooks, UrlsOutsideTheAllowListAndServersWithoutWebhooksRefuseAtSubmit) {
+  ServerProcess server({"--demo", "--devices", "cpu", "--webhook-secret-file", secret_file(), "--webhook-allow-hosts",
+                        "127.0.0.1,*.hooks.example.com"});
+  for (const std::string url : {"http://10.0.0.1/x", "http://169.254.169.254/latest", "ftp://127.0.0.1/x",
+                                "http://user:pw@127.0.0.1/x", "http://hooks.example.com.evil.net/x"}) {
+    const grpc::Status status = submit_status(server.client(), with_webhook(long_video_request(5, 1), url));
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << url;
+    EXPECT_EQ(status.error_message().rfind("webhook.url:", 0), 0u) << status.error_message();
+  }
+  pb::SubmitJobRequest bad_event = with_webhook(long_video_request(5, 1), "https://a.hooks.example.com/h");
+  bad_event.mutable_webhook()->add_events("everything");
+  EXPECT_EQ(submit_status(server.client(), bad_event).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  pb::SubmitJobRequest allowed = with_webhook(long_video_request(5, 1), "https://a.hooks.example.com/h");
+  EXPECT_TRUE(submit_status(server.client(), allowed).ok());
+
+  ServerProcess without({"--demo", "--devices", "cpu"});
+  EXPECT_EQ(submit_status(without.client(), with_webhook(long_video_request(6, 1), "http://127.0.0.1/x")).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+}
+
+}  // namespace
+}  // namespace skyreels::test
