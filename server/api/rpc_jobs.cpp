@@ -28,6 +28,19 @@ Status VideoServiceImpl::CancelJob(ServerContext* ctx, const pb::CancelJobReques
   });
 }
 
+Status VideoServiceImpl::DeleteJob(ServerContext* ctx, const pb::DeleteJobRequest* request, pb::Job* response) {
+  const StoreCallDeadline store_deadline(rpc_deadline(*ctx));
+  Caller caller;
+  if (Status s = authenticate(ctx, &caller, false); !s.ok()) return s;
+  if (Status s = check_job_id(request->job_id()); !s.ok()) return s;
+  return store_guard(request->job_id(), [&] {
+    auto job = scheduler_.remove(request->job_id(), caller.owner);
+    if (!job) return job_not_found(request->job_id(), caller.owner);
+    job_to_proto(*job, response);
+    return Status::OK;
+  });
+}
+
 Status VideoServiceImpl::ListJobs(ServerContext* ctx, const pb::ListJobsRequest* request, pb::ListJobsResponse* response) {
   const StoreCallDeadline store_deadline(rpc_deadline(*ctx));
   Caller caller;
@@ -61,6 +74,9 @@ Status VideoServiceImpl::ListJobs(ServerContext* ctx, const pb::ListJobsRequest*
 }
 
 Status VideoServiceImpl::job_not_found(const std::string& id, const std::string& owner) const {
+  if (auto reason = scheduler_.dropped(id, owner); reason && reason->rfind("deleted", 0) == 0) {
+    return Status(StatusCode::NOT_FOUND, "job '" + log_escape(id, kMaxJobIdBytes) + "' was " + *reason);
+  }
   if (auto reason = scheduler_.dropped(id, owner)) {
     return Status(StatusCode::NOT_FOUND, "job '" + log_escape(id, kMaxJobIdBytes) +
                                              "' was dropped by retention (" + *reason + ")");

@@ -105,6 +105,8 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
 
   Status CancelJob(ServerContext* ctx, const pb::CancelJobRequest* request, pb::Job* response) override;
 
+  Status DeleteJob(ServerContext* ctx, const pb::DeleteJobRequest* request, pb::Job* response) override;
+
   Status ListJobs(ServerContext* ctx, const pb::ListJobsRequest* request, pb::ListJobsResponse* response) override;
 
   Status DownloadResult(ServerContext* ctx, const pb::DownloadResultRequest* request,

@@ -454,11 +454,14 @@ Response list_videos(const ServiceCall& call) {
   return json_response(200, page);
 }
 
-// Cancels a video still being made; the job record itself stays until retention drops it (the job store keeps no
-// delete of its own yet), so a later GET shows it failed with code "cancelled".
+// DeleteJob: cancels a video still being made, then deletes it and its content; later calls get 404.
 Response delete_video(const ServiceCall& call, const std::string& id) {
+  pb::DeleteJobRequest request;
+  request.set_job_id(id);
+  auto context = call.context();
   pb::Job job;
-  if (auto failed = cancel_job(call, id, &job)) return *failed;
+  const grpc::Status status = call.stub.DeleteJob(context.get(), request, &job);
+  if (!status.ok()) return from_status(status, *context);
   return json_response(200, {{"id", id}, {"object", "video.deleted"}, {"deleted", true}});
 }
 

@@ -66,6 +66,9 @@ class JobQueue {
   virtual std::optional<std::string> segment(const std::string& id, const std::string& owner, int64_t index) const = 0;
   // Cancels at the next step boundary (queued or between chunks: at once). Returns the snapshot, nullopt if unknown.
   virtual std::optional<JobSnapshot> cancel(const std::string& id, const std::string& owner) = 0;
+  // Cancels the job if it has not ended, and drops it with its results once it has (at once, or at the next
+  // housekeeping after its running chunk stopped). nullopt: unknown to this owner.
+  virtual std::optional<JobSnapshot> remove(const std::string& id, const std::string& owner) = 0;
 
   // Events with sequence > after_sequence; blocks until there is one, the job ended, or `until`.
   virtual EventBatch wait_events(const std::string& id, const std::string& owner, uint64_t after_sequence,

@@ -886,6 +886,7 @@ void Scheduler::housekeeping() {
       changed(id);
     }
     retire_finished();
+    drop_removed();
     if (observer_) observer_->queue_changed(leases_.queue_depth(), running_jobs());
   } catch (const StoreError& e) {
     spdlog::warn("event=housekeeping_failed error=\"{}\"", e.what());
@@ -1189,6 +1190,36 @@ std::vector<JobSnapshot> Scheduler::list(const std::string& owner) const {
 
 std::optional<std::string> Scheduler::dropped(const std::string& id, const std::string& owner) const {
   return store_.dropped_reason(id, owner);
+}
+
+std::optional<JobSnapshot> Scheduler::remove(const std::string& id, const std::string& owner) {
+  std::optional<JobSnapshot> job = get(id, owner);
+  if (!job) return std::nullopt;
+  if (!is_terminal(job->state)) job = cancel(id, owner);
+  if (!job) return std::nullopt;
+  if (is_terminal(job->state)) {
+    store_.drop_job(id, "deleted by its client");
+    changed(id);  // watchers find it gone
+  } else {
+    std::lock_guard<std::mutex> lock(mu_);
+    removed_.insert(id);
+  }
+  return job;
+}
+
+void Scheduler::drop_removed() {
+  std::vector<std::string> ids;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ids.assign(removed_.begin(), removed_.end());
+  }
+  for (const std::string& id : ids) {
+    const std::optional<StoredJob> job = leases_.load_job(id, false);
+    if (job && !is_terminal(parse_job_state(job->state))) continue;
+    if (job) store_.drop_job(id, "deleted by its client");
+    std::lock_guard<std::mutex> lock(mu_);
+    removed_.erase(id);
+  }
 }
 
 std::optional<JobSnapshot> Scheduler::cancel(const std::string& id, const std::string& owner) {

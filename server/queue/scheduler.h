@@ -33,6 +33,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -87,6 +88,7 @@ class Scheduler final : public JobQueue, private ChunkSource {
                                           int64_t index) const override;
   std::optional<std::string> segment(const std::string& id, const std::string& owner, int64_t index) const override;
   std::optional<JobSnapshot> cancel(const std::string& id, const std::string& owner) override;
+  std::optional<JobSnapshot> remove(const std::string& id, const std::string& owner) override;
 
   EventBatch wait_events(const std::string& id, const std::string& owner, uint64_t after_sequence,
                          Clock::time_point until) const override;
@@ -158,6 +160,8 @@ class Scheduler final : public JobQueue, private ChunkSource {
   void store_health_loop();
   void housekeeping();
   void retire_finished();
+  void drop_removed();  // jobs removed while running, once they have ended
+  std::set<std::string> removed_;  // under mu_
 
   PodOptions options_;
   JobStore& store_;
