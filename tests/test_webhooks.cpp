@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "model/umt5_encoder.h"
 #include "server/http/http_server.h"
 #include "server/webhook/webhook_sender.h"
 #include "tests/test_server_harness.h"
@@ -175,6 +176,34 @@ TEST(Webhooks, AHangingReceiverDelaysNoOtherJob) {
   ASSERT_EQ(wait_job(server.client(), fine).state(), pb::JOB_STATE_SUCCEEDED);
   EXPECT_TRUE(receiver.wait_delivered("/ok", kEventsPerJob, 8)) << "the other job's webhooks waited";
   EXPECT_TRUE(receiver.delivered_ids("/hang").empty());
+}
+
+// The same webhooks from OpenAI's create: webhook_url and webhook_events as extra body fields.
+TEST(Webhooks, TheVideosApiTakesAWebhookUrlAndItsEvents) {
+  Receiver receiver;
+  const std::string encoder_dir = temp_dir("webhook-umt5");
+  model::write_tiny_text_encoder(encoder_dir, 32, 7);
+  const int http_port = free_port();
+  ServerProcess server({"--demo", "--devices", "cpu", "--text-encoder", encoder_dir, "--tokenizer",
+                        golden_path("umt5_encoder/e3_prompts_to_embeds/tokenizer"), "--http-listen",
+                        "127.0.0.1:" + std::to_string(http_port), "--webhook-secret-file", secret_file(),
+                        "--webhook-allow-hosts", "127.0.0.1"});
+  const std::string body = R"({"prompt":"A dog runs.","size":"48x32","seconds":2,"fps":8,"num_inference_steps":1,)"
+                           R"("webhook_url":")" + receiver.url("/ok") + R"(","webhook_events":["completed"]})";
+  const std::string out = temp_dir("webhook-http") + "/video.json";
+  const std::string command = "curl -s -o " + out + " -H 'Content-Type: application/json' -d '" + body +
+                              "' http://127.0.0.1:" + std::to_string(http_port) + "/v1/videos";
+  ASSERT_EQ(std::system(command.c_str()), 0);
+  std::ifstream created(out);
+  const auto video = nlohmann::json::parse(created, nullptr, false);
+  ASSERT_TRUE(video.contains("id")) << video.dump();
+  ASSERT_TRUE(receiver.wait_delivered("/ok", 1, 30)) << server.log();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const auto got = receiver.received();
+  ASSERT_EQ(got.size(), 1u) << "only the events asked for";
+  EXPECT_EQ(got[0].type, "video.completed");
+  EXPECT_TRUE(got[0].signature_ok);
+  EXPECT_EQ(got[0].id.rfind("msg_" + video["id"].get<std::string>() + "_", 0), 0u) << got[0].id;
 }
 
 TEST(Webhooks, UrlsOutsideTheAllowListAndServersWithoutWebhooksRefuseAtSubmit) {
