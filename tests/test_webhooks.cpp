@@ -18,6 +18,7 @@
 #include "model/umt5_encoder.h"
 #include "server/http/http_server.h"
 #include "server/webhook/webhook_sender.h"
+#include "tests/pg_fixture.h"
 #include "tests/test_server_harness.h"
 #include "tests/test_util.h"
 
@@ -176,6 +177,39 @@ TEST(Webhooks, AHangingReceiverDelaysNoOtherJob) {
   ASSERT_EQ(wait_job(server.client(), fine).state(), pb::JOB_STATE_SUCCEEDED);
   EXPECT_TRUE(receiver.wait_delivered("/ok", kEventsPerJob, 8)) << "the other job's webhooks waited";
   EXPECT_TRUE(receiver.delivered_ids("/hang").empty());
+}
+
+// Two pods on PostgreSQL, the job's chunks on both: the pod that accepted it delivers its webhooks, each once (the
+// other pod, which sees the same outbox, stays out of it while the accepting pod is alive).
+TEST(Webhooks, OnPeersThePodThatAcceptedAJobDeliversEachEventOnce) {
+  Receiver receiver;
+  PgServer pg;
+  ::setenv("SKYREELS_JOB_STORE", pg.url().c_str(), 1);
+  const std::string secret = secret_file();
+  auto pod = [&](const std::string& name) {
+    return std::make_unique<ServerProcess>(std::vector<std::string>{
+        "--demo", "--devices", "cpu", "--pod-name", name, "--lease-seconds", "2", "--step-delay-ms", "20",
+        "--webhook-secret-file", secret, "--webhook-allow-hosts", "127.0.0.1"});
+  };
+  auto pod0 = pod("pod-0");
+  auto pod1 = pod("pod-1");
+  ::unsetenv("SKYREELS_JOB_STORE");
+  std::vector<std::string> ids;
+  for (int i = 0; i < 3; ++i) {
+    ids.push_back(submit(pod0->client(), with_webhook(long_video_request(40 + static_cast<uint64_t>(i), 2),
+                                                      receiver.url("/ok"))).job_id());
+  }
+  for (const std::string& id : ids) ASSERT_EQ(wait_job(pod0->client(), id).state(), pb::JOB_STATE_SUCCEEDED);
+  ASSERT_TRUE(receiver.wait_delivered("/ok", 3 * kEventsPerJob, 30)) << pod0->log();
+  std::this_thread::sleep_for(std::chrono::seconds(2));  // a second sender would have sent by now
+  std::map<std::string, int> count;
+  for (const Received& r : receiver.received()) {
+    EXPECT_TRUE(r.signature_ok);
+    ++count[r.id];
+  }
+  EXPECT_EQ(count.size(), 3 * kEventsPerJob);
+  for (const auto& [id, n] : count) EXPECT_EQ(n, 1) << id;
+  EXPECT_NE(pod1->log().find("event=chunk_finished"), std::string::npos) << "pod-1 ran no chunk: the test shows less";
 }
 
 // The same webhooks from OpenAI's create: webhook_url and webhook_events as extra body fields.
