@@ -174,7 +174,7 @@ void WebhookSender::start() {
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (const StoredJob& job : jobs) followed_[job.id] = {Clock::now()};  // those without a webhook drop out
+    for (const StoredJob& job : jobs) followed_[job.id].next_check = Clock::now();  // those without a webhook drop out
     started_ = true;
   }
   threads_.emplace_back([this] { scan_loop(); });
@@ -209,30 +209,45 @@ void WebhookSender::scan_loop() {
   }
 }
 
+std::shared_ptr<const std::pair<std::string, std::set<std::string>>> WebhookSender::webhook_of(
+    const std::string& job_id) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = followed_.find(job_id); it != followed_.end() && it->second.webhook) return it->second.webhook;
+  }
+  const std::optional<std::string> bytes = store_.load_request(job_id);
+  v1::SubmitJobRequest request;
+  if (!bytes || !request.ParseFromString(*bytes) || request.webhook().url().empty()) return nullptr;
+  std::set<std::string> wanted(request.webhook().events().begin(), request.webhook().events().end());
+  if (wanted.empty()) wanted = {"completed", "failed"};
+  auto webhook = std::make_shared<const std::pair<std::string, std::set<std::string>>>(request.webhook().url(), wanted);
+  std::lock_guard<std::mutex> lock(mu_);
+  followed_[job_id].webhook = webhook;
+  return webhook;
+}
+
 // Reads one job's log: queues each delivery that is due, and stops following the job once every one has ended.
 void WebhookSender::scan(const std::string& job_id, Clock::time_point now) {
   std::optional<StoredJob> job;
-  std::optional<std::string> request_bytes;
+  std::shared_ptr<const std::pair<std::string, std::set<std::string>>> webhook;
   std::vector<StoredEvent> stored;
   try {
     job = store_.leases()->load_job(job_id, false);
-    if (job) request_bytes = store_.load_request(job_id);
-    if (job && request_bytes) stored = store_.load_events(job_id);
+    if (job) webhook = webhook_of(job_id);
+    if (webhook) stored = store_.load_events(job_id);
   } catch (const StoreError& e) {
     spdlog::warn("job={} event=webhook_read_failed error=\"{}\"", job_id, e.what());
     std::lock_guard<std::mutex> lock(mu_);
     followed_[job_id].next_check = now + options_.poll;
     return;
   }
-  v1::SubmitJobRequest request;
-  if (!job || !request_bytes || !request.ParseFromString(*request_bytes) || request.webhook().url().empty()) {
+  if (!job || !webhook) {
     std::lock_guard<std::mutex> lock(mu_);
     followed_.erase(job_id);  // gone, or no webhook
     return;
   }
   const JobState state = parse_job_state(job->state);
-  std::set<std::string> wanted(request.webhook().events().begin(), request.webhook().events().end());
-  if (wanted.empty()) wanted = {"completed", "failed"};
+  const std::set<std::string>& wanted = webhook->second;
   struct Progress {
     int attempts = 0;
     bool ended = false;
@@ -279,7 +294,7 @@ void WebhookSender::scan(const std::string& job_id, Clock::time_point now) {
       break;
     }
     const std::string webhook_id = "msg_" + job_id + "_" + std::to_string(e.sequence);
-    Delivery d{job_id, e.sequence, p.attempts + 1, request.webhook().url(), type,
+    Delivery d{job_id, e.sequence, p.attempts + 1, webhook->first, type,
                body_of(webhook_id, type, job_id, e, *job)};
     std::lock_guard<std::mutex> lock(mu_);
     if (busy_.insert(job_id).second) {

@@ -89,7 +89,11 @@ class WebhookSender : public SchedulerObserver {
   struct Followed {
     Clock::time_point next_check;
     bool accepted_here = false;
+    // The job's webhook, read once from its stored request (which may be megabytes of embeddings).
+    std::shared_ptr<const std::pair<std::string, std::set<std::string>>> webhook;  // url, events wanted
   };
+  // The job's webhook from its stored request; null when it has none. StoreError when the store cannot answer.
+  std::shared_ptr<const std::pair<std::string, std::set<std::string>>> webhook_of(const std::string& job_id);
 
   void look_at(const std::string& job_id, bool accepted_here = false);
   void scan_loop();
