@@ -725,9 +725,10 @@ TEST(Scheduler, AWatcherIsToldAboutItsOwnJobOnlyAndWhenTheJobIsDropped) {
   const std::string running = h.submit(1);
   const std::string queued = h.submit(1);  // behind `running` on the only replica: no event of its own meanwhile
   std::atomic<int> told{0};
-  const uint64_t token = h.scheduler->subscribe(queued, "", [&] { ++told; });
+  const uint64_t token = h.scheduler->subscribe(queued, [&] { ++told; });
   ASSERT_NE(token, 0u);
-  EXPECT_EQ(h.scheduler->subscribe("j-unknown", "", [] {}), 0u);
+  std::atomic<int> told_unknown{0};  // subscribing asks nothing of the store: an unknown job is just never told
+  const uint64_t unknown = h.scheduler->subscribe("j-unknown", [&] { ++told_unknown; });
   // Five step events of the other job: the watcher of `queued` is not woken by them.
   uint64_t seen = 0;
   while (seen < 6) {
@@ -742,6 +743,8 @@ TEST(Scheduler, AWatcherIsToldAboutItsOwnJobOnlyAndWhenTheJobIsDropped) {
   EXPECT_FALSE(h.scheduler->get(queued, "").has_value()) << "dropped after it finished";
   EXPECT_GE(told.load(), 4) << "queued, chunk started, steps, chunk finished, finished, dropped";
   h.scheduler->unsubscribe(queued, token);  // a dropped job: nothing to do, no error
+  EXPECT_EQ(told_unknown.load(), 0);
+  h.scheduler->unsubscribe("j-unknown", unknown);
 }
 
 }  // namespace

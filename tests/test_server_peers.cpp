@@ -9,6 +9,7 @@
 #include <stdlib.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <fstream>
 #include <iostream>
@@ -320,7 +321,8 @@ class HealthProbe {
   std::unique_ptr<grpc::health::v1::Health::Stub> stub_;
 };
 
-// Frozen, not down: every PostgreSQL process SIGSTOPped, so connections stay open and nothing ever answers.
+// Frozen, not down: every PostgreSQL process SIGSTOPped, so connections stay open and nothing ever answers. Health
+// checks answer within their timeout all along, also while clients open watches that wait for the store.
 TEST(Peers, AFrozenStoreTurnsReadinessOffWhileProbesAnswerThenEveryJobSucceedsUnchanged) {
   Cluster cluster(2, 2.0, 40);
   const RunningJobs jobs = three_jobs_under_way(cluster, 1461);
@@ -332,6 +334,28 @@ TEST(Peers, AFrozenStoreTurnsReadinessOffWhileProbesAnswerThenEveryJobSucceedsUn
   }
   cluster.pg().freeze();
   const auto frozen_at = std::chrono::steady_clock::now();
+  // Clients keep opening watches on both pods meanwhile (each gives up after 1 s): their lookups wait for the store,
+  // and must not hold the threads that answer the probes.
+  std::atomic<bool> freeze_over{false};
+  std::atomic<int> watches_opened{0};
+  std::vector<std::thread> watchers;
+  for (int w = 0; w < 4; ++w) {
+    watchers.emplace_back([&, w] {
+      server::Client& client = cluster.pod(static_cast<size_t>(w) % 2).client();
+      while (!freeze_over) {
+        const auto ctx = client.context(1.0);
+        pb::WatchJobRequest request;
+        request.set_job_id(jobs.ids[static_cast<size_t>(w) % jobs.ids.size()]);
+        request.set_after_sequence(1u << 30);  // nothing to replay: the watch waits for the store
+        auto reader = client.stub().WatchJob(ctx.get(), request);
+        pb::JobEvent event;
+        while (reader->Read(&event)) {
+        }
+        reader->Finish();
+        ++watches_opened;
+      }
+    });
+  }
   double slowest_probe = 0, slowest_at = 0;
   bool probe_failed = false;
   bool ready_late_in_freeze[2] = {false, false}, not_ready_seen[2] = {false, false}, liveness_lost = false;
@@ -366,7 +390,10 @@ TEST(Peers, AFrozenStoreTurnsReadinessOffWhileProbesAnswerThenEveryJobSucceedsUn
     }
     std::this_thread::sleep_for(200ms);
   }
+  freeze_over = true;
+  for (auto& t : watchers) t.join();
   cluster.pg().thaw();
+  EXPECT_GE(watches_opened.load(), 40) << "the watchers did not keep opening watches";
   EXPECT_FALSE(probe_failed) << "a health check did not answer within 2 s";
   std::cout << "slowest health check during the freeze: " << slowest_probe << " s (" << slowest_at << " s in)\n";
   EXPECT_FALSE(liveness_lost) << "liveness does not depend on the store";

@@ -2,6 +2,8 @@
 
 namespace skyreels::server::api {
 
+// Runs on one of gRPC's callback threads, which also answer the health checks: nothing here may wait for the
+// scheduler or the store (a frozen store would take the probes down with it). The job is looked up by the pump.
 grpc::ServerWriteReactor<pb::JobEvent>* VideoServiceImpl::WatchJob(grpc::CallbackServerContext* ctx,
                                                  const pb::WatchJobRequest* request) {
   Caller caller;
@@ -9,14 +11,11 @@ grpc::ServerWriteReactor<pb::JobEvent>* VideoServiceImpl::WatchJob(grpc::Callbac
   if (Status s = check_job_id(request->job_id()); !s.ok()) return new FinishedWriter<pb::JobEvent>(s);
   std::unique_ptr<StreamLimiter::Slot> slot;
   if (Status s = open_stream(caller, &slot); !s.ok()) return new FinishedWriter<pb::JobEvent>(s);
-  const Status found = store_guard(request->job_id(), [&] {
-    return scheduler_.get(request->job_id(), caller.owner) ? Status::OK
-                                                           : job_not_found(request->job_id(), caller.owner);
-  });
-  if (!found.ok()) return new FinishedWriter<pb::JobEvent>(found);
   return WatchReactor::start(*this, *request, caller.owner, std::move(slot));
 }
 
+// Reactions (gRPC's threads) only set flags and finish; whatever reads the scheduler or the store runs in pump(), on
+// the service's pump thread, one pump at a time.
 struct WatchReactor::Core : std::enable_shared_from_this<WatchReactor::Core> {
   VideoServiceImpl& service;
   WatchReactor* reactor = nullptr;  // valid until `finished`
@@ -26,8 +25,11 @@ struct WatchReactor::Core : std::enable_shared_from_this<WatchReactor::Core> {
   uint64_t token = 0;
   std::atomic<bool> queued{false};  // a pump task is pending: notifications in between need no other
 
-  std::mutex mu;  // guards what follows
+  // The pump thread's own: where the log was read up to, and whether the job was looked up.
   uint64_t after = 0;
+  bool looked_up = false;
+
+  std::mutex mu;  // guards what follows; never held while calling the scheduler or gRPC (a reaction may run inline)
   std::deque<pb::JobEvent> pending;
   pb::JobEvent writing;  // the message of the write in flight
   bool in_flight = false, cancelled = false, job_done = false, finished = false;
@@ -39,7 +41,7 @@ struct WatchReactor::Core : std::enable_shared_from_this<WatchReactor::Core> {
         skip_steps(request.skip_steps()),
         after(request.after_sequence()) {}
 
-  // From the scheduler, its lock held: only schedules a pump.
+  // From the scheduler (its lock held) and from reactions: only schedules a pump.
   void notify() {
     if (queued.exchange(true)) return;
     service.pump_.post([self = shared_from_this()] {
@@ -48,25 +50,30 @@ struct WatchReactor::Core : std::enable_shared_from_this<WatchReactor::Core> {
     });
   }
 
-  // Reads new events when nothing is queued, then starts the next write or the finish. Never holds `mu` while
-  // calling into gRPC (a reaction may run inline).
+  // On the pump thread: reads new events when nothing is queued, then starts the next write or the finish.
   void pump() {
-    std::optional<Status> finish;
-    bool write = false;
     {
       std::lock_guard<std::mutex> lock(mu);
       if (finished || in_flight) return;
+    }
+    std::optional<Status> finish;
+    std::deque<pb::JobEvent> read;
+    bool done = false;
+    if (!idle_or_cancelled()) read_events(&read, &done, &finish);
+    bool write = false;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (finished) return;  // a reaction finished the stream meanwhile
+      for (auto& e : read) pending.push_back(std::move(e));
+      job_done = job_done || done;
       if (cancelled) {
         finish = Status(StatusCode::CANCELLED, "client cancelled the watch");
-      } else {
-        if (pending.empty() && !job_done) read_events_locked(&finish);
-        if (!finish && !pending.empty()) {
-          writing = std::move(pending.front());
-          pending.pop_front();
-          in_flight = write = true;
-        } else if (!finish && job_done) {
-          finish = Status::OK;
-        }
+      } else if (!finish && !pending.empty()) {
+        writing = std::move(pending.front());
+        pending.pop_front();
+        in_flight = write = true;
+      } else if (!finish && job_done) {
+        finish = Status::OK;
       }
       if (finish) finished = true;
     }
@@ -74,7 +81,24 @@ struct WatchReactor::Core : std::enable_shared_from_this<WatchReactor::Core> {
     if (finish) reactor->Finish(*finish);
   }
 
-  void read_events_locked(std::optional<Status>* finish) {
+  // True when there is nothing to read: events are queued, the job's end was read, or the client left.
+  bool idle_or_cancelled() {
+    std::lock_guard<std::mutex> lock(mu);
+    return cancelled || !pending.empty() || job_done;
+  }
+
+  void read_events(std::deque<pb::JobEvent>* out, bool* done, std::optional<Status>* finish) {
+    if (!looked_up) {
+      // The replay starts with the job's lookup: NOT_FOUND, or UNAVAILABLE while the store cannot say.
+      const Status found = service.store_guard(id, [&] {
+        return service.scheduler_.get(id, owner) ? Status::OK : service.job_not_found(id, owner);
+      });
+      if (!found.ok()) {
+        *finish = found;
+        return;
+      }
+      looked_up = true;
+    }
     const EventBatch batch = service.scheduler_.wait_events(id, owner, after, Clock::now());
     if (!batch.found) {
       *finish = service.job_not_found(id, owner);
@@ -83,10 +107,23 @@ struct WatchReactor::Core : std::enable_shared_from_this<WatchReactor::Core> {
     for (const auto& event : batch.events) {
       after = event.sequence;
       if (skip_steps && event.type == EventType::Step) continue;
-      pending.emplace_back();
-      service.event_to_proto(id, owner, event, &pending.back());
+      out->emplace_back();
+      service.event_to_proto(id, owner, event, &out->back());
     }
-    job_done = batch.finished;
+    *done = batch.finished;
+  }
+
+  // From a reaction: the client is gone. Finishes at once unless a write is in flight (its OnWriteDone finishes);
+  // `write_done` says this reaction is that OnWriteDone.
+  void cancel(bool write_done) {
+    bool finish = false;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      cancelled = true;
+      if (write_done) in_flight = false;
+      if (!finished && !in_flight) finished = finish = true;
+    }
+    if (finish) reactor->Finish(Status(StatusCode::CANCELLED, "client cancelled the watch"));
   }
 };
 
@@ -96,29 +133,23 @@ WatchReactor* WatchReactor::start(VideoServiceImpl& service, const pb::WatchJobR
   core->slot = std::move(slot);
   auto* reactor = new WatchReactor(core);
   core->reactor = reactor;
-  core->token = service.scheduler_.subscribe(core->id, owner, [weak = std::weak_ptr<Core>(core)] {
+  core->token = service.scheduler_.subscribe(core->id, [weak = std::weak_ptr<Core>(core)] {
     if (auto c = weak.lock()) c->notify();
   });
-  core->pump();  // the replay (or NOT_FOUND when the job went away meanwhile)
+  core->notify();  // the lookup and the replay
   return reactor;
 }
 
 void WatchReactor::OnWriteDone(bool ok) {
+  if (!ok) return core_->cancel(true);  // the client went away
   {
     std::lock_guard<std::mutex> lock(core_->mu);
     core_->in_flight = false;
-    if (!ok) core_->cancelled = true;  // the client went away
   }
-  core_->pump();
+  core_->notify();
 }
 
-void WatchReactor::OnCancel() {
-  {
-    std::lock_guard<std::mutex> lock(core_->mu);
-    core_->cancelled = true;
-  }
-  core_->pump();
-}
+void WatchReactor::OnCancel() { core_->cancel(false); }
 
 void WatchReactor::OnDone() {
   core_->service.scheduler_.unsubscribe(core_->id, core_->token);

@@ -29,8 +29,9 @@ class FinishedWriter final : public grpc::ServerWriteReactor<Message> {
   void OnDone() override { delete this; }
 };
 
-// Runs the work that scheduler notifications ask for on one thread of its own: notifications arrive with the
-// scheduler's lock held, and the work takes that lock again.
+// Runs the work that scheduler notifications and stream reactions ask for on one thread of its own: notifications
+// arrive with the scheduler's lock held, and the work takes that lock again; reactions run on gRPC's callback
+// threads, which also answer the health checks, and the work may wait for the store.
 class StreamPump {
  public:
   StreamPump() : thread_([this] { loop(); }) {}

@@ -75,8 +75,9 @@ class JobQueue {
                                  Clock::time_point until) const = 0;
   // For watchers that hold no thread (gRPC callback streams): `notify` runs after each of the job's events and when
   // the job is dropped, with the queue's lock held, so it must only schedule work (then read with
-  // wait_events(..., Clock::now())). Returns a token for unsubscribe(), 0 when the job is unknown.
-  virtual uint64_t subscribe(const std::string& id, const std::string& owner, std::function<void()> notify) = 0;
+  // wait_events(..., Clock::now())). Returns a token for unsubscribe(). Never calls the store (gRPC's callback threads
+  // subscribe): whether the job exists is the reader's question; a job that does not is never told.
+  virtual uint64_t subscribe(const std::string& id, std::function<void()> notify) = 0;
   virtual void unsubscribe(const std::string& id, uint64_t token) = 0;
   // Blocks until the job has more than `chunks_seen` chunks done, ended, or `until`; returns the snapshot.
   virtual std::optional<JobSnapshot> wait_chunks(const std::string& id, const std::string& owner, int64_t chunks_seen,

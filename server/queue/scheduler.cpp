@@ -1301,12 +1301,7 @@ EventBatch Scheduler::wait_events(const std::string& id, const std::string& owne
   }
 }
 
-uint64_t Scheduler::subscribe(const std::string& id, const std::string& owner, std::function<void()> notify) {
-  try {
-    if (!find(id, owner)) return 0;
-  } catch (const StoreError&) {
-    return 0;
-  }
+uint64_t Scheduler::subscribe(const std::string& id, std::function<void()> notify) {
   std::lock_guard<std::mutex> lock(mu_);
   const uint64_t token = next_listener_++;
   listeners_[id][token] = std::move(notify);

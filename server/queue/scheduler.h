@@ -92,7 +92,7 @@ class Scheduler final : public JobQueue, private ChunkSource {
 
   EventBatch wait_events(const std::string& id, const std::string& owner, uint64_t after_sequence,
                          Clock::time_point until) const override;
-  uint64_t subscribe(const std::string& id, const std::string& owner, std::function<void()> notify) override;
+  uint64_t subscribe(const std::string& id, std::function<void()> notify) override;
   void unsubscribe(const std::string& id, uint64_t token) override;
   std::optional<JobSnapshot> wait_chunks(const std::string& id, const std::string& owner, int64_t chunks_seen,
                                          Clock::time_point until) const override;
