@@ -170,8 +170,8 @@ int run_single(const Options& o) {
   const int64_t tokens = (o.frames / c.patch_size[0]) * (o.height / c.patch_size[1]) * (o.width / c.patch_size[2]);
   std::printf(
       "RESULT dtype=%s config=%s device=%s layers=%lld latent=[1,16,%lld,%lld,%lld] tokens=%lld text=%lld nfpb=%lld "
-      "threads=%d init_s=%.1f forward_s(best)=%.3f forward_s(median)=%.3f cpu_s(best)=%.3f tflop=%.3f "
-      "gflops(best)=%.1f peak_rss_mib=%.0f peak_device_mib=%.0f matmul_tflops=%.1f mfu=%.3f finite=%d\n",
+      "threads=%d init_s=%.1f forward_s(best)=%.3f forward_s(median)=%.3f cpu_s(best)=%.3f tflop=%.4g "
+      "gflops(best)=%.1f peak_rss_mib=%.0f peak_device_mib=%.0f matmul_tflops=%.4g mfu=%.3f finite=%d\n",
       dtype_name.c_str(), o.config.c_str(), device.str().c_str(), static_cast<long long>(c.num_layers),
       static_cast<long long>(o.frames), static_cast<long long>(o.height), static_cast<long long>(o.width),
       static_cast<long long>(tokens), static_cast<long long>(o.text), static_cast<long long>(o.nfpb),
