@@ -90,6 +90,8 @@ network:
                               raw), from a durable outbox in the job store, retried with back-off
   --webhook-allow-hosts LIST  the hosts a webhook may call, comma-separated: exact names or *.example.com (so that
                               a client cannot make the server call internal addresses)
+  --webhook-takeover-seconds N   pods sharing a store: a pod delivers another pod's job's webhook event once it is
+                              N s overdue (the accepting pod is gone or stuck; default 30)
   --tls-cert FILE --tls-key FILE   serve TLS (both or neither)
   --api-keys FILE             require a key per call: lines 'KEY [CLIENT_NAME] [max_priority=N] [max_jobs=N]
                               [max_streams=N]' (keys >= 32 characters); each client sees only its own jobs;
@@ -166,6 +168,7 @@ struct Options {
   std::string http_listen;  // empty: no HTTP listener
   std::string webhook_secret_file, webhook_allow_hosts;  // both, or no webhooks
   int64_t http_idle_timeout_seconds = 30;
+  int64_t webhook_takeover_seconds = 30;
   std::string tls_cert, tls_key, api_keys;
   int64_t max_queue = 64, max_frames = 1457, max_height = 1280, max_width = 1280, max_steps = 100;
   int64_t max_chunk_tokens = 0, max_job_work = 0;  // 0: derived (server/limits.h)
@@ -266,7 +269,8 @@ Options parse(int argc, char** argv) {
                                          {"--max-streams", {&o.transport.max_streams, 1, 100000}},
                                          {"--max-streams-per-client", {&o.transport.max_streams_per_client, 1, 100000}},
                                          {"--max-concurrent-encodes", {&o.transport.max_concurrent_encodes, 1, 1024}},
-                                         {"--http-idle-timeout-seconds", {&o.http_idle_timeout_seconds, 1, 3600}}};
+                                         {"--http-idle-timeout-seconds", {&o.http_idle_timeout_seconds, 1, 3600}},
+                                         {"--webhook-takeover-seconds", {&o.webhook_takeover_seconds, 1, 86400}}};
   std::map<std::string, double*> doubles = {{"--handoff-cost-seconds", &o.handoff_cost_seconds},
                                             {"--replica-retest-seconds", &o.replica_retest_seconds},
                                             {"--replica-retest-max-seconds", &o.replica_retest_max_seconds},
@@ -711,6 +715,7 @@ std::unique_ptr<WebhookSender> make_webhooks(const Options& o, JobStore& store, 
   WebhookOptions options;
   options.secret = read_webhook_secret(o.webhook_secret_file);
   options.allow_hosts = split_list(o.webhook_allow_hosts);
+  options.takeover_grace = std::chrono::seconds(o.webhook_takeover_seconds);
   spdlog::info("event=webhooks allow_hosts=\"{}\"", o.webhook_allow_hosts);
   return std::make_unique<WebhookSender>(store, std::move(options), &metrics);
 }

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <fstream>
@@ -210,6 +211,52 @@ TEST(Webhooks, OnPeersThePodThatAcceptedAJobDeliversEachEventOnce) {
   EXPECT_EQ(count.size(), 3 * kEventsPerJob);
   for (const auto& [id, n] : count) EXPECT_EQ(n, 1) << id;
   EXPECT_NE(pod1->log().find("event=chunk_finished"), std::string::npos) << "pod-1 ran no chunk: the test shows less";
+}
+
+// The accepting pod SIGKILLed mid-job: the other pod runs the rest of the job and, once an event is
+// --webhook-takeover-seconds overdue, delivers what is left; every event arrives, in order, and a repeat only ever as
+// a higher numbered attempt of the same webhook-id (the dead pod may have been answered before it could record it).
+TEST(Webhooks, WhenTheAcceptingPodDiesAnotherPodDeliversTheRestInOrder) {
+  Receiver receiver;
+  PgServer pg;
+  ::setenv("SKYREELS_JOB_STORE", pg.url().c_str(), 1);
+  const std::string secret = secret_file();
+  auto pod = [&](const std::string& name) {
+    return std::make_unique<ServerProcess>(std::vector<std::string>{
+        "--demo", "--devices", "cpu", "--pod-name", name, "--lease-seconds", "2", "--step-delay-ms", "150",
+        "--webhook-secret-file", secret, "--webhook-allow-hosts", "127.0.0.1", "--webhook-takeover-seconds", "3"});
+  };
+  auto pod0 = pod("pod-0");
+  auto pod1 = pod("pod-1");
+  ::unsetenv("SKYREELS_JOB_STORE");
+  const std::string id = submit(pod0->client(), with_webhook(long_video_request(47, 3), receiver.url("/ok"))).job_id();
+  ASSERT_TRUE(receiver.wait_delivered("/ok", 2, 60)) << pod0->log();  // started, the first chunk finished
+  ASSERT_NE(get_job(pod1->client(), id).state(), pb::JOB_STATE_SUCCEEDED) << "the job ended before the kill";
+  pod0->signal(SIGKILL);
+  pod0->wait_exit(std::chrono::seconds(10));
+  ASSERT_EQ(wait_job(pod1->client(), id, std::chrono::seconds(120)).state(), pb::JOB_STATE_SUCCEEDED);
+  ASSERT_TRUE(receiver.wait_delivered("/ok", kEventsPerJob, 60)) << pod1->log();
+  std::this_thread::sleep_for(std::chrono::seconds(4));  // past the takeover time: a stray repeat would be here
+
+  std::map<std::string, std::vector<Received>> by_id;
+  std::vector<uint64_t> first_seen;  // event sequences in the order their ids first arrived
+  for (const Received& r : receiver.received()) {
+    EXPECT_TRUE(r.signature_ok) << r.id;
+    if (by_id[r.id].empty()) first_seen.push_back(std::stoull(r.id.substr(r.id.rfind('_') + 1)));
+    by_id[r.id].push_back(r);
+  }
+  EXPECT_EQ(by_id.size(), kEventsPerJob);
+  EXPECT_TRUE(std::is_sorted(first_seen.begin(), first_seen.end())) << "events out of order";
+  for (const auto& [webhook_id, deliveries] : by_id) {
+    EXPECT_EQ(webhook_id.rfind("msg_" + id + "_", 0), 0u) << webhook_id;
+    int attempt = 0;
+    for (const Received& r : deliveries) {
+      EXPECT_GT(r.attempt, attempt) << webhook_id << ": a repeat the pods did not number as a retry";
+      attempt = r.attempt;
+    }
+  }
+  EXPECT_EQ(receiver.received().back().type, "video.completed");
+  EXPECT_NE(pod1->log().find("event=webhook_delivered"), std::string::npos) << "pod-1 delivered nothing: the test shows less";
 }
 
 // The same webhooks from OpenAI's create: webhook_url and webhook_events as extra body fields.
