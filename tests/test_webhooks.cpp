@@ -182,19 +182,31 @@ TEST(Webhooks, AHangingReceiverDelaysNoOtherJob) {
 
 // Two pods on PostgreSQL, the job's chunks on both: the pod that accepted it delivers its webhooks, each once (the
 // other pod, which sees the same outbox, stays out of it while the accepting pod is alive).
+// Two pods with webhooks on one PostgreSQL (chunk leases of 2 s); `extra` goes to both.
+struct TwoPods {
+  PgServer pg;
+  std::unique_ptr<ServerProcess> pod0, pod1;
+  TwoPods(int step_delay_ms, const std::vector<std::string>& extra = {}) {
+    ::setenv("SKYREELS_JOB_STORE", pg.url().c_str(), 1);
+    const std::string secret = secret_file();
+    auto pod = [&](const std::string& name) {
+      std::vector<std::string> args = {"--demo", "--devices", "cpu", "--pod-name", name, "--lease-seconds", "2",
+                                       "--step-delay-ms", std::to_string(step_delay_ms), "--webhook-secret-file",
+                                       secret, "--webhook-allow-hosts", "127.0.0.1"};
+      args.insert(args.end(), extra.begin(), extra.end());
+      return std::make_unique<ServerProcess>(args);
+    };
+    pod0 = pod("pod-0");
+    pod1 = pod("pod-1");
+    ::unsetenv("SKYREELS_JOB_STORE");
+  }
+};
+
 TEST(Webhooks, OnPeersThePodThatAcceptedAJobDeliversEachEventOnce) {
   Receiver receiver;
-  PgServer pg;
-  ::setenv("SKYREELS_JOB_STORE", pg.url().c_str(), 1);
-  const std::string secret = secret_file();
-  auto pod = [&](const std::string& name) {
-    return std::make_unique<ServerProcess>(std::vector<std::string>{
-        "--demo", "--devices", "cpu", "--pod-name", name, "--lease-seconds", "2", "--step-delay-ms", "20",
-        "--webhook-secret-file", secret, "--webhook-allow-hosts", "127.0.0.1"});
-  };
-  auto pod0 = pod("pod-0");
-  auto pod1 = pod("pod-1");
-  ::unsetenv("SKYREELS_JOB_STORE");
+  TwoPods pods(20);
+  auto& pod0 = pods.pod0;
+  auto& pod1 = pods.pod1;
   std::vector<std::string> ids;
   for (int i = 0; i < 3; ++i) {
     ids.push_back(submit(pod0->client(), with_webhook(long_video_request(40 + static_cast<uint64_t>(i), 2),
@@ -218,17 +230,9 @@ TEST(Webhooks, OnPeersThePodThatAcceptedAJobDeliversEachEventOnce) {
 // a higher numbered attempt of the same webhook-id (the dead pod may have been answered before it could record it).
 TEST(Webhooks, WhenTheAcceptingPodDiesAnotherPodDeliversTheRestInOrder) {
   Receiver receiver;
-  PgServer pg;
-  ::setenv("SKYREELS_JOB_STORE", pg.url().c_str(), 1);
-  const std::string secret = secret_file();
-  auto pod = [&](const std::string& name) {
-    return std::make_unique<ServerProcess>(std::vector<std::string>{
-        "--demo", "--devices", "cpu", "--pod-name", name, "--lease-seconds", "2", "--step-delay-ms", "150",
-        "--webhook-secret-file", secret, "--webhook-allow-hosts", "127.0.0.1", "--webhook-takeover-seconds", "3"});
-  };
-  auto pod0 = pod("pod-0");
-  auto pod1 = pod("pod-1");
-  ::unsetenv("SKYREELS_JOB_STORE");
+  TwoPods pods(150, {"--webhook-takeover-seconds", "3"});
+  auto& pod0 = pods.pod0;
+  auto& pod1 = pods.pod1;
   const std::string id = submit(pod0->client(), with_webhook(long_video_request(47, 3), receiver.url("/ok"))).job_id();
   ASSERT_TRUE(receiver.wait_delivered("/ok", 2, 60)) << pod0->log();  // started, the first chunk finished
   ASSERT_NE(get_job(pod1->client(), id).state(), pb::JOB_STATE_SUCCEEDED) << "the job ended before the kill";
