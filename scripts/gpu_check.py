@@ -20,7 +20,8 @@ Steps, each recorded in OUTDIR/report.json and OUTDIR/report.md:
                with 4 of its 40 layers; bench_vae: decode of 25 latent frames (97 frames) at 540P, time and peak
                memory. diffusers' own transformer is timed alongside when its source is carried (gpu-deps/diffusers/src)
                and importable by python3 with torch; otherwise the report says so.
---cpu runs every step on the CPU at tiny sizes (the same code paths), so the script is tested on every machine.
+--cpu runs every step on the CPU at tiny sizes (the same code paths; the speed step in float32: bf16 on a CPU
+without bf16 units takes minutes), so the script is tested on every machine.
 """
 import argparse
 import json
@@ -337,7 +338,10 @@ def parse_result(text):
 
 
 def speed(chk, bin_dir):
-    out = {}
+    # bf16 on the GPU; the CPU run checks the same steps in fp32 (on a CPU without bf16 units, AMD EPYC Zen 2/3 say,
+    # one tiny bf16 pass takes minutes).
+    dtype = "float32" if chk.cpu else "bfloat16"
+    out = {"dtype": dtype}
     if chk.cpu:
         shapes = {"df_1_3b": ["--config", "df-1.3b", "--layers", "2", "--frames", "5", "--height", "8", "--width", "8",
                               "--text", "16"],
@@ -351,9 +355,8 @@ def speed(chk, bin_dir):
                              "120", "--text", "512"]}
         vae_args = ["--single", "25", "--height", "544", "--width", "960"]
     for name, args in shapes.items():
-        # On a CPU without bf16 units (AMD Zen 2/3, say) a bf16 pass runs at ~1 GFLOP/s: one timed pass is enough there.
         repeats = ["--warmup", "0", "--repeats", "1"] if chk.cpu else ["--warmup", "1", "--repeats", "3"]
-        rc, log, _ = chk.run([bin_dir / "bench_transformer", "--single", "--dtype", "bfloat16", "--device", chk.device,
+        rc, log, _ = chk.run([bin_dir / "bench_transformer", "--single", "--dtype", dtype, "--device", chk.device,
                               *repeats, "--peak", *args])
         r = parse_result(log) if rc == 0 else None
         if r is None:
@@ -366,7 +369,7 @@ def speed(chk, bin_dir):
                      "finite": r["finite"] == "1"}
         if r["finite"] != "1":
             chk.fail("speed", f"{name}: non-finite output")
-    rc, log, _ = chk.run([bin_dir / "bench_vae", "--mode", "stream", "--dtype", "bfloat16", "--device", chk.device,
+    rc, log, _ = chk.run([bin_dir / "bench_vae", "--mode", "stream", "--dtype", dtype, "--device", chk.device,
                           "--frames-per-call", "0", *vae_args])
     line = next((l for l in log.splitlines() if l.startswith("RESULT ")), None)
     if rc != 0 or line is None:
@@ -376,13 +379,13 @@ def speed(chk, bin_dir):
         out["vae_decode"] = {"latent_frames": int(f[1]), "pixel_frames": int(f[2]), "seconds": float(f[3]),
                              "peak_rss_mib": float(f[6]), "peak_device_mib": float(f[9]) if len(f) > 9 else 0.0,
                              "size": f"{vae_args[vae_args.index('--width') + 1]}x{vae_args[vae_args.index('--height') + 1]}"}
-    out["diffusers"] = diffusers_speed(chk, shapes["df_1_3b"])
+    out["diffusers"] = diffusers_speed(chk, shapes["df_1_3b"], dtype)
     if "seconds_per_pass" in out["diffusers"] and "df_1_3b" in out:
         out["diffusers"]["ours_speedup"] = round(out["diffusers"]["seconds_per_pass"] / out["df_1_3b"]["seconds_per_pass"], 3)
     return out
 
 
-def diffusers_speed(chk, args):
+def diffusers_speed(chk, args, dtype):
     src = REPO / "gpu-deps" / "diffusers" / "src"
     if not src.is_dir():
         return {"status": "not run: diffusers' source is not carried (gpu-deps/diffusers/src); ours and MFU only"}
@@ -394,10 +397,10 @@ from diffusers import SkyReelsV2Transformer3DModel
 dev = {chk.device!r}
 # DF-1.3B's config (diffusers' defaults otherwise, as TransformerConfig::df_1_3b); diffusers' own random init.
 m = SkyReelsV2Transformer3DModel(num_attention_heads=12, ffn_dim=8960, num_layers={opts['--layers']},
-                                 inject_sample_info=True).to(dev, torch.bfloat16).eval()
-x = torch.randn(1, 16, {opts['--frames']}, {opts['--height']}, {opts['--width']}, device=dev, dtype=torch.bfloat16)
+                                 inject_sample_info=True).to(dev, torch.{dtype}).eval()
+x = torch.randn(1, 16, {opts['--frames']}, {opts['--height']}, {opts['--width']}, device=dev, dtype=torch.{dtype})
 t = torch.randint(0, 1000, (1, {opts['--frames']}), device=dev)
-e = torch.randn(1, {opts['--text']}, 4096, device=dev, dtype=torch.bfloat16) * 0.1
+e = torch.randn(1, {opts['--text']}, 4096, device=dev, dtype=torch.{dtype}) * 0.1
 fps = torch.ones(1, dtype=torch.long, device=dev)
 best = 1e30
 with torch.no_grad():
@@ -459,7 +462,7 @@ def write_report(chk, report):
     else:
         lines.append("not counted (no CUDA device: LibTorch's sync debug mode is CUDA's)")
     s = report.get("speed", {})
-    lines += ["", "## Speed (bfloat16, random weights)", "",
+    lines += ["", f"## Speed ({s.get('dtype', 'bfloat16')}, random weights)", "",
               "| model | layers | latents | tokens | s / pass | TFLOP / pass | achieved TFLOP/s | matmul peak TFLOP/s | MFU | peak device MiB |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for name in ("df_1_3b", "df_14b"):
