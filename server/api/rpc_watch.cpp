@@ -52,14 +52,16 @@ struct WatchReactor::Core : std::enable_shared_from_this<WatchReactor::Core> {
 
   // On the pump thread: reads new events when nothing is queued, then starts the next write or the finish.
   void pump() {
+    bool read_more = false;  // nothing queued, the job's end not read, the client still there
     {
       std::lock_guard<std::mutex> lock(mu);
       if (finished || in_flight) return;
+      read_more = !cancelled && pending.empty() && !job_done;
     }
     std::optional<Status> finish;
     std::deque<pb::JobEvent> read;
     bool done = false;
-    if (!idle_or_cancelled()) read_events(&read, &done, &finish);
+    if (read_more) read_events(&read, &done, &finish);
     bool write = false;
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -79,12 +81,6 @@ struct WatchReactor::Core : std::enable_shared_from_this<WatchReactor::Core> {
     }
     if (write) reactor->StartWrite(&writing);
     if (finish) reactor->Finish(*finish);
-  }
-
-  // True when there is nothing to read: events are queued, the job's end was read, or the client left.
-  bool idle_or_cancelled() {
-    std::lock_guard<std::mutex> lock(mu);
-    return cancelled || !pending.empty() || job_done;
   }
 
   void read_events(std::deque<pb::JobEvent>* out, bool* done, std::optional<Status>* finish) {
