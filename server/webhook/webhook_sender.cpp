@@ -209,27 +209,30 @@ void WebhookSender::scan_loop() {
   }
 }
 
-std::shared_ptr<const std::pair<std::string, std::set<std::string>>> WebhookSender::webhook_of(
-    const std::string& job_id) {
+std::shared_ptr<const WebhookSender::Webhook> WebhookSender::webhook_of(const std::string& job_id) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (auto it = followed_.find(job_id); it != followed_.end() && it->second.webhook) return it->second.webhook;
+    if (auto it = followed_.find(job_id); it != followed_.end() && it->second.read) return it->second.webhook;
   }
   const std::optional<std::string> bytes = store_.load_request(job_id);
   v1::SubmitJobRequest request;
-  if (!bytes || !request.ParseFromString(*bytes) || request.webhook().url().empty()) return nullptr;
-  std::set<std::string> wanted(request.webhook().events().begin(), request.webhook().events().end());
-  if (wanted.empty()) wanted = {"completed", "failed"};
-  auto webhook = std::make_shared<const std::pair<std::string, std::set<std::string>>>(request.webhook().url(), wanted);
+  std::shared_ptr<const Webhook> webhook;
+  if (bytes && request.ParseFromString(*bytes) && !request.webhook().url().empty()) {
+    std::set<std::string> wanted(request.webhook().events().begin(), request.webhook().events().end());
+    if (wanted.empty()) wanted = {"completed", "failed"};
+    webhook = std::make_shared<const Webhook>(Webhook{request.webhook().url(), std::move(wanted)});
+  }
   std::lock_guard<std::mutex> lock(mu_);
-  followed_[job_id].webhook = webhook;
+  Followed& f = followed_[job_id];
+  f.read = true;
+  f.webhook = webhook;
   return webhook;
 }
 
 // Reads one job's log: queues each delivery that is due, and stops following the job once every one has ended.
 void WebhookSender::scan(const std::string& job_id, Clock::time_point now) {
   std::optional<StoredJob> job;
-  std::shared_ptr<const std::pair<std::string, std::set<std::string>>> webhook;
+  std::shared_ptr<const Webhook> webhook;
   std::vector<StoredEvent> stored;
   try {
     job = store_.leases()->load_job(job_id, false);
@@ -241,13 +244,18 @@ void WebhookSender::scan(const std::string& job_id, Clock::time_point now) {
     followed_[job_id].next_check = now + options_.poll;
     return;
   }
+  const JobState state = job ? parse_job_state(job->state) : JobState::Failed;
   if (!job || !webhook) {
     std::lock_guard<std::mutex> lock(mu_);
-    followed_.erase(job_id);  // gone, or no webhook
+    if (!job || is_terminal(state)) {
+      followed_.erase(job_id);  // gone or ended
+    } else {
+      // No webhook: its next event looks again, or a slow re-check drops it once it ended (maybe on another pod).
+      followed_[job_id].next_check = now + std::chrono::minutes(1);
+    }
     return;
   }
-  const JobState state = parse_job_state(job->state);
-  const std::set<std::string>& wanted = webhook->second;
+  const std::set<std::string>& wanted = webhook->events;
   struct Progress {
     int attempts = 0;
     bool ended = false;
@@ -294,7 +302,7 @@ void WebhookSender::scan(const std::string& job_id, Clock::time_point now) {
       break;
     }
     const std::string webhook_id = "msg_" + job_id + "_" + std::to_string(e.sequence);
-    Delivery d{job_id, e.sequence, p.attempts + 1, webhook->first, type,
+    Delivery d{job_id, e.sequence, p.attempts + 1, webhook->url, type,
                body_of(webhook_id, type, job_id, e, *job)};
     std::lock_guard<std::mutex> lock(mu_);
     if (busy_.insert(job_id).second) {

@@ -86,14 +86,20 @@ class WebhookSender : public SchedulerObserver {
     std::string type;
     std::string body;
   };
+  struct Webhook {
+    std::string url;
+    std::set<std::string> events;  // the filter names wanted
+  };
   struct Followed {
     Clock::time_point next_check;
     bool accepted_here = false;
-    // The job's webhook, read once from its stored request (which may be megabytes of embeddings).
-    std::shared_ptr<const std::pair<std::string, std::set<std::string>>> webhook;  // url, events wanted
+    // The job's webhook, read once from its stored request (which may be megabytes of embeddings); `read` with a
+    // null `webhook`: the job has none (kept until the job ends, so that its events read no request again).
+    bool read = false;
+    std::shared_ptr<const Webhook> webhook;
   };
   // The job's webhook from its stored request; null when it has none. StoreError when the store cannot answer.
-  std::shared_ptr<const std::pair<std::string, std::set<std::string>>> webhook_of(const std::string& job_id);
+  std::shared_ptr<const Webhook> webhook_of(const std::string& job_id);
 
   void look_at(const std::string& job_id, bool accepted_here = false);
   void scan_loop();
