@@ -13,7 +13,7 @@ PACKAGES=(
   libspdlog-dev libfmt-dev prometheus-cpp-dev nlohmann-json3-dev libsqlite3-dev
   libgtest-dev libgmock-dev libyaml-dev
   libavcodec-dev libavformat-dev libswscale-dev libavutil-dev
-  openssl postgresql libpq-dev libmicrohttpd-dev curl
+  openssl postgresql libpq-dev libmicrohttpd-dev curl faketime
   prometheus kubernetes-client nodejs npm chromium
 )
 

@@ -114,6 +114,8 @@ limits:
                               default: a fifth of the memory left after the weights, 4 GiB when unknown)
   --max-chunks N              chunks of one job (default 64)
   --chunk-retries N           attempts after a failed chunk, on another replica when possible (default 2)
+  --chunk-takeover-limit N    takeovers of a chunk whose process died or went silent before its job fails (counted
+                              apart from --chunk-retries: a crash is not the chunk's error; default 10)
   --replica-failure-limit N   consecutive failed chunks before a replica is taken out (default 3)
   --replica-retest-seconds S  a replica taken out is re-tested (one warm-up forward) after S seconds, then after
                               twice as long each time it fails again (default 30)
@@ -143,7 +145,8 @@ jobs that survive a restart:
 test hooks:
   --fault-inject SPEC         REPLICA@N[+][:KIND],...: the N-th chunk run on REPLICA (e.g. cpu:1@2) fails after its
                               first step ('+': and every later run); KIND error (default), oom (an out-of-memory
-                              error: the job fails RESOURCE_EXHAUSTED) or dead (re-tests fail too); REPLICA "vae":
+                              error: the job fails RESOURCE_EXHAUSTED), dead (re-tests fail too) or kill (the
+                              process dies by SIGKILL); REPLICA "vae":
                               the N-th chunk's MP4 encode throws; also $SKYREELS_FAULT_INJECT
   --step-delay-ms N           sleep N ms after every denoising step (slows the tiny model down for tests)
   --block-delay-ms N          sleep N ms at every stop check, i.e. after every transformer block and before every
@@ -175,6 +178,7 @@ struct Options {
   int64_t kv_cache_bytes = -1;                       // < 0: derived (server/limits.h)
   int64_t max_chunks = kDefaultMaxChunks;
   int chunk_retries = 2, replica_failure_limit = 3;
+  int64_t chunk_takeover_limit = 10;
   double handoff_cost_seconds = 0.25;
   double replica_retest_seconds = 30, replica_retest_max_seconds = 600;
   int64_t liveness_grace_seconds = 300;
@@ -254,6 +258,7 @@ Options parse(int argc, char** argv) {
                                          {"--max-width", {&o.max_width, 16, 16384}},
                                          {"--max-steps", {&o.max_steps, 1, 10000}},
                                          {"--chunk-retries", {&chunk_retries, 0, 100}},
+                                         {"--chunk-takeover-limit", {&o.chunk_takeover_limit, 0, 1000}},
                                          {"--replica-failure-limit", {&failure_limit, 1, 1000000}},
                                          {"--drain-timeout-seconds", {&o.drain_timeout_seconds, 0, 86400 * 7}},
                                          {"--result-ttl-seconds", {&o.result_ttl_seconds, 1, 86400 * 30}},
@@ -587,6 +592,7 @@ SchedulerOptions scheduling_options(const Options& o) {
   scheduling.max_jobs = o.max_queue;
   scheduling.max_jobs_per_client = o.transport.max_jobs_per_client;
   scheduling.chunk_retries = o.chunk_retries;
+  scheduling.chunk_takeover_limit = static_cast<int>(o.chunk_takeover_limit);
   scheduling.replica_failure_limit = o.replica_failure_limit;
   scheduling.handoff_cost_seconds = o.handoff_cost_seconds;
   scheduling.retention = std::chrono::seconds(o.result_ttl_seconds);

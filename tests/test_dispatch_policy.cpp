@@ -77,6 +77,15 @@ TEST(DispatchPolicy, AFailedChunkIsRetriedAtMostChunkRetriesTimesAndOnlyWithAHea
   EXPECT_FALSE(should_retry(1, 2, false)) << "nowhere to run it";
 }
 
+TEST(DispatchPolicy, AChunkWhoseProcessDiedRunsAgainUpToTheTakeoverLimitWhateverItsRetries) {
+  EXPECT_TRUE(should_take_over(1, 10));
+  EXPECT_TRUE(should_take_over(10, 10)) << "the tenth death is still taken over";
+  EXPECT_FALSE(should_take_over(11, 10)) << "a chunk that kills every process running it ends";
+  EXPECT_FALSE(should_take_over(1, 0)) << "--chunk-takeover-limit 0: the first death fails the job";
+  EXPECT_TRUE(should_take_over(3, 10) && !should_retry(3, 2, true))
+      << "three deaths are not three failures: --chunk-retries 2 does not bound them";
+}
+
 TEST(DispatchPolicy, ABusyReplicaThatOverranItsEstimateIsAboutToFinish) {
   EXPECT_DOUBLE_EQ(remaining_seconds(3.0, 1.0), 2.0);
   EXPECT_DOUBLE_EQ(remaining_seconds(3.0, 5.0), 0.0);

@@ -67,8 +67,26 @@ struct RunLog {
   }
 };
 
+// Holds a replica's chunks until the test opens it: what the test submits meanwhile is all queued at once, however
+// slowly a loaded machine or a store answers.
+struct Gate {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool open = false;
+  void wait() {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return open; });
+  }
+  void release() {
+    std::lock_guard<std::mutex> lock(mu);
+    open = true;
+    cv.notify_all();
+  }
+};
+
 struct FakeBehaviour {
   std::chrono::milliseconds step = 2ms;
+  std::shared_ptr<Gate> gate;  // every run waits for it before its first step
   int64_t rows = 3;
   std::set<int> fail_calls;  // 1-based runs of this replica that throw (after their first step)
   bool always_fail = false;
@@ -118,6 +136,7 @@ class FakeExecutor : public ChunkExecutor {
     log_->add(work.job_id + ":" + std::to_string(work.chunk_index) + "@" + name_);
     if (behaviour_.reject) return {ChunkOutcome::Rejected, "prompt_embeds: bad shape", 0, {}, {}};
     if (behaviour_.out_of_memory) return {ChunkOutcome::ResourceExhausted, "out of memory (injected)", 0, {}, {}};
+    if (behaviour_.gate) behaviour_.gate->wait();
     for (int64_t row = 1; row <= behaviour_.rows; ++row) {
       if (callbacks.should_stop()) return {ChunkOutcome::Stopped, "", 0, {}, {}};
       std::this_thread::sleep_for(behaviour_.step);
@@ -378,10 +397,13 @@ int64_t chunks_of_before_last_of(const std::vector<std::string>& log, const std:
 }
 
 TEST(Scheduler, ATenantWithManyJobsGetsOneShareNotOnePerJob) {
-  Harness h({steps(3ms)});
+  FakeBehaviour held = steps(3ms);
+  held.gate = std::make_shared<Gate>();
+  Harness h({held});
   std::set<std::string> a_jobs;
   for (int i = 0; i < 6; ++i) a_jobs.insert(h.submit_for("tenant-a", 6));
   const auto b_job = h.submit_for("tenant-b", 6);
+  held.gate->release();  // A's first chunk ran no step yet: every job waits, however long the submissions took
   EXPECT_EQ(h.wait(b_job).state, JobState::Succeeded);
   for (const auto& id : a_jobs) EXPECT_EQ(h.wait(id).state, JobState::Succeeded);
   const int64_t a_before_b_ends = chunks_of_before_last_of(h.log->snapshot(), a_jobs, b_job);

@@ -298,6 +298,77 @@ TEST(JobStore, TextPromptChangesResumeBitIdenticallyOnAServerWithoutATextEncoder
   EXPECT_TRUE(at::equal(served, expected)) << "max |resumed - uninterrupted| = " << max_abs_diff(served, expected);
 }
 
+// Issue 36: a crash is not the chunk's fault. Six SIGKILLs with default flags (two chunk retries), each at an early
+// step of the first unfinished job's running chunk, so that the same chunk loses its process six times: before the
+// takeover limit this failed the job ("chunk N failed 3 time(s)"). Every job succeeds and equals `skyreels generate`.
+TEST(JobStore, SixKillsDuringThreeJobsFailNoJobAndEveryVideoEqualsGenerate) {
+  const std::string store = new_store();
+  std::vector<pb::SubmitJobRequest> requests;
+  for (uint64_t seed : {3601, 3602, 3603}) requests.push_back(long_video_request(seed));
+  std::vector<std::string> ids;
+  for (int kill = 0; kill < 6; ++kill) {
+    ServerProcess server(store_args(store));
+    if (ids.empty()) {
+      for (const auto& request : requests) ids.push_back(submit(server.client(), request).job_id());
+    }
+    const auto unfinished = std::find_if(ids.begin(), ids.end(), [&](const std::string& id) {
+      return get_job(server.client(), id).state() != pb::JOB_STATE_SUCCEEDED;
+    });
+    ASSERT_NE(unfinished, ids.end()) << "every job ended before kill " << kill;
+    const int64_t at_step = 1 + kill % 2;  // the first or the second row of the chunk
+    const auto events = watch_until(server.client(), *unfinished, 0, [&](const pb::JobEvent& e) {
+      return e.has_finished() || (e.has_step() && e.step().step() >= at_step);
+    });
+    ASSERT_TRUE(!events.empty() && events.back().has_step()) << "the job ended before kill " << kill;
+    kill_server(server);
+  }
+  ServerProcess restarted(store_args(store, 0));
+  int takeovers = 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const pb::Job done = wait_job(restarted.client(), ids[i], 180s);
+    ASSERT_EQ(done.state(), pb::JOB_STATE_SUCCEEDED) << "job " << i << ": " << done.error().message();
+    for (const auto& e : watch_until(restarted.client(), ids[i], 0, [](const pb::JobEvent& e) { return e.has_finished(); })) {
+      if (e.has_chunk_retry()) {
+        EXPECT_TRUE(e.chunk_retry().takeover()) << "no chunk raised an error: " << e.chunk_retry().error();
+        takeovers += e.chunk_retry().takeover() ? 1 : 0;
+      }
+    }
+    const at::Tensor served = download_latents(restarted.client(), ids[i]);
+    ASSERT_TRUE(served.defined());
+    const at::Tensor expected = reference_latents(requests[i]);
+    EXPECT_TRUE(at::equal(served, expected)) << "job " << i << ": max |served - generate| = "
+                                             << max_abs_diff(served, expected);
+  }
+  EXPECT_EQ(takeovers, 6) << "each kill mid-chunk is one takeover, recorded as such";
+}
+
+// ... and the one real danger, a chunk that kills every process running it, still ends: after
+// --chunk-takeover-limit takeovers its job fails with a message that says the processes died.
+TEST(JobStore, AChunkThatKillsEveryProcessFailsItsJobAfterTheTakeoverLimit) {
+  const std::string store = new_store();
+  std::vector<std::string> args = store_args(store, 0);
+  // A slow first row: the submission is answered before the chunk kills the process.
+  args.insert(args.end(), {"--chunk-takeover-limit", "2", "--fault-inject", "cpu:0@1:kill", "--block-delay-ms", "200"});
+  std::string id;
+  int deaths = 0;
+  for (int start = 0; start < 3; ++start) {
+    ServerProcess server(args, /*wait_ready=*/start == 0);
+    if (start == 0) id = submit(server.client(), long_video_request(3610)).job_id();
+    if (server.wait_exit(90s) == 128 + SIGKILL) {
+      ++deaths;
+      continue;
+    }
+    FAIL() << "start " << start << " did not die; log:\n" << server.log();
+  }
+  ASSERT_EQ(deaths, 3) << "the first run and two takeovers each kill the process";
+  std::vector<std::string> healthy = store_args(store, 0);
+  healthy.insert(healthy.end(), {"--chunk-takeover-limit", "2"});  // a fourth run of the chunk would succeed
+  ServerProcess last(healthy);
+  const pb::Job done = wait_job(last.client(), id, 60s);
+  EXPECT_EQ(done.state(), pb::JOB_STATE_FAILED);
+  EXPECT_EQ(done.error().message(), "the processes running chunk 0 died 3 times");
+}
+
 TEST(JobStore, QueuedJobsSurviveInTheirOrder) {
   const std::string store = new_store();
   std::vector<std::string> ids;

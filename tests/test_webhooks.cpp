@@ -11,6 +11,9 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <regex>
+#include <ctime>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
@@ -183,10 +186,11 @@ TEST(Webhooks, AHangingReceiverDelaysNoOtherJob) {
 // Two pods on PostgreSQL, the job's chunks on both: the pod that accepted it delivers its webhooks, each once (the
 // other pod, which sees the same outbox, stays out of it while the accepting pod is alive).
 // Two pods with webhooks on one PostgreSQL (chunk leases of 2 s); `extra` goes to both.
+// pod-1 may run with its wall clock moved (libfaketime's FAKETIME, e.g. "+90s"; its monotonic clock stays true).
 struct TwoPods {
   PgServer pg;
   std::unique_ptr<ServerProcess> pod0, pod1;
-  TwoPods(int step_delay_ms, const std::vector<std::string>& extra = {}) {
+  TwoPods(int step_delay_ms, const std::vector<std::string>& extra = {}, const std::string& pod1_faketime = "") {
     ::setenv("SKYREELS_JOB_STORE", pg.url().c_str(), 1);
     const std::string secret = secret_file();
     auto pod = [&](const std::string& name) {
@@ -197,10 +201,70 @@ struct TwoPods {
       return std::make_unique<ServerProcess>(args);
     };
     pod0 = pod("pod-0");
+    if (!pod1_faketime.empty()) {
+      ::setenv("LD_PRELOAD", kLibFaketime, 1);
+      ::setenv("FAKETIME", pod1_faketime.c_str(), 1);
+      ::setenv("FAKETIME_DONT_FAKE_MONOTONIC", "1", 1);
+    }
     pod1 = pod("pod-1");
-    ::unsetenv("SKYREELS_JOB_STORE");
+    for (const char* name : {"LD_PRELOAD", "FAKETIME", "FAKETIME_DONT_FAKE_MONOTONIC", "SKYREELS_JOB_STORE"}) {
+      ::unsetenv(name);
+    }
   }
+  static constexpr const char* kLibFaketime = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
 };
+
+// Deliveries that pod `log` made, by job id.
+std::map<std::string, int> deliveries_by_job(const std::string& log) {
+  std::map<std::string, int> count;
+  static const std::regex delivered("job=(\\S+) event=webhook_delivered");
+  for (std::sregex_iterator it(log.begin(), log.end(), delivered), end; it != end; ++it) ++count[(*it)[1]];
+  return count;
+}
+
+// Issue 36: no wall clock across pods. pod-1's clock runs 90 s ahead (leases are timed by PostgreSQL's clock, the
+// webhook takeover on this pod's monotonic clock): every event is delivered once, by the pod that accepted its job,
+// while both pods run chunks. Before, pod-1 read pod-0's event times as 90 s old and took every delivery over.
+TEST(Webhooks, APodWhoseClockRunsAheadTakesNoLiveDeliveryOver) {
+  ASSERT_TRUE(std::filesystem::exists(TwoPods::kLibFaketime)) << "Debian's faketime package (scripts/setup.sh)";
+  Receiver receiver;
+  TwoPods pods(20, {}, "+90s");
+  auto& pod0 = pods.pod0;
+  auto& pod1 = pods.pod1;
+  std::map<std::string, ServerProcess*> accepted_by;
+  for (int i = 0; i < 3; ++i) {
+    ServerProcess* pod = i < 2 ? pod0.get() : pod1.get();
+    const std::string id = submit(pod->client(), with_webhook(long_video_request(60 + static_cast<uint64_t>(i), 2),
+                                                              receiver.url("/ok"))).job_id();
+    accepted_by[id] = pod;
+  }
+  // The premise: pod-1's clock is 90 s ahead (it measured PostgreSQL's clock 90 s behind its own); yet it stamps
+  // what it accepts on the store's clock, as pod-0 does.
+  const std::string pod1_log = pod1->log();
+  std::smatch offset;
+  ASSERT_TRUE(std::regex_search(pod1_log, offset, std::regex("clock_offset_ms=(-?[0-9]+)"))) << pod1_log;
+  EXPECT_LE(std::stoll(offset[1]), -85000) << "libfaketime did not move pod-1's clock";
+  for (const auto& [id, pod] : accepted_by) {
+    const int64_t created = get_job(pod->client(), id).created_at().seconds();
+    EXPECT_LE(std::abs(created - static_cast<int64_t>(std::time(nullptr))), 10) << id << ": not the store's clock";
+  }
+  for (const auto& [id, pod] : accepted_by) ASSERT_EQ(wait_job(pod0->client(), id).state(), pb::JOB_STATE_SUCCEEDED);
+  ASSERT_TRUE(receiver.wait_delivered("/ok", 3 * kEventsPerJob, 60)) << pod0->log();
+  std::this_thread::sleep_for(std::chrono::seconds(3));  // a second sender would have sent by now
+  std::map<std::string, int> count;
+  for (const Received& r : receiver.received()) ++count[r.id];
+  EXPECT_EQ(count.size(), 3 * kEventsPerJob);
+  for (const auto& [id, n] : count) EXPECT_EQ(n, 1) << id << " delivered more than once";
+  const auto by_pod0 = deliveries_by_job(pod0->log());
+  const auto by_pod1 = deliveries_by_job(pod1->log());
+  for (const auto& [id, pod] : accepted_by) {
+    const auto& owner = pod == pod0.get() ? by_pod0 : by_pod1;
+    const auto& other = pod == pod0.get() ? by_pod1 : by_pod0;
+    EXPECT_EQ(owner.count(id) ? owner.at(id) : 0, static_cast<int>(kEventsPerJob)) << id;
+    EXPECT_EQ(other.count(id), 0u) << id << ": delivered by the pod that did not accept it";
+  }
+  EXPECT_NE(pod1->log().find("event=chunk_finished"), std::string::npos) << "pod-1 ran no chunk: the test shows less";
+}
 
 TEST(Webhooks, OnPeersThePodThatAcceptedAJobDeliversEachEventOnce) {
   Receiver receiver;

@@ -218,8 +218,12 @@ WatchOutcome watch_job(Client& client, const std::string& job_id, bool progress_
       case v1::JobEvent::kChunkRetry: {
         const auto& r = event.chunk_retry();
         end_bar();
-        log << "chunk " << r.chunk_index() + 1 << " failed on " << r.replica() << ", retrying elsewhere: " << r.error()
-            << "\n";
+        if (r.takeover()) {
+          log << "chunk " << r.chunk_index() + 1 << " lost its process, taken over: " << r.error() << "\n";
+        } else {
+          log << "chunk " << r.chunk_index() + 1 << " failed on " << r.replica() << ", retrying elsewhere: "
+              << r.error() << "\n";
+        }
         break;
       }
       case v1::JobEvent::kFinished: {

@@ -162,6 +162,7 @@ void VideoServiceImpl::event_to_proto(const std::string& id, const std::string& 
       r->set_replica(e.replica);
       r->set_error(e.message);
       r->set_attempt(e.attempt);
+      r->set_takeover(e.takeover);
       break;
     }
     case EventType::Finished: {

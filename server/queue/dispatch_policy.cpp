@@ -56,6 +56,8 @@ bool should_retry(int failed_attempts, int chunk_retries, bool any_healthy_repli
   return any_healthy_replica && failed_attempts <= chunk_retries;
 }
 
+bool should_take_over(int takeovers, int chunk_takeover_limit) { return takeovers <= chunk_takeover_limit; }
+
 double remaining_seconds(double expected_seconds, double elapsed_seconds) {
   return std::max(0.0, expected_seconds - elapsed_seconds);
 }

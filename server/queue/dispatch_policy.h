@@ -63,6 +63,10 @@ int choose_replica(const JobPlacement& job, const std::vector<ReplicaView>& repl
 // and only while some replica is healthy. (A stop request or a job's own fault ends it before this question.)
 bool should_retry(int failed_attempts, int chunk_retries, bool any_healthy_replica);
 
+// Whether a chunk whose lease has been taken over `takeovers` times (this one included: each time the process running
+// it died or went silent) runs again. A drain gives a chunk back and is never a takeover.
+bool should_take_over(int takeovers, int chunk_takeover_limit);
+
 // The time a busy replica still needs for its chunk: never negative (a chunk that overran is "about to finish").
 double remaining_seconds(double expected_seconds, double elapsed_seconds);
 

@@ -19,6 +19,9 @@ struct SchedulerOptions {
   int64_t max_jobs_per_client = 0;  // of those, per JobSpec::client (0: no cap); the server sets one
 
   int chunk_retries = 2;               // extra attempts per chunk after a failure
+  // Takeovers of a chunk whose process died (or went silent) before the job fails: a crash is not the chunk's error,
+  // so it is counted apart, with a larger bound that only stops a chunk that kills every process running it.
+  int chunk_takeover_limit = 10;
   int replica_failure_limit = 3;       // consecutive failed chunks before a replica is taken out
   double handoff_cost_seconds = 0.25;  // expected cost of moving a job's state to another replica
   int64_t max_retained_jobs = 256;     // finished jobs kept for Get/List/Download (oldest dropped first)

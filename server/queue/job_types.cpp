@@ -85,6 +85,7 @@ std::string encode_stored_event(const JobEvent& e) {
   if (e.type == EventType::ChunkFinished) {
     j["work"] = {e.work.full, e.work.computed, e.work.saved_exact, e.work.saved_cache};
   }
+  if (e.type == EventType::ChunkRetry && e.takeover) j["takeover"] = true;
   if (e.type == EventType::Webhook) {
     j["target"] = e.target;
     j["status"] = e.status;
@@ -124,6 +125,9 @@ static JobEvent decode_event_json(const StoredEvent& stored) {
   e.step = j.value("step", int64_t{0});
   e.steps = j.value("steps", int64_t{0});
   e.progress = j.value("progress", 0.0);
+  // Servers before the flag recorded a takeover by this message alone.
+  e.takeover = j.value("takeover", e.type == EventType::ChunkRetry &&
+                                       e.message == "the lease of the replica running the chunk expired");
   e.target = j.value("target", uint64_t{0});
   e.status = j.value("status", 0);
   if (j.contains("work")) {  // ChunkFinished events stored before it have none

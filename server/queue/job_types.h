@@ -92,6 +92,7 @@ struct JobEvent {
   int64_t step = 0, steps = 0;
   int attempt = 0;
   bool handoff = false;
+  bool takeover = false;    // ChunkRetry: the process running the chunk died or went silent (not the chunk's error)
   double seconds = 0;       // ChunkFinished: chunk duration
   TransformerWork work;     // ChunkFinished: the chunk's transformer work
   int64_t position = 0;     // Queued

@@ -21,14 +21,12 @@ constexpr size_t kMaxStepJobs = 4096;  // jobs with step events kept (those of o
 constexpr auto kStepPublishPeriod = std::chrono::milliseconds(500);  // step progress to other pods, coalesced
 constexpr size_t kMaxDescriptions = 4096;  // small structs; a pod is asked about far fewer jobs at a time
 
-int64_t now_ms() { return wall_ms(WallClock::now()); }
-
-int64_t deadline_ms(const std::optional<Clock::time_point>& deadline) {
-  const auto left = *deadline - Clock::now();
-  return wall_ms(WallClock::now() + std::chrono::duration_cast<WallClock::duration>(left));
+// Wall-clock times are the store's (LeaseStore::now_ms): every pod stamps and compares on one clock.
+int64_t deadline_ms(const std::optional<Clock::time_point>& deadline, int64_t now_ms) {
+  return now_ms + std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - Clock::now()).count();
 }
 
-bool deadline_passed(const StoredJob& job) { return job.deadline_ms && *job.deadline_ms <= now_ms(); }
+bool deadline_passed(const StoredJob& job, int64_t now_ms) { return job.deadline_ms && *job.deadline_ms <= now_ms; }
 
 }  // namespace
 
@@ -38,7 +36,8 @@ struct Scheduler::Running {
   StoredJob job;  // as it was when the chunk was claimed (without the request)
   std::string replica;  // lease name
   std::shared_ptr<JobPayload> payload;  // the one this chunk runs on (the cache may hold another meanwhile)
-  int attempt = 0;
+  int attempt = 0;   // earlier attempts of the chunk, failures and takeovers
+  int failures = 0;  // of those, the chunk's own errors (bounded by chunk_retries)
   int64_t rows_total = 0, rows_before = 0;
   // Sequence numbers reserved for this chunk's steps: one store call per chunk for its planned rows, another when a
   // chunk reports more rows than planned. (first row, its number) per reservation, ascending.
@@ -299,29 +298,38 @@ std::optional<ChunkAssignment> Scheduler::prepare(size_t replica, const ChunkLea
     leases_.release(lease);
     return std::nullopt;
   }
-  if (deadline_passed(*job)) {
+  if (deadline_passed(*job, leases_.now_ms())) {
     finish(job->id, JobState::DeadlineExceeded, ErrorKind::DeadlineExceeded, "deadline passed while queued");
     return std::nullopt;
   }
   // A job that was never retried (the stored count covers every pod) has no retry events to read.
-  const int attempt =
-      (job->retries == 0 ? 0 : attempts_of(job->id, lease.chunk_index)) + (lease.takeover ? 1 : 0);
+  Attempts attempts = job->retries == 0 ? Attempts{} : attempts_of(job->id, lease.chunk_index);
   if (lease.takeover) {
-    spdlog::warn("job={} event=lease_takeover chunk={} from={} to={}", job->id, lease.chunk_index,
-                 lease.previous_replica, name);
+    ++attempts.takeovers;
+    spdlog::warn("job={} event=lease_takeover chunk={} from={} to={} takeovers={}", job->id, lease.chunk_index,
+                 lease.previous_replica, name, attempts.takeovers);
     if (observer_) observer_->lease_takeover(name);
     JobEvent retry;
     retry.type = EventType::ChunkRetry;
     retry.chunk = lease.chunk_index;
-    retry.attempt = attempt - 1;
+    retry.attempt = attempts.total() - 1;
+    retry.takeover = true;
     retry.message = "the lease of the replica running the chunk expired";
     append(job->id, retry);
   }
-  if (!policy::should_retry(attempt, options_.scheduling.chunk_retries, true)) {  // this replica is healthy
+  if (!policy::should_take_over(attempts.takeovers, options_.scheduling.chunk_takeover_limit)) {
     finish(job->id, JobState::Failed, ErrorKind::Internal,
-           "chunk " + std::to_string(lease.chunk_index) + " failed " + std::to_string(attempt) + " time(s)");
+           "the processes running chunk " + std::to_string(lease.chunk_index) + " died " +
+               std::to_string(attempts.takeovers) + " times");
     return std::nullopt;
   }
+  if (!policy::should_retry(attempts.failures, options_.scheduling.chunk_retries, true)) {  // this replica is healthy
+    finish(job->id, JobState::Failed, ErrorKind::Internal,
+           "chunk " + std::to_string(lease.chunk_index) + " failed " + std::to_string(attempts.failures) +
+               " time(s)");
+    return std::nullopt;
+  }
+  const int attempt = attempts.total();
   std::string error;
   const std::shared_ptr<Cached> cached = payload_for(*job, lease, error);
   if (!cached) {
@@ -337,6 +345,7 @@ std::optional<ChunkAssignment> Scheduler::prepare(size_t replica, const ChunkLea
   run->index = replica;
   run->payload = cached->payload;
   run->attempt = attempt;
+  run->failures = attempts.failures;
   {
     std::lock_guard<std::mutex> lock(mu_);
     const auto& rows = cached->chunk_rows;
@@ -372,7 +381,7 @@ std::optional<ChunkAssignment> Scheduler::prepare(size_t replica, const ChunkLea
   if (observer_) {
     const JobSnapshot s = snapshot(*job);
     if (lease.chunk_index == 0 && attempt == 0) {
-      observer_->job_started(s, static_cast<double>(now_ms() - job->created_ms) / 1000.0);
+      observer_->job_started(s, static_cast<double>(leases_.now_ms() - job->created_ms) / 1000.0);
     }
     if (lease.handoff) observer_->handoff(s, lease.previous_replica, name);
     observer_->chunk_started(s, name, lease.chunk_index);
@@ -445,21 +454,21 @@ std::shared_ptr<Scheduler::Cached> Scheduler::payload_for(const StoredJob& job, 
   return cached;
 }
 
-// Failed attempts of a chunk so far: its ChunkRetry events (a takeover is one too).
+// Earlier attempts of a chunk: its ChunkRetry events, errors and takeovers apart.
 // Read from the end back to the previous chunk's end: a long video's earlier events are never decoded again.
-int Scheduler::attempts_of(const std::string& job_id, int64_t chunk) const {
+Scheduler::Attempts Scheduler::attempts_of(const std::string& job_id, int64_t chunk) const {
   const std::vector<StoredEvent> events = store_.load_events(job_id);
-  int attempts = 0;
+  Attempts attempts;
   for (auto it = events.rbegin(); it != events.rend(); ++it) {
     const JobEvent e = decode_stored_event(*it);
     if (e.type == EventType::Queued || (e.type == EventType::ChunkFinished && e.chunk < chunk)) break;
-    if (e.type == EventType::ChunkRetry && e.chunk == chunk) ++attempts;
+    if (e.type == EventType::ChunkRetry && e.chunk == chunk) ++(e.takeover ? attempts.takeovers : attempts.failures);
   }
   return attempts;
 }
 
 bool Scheduler::stop_requested(const Running& run) const {
-  if (run.lost || run.cancel || deadline_passed(run.job)) return true;
+  if (run.lost || run.cancel || deadline_passed(run.job, leases_.now_ms())) return true;
   std::lock_guard<std::mutex> lock(mu_);
   return hard_stop_;
 }
@@ -487,7 +496,7 @@ void Scheduler::push_step(Running& run, int64_t row, int64_t rows) {
   const auto range = std::prev(std::upper_bound(run.step_numbers.begin(), run.step_numbers.end(),
                                                 std::make_pair(row, std::numeric_limits<uint64_t>::max())));
   event.sequence = range->second + static_cast<uint64_t>(row - range->first);
-  event.time = WallClock::now();
+  event.time = from_wall_ms(leases_.now_ms());
   {
     std::lock_guard<std::mutex> lock(mu_);
     run.progress = event.progress;
@@ -567,12 +576,12 @@ std::string Scheduler::settle(size_t replica, ChunkResult result, double seconds
     finished_chunk.replica = run->replica;
     finished_chunk.seconds = seconds;
     finished_chunk.work = result.work;
-    finished_chunk.time = WallClock::now();
+    finished_chunk.time = from_wall_ms(leases_.now_ms());
     std::vector<std::string> events{encode_stored_event(finished_chunk)};
     if (last) {
       JobEvent done;
       done.type = EventType::Finished;
-      done.time = WallClock::now();
+      done.time = from_wall_ms(leases_.now_ms());
       events.push_back(encode_stored_event(done));
     }
     LeaseCommit commit;
@@ -625,7 +634,7 @@ std::string Scheduler::settle(size_t replica, ChunkResult result, double seconds
   } else if (stop) {
     if (run->cancel) {
       finish(id, JobState::Cancelled, ErrorKind::Cancelled, "cancelled by the client");
-    } else if (deadline_passed(run->job)) {
+    } else if (deadline_passed(run->job, leases_.now_ms())) {
       finish(id, JobState::DeadlineExceeded, ErrorKind::DeadlineExceeded, "deadline passed while running");
     } else {
       leases_.release(run->lease);  // this pod stops: another one continues the job, not as a retry
@@ -651,13 +660,13 @@ std::string Scheduler::settle(size_t replica, ChunkResult result, double seconds
 }
 
 void Scheduler::fail_or_retry(const Running& run, const std::string& error) {
-  const bool retry = policy::should_retry(run.attempt + 1, options_.scheduling.chunk_retries, pool_.any_healthy());
+  const bool retry = policy::should_retry(run.failures + 1, options_.scheduling.chunk_retries, pool_.any_healthy());
   spdlog::warn("job={} event=chunk_failed chunk={} replica={} attempt={} retry={} error=\"{}\"", run.job.id,
                run.lease.chunk_index, run.replica, run.attempt, retry, error);
   if (observer_) observer_->chunk_failed(snapshot(run.job), run.replica, run.lease.chunk_index, error, retry);
   if (!retry) {
     finish(run.job.id, JobState::Failed, ErrorKind::Internal,
-           "chunk " + std::to_string(run.lease.chunk_index) + " failed " + std::to_string(run.attempt + 1) +
+           "chunk " + std::to_string(run.lease.chunk_index) + " failed " + std::to_string(run.failures + 1) +
                " time(s); last error on replica " + run.replica + ": " + error);
     return;
   }
@@ -690,7 +699,7 @@ void Scheduler::finish(const std::string& job_id, JobState state, ErrorKind kind
     job->state = job_state_name(state);
     job->error_kind = error_kind_name(kind);
     job->error = error;
-    job->finished_ms = now_ms();
+    job->finished_ms = leases_.now_ms();
     try {
       store_.update_job(*job);
     } catch (const StoreError& e) {
@@ -724,7 +733,7 @@ void Scheduler::finish(const std::string& job_id, JobState state, ErrorKind kind
 
 uint64_t Scheduler::append(const std::string& job_id, const JobEvent& event) {
   JobEvent stamped = event;
-  stamped.time = WallClock::now();
+  stamped.time = from_wall_ms(leases_.now_ms());
   try {
     const std::vector<uint64_t> seq = leases_.append_events(job_id, {encode_stored_event(stamped)});
     changed(job_id);  // this server's watchers at once (other pods' through the store, or their next poll)
@@ -895,7 +904,7 @@ void Scheduler::housekeeping() {
 
 void Scheduler::retire_finished() {
   const auto& o = options_.scheduling;
-  const int64_t before = now_ms() - std::chrono::duration_cast<std::chrono::milliseconds>(o.retention).count();
+  const int64_t before = leases_.now_ms() - std::chrono::duration_cast<std::chrono::milliseconds>(o.retention).count();
   for (const LeaseStore::Retired& job : leases_.finished_to_retire(before, o.max_retained_jobs)) {
     store_.drop_job(job.job_id, job.expired ? "its results were kept --result-ttl-seconds " +
                                                   std::to_string(o.retention.count())
@@ -966,12 +975,12 @@ SubmitResult Scheduler::submit(JobSpec spec) {
   job.client = spec.client;
   job.client_weight = spec.client_weight;
   job.priority = spec.priority;
-  if (spec.deadline) job.deadline_ms = deadline_ms(spec.deadline);
+  if (spec.deadline) job.deadline_ms = deadline_ms(spec.deadline, leases_.now_ms());
   job.idempotency_key = spec.idempotency_key;
   job.fingerprint = spec.fingerprint;
   job.fingerprint_v2 = spec.fingerprint_v2;
   job.state = job_state_name(JobState::Queued);
-  job.created_ms = now_ms();
+  job.created_ms = leases_.now_ms();
   job.chunk_count = static_cast<int64_t>(spec.chunk_work.size());
   job.request = std::move(spec.durable_request);
   // This server prepared the payload: cached under each id the insert tries, before the job exists in the store,
@@ -1287,7 +1296,7 @@ EventBatch Scheduler::wait_events(const std::string& id, const std::string& owne
         JobEvent end;
         end.type = EventType::Finished;
         end.message = *aborted_;
-        end.time = WallClock::now();
+        end.time = from_wall_ms(leases_.now_ms());
         end.sequence = std::max<uint64_t>(stored.empty() ? 0 : stored.back().sequence, after_sequence) + 1;
         batch.events.push_back(end);
         batch.finished = true;

@@ -130,7 +130,12 @@ class Scheduler final : public JobQueue, private ChunkSource {
   std::string settle(size_t replica, ChunkResult result, double seconds);  // returns the job's id
   // The payload with its chunk plan, held by the caller: the cache may evict or replace its entry meanwhile.
   std::shared_ptr<Cached> payload_for(const StoredJob& job, const ChunkLease& lease, std::string& error);
-  int attempts_of(const std::string& job_id, int64_t chunk) const;
+  struct Attempts {
+    int failures = 0;   // the chunk raised an error
+    int takeovers = 0;  // the process running it died or went silent
+    int total() const { return failures + takeovers; }
+  };
+  Attempts attempts_of(const std::string& job_id, int64_t chunk) const;
   void finish(const std::string& job_id, JobState state, ErrorKind kind, const std::string& error);
   void fail_or_retry(const Running& run, const std::string& error);
   uint64_t append(const std::string& job_id, const JobEvent& event);

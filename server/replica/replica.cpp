@@ -1,5 +1,8 @@
 #include "server/replica/replica.h"
 
+#include <signal.h>
+#include <unistd.h>
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
@@ -71,8 +74,11 @@ std::vector<FaultRule> parse_fault_rules(const std::string& text) {
         rule.kind = FaultKind::OutOfMemory;
       } else if (kind == "dead") {
         rule.kind = FaultKind::Dead;
+      } else if (kind == "kill") {
+        rule.kind = FaultKind::Kill;
       } else {
-        throw std::invalid_argument("--fault-inject: '" + item + "': kind '" + kind + "' is not error, oom or dead");
+        throw std::invalid_argument("--fault-inject: '" + item + "': kind '" + kind +
+                                    "' is not error, oom, dead or kill");
       }
     }
     if (!n.empty() && n.back() == '+') {
@@ -274,6 +280,10 @@ void ModelReplica::throw_fault(const FaultRule& rule, int64_t run_number) {
     case FaultKind::Dead:
       dead_ = true;
       throw InjectedFault("injected fault (--fault-inject ...:dead) on " + where);
+    case FaultKind::Kill:
+      spdlog::error("replica={} event=injected_kill run={}", options_.name, run_number);
+      ::kill(::getpid(), SIGKILL);
+      break;
     case FaultKind::Error:
       break;
   }

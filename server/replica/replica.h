@@ -21,8 +21,10 @@ namespace skyreels::server {
 // "--fault-inject REPLICA@N[+][:KIND][,...]": the N-th chunk run (1-based) on replica REPLICA fails after its first
 // step; with '+', that run and every later one on that replica. KIND: "error" (default: a device error, counted
 // against the replica), "oom" (an out-of-memory error, as LibTorch raises it: the request's fault), "dead" (a device
-// error, and every re-test of the replica fails too). Also read from $SKYREELS_FAULT_INJECT.
-enum class FaultKind { Error, OutOfMemory, Dead };
+// error, and every re-test of the replica fails too), "kill" (the whole process dies by SIGKILL, as the kernel's OOM
+// killer or a preemption ends it: what a chunk that crashes every process running it looks like from outside).
+// Also read from $SKYREELS_FAULT_INJECT.
+enum class FaultKind { Error, OutOfMemory, Dead, Kill };
 struct FaultRule {
   std::string replica;
   int64_t nth = 1;

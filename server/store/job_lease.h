@@ -169,6 +169,13 @@ class LeaseStore {
   virtual std::unique_ptr<ChangeListener> listen() = 0;
   // Readiness: the store answers now (false during an outage or a reconnect back-off).
   virtual bool reachable() const = 0;
+  // The store's clock, ms since the Unix epoch, without a store call: every wall-clock stamp and comparison that
+  // another pod may read (created, finished, deadlines, retention, event times) uses it, so that pods whose clocks
+  // disagree still agree on what is due. A store one process holds: this process's clock.
+  virtual int64_t now_ms() const {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(
+               std::chrono::system_clock::now().time_since_epoch()).count();
+  }
 };
 
 // The affinity rule as a pure function. `candidates` are the first ready jobs in claim order; returns the indices to

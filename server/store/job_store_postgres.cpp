@@ -231,7 +231,9 @@ class PgChangeListener final : public ChangeListener {
 PostgresJobStore::PostgresJobStore(const std::string& url)
     : url_(url), origin_(new_origin()), pool_(std::make_unique<pg::Pool>(url, kConnections)) {
   migrate();
-  spdlog::info("event=job_store_opened store=postgresql url={} schema_version={}", describe(), kSchemaVersion);
+  reachable();  // the first clock offset, before anything is stamped
+  spdlog::info("event=job_store_opened store=postgresql url={} schema_version={} clock_offset_ms={}", describe(),
+               kSchemaVersion, clock_offset_ms_.load());
 }
 
 PostgresJobStore::~PostgresJobStore() = default;
@@ -714,11 +716,17 @@ std::string PostgresJobStore::notify_change_sql(const std::string& job_id) const
 bool PostgresJobStore::reachable() const {
   try {
     auto c = pool_->acquire();
-    c->exec("SELECT 1");
+    const int64_t before = LeaseStore::now_ms();
+    const pg::Result r = c->exec(std::string("SELECT ") + kNowMs);
+    const int64_t after = LeaseStore::now_ms();
+    // The store's reading falls within the round trip: take its middle (off by half the round trip at most).
+    clock_offset_ms_ = r.int64(0, 0) - (before + (after - before) / 2);
     return true;
   } catch (const StoreError&) {
     return false;
   }
 }
+
+int64_t PostgresJobStore::now_ms() const { return LeaseStore::now_ms() + clock_offset_ms_.load(); }
 
 }  // namespace skyreels::server

@@ -5,6 +5,7 @@
 // store (password redacted); a lost connection is re-made on the next call (pg_db.h).
 #pragma once
 
+#include <atomic>
 #include <memory>
 
 #include "server/store/job_lease.h"
@@ -62,7 +63,10 @@ class PostgresJobStore final : public JobStore, public LeaseStore {
   uint64_t reserve_sequences(const std::string& job_id, int64_t count) override;
   void publish_step(const std::string& job_id, const StoredEvent& event) override;
   std::unique_ptr<ChangeListener> listen() override;
+  // Also measures PostgreSQL's clock against this pod's (the health check's one round trip, every few seconds).
   bool reachable() const override;
+  // This pod's clock plus the offset last measured (PostgreSQL's clock_timestamp(), the clock leases use).
+  int64_t now_ms() const override;
 
  private:
   void migrate();
@@ -73,6 +77,7 @@ class PostgresJobStore final : public JobStore, public LeaseStore {
   std::string url_;
   std::string origin_;  // tags the changes this store announces (its own listener skips them)
   std::unique_ptr<pg::Pool> pool_;
+  mutable std::atomic<int64_t> clock_offset_ms_{0};  // PostgreSQL's clock minus this pod's
 };
 
 }  // namespace skyreels::server

@@ -259,7 +259,6 @@ void WebhookSender::scan(const std::string& job_id, Clock::time_point now) {
   struct Progress {
     int attempts = 0;
     bool ended = false;
-    WallClock::time_point last;
   };
   std::map<uint64_t, Progress> progress;
   std::vector<JobEvent> events;
@@ -270,7 +269,6 @@ void WebhookSender::scan(const std::string& job_id, Clock::time_point now) {
         Progress& p = progress[e.target];
         if (e.message == "attempting") {
           p.attempts = std::max(p.attempts, e.attempt);
-          p.last = e.time;
         } else {
           p.ended = true;
         }
@@ -285,20 +283,27 @@ void WebhookSender::scan(const std::string& job_id, Clock::time_point now) {
   bool open = !is_terminal(state);
   auto next_check = now + options_.poll;
   bool mine = true;
+  std::map<uint64_t, Followed::Pending> pending;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    mine = !store_.leases()->shared() || followed_[job_id].accepted_here;
+    Followed& f = followed_[job_id];
+    mine = !store_.leases()->shared() || f.accepted_here;
+    pending.swap(f.pending);
   }
-  const auto grace = mine ? WallClock::duration::zero() : WallClock::duration(options_.takeover_grace);
+  const auto grace = mine ? Clock::duration::zero() : Clock::duration(options_.takeover_grace);
+  std::map<uint64_t, Followed::Pending> still_pending;
   for (const JobEvent& e : events) {
     const std::string type = type_of(e, state, wanted);
     if (type.empty()) continue;
     const Progress& p = progress[e.sequence];
     if (p.ended) continue;
     open = true;
-    const auto due = (p.attempts == 0 ? e.time : p.last + backoff(options_, p.attempts)) + grace;
-    if (due > WallClock::now()) {
-      next_check = std::min(next_check, now + std::chrono::duration_cast<Clock::duration>(due - WallClock::now()));
+    Followed::Pending& seen = still_pending[e.sequence] = pending[e.sequence];
+    if (seen.attempts != p.attempts) seen = {p.attempts, now};  // new here, or some pod made another attempt
+    const Clock::duration wait = p.attempts == 0 ? Clock::duration::zero() : backoff(options_, p.attempts);
+    const Clock::time_point due = seen.since + wait + grace;
+    if (due > now) {
+      next_check = std::min(next_check, due);
       break;
     }
     const std::string webhook_id = "msg_" + job_id + "_" + std::to_string(e.sequence);
@@ -313,7 +318,9 @@ void WebhookSender::scan(const std::string& job_id, Clock::time_point now) {
   }
   std::lock_guard<std::mutex> lock(mu_);
   if (open) {
-    followed_[job_id].next_check = next_check;
+    Followed& f = followed_[job_id];
+    f.next_check = next_check;
+    f.pending.swap(still_pending);
   } else {
     followed_.erase(job_id);
   }
@@ -338,7 +345,7 @@ void WebhookSender::work_loop() {
 void WebhookSender::record(const Delivery& d, const std::string& outcome, int status) {
   JobEvent e;
   e.type = EventType::Webhook;
-  e.time = WallClock::now();
+  e.time = from_wall_ms(store_.leases()->now_ms());
   e.target = d.target;
   e.attempt = d.attempt;
   e.message = outcome;

@@ -97,6 +97,14 @@ class WebhookSender : public SchedulerObserver {
     // null `webhook`: the job has none (kept until the job ends, so that its events read no request again).
     bool read = false;
     std::shared_ptr<const Webhook> webhook;
+    // Per undelivered event: its attempts so far and when this pod first saw that count, on this pod's monotonic
+    // clock. Retries and takeovers wait from there, never from another pod's wall-clock times (a pod whose clock
+    // runs ahead would take over live deliveries at once).
+    struct Pending {
+      int attempts = -1;
+      Clock::time_point since;
+    };
+    std::map<uint64_t, Pending> pending;
   };
   // The job's webhook from its stored request; null when it has none. StoreError when the store cannot answer.
   std::shared_ptr<const Webhook> webhook_of(const std::string& job_id);
