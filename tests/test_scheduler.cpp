@@ -318,9 +318,12 @@ TEST(Scheduler, TwoJobsOnTwoReplicasEachKeepTheirReplica) {
 TEST(Scheduler, MoreJobsThanReplicasHandOffAndCountEveryHandoff) {
   SchedulerOptions options;
   options.handoff_cost_seconds = 0;  // waiting for the holder is never worth it
-  Harness h({steps(3ms), steps(3ms)}, options);
+  FakeBehaviour held = steps(3ms);
+  held.gate = std::make_shared<Gate>();
+  Harness h({held, held}, options);
   std::vector<std::string> ids;
   for (int i = 0; i < 3; ++i) ids.push_back(h.submit(4, 0, static_cast<uint64_t>(i)));
+  held.gate->release();  // the three jobs interleave however slowly the store took them
   int handoffs = 0;
   for (const auto& id : ids) {
     const auto job = h.wait(id);
