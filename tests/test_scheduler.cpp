@@ -82,6 +82,10 @@ struct Gate {
     open = true;
     cv.notify_all();
   }
+  void close() {
+    std::lock_guard<std::mutex> lock(mu);
+    open = false;
+  }
 };
 
 struct FakeBehaviour {
@@ -687,21 +691,28 @@ TEST(Scheduler, EventsTellTheWholeStoryInOrder) {
 }
 
 TEST(Scheduler, QueuedJobsKnowTheirPositionAndAnEstimate) {
-  Harness h({steps(5ms)});
+  FakeBehaviour held = steps(5ms);
+  held.gate = std::make_shared<Gate>();
+  held.gate->release();
+  Harness h({held});
   h.wait(h.submit(1));  // one measurement for the estimate
+  held.gate->close();   // the next job holds the only replica: the later ones stay queued while the test looks
   const auto busy = h.submit(1);
   std::vector<std::string> queued;
   for (int i = 0; i < 3; ++i) queued.push_back(h.submit(1));
+  int64_t previous_position = 0;
   double previous_eta = -1;
   for (size_t i = 0; i < queued.size(); ++i) {
     const auto job = h.scheduler->get(queued[i], "");
     ASSERT_TRUE(job.has_value());
-    if (job->state != JobState::Queued) continue;  // the replica may already have moved on
-    EXPECT_GT(job->queue_position, 0);
-    EXPECT_GE(job->eta_seconds, 0.0);
-    EXPECT_GE(job->eta_seconds, previous_eta);
+    ASSERT_EQ(job->state, JobState::Queued) << "job " << i;
+    EXPECT_GT(job->queue_position, previous_position) << "job " << i;
+    EXPECT_GE(job->eta_seconds, 0.0) << "job " << i;
+    EXPECT_GE(job->eta_seconds, previous_eta) << "job " << i;
+    previous_position = job->queue_position;
     previous_eta = job->eta_seconds;
   }
+  held.gate->release();
   for (const auto& id : queued) h.wait(id);
   h.wait(busy);
 }
