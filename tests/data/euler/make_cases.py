@@ -5,7 +5,7 @@ diffusion-forcing pipelines: the fixtures tests/test_euler.cpp replays (the loop
 Each case takes a golden pipeline fixture (its tiny transformer, prompt embeddings, pixels, VAE: "base" in case.json,
 never copied) and runs diffusers' pipeline (the snapshot the golden fixtures name, from its source tree) with
 diffusers' FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=S) in place of UniPC. Two things diffusers
-needs for that, both outside the scheduler's math:
+needs for that, both outside the scheduler's math (scripts/diffusers_env.py: euler_for_df):
   * the DF pipelines pass step() the timestep as a 0-dim int64 tensor (t[idx] of the .long() step matrix), which
     FlowMatchEulerDiscreteScheduler.step refuses ("Passing integer indices ..."); the reference passes it as a float.
     The scheduler only uses it to find the first step index (index_for_timestep), every later step is its counter;
@@ -32,7 +32,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "scripts"))
-from diffusers_env import generator_arguments, import_diffusers, read_safetensors, write_safetensors  # noqa: E402
+from diffusers_env import (euler_for_df, generator_arguments, import_diffusers, read_safetensors,  # noqa: E402
+                           write_safetensors)
 
 GOLDEN = os.path.join(HERE, "..", "golden")
 LIST4 = [1000, 750, 500, 250]  # LightX2V's 4-step recipe (before the shift)
@@ -56,27 +57,6 @@ CASES = {
 }
 
 
-def euler_class(d):
-    module = importlib.import_module("diffusers.schedulers.scheduling_flow_match_euler_discrete")
-    base = module.FlowMatchEulerDiscreteScheduler
-
-    class EulerForDF(base):
-        """diffusers' scheduler; step() gets the DF pipeline's int64 timestep as a float, set_timesteps the list."""
-        fixed_timesteps = None
-
-        def set_timesteps(self, num_inference_steps=None, device=None, **kwargs):
-            if self.fixed_timesteps is not None:
-                kwargs["timesteps"] = list(self.fixed_timesteps)
-            return super().set_timesteps(num_inference_steps, device=device, **kwargs)
-
-        def step(self, model_output, timestep, sample, **kwargs):
-            if isinstance(timestep, torch.Tensor) and not timestep.is_floating_point():
-                timestep = timestep.to(torch.float32)
-            return super().step(model_output, timestep, sample, **kwargs)
-
-    return EulerForDF
-
-
 def run_case(d, name, spec):
     base_dir = os.path.join(GOLDEN, spec["base"])
     case = json.load(open(os.path.join(base_dir, "case.json")))
@@ -94,7 +74,7 @@ def run_case(d, name, spec):
     transformer.eval()
     transformer.config.num_frame_per_block = case["transformer_config_before_call"]["num_frame_per_block"]
 
-    scheduler = euler_class(d)(num_train_timesteps=1000, shift=spec["shift"])
+    scheduler = euler_for_df(d)(num_train_timesteps=1000, shift=spec["shift"])
     scheduler.fixed_timesteps = spec["timesteps"]
     i2v = "image" in kwargs
     if i2v:
