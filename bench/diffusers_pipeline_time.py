@@ -5,8 +5,12 @@ its rows with (it writes the weights and the prompt embeddings, runs this, and r
   /usr/bin/python3 bench/diffusers_pipeline_time.py --diffusers-src DIR --weights DIR --embeds FILE.safetensors
       --num-frames 97 --base-num-frames 97 [--overlap-history 17] --ar-step 5 --causal-block-size 5 --steps 30
       --height 64 --width 64 --seed 42 [--fbc-threshold T] [--threads N] [--out latents.safetensors]
+      [--guidance-scale G] [--sampler unipc|euler] [--flow-shift S] [--timesteps 1000,750,500,250]
 
-Guidance 1 (one transformer call per row), fp32, the scheduler config of the golden fixtures (flow UniPC, shift 8).
+Guidance 1 by default (one transformer call per row; above 1 the embeds file needs negative_prompt_embeds), fp32,
+the scheduler config of the golden fixtures (flow UniPC, shift 8; --flow-shift changes it). --sampler euler:
+diffusers' FlowMatchEulerDiscreteScheduler(shift=--flow-shift) with the DF pipeline's int64 timestep passed to
+step() as a float, and --timesteps handed to every per-frame copy (scripts/diffusers_env.py: euler_for_df); bench_samplers.
 With --fbc-threshold: diffusers' FirstBlockCache (the registry line it lacks added, state reset at every chunk start
 as `--cache-scope chunk` does). Prints {"seconds", "calls", "skipped"}: the pipeline call only (model construction
 and loading excluded), every transformer call and the ones FirstBlockCache skipped.
@@ -20,7 +24,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
-from diffusers_env import import_diffusers, read_safetensors, register_skyreels_block, write_safetensors  # noqa: E402
+from diffusers_env import (euler_for_df, import_diffusers, read_safetensors, register_skyreels_block,  # noqa: E402
+                           write_safetensors)
 
 SCHEDULER = {  # the golden fixtures' scheduler_config.json (diffusers' flow UniPC as SkyReels-V2 configures it)
     "beta_end": 0.02, "beta_schedule": "linear", "beta_start": 0.0001, "disable_corrector": [],
@@ -44,6 +49,10 @@ def main():
         p.add_argument("--" + name, type=int, default=default)
     p.add_argument("--overlap-history", type=int, default=None)
     p.add_argument("--fbc-threshold", type=float, default=None)
+    p.add_argument("--guidance-scale", type=float, default=1.0)
+    p.add_argument("--sampler", choices=["unipc", "euler"], default="unipc")
+    p.add_argument("--flow-shift", type=float, default=None)
+    p.add_argument("--timesteps", default=None)
     p.add_argument("--out", default=None)
     a = p.parse_args()
     if not a.diffusers_src:
@@ -61,7 +70,16 @@ def main():
     transformer.eval()
     vae = d.vae.AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                                  temperal_downsample=[False, True, True])  # only its scale factors (4, 8) are used
-    scheduler = d.unipc.UniPCMultistepScheduler.from_config(SCHEDULER)
+    if a.sampler == "euler":
+        scheduler = euler_for_df(d)(num_train_timesteps=1000, shift=a.flow_shift if a.flow_shift else 1.0)
+        if a.timesteps:
+            scheduler.fixed_timesteps = [int(t) for t in a.timesteps.split(",")]
+            a.steps = len(scheduler.fixed_timesteps)
+    else:
+        sched_config = dict(SCHEDULER)
+        if a.flow_shift:
+            sched_config["flow_shift"] = a.flow_shift
+        scheduler = d.unipc.UniPCMultistepScheduler.from_config(sched_config)
     pipe = d.pipeline.SkyReelsV2DiffusionForcingPipeline(tokenizer=None, text_encoder=None, transformer=transformer,
                                                          vae=vae, scheduler=scheduler)
     pipe.set_progress_bar_config(disable=True)
@@ -93,9 +111,11 @@ def main():
 
         pipe.prepare_latents = prepare_latents
 
-    embeds = read_safetensors(a.embeds)["prompt_embeds"]
-    kwargs = dict(prompt=None, prompt_embeds=embeds, height=a.height, width=a.width, num_frames=a.num_frames,
-                  num_inference_steps=a.steps, guidance_scale=1.0, output_type="latent", fps=24,
+    embeds = read_safetensors(a.embeds)
+    negative = embeds.get("negative_prompt_embeds") if a.guidance_scale > 1.0 else None
+    kwargs = dict(prompt=None, prompt_embeds=embeds["prompt_embeds"], negative_prompt_embeds=negative, height=a.height,
+                  width=a.width, num_frames=a.num_frames, num_inference_steps=a.steps,
+                  guidance_scale=a.guidance_scale, output_type="latent", fps=24,
                   base_num_frames=a.base_num_frames, ar_step=a.ar_step, causal_block_size=a.causal_block_size,
                   overlap_history=a.overlap_history, addnoise_condition=0,
                   generator=torch.Generator().manual_seed(a.seed))

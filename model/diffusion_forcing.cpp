@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "model/sampler_flow_euler.h"
 #include "model/transformer_skyreels_v2.h"
 
 namespace skyreels::model {
@@ -224,6 +225,12 @@ void validate_basic(const GenerationParams& p, int64_t block) {
           "overlap_history: required when num_frames (" + std::to_string(p.num_frames) + ") exceeds base_num_frames (" +
               std::to_string(p.base_num_frames) + "); recommended values are 17 or 37");
   p.scheduler.validate();
+  if (p.sampler == SamplerKind::kUniPC) {
+    require(p.timesteps.empty(), "scheduler.timesteps: an explicit timestep list needs scheduler.type euler (UniPC "
+                                 "spaces num_inference_steps itself)");
+  } else {
+    make_flow_euler_schedule(p.scheduler.num_train_timesteps, p.flow_shift, p.num_inference_steps, p.timesteps);
+  }
   require(p.kv_cache_max_bytes >= 0, "kv_cache_max_bytes: must be >= 0");
   if (p.cache.kind != StepCacheKind::kNone) {
     require(std::isfinite(p.cache.threshold) && p.cache.threshold >= 0.0,
@@ -650,7 +657,7 @@ void noise_condition(at::Tensor& model_input, at::Tensor& timestep, const Genera
 }
 
 // Scheduler updates of one row: frames sharing a step counter are advanced together.
-void update_frames(FlowUniPCFrames& schedulers, at::Tensor& latents, const at::Tensor& prediction,
+void update_frames(FrameSampler& schedulers, at::Tensor& latents, const at::Tensor& prediction,
                    const at::Tensor& row_mask, const at::Tensor& row_index, int64_t start, int64_t end) {
   const auto mask = row_mask.accessor<bool, 1>();
   const auto index = row_index.accessor<int64_t, 1>();
@@ -709,6 +716,26 @@ void check_plan(const ChunkPlan& plan, int64_t chunk_index, const GenerationPara
 
 }  // namespace
 
+ChunkSampler make_chunk_sampler(const GenerationParams& params, int64_t num_frames) {
+  ChunkSampler out;
+  if (params.sampler == SamplerKind::kEuler) {
+    auto sampler = std::make_shared<const FlowEulerSampler>(make_flow_euler_schedule(
+        params.scheduler.num_train_timesteps, params.flow_shift, params.num_inference_steps, params.timesteps));
+    out.step_template = sampler->schedule().model_timesteps;
+    out.frames = std::make_unique<FlowEulerFrames>(std::move(sampler), num_frames);
+    return out;
+  }
+  if (!params.timesteps.empty()) {
+    throw std::invalid_argument("scheduler.timesteps: an explicit timestep list needs scheduler.type euler");
+  }
+  FlowUniPCConfig scheduler_config = params.scheduler;
+  scheduler_config.flow_shift = params.flow_shift;
+  auto sampler = std::make_shared<const FlowUniPCSampler>(scheduler_config, params.num_inference_steps);
+  out.step_template = sampler->schedule().timesteps;
+  out.frames = std::make_unique<FlowUniPCFrames>(std::move(sampler), num_frames);
+  return out;
+}
+
 Conditioning prompt_for_chunk(const Conditioning& conditioning, const ChunkSpec& chunk) {
   Conditioning out;
   out.prompt_embeds = conditioning.prompt_embeds;
@@ -742,12 +769,9 @@ at::Tensor run_chunk(const Denoiser& denoiser, const DenoiserInfo& info, const G
   const ChunkInputs inputs = prepare_conditioning(prompt_for_chunk(conditioning, chunk), params, info);
   const int64_t batch = conditioning.prompt_embeds.size(0);
 
-  FlowUniPCConfig scheduler_config = params.scheduler;
-  scheduler_config.flow_shift = params.flow_shift;
-  auto sampler = std::make_shared<const FlowUniPCSampler>(scheduler_config, params.num_inference_steps);
-  const TimestepMatrix matrix =
-      chunk_timestep_matrix(chunk, sampler->schedule().timesteps, params.ar_step, plan.causal_block_size);
   const int64_t frames = chunk.num_latent_frames + chunk.suffix_frames;
+  ChunkSampler sampler = make_chunk_sampler(params, frames);
+  const TimestepMatrix matrix = chunk_timestep_matrix(chunk, sampler.step_template, params.ar_step, plan.causal_block_size);
   if (matrix.step_matrix.size(1) != frames) {
     throw std::invalid_argument("causal_block_size: chunk " + std::to_string(chunk_index) + " has " +
                                 std::to_string(frames) + " latent frames, not a multiple of " +
@@ -756,7 +780,7 @@ at::Tensor run_chunk(const Denoiser& denoiser, const DenoiserInfo& info, const G
 
   noise.begin_chunk(plan, chunk_index);
   at::Tensor latents = initial_latents(plan, chunk, info, batch, conditioning, previous_latents, noise);
-  FlowUniPCFrames schedulers(sampler, frames);
+  FrameSampler& schedulers = *sampler.frames;
   spdlog::debug("chunk {}/{}: {} latent frames, prefix {}, {} rows", chunk_index + 1, plan.chunks.size(),
                 chunk.num_latent_frames, chunk.prefix_frames, matrix.rows());
 

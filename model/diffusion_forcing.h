@@ -61,8 +61,14 @@ struct GenerationParams {
   int64_t fps = 24;
   std::optional<uint64_t> seed;
   // The other settings of a diffusers scheduler_config.json (solver order/type, lower_order_final, ...).
-  // Its flow_shift is ignored here: `flow_shift` above is the one used.
+  // Its flow_shift is ignored here: `flow_shift` above is the one used. The Euler sampler reads its
+  // num_train_timesteps only.
   FlowUniPCConfig scheduler;
+  // scheduler.type: UniPC (default) or diffusers' FlowMatchEulerDiscreteScheduler (model/sampler_flow_euler.h).
+  SamplerKind sampler = SamplerKind::kUniPC;
+  // scheduler.timesteps (euler only): the timestep list before the shift, strictly decreasing in
+  // (0, num_train_timesteps]; it replaces num_inference_steps' spacing (num_inference_steps must equal its length).
+  std::vector<int64_t> timesteps;
   // Pixel conditioning, as far as the chunk plan depends on it (the pixels themselves go to encode_conditioning).
   ConditioningMode mode = ConditioningMode::kText;
   bool last_image = false;   // kImage: a last frame, appended as an extra latent frame to the last chunk
@@ -78,6 +84,14 @@ struct GenerationParams {
   int64_t kv_cache_max_bytes = kDefaultKvCacheBytes;
   StepCacheConfig cache;
 };
+
+// The sampler `params` asks for, for one chunk of `num_frames` latent frames: its per-frame trajectories and the
+// model timesteps of its schedule (the timestep matrix's step template). Throws std::invalid_argument naming the field.
+struct ChunkSampler {
+  std::vector<int64_t> step_template;
+  std::unique_ptr<FrameSampler> frames;
+};
+ChunkSampler make_chunk_sampler(const GenerationParams& params, int64_t num_frames);
 
 // Latent frames the conditioning pins at the start of chunk 0: 1 for an image (never cut to the block size, as in
 // diffusers: with causal_block_size > 1 it is then not pre-ready and gets denoised), the encoded tail of the video

@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "model/sampler.h"
+
 namespace skyreels::model {
 
 // The scheduler_config.json fields this sampler honours. Every other accepted key must hold the value SkyReels-V2
@@ -71,17 +73,18 @@ class FlowUniPCSampler {
 // has its own step counter and history, exactly as diffusers' per-frame deepcopy'd schedulers do. A frame's k-th call
 // uses step k of the schedule (its counter, never a search for the timestep value, so repeated integer timesteps
 // are harmless).
-class FlowUniPCFrames {
+class FlowUniPCFrames : public FrameSampler {
  public:
   FlowUniPCFrames(std::shared_ptr<const FlowUniPCSampler> sampler, int64_t num_frames);
 
-  int64_t num_frames() const { return static_cast<int64_t>(steps_.size()); }
-  int64_t steps_taken(int64_t frame) const;
+  int64_t num_frames() const override { return static_cast<int64_t>(steps_.size()); }
+  int64_t steps_taken(int64_t frame) const override;
 
   // One scheduler step for `frames` (all at the same step counter, else std::invalid_argument).
   // model_output: [B, C, G, H, W] velocity (any float dtype; sigma*v is computed in that dtype as diffusers does),
   // sample: [B, C, G, H, W] (the latents, fp32). Returns the next sample [B, C, G, H, W] in sample's dtype.
-  at::Tensor step(const std::vector<int64_t>& frames, const at::Tensor& model_output, const at::Tensor& sample);
+  at::Tensor step(const std::vector<int64_t>& frames, const at::Tensor& model_output,
+                  const at::Tensor& sample) override;
 
   // The x0 prediction and the corrected sample of the last step() of `frame` (for traces and tests).
   at::Tensor last_x0(int64_t frame) const;

@@ -1,5 +1,5 @@
 """diffusers' own code from its source tree on Debian 12's Python (torch 1.13), for the references and benchmarks that
-run it: tests/data/per_block_cache/make_cases.py, bench/diffusers_pipeline_time.py.
+run it: tests/data/per_block_cache/make_cases.py, tests/data/euler/make_cases.py, bench/diffusers_pipeline_time.py.
 
 Nothing of diffusers is changed. Its package __init__ files that import every model eagerly (some need a newer
 torch) are replaced by lazy packages; torch 1.13 gets the few names diffusers' import path touches (dtype and device
@@ -194,6 +194,32 @@ def register_skyreels_block(d):
         model_class=d.transformer.SkyReelsV2TransformerBlock,
         metadata=d.helpers.TransformerBlockMetadata(return_hidden_states_index=0,
                                                     return_encoder_hidden_states_index=None))
+
+
+def euler_for_df(d=None):
+    """diffusers' FlowMatchEulerDiscreteScheduler as the DF pipelines can run it (tests/data/euler/make_cases.py,
+    bench/diffusers_pipeline_time.py). The pipelines pass step() the timestep as a 0-dim int64 tensor (t[idx] of the
+    .long() step matrix), which the scheduler refuses ("Passing integer indices ..."): it is passed as a float (the
+    scheduler only uses it to find its first step index). They call set_timesteps(num_inference_steps) on the
+    scheduler and on a deepcopy per frame: an explicit list (`fixed_timesteps`, copied with the object) is handed to
+    every call. Nothing of the schedule or the update is changed."""
+    module = importlib.import_module("diffusers.schedulers.scheduling_flow_match_euler_discrete")
+    base = module.FlowMatchEulerDiscreteScheduler
+
+    class EulerForDF(base):
+        fixed_timesteps = None
+
+        def set_timesteps(self, num_inference_steps=None, device=None, **kwargs):
+            if self.fixed_timesteps is not None:
+                kwargs["timesteps"] = list(self.fixed_timesteps)
+            return super().set_timesteps(num_inference_steps, device=device, **kwargs)
+
+        def step(self, model_output, timestep, sample, **kwargs):
+            if isinstance(timestep, torch.Tensor) and not timestep.is_floating_point():
+                timestep = timestep.to(torch.float32)
+            return super().step(model_output, timestep, sample, **kwargs)
+
+    return EulerForDF
 
 
 def generator_arguments(default_out, description=None):

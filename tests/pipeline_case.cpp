@@ -37,8 +37,17 @@ model::GenerationParams call_params(const Json& case_json, const std::string& di
   if (given("causal_block_size")) p.causal_block_size = kwargs.at("causal_block_size").get<int64_t>();
   const std::string generator = kwargs.at("generator").get<std::string>();  // "torch.Generator().manual_seed(N)"
   p.seed = std::stoull(generator.substr(generator.find("manual_seed(") + 12));
-  p.scheduler = model::FlowUniPCConfig::from_file(dir + "/scheduler/scheduler_config.json");
-  p.flow_shift = p.scheduler.flow_shift;
+  if (case_json.contains("sampler")) {  // tests/data/euler: diffusers' FlowMatchEulerDiscreteScheduler
+    const Json& sampler = case_json.at("sampler");
+    if (sampler.at("type").get<std::string>() != "euler") throw std::runtime_error("unknown sampler in case");
+    p.sampler = model::SamplerKind::kEuler;
+    p.flow_shift = sampler.at("shift").get<double>();
+    p.scheduler.num_train_timesteps = sampler.at("num_train_timesteps").get<int64_t>();
+    if (!sampler.at("timesteps").is_null()) p.timesteps = sampler.at("timesteps").get<std::vector<int64_t>>();
+  } else {
+    p.scheduler = model::FlowUniPCConfig::from_file(dir + "/scheduler/scheduler_config.json");
+    p.flow_shift = p.scheduler.flow_shift;
+  }
   if (case_json.contains("cache")) {  // pipeline_df_cache: diffusers' FirstBlockCache was on
     const Json& cache = case_json.at("cache");
     if (cache.at("kind").get<std::string>() != "first_block") throw std::runtime_error("unknown cache kind in case");
@@ -57,9 +66,10 @@ PipelineCase load_pipeline_case(const std::string& name, const std::string& dir)
   c.name = name;
   c.dir = dir;
   c.json = Json::parse(std::ifstream(dir + "/case.json"));
+  c.base_dir = c.json.contains("base") ? dir + "/" + c.json.at("base").get<std::string>() : dir;
   c.params = call_params(c.json, dir);
   c.model_block = c.json.at("transformer_config_before_call").at("num_frame_per_block").get<int64_t>();
-  c.inputs = load_tensors(dir + "/inputs.safetensors");
+  c.inputs = load_tensors(c.base_dir + "/inputs.safetensors");
   c.conditioning.prompt_embeds = c.inputs.at("prompt_embeds");
   if (c.inputs.count("negative_prompt_embeds")) {
     c.conditioning.negative_prompt_embeds = c.inputs.at("negative_prompt_embeds");
@@ -122,11 +132,18 @@ at::Tensor run_chunks(const PipelineCase& c, const model::Denoiser& denoiser, co
 std::string generate_flags(const PipelineCase& c) {
   const model::GenerationParams& p = c.params;
   std::ostringstream os;
-  os << " --model " << c.dir << "/weights/diffusers --inputs " << c.dir << "/inputs.safetensors --num-frames "
-     << p.num_frames << " --height " << p.height << " --width " << p.width << " --num-inference-steps "
-     << p.num_inference_steps << " --guidance-scale " << p.guidance_scale << " --scheduler-config " << c.dir
-     << "/scheduler/scheduler_config.json --base-num-frames " << p.base_num_frames << " --ar-step " << p.ar_step
+  os << " --model " << c.base_dir << "/weights/diffusers --inputs " << c.base_dir << "/inputs.safetensors --num-frames "
+     << p.num_frames << " --height " << p.height << " --width " << p.width << " --guidance-scale "
+     << p.guidance_scale << " --base-num-frames " << p.base_num_frames << " --ar-step " << p.ar_step
      << " --addnoise-condition " << p.addnoise_condition;
+  if (p.sampler == model::SamplerKind::kEuler) {
+    os << " --sampler euler --flow-shift " << p.flow_shift;
+    if (p.timesteps.empty()) os << " --num-inference-steps " << p.num_inference_steps;
+    for (size_t i = 0; i < p.timesteps.size(); ++i) os << (i == 0 ? " --timesteps " : ",") << p.timesteps[i];
+  } else {
+    os << " --num-inference-steps " << p.num_inference_steps << " --scheduler-config " << c.dir
+       << "/scheduler/scheduler_config.json";
+  }
   if (p.overlap_history) os << " --overlap-history " << *p.overlap_history;
   if (p.causal_block_size) os << " --causal-block-size " << *p.causal_block_size;
   return os.str();

@@ -18,6 +18,9 @@ namespace skyreels::test {
 struct PipelineCase {
   std::string name;  // as the suite names it (for messages and its own lookups)
   std::string dir;   // the fixture folder
+  // Where its weights, inputs.safetensors and condition.safetensors live: `dir`, or the golden case that case.json's
+  // "base" names (tests/data/euler: the same models and inputs, another sampler).
+  std::string base_dir;
   nlohmann::json json;
   model::GenerationParams params;  // the call's arguments (defaults in effect, then call_kwargs)
   int64_t model_block = 1;         // the transformer config's num_frame_per_block before the call

@@ -124,6 +124,8 @@ TEST(GenerationParams, AnEmptyRequestTakesDiffusersDefaults) {
   EXPECT_EQ(r.solver_type, "bh2");
   EXPECT_EQ(r.final_sigmas_type, "zero");
   EXPECT_TRUE(r.disable_corrector.empty());
+  EXPECT_EQ(r.sampler, "unipc");
+  EXPECT_TRUE(r.timesteps.empty());
 }
 
 TEST(GenerationParams, TheTableDefaultsAreTheModelsOwn) {
@@ -147,6 +149,8 @@ TEST(GenerationParams, TheTableDefaultsAreTheModelsOwn) {
   EXPECT_EQ(p.scheduler.solver_type, expected.scheduler.solver_type);
   EXPECT_EQ(p.scheduler.final_sigmas_type, expected.scheduler.final_sigmas_type);
   EXPECT_EQ(p.scheduler.disable_corrector, expected.scheduler.disable_corrector);
+  EXPECT_EQ(p.sampler, expected.sampler);
+  EXPECT_EQ(p.timesteps, expected.timesteps);
   EXPECT_EQ(p.exact_savings, expected.exact_savings);
   EXPECT_EQ(p.cache.kind, expected.cache.kind);
   EXPECT_EQ(p.cache.threshold, expected.cache.threshold);
@@ -203,6 +207,7 @@ TEST(GenerationParams, EachBoundAdmitsItsEndsAndRefusesPastThemNamingTheField) {
     for (const Probe& probe : cases) {
       JobRequest request;
       p.set_requested(request, probe.value);
+      if (p.name == "scheduler.timesteps") request.sampler = "euler";  // a list is the Euler sampler's
       const ResolvedParams resolved = resolve_generation_params(request, context);
       const std::string shown = p.name + " = " + format_param_value(probe.value);
       if (probe.valid) {
@@ -251,6 +256,68 @@ TEST(GenerationParams, RulesBeyondTheBoundsAndTheLimitsOfTheServer) {
   solver.solver_type = "bh3";
   expect_refused(solver, ServerLimits{},
                  "scheduler.solver_type: \"bh3\" is not supported (supported: \"bh1\", \"bh2\")");
+}
+
+TEST(GenerationParams, ATimestepListIsTheEulerSamplersAndDefinesTheSteps) {
+  JobRequest ok;
+  ok.sampler = std::string("euler");
+  ok.timesteps = {1000, 750, 500, 250};
+  const ResolvedParams resolved = resolve_generation_params(ok, ResolveContext{1, 7});
+  EXPECT_EQ(resolved.num_inference_steps, 4) << "num_inference_steps left unset: the list's length";
+  EXPECT_NO_THROW(validate_generation_params(resolved, ServerLimits{}));
+  const model::GenerationParams p = model_params(resolved);
+  EXPECT_EQ(p.sampler, model::SamplerKind::kEuler);
+  EXPECT_EQ(p.timesteps, ok.timesteps);
+  EXPECT_EQ(p.num_inference_steps, 4);
+  JobRequest same_steps = ok;
+  same_steps.num_inference_steps = 4;
+  EXPECT_NO_THROW(validate_generation_params(resolve_generation_params(same_steps, ResolveContext{1, 7}), {}));
+
+  const auto with_list = [](std::vector<int64_t> list) {
+    JobRequest r;
+    r.sampler = "euler";
+    r.timesteps = std::move(list);
+    return r;
+  };
+  std::vector<int64_t> ten_thousand(10000);
+  for (size_t i = 0; i < ten_thousand.size(); ++i) ten_thousand[i] = 1000 - static_cast<int64_t>(i % 1000);
+  expect_refused(with_list(ten_thousand), ServerLimits{},
+                 "scheduler.timesteps: 10000 entries, more than 100 (--max-steps)");
+  expect_refused(with_list({1000, 750, 750}), ServerLimits{},
+                 "scheduler.timesteps: must be strictly decreasing, but entry 2 (750) follows 750");
+  expect_refused(with_list({250, 500, 1000}), ServerLimits{},
+                 "scheduler.timesteps: must be strictly decreasing, but entry 1 (500) follows 250");
+  expect_refused(with_list({1000, 500, 0}), ServerLimits{},
+                 "scheduler.timesteps: 0 is outside [1, 1000] (num_train_timesteps)");
+  expect_refused(with_list({1001, 500}), ServerLimits{},
+                 "scheduler.timesteps: 1001 is outside [1, 1000] (num_train_timesteps)");
+  JobRequest unipc = with_list({1000, 750, 500, 250});
+  unipc.sampler = "unipc";
+  expect_refused(unipc, ServerLimits{}, "scheduler.timesteps: a timestep list needs scheduler.type \"euler\"");
+  JobRequest unset_type = unipc;
+  unset_type.sampler.reset();
+  expect_refused(unset_type, ServerLimits{}, "scheduler.timesteps: a timestep list needs scheduler.type \"euler\"");
+  JobRequest mismatch = with_list({1000, 750, 500, 250});
+  mismatch.num_inference_steps = 30;
+  expect_refused(mismatch, ServerLimits{}, "scheduler.timesteps: 4 entries, but num_inference_steps is 30");
+  JobRequest sampler;
+  sampler.sampler = "ddim";
+  expect_refused(sampler, ServerLimits{}, "scheduler.type: \"ddim\" is not supported");
+
+  // What the table cannot see, the plan refuses at submission (INVALID_ARGUMENT, the field first): a list whose first
+  // timestep is not an integer after the shift (diffusers' pipelines fail on it).
+  ModelDescription model;
+  model.text_dim = 32;
+  JobRequest not_integer = test_requests::long_video();
+  not_integer.sampler = "euler";
+  not_integer.timesteps = {999, 500};
+  not_integer.num_inference_steps.reset();
+  try {
+    ModelJob::create(not_integer, model, ServerLimits{}, 1);
+    ADD_FAILURE() << "accepted";
+  } catch (const ValidationError& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("scheduler.timesteps: the first timestep becomes", 0), 0u) << e.what();
+  }
 }
 
 // ---- fingerprint --------------------------------------------------------------------------------------------------

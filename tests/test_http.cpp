@@ -246,6 +246,64 @@ TEST_F(HttpServerTest, JsonBodiesCreateVideosAsFormsDo) {
   wait_job(server_->client(), video["id"].get<std::string>());
 }
 
+// The Euler sampler with LightX2V's 4-step list and no guidance: POST /v1/videos (parameters by name), POST
+// /skyreels/v1/jobs (protobuf's JSON mapping) and gRPC make the same latents; a bad list is a 400 naming the field.
+TEST_F(HttpServerTest, TheEulerSamplerOverEveryDoorGivesTheSameLatents) {
+  const std::string fields =
+      R"("size":"48x32","seconds":2,"fps":8,"seed":5,"guidance_scale":1,"flow_shift":5,)"
+      R"("scheduler":{"type":"euler","timesteps":[1000,750,500,250]})";
+  const std::string created = http_exchange(
+      http_port_, post("/v1/videos", "application/json", R"({"prompt":"A dog runs.",)" + fields + "}"));
+  ASSERT_EQ(status_of(created), 200) << created;
+  const auto video = nlohmann::json::parse(body_of(created));
+  EXPECT_EQ(video["skyreels"]["params"]["scheduler"]["type"], "euler");
+  EXPECT_EQ(video["skyreels"]["params"]["num_inference_steps"], "4") << "the list's length";
+  const std::string by_openai = video["id"];
+  ASSERT_EQ(wait_job(server_->client(), by_openai).state(), pb::JOB_STATE_SUCCEEDED);
+
+  pb::SubmitJobRequest request;
+  request.mutable_spec()->mutable_text()->set_prompt("A dog runs.");
+  auto* p = request.mutable_spec()->mutable_params();
+  p->set_width(48);
+  p->set_height(32);
+  p->set_num_frames(17);
+  p->set_fps(8);
+  p->set_seed(5);
+  p->set_guidance_scale(1.0);
+  p->set_flow_shift(5.0);
+  p->mutable_scheduler()->set_type("euler");
+  for (int64_t t : {1000, 750, 500, 250}) p->mutable_scheduler()->add_timesteps(t);
+  const pb::Job by_grpc = wait_job(server_->client(), submit(server_->client(), request).job_id());
+  ASSERT_EQ(by_grpc.state(), pb::JOB_STATE_SUCCEEDED) << by_grpc.error().message();
+
+  std::string body;
+  ASSERT_TRUE(google::protobuf::util::MessageToJsonString(request, &body).ok());
+  const std::string submitted = http_exchange(http_port_, post("/skyreels/v1/jobs", "application/json", body));
+  ASSERT_EQ(status_of(submitted), 200) << submitted;
+  const std::string by_json = nlohmann::json::parse(body_of(submitted))["job"]["job_id"];
+  ASSERT_EQ(wait_job(server_->client(), by_json).state(), pb::JOB_STATE_SUCCEEDED);
+
+  const at::Tensor a = download_latents(server_->client(), by_openai);
+  const at::Tensor b = download_latents(server_->client(), by_grpc.job_id());
+  const at::Tensor c = download_latents(server_->client(), by_json);
+  EXPECT_TRUE(a.equal(b)) << "max |diff| " << (a - b).abs().max().item<double>();
+  EXPECT_TRUE(c.equal(b)) << "max |diff| " << (c - b).abs().max().item<double>();
+
+  for (const char* list : {"[1000,750,750]", "[250,500,1000]", "[1000,0]", "[1001,500]", "[999,500]"}) {
+    const std::string bad = http_exchange(
+        http_port_, post("/v1/videos", "application/json",
+                         std::string(R"({"prompt":"A dog runs.","scheduler":{"type":"euler","timesteps":)") + list +
+                             "}}"));
+    EXPECT_EQ(status_of(bad), 400) << list << ": " << bad;
+    EXPECT_NE(body_of(bad).find("scheduler.timesteps"), std::string::npos) << list << ": " << bad;
+  }
+  const std::string with_unipc = http_exchange(
+      http_port_, post("/skyreels/v1/jobs", "application/json",
+                       R"({"spec":{"text":{"prompt":"x"},"params":{"scheduler":{"timesteps":["1000","500"]}}}})"));
+  EXPECT_EQ(status_of(with_unipc), 400) << with_unipc;
+  EXPECT_NE(body_of(with_unipc).find("scheduler.timesteps"), std::string::npos) << with_unipc;
+}
+
 TEST_F(HttpServerTest, HostileClientsGetBoundedAnswersAndLeaveGrpcAndProbesAlone) {
   // A body announced far over the limit: refused before it is read.
   const std::string huge = http_exchange(

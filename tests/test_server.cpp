@@ -260,7 +260,37 @@ TEST_F(ServerTest, EveryBadInputIsRefusedWithItsStatusNamingTheField) {
   auto params = [](pb::SubmitJobRequest& r) { return r.mutable_spec()->mutable_params(); };
   auto prompt = [](pb::SubmitJobRequest& r) { return r.mutable_spec()->mutable_embeddings()->mutable_prompt_embeds(); };
   const grpc::StatusCode invalid = grpc::StatusCode::INVALID_ARGUMENT;
+  // The Euler sampler with a timestep list (num_inference_steps left to the list unless `steps`).
+  auto euler = [&](pb::SubmitJobRequest& r, const std::vector<int64_t>& list, int64_t steps = 0) {
+    auto* scheduler = params(r)->mutable_scheduler();
+    scheduler->set_type("euler");
+    for (int64_t t : list) scheduler->add_timesteps(t);
+    if (steps > 0) {
+      params(r)->set_num_inference_steps(steps);
+    } else {
+      params(r)->clear_num_inference_steps();
+    }
+  };
+  std::vector<int64_t> ten_thousand(10000);
+  for (size_t i = 0; i < ten_thousand.size(); ++i) ten_thousand[i] = 1000 - static_cast<int64_t>(i % 1000);
   const std::vector<BadInput> cases = {
+      {"timestep list of 10,000", [&](auto& r) { euler(r, ten_thousand); }, invalid, "scheduler.timesteps"},
+      {"timestep repeated", [&](auto& r) { euler(r, {1000, 750, 750}); }, invalid, "scheduler.timesteps"},
+      {"timesteps increasing", [&](auto& r) { euler(r, {250, 500, 1000}); }, invalid, "scheduler.timesteps"},
+      {"timestep zero", [&](auto& r) { euler(r, {1000, 500, 0}); }, invalid, "scheduler.timesteps"},
+      {"timestep over num_train_timesteps", [&](auto& r) { euler(r, {1001, 500}); }, invalid, "scheduler.timesteps"},
+      {"first timestep not an integer after the shift", [&](auto& r) { euler(r, {999, 500}); }, invalid,
+       "scheduler.timesteps"},
+      {"timestep list with UniPC",
+       [&](auto& r) {
+         euler(r, {1000, 750, 500, 250});
+         params(r)->mutable_scheduler()->set_type("unipc");
+       },
+       invalid, "scheduler.timesteps"},
+      {"timestep list against explicit steps", [&](auto& r) { euler(r, {1000, 750, 500, 250}, 3); }, invalid,
+       "scheduler.timesteps"},
+      {"unknown sampler", [&](auto& r) { params(r)->mutable_scheduler()->set_type("ddim"); }, invalid,
+       "scheduler.type"},
       {"frames not 4k+1", [&](auto& r) { params(r)->set_num_frames(36); }, invalid, "num_frames"},
       {"frames over --max-frames", [&](auto& r) { params(r)->set_num_frames(100001); }, invalid, "num_frames"},
       {"height not a multiple of 16", [&](auto& r) { params(r)->set_height(40); }, invalid, "height"},

@@ -117,5 +117,20 @@
         .defaults(int64_t{3}) \
         .within(1, 1000, "skips in a row") \
         .fingerprint_when_set() \
-        .flag("cache-max-skips", "first-block-per-block: at most this many skips in a row per causal block"))
+        .flag("cache-max-skips", "first-block-per-block: at most this many skips in a row per causal block")) \
+  /* Samplers (issue 32). Unset, they leave the fingerprint of older jobs as it was. */ \
+  PARAM(sampler, "scheduler.type", std::optional<std::string>, std::string, {}, \
+        .defaults(std::string("unipc")) \
+        .one_of({std::string("unipc"), std::string("euler")}) \
+        .fingerprint_when_set() \
+        .flag("sampler", "unipc: flow UniPC; euler: flow-matching Euler (diffusers' FlowMatchEulerDiscreteScheduler, " \
+                  "shift = flow_shift)")) \
+  /* Checked before the other rows: num_inference_steps derives from its length. */ \
+  PARAM(timesteps, "scheduler.timesteps", std::vector<int64_t>, std::vector<int64_t>, {}, \
+        .within(1, value_of(&R::num_train_timesteps), "num_train_timesteps") \
+        .rule(timestep_list) \
+        .fingerprint_when_set() \
+        .checked_first() \
+        .flag("timesteps", "euler: timesteps before the shift, strictly decreasing, e.g. 1000,750,500,250; " \
+                  "num_inference_steps becomes its length"))
 // clang-format on

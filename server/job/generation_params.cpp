@@ -67,6 +67,32 @@ void at_most_one_entry_per_step(const std::string& name, const ParamValue& value
   }
 }
 
+// scheduler.timesteps: a list for the Euler sampler, strictly decreasing, one entry per step. (Its entries'
+// range is the row's; the shifted schedule's checks are the sampler's, model/sampler_flow_euler.h, run by the plan.)
+void timestep_list(const std::string& name, const ParamValue& value, const CheckContext& context) {
+  const auto& list = std::get<std::vector<int64_t>>(value);
+  if (list.empty()) return;
+  if (context.params.sampler != "euler") {
+    invalid(name + ": a timestep list needs scheduler.type \"euler\" (got \"" + context.params.sampler +
+            "\"; UniPC spaces num_inference_steps itself)");
+  }
+  const auto size = static_cast<int64_t>(list.size());
+  if (size > context.limits.max_steps) {
+    invalid(name + ": " + std::to_string(size) + " entries, more than " + std::to_string(context.limits.max_steps) +
+            " (--max-steps)");
+  }
+  for (size_t i = 1; i < list.size(); ++i) {
+    if (list[i] >= list[i - 1]) {
+      invalid(name + ": must be strictly decreasing, but entry " + std::to_string(i) + " (" + std::to_string(list[i]) +
+              ") follows " + std::to_string(list[i - 1]));
+    }
+  }
+  if (size != context.params.num_inference_steps) {
+    invalid(name + ": " + std::to_string(size) + " entries, but num_inference_steps is " +
+            std::to_string(context.params.num_inference_steps) + " (leave it unset, or give the list's length)");
+  }
+}
+
 void check_param(const GenerationParam& param, const ParamValue& value, const CheckContext& context) {
   if (param.range) {
     const int64_t lo = param.range->lo.of(context);
@@ -156,6 +182,10 @@ class Row {
   }
   Row& rule(void (*check)(const std::string&, const ParamValue&, const CheckContext&)) {
     p_.rules.emplace_back(check);
+    return *this;
+  }
+  Row& checked_first() {
+    p_.checked_first = true;
     return *this;
   }
   Row& fingerprint_when_set() {
@@ -307,13 +337,20 @@ ResolvedParams resolve_generation_params(const JobRequest& request, const Resolv
         break;
     }
   }
+  // An explicit timestep list defines the steps.
+  if (!request.num_inference_steps && !out.timesteps.empty()) {
+    out.num_inference_steps = static_cast<int64_t>(out.timesteps.size());
+  }
   return out;
 }
 
 void validate_generation_params(const ResolvedParams& params, const ServerLimits& limits) {
   const CheckContext context{limits, params};
-  for (const GenerationParam& p : generation_params()) {
-    if (const std::optional<ParamValue> value = p.resolved(params)) check_param(p, *value, context);
+  for (const bool first : {true, false}) {
+    for (const GenerationParam& p : generation_params()) {
+      if (p.checked_first != first) continue;
+      if (const std::optional<ParamValue> value = p.resolved(params)) check_param(p, *value, context);
+    }
   }
 }
 
@@ -325,6 +362,7 @@ void fingerprint_generation_params(const JobRequest& request,
     const std::optional<ParamValue> value = p.requested(request);
     if (p.kind == ParamKind::kIntList) {  // a list has no presence: its size, then its entries
       const auto& list = std::get<std::vector<int64_t>>(*value);
+      if (list.empty() && !p.fingerprint_absent) continue;  // a newer list, empty: the fingerprint older jobs had
       add(static_cast<uint64_t>(list.size()));
       for (int64_t v : list) add(v);
       continue;

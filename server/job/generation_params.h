@@ -70,6 +70,8 @@ struct GenerationParam {
   bool fingerprinted = true;  // part of what an idempotency key is checked against
   // false for parameters added after jobs were stored: unset, they add nothing (older fingerprints stay valid).
   bool fingerprint_absent = true;
+  // Checked before every other row (a parameter another's value derives from: its errors name it, not the other).
+  bool checked_first = false;
 
   // Where the parameter lives. JobRequest: nullopt when unset (a list is never unset: empty is its default).
   std::function<std::optional<ParamValue>(const JobRequest&)> requested;
@@ -89,7 +91,8 @@ struct ResolveContext {
   uint64_t random_seed = 0;  // the seed of a request without one
 };
 
-// Every parameter the request leaves unset takes its default. Does not validate.
+// Every parameter the request leaves unset takes its default; num_inference_steps left unset with a
+// scheduler.timesteps list takes the list's length. Does not validate.
 ResolvedParams resolve_generation_params(const JobRequest& request, const ResolveContext& context);
 
 // Throws ValidationError (INVALID_ARGUMENT) naming the first parameter out of its bounds.

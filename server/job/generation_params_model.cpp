@@ -23,6 +23,8 @@ model::GenerationParams model_params(const ResolvedParams& r) {
   p.scheduler.solver_type = r.solver_type;
   p.scheduler.final_sigmas_type = r.final_sigmas_type;
   p.scheduler.disable_corrector = r.disable_corrector;
+  p.sampler = r.sampler == "euler" ? model::SamplerKind::kEuler : model::SamplerKind::kUniPC;
+  p.timesteps = r.timesteps;
   p.exact_savings = r.exact_savings;
   if (r.cache == "first-block") p.cache.kind = model::StepCacheKind::kFirstBlock;
   if (r.cache == "first-block-per-block") p.cache.kind = model::StepCacheKind::kFirstBlockPerBlock;
