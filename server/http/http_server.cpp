@@ -223,7 +223,9 @@ struct HttpServer::Impl {
 
   static MHD_Result send(MHD_Connection* connection, const Response& r) {
     MHD_Response* response =
-        r.stream ? MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 << 10, &read_stream,
+        r.stream ? MHD_create_response_from_callback(r.stream_bytes >= 0 ? static_cast<uint64_t>(r.stream_bytes)
+                                                                         : MHD_SIZE_UNKNOWN,
+                                                     16 << 10, &read_stream,
                                                      new StreamState{r.stream, {}, 0}, &free_stream)
                  : MHD_create_response_from_buffer(r.body.size(), const_cast<char*>(r.body.data()),
                                                    MHD_RESPMEM_MUST_COPY);

@@ -52,6 +52,7 @@ struct Response {
   std::string body;
   std::vector<std::pair<std::string, std::string>> headers;
   std::shared_ptr<BodyStream> stream;  // set: the body is the stream's, `body` is ignored
+  int64_t stream_bytes = -1;           // the stream's length when known (Content-Length); -1: unknown (chunked)
 };
 
 using Handler = std::function<Response(const Request&)>;
