@@ -182,6 +182,48 @@ TEST(DownloadMemory, TwoHundredSlowReadersOfALargeVideoHoldABoundedPieceEach) {
   ASSERT_GT(reference.size(), size_t{4} << 20) << "the video is too small to tell a copy per reader from none";
   ASSERT_EQ(slow_http_download(http_port, job.job_id(), &ignored, at_once, std::chrono::steady_clock::now() + 600s),
             reference);
+  // DownloadResult's sizes_only (each chunk's size, no data) and from_offset (a start within from_chunk's blob).
+  std::vector<uint64_t> sizes;
+  {
+    auto ctx = server.client().context(120);
+    pb::DownloadResultRequest sized;
+    sized.set_job_id(job.job_id());
+    sized.set_format(pb::RESULT_FORMAT_MP4);
+    sized.set_no_wait(true);
+    sized.set_sizes_only(true);
+    auto reader = server.client().stub().DownloadResult(ctx.get(), sized);
+    pb::ResultPart part;
+    while (reader->Read(&part)) {
+      EXPECT_TRUE(part.data().empty());
+      EXPECT_TRUE(part.last_part());
+      EXPECT_EQ(part.chunk_index(), static_cast<int32_t>(sizes.size()));
+      sizes.push_back(part.chunk_bytes());
+    }
+    ASSERT_TRUE(reader->Finish().ok());
+  }
+  ASSERT_EQ(sizes.size(), 4u);
+  EXPECT_EQ(sizes[0] + sizes[1] + sizes[2] + sizes[3], reference.size());
+  const auto download_from = [&](int32_t chunk, uint64_t offset, grpc::Status* status) {
+    auto ctx = server.client().context(120);
+    pb::DownloadResultRequest from;
+    from.set_job_id(job.job_id());
+    from.set_format(pb::RESULT_FORMAT_MP4);
+    from.set_no_wait(true);
+    from.set_from_chunk(chunk);
+    from.set_from_offset(offset);
+    auto reader = server.client().stub().DownloadResult(ctx.get(), from);
+    std::string bytes;
+    pb::ResultPart part;
+    while (reader->Read(&part)) bytes += part.data();
+    *status = reader->Finish();
+    return bytes;
+  };
+  grpc::Status status;
+  EXPECT_TRUE(download_from(1, 1000, &status) == reference.substr(sizes[0] + 1000));
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  download_from(1, sizes[1], &status);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+
   // Byte ranges, read from the store a piece at a time across the segments' boundaries, are the reference's bytes.
   const std::string path = "/v1/videos/" + job.job_id() + "/content";
   const size_t size = reference.size();
