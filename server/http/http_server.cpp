@@ -166,7 +166,7 @@ sockaddr_storage resolve(const std::string& listen, bool* ipv6) {
 
 std::optional<std::string> framing_problem(const std::vector<HeaderLine>& headers, bool http_1_0) {
   auto is_tchar = [](unsigned char c) {
-    return std::isalnum(c) || std::strchr("!#$%&'*+-.^_`|~", c) != nullptr;
+    return std::isalnum(c) || (c != 0 && std::strchr("!#$%&'*+-.^_`|~", c) != nullptr);
   };
   size_t lengths = 0, encodings = 0;
   std::string length, encoding;
