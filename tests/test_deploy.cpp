@@ -1008,6 +1008,8 @@ void call_every_store_method(server::JobStore& store) {
   attempt([&] { store.load_chunk_bytes("j1", 0); });
   attempt([&] { store.put_segment("j1", 0, "mp4"); });
   attempt([&] { store.load_segment("j1", 0); });
+  attempt([&] { store.blob_size("j1", server::JobStore::Blob::segment, 0); });
+  attempt([&] { store.load_blob_range("j1", server::JobStore::Blob::segment, 0, 0, 1); });
 }
 
 std::vector<std::string> reported_ops(std::unique_ptr<server::JobStore> inner) {

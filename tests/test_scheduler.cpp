@@ -287,7 +287,9 @@ struct Harness {
   std::vector<uint64_t> outputs(const JobSnapshot& job) {
     std::vector<uint64_t> out;
     for (int64_t i = 0; i < job.chunks_done; ++i) {
-      const std::optional<std::string> bytes = scheduler->chunk_result(job.id, job.owner, i);
+      const std::optional<int64_t> size = scheduler->result_size(job.id, job.owner, JobStore::Blob::chunk, i);
+      const std::optional<std::string> bytes =
+          size ? scheduler->result_range(job.id, job.owner, JobStore::Blob::chunk, i, 0, *size) : std::nullopt;
       out.push_back(bytes ? std::stoull(*bytes) : 0);
     }
     return out;

@@ -62,7 +62,10 @@ ServerProcess::ServerProcess(std::vector<std::string> args, bool wait_ready, std
       args.insert(args.end(), {"--data-dir", temp_dir("server-data")});
     }
   }
-  args.insert(args.begin(), bin_path("skyreels-server"));
+  // $SKYREELS_TEST_SERVER_BIN: another build's binary (a before/after figure, e.g. docs/BENCHMARKS.md's issue 36).
+  const char* other_binary = std::getenv("SKYREELS_TEST_SERVER_BIN");
+  args.insert(args.begin(), other_binary != nullptr && *other_binary != '\0' ? std::string(other_binary)
+                                                                              : bin_path("skyreels-server"));
   args.push_back("--listen");
   args.push_back(address());
   args.push_back("--metrics-listen");

@@ -34,7 +34,9 @@ using grpc::ServerContext;
 using grpc::Status;
 using grpc::StatusCode;
 
-constexpr size_t kPartBytes = 1 << 20;                  // result messages stay small whatever the chunk size
+// Result messages stay small whatever the chunk size; each is read from the store when it is sent, so an open download
+// holds about two of them (one in gRPC's send, one on its way), not the result (issue 36).
+constexpr size_t kPartBytes = 256 << 10;
 constexpr auto kPoll = std::chrono::milliseconds(500);  // how often long streams look for a gone client
 constexpr size_t kMaxJobIdBytes = 64;                   // ours are 34 ("j-" + 32 hex digits)
 constexpr size_t kMaxIdempotencyKeyBytes = 128;

@@ -37,7 +37,11 @@ Status VideoServiceImpl::DownloadResult(ServerContext* ctx, const pb::DownloadRe
       }
       if (request->no_wait()) return Status::OK;
     }
-    if (Status s = send_chunk(ctx, *job, chunk, request->format(), writer, identity_slot); !s.ok()) return s;
+    const int64_t from = chunk == request->from_chunk() ? static_cast<int64_t>(request->from_offset()) : 0;
+    if (Status s = send_chunk(ctx, *job, chunk, request->format(), writer, identity_slot, from, request->sizes_only());
+        !s.ok()) {
+      return s;
+    }
   }
   return Status::OK;
 }
@@ -57,15 +61,15 @@ Status VideoServiceImpl::store_unreadable(const std::string& id, const StoreErro
   return Status(StatusCode::UNAVAILABLE, std::string("the job store could not be read, try again: ") + e.what());
 }
 
-Status VideoServiceImpl::load_latents(const JobSnapshot& job, int64_t chunk, std::string* bytes) {
-  std::optional<std::string> stored;
+Status VideoServiceImpl::latents_size(const JobSnapshot& job, int64_t chunk, int64_t* size) {
+  std::optional<int64_t> stored;
   try {
-    stored = scheduler_.chunk_result(job.id, job.owner, chunk);
+    stored = scheduler_.result_size(job.id, job.owner, JobStore::Blob::chunk, chunk);
   } catch (const StoreError& e) {
     return store_unreadable(job.id, e);
   }
   if (stored) {
-    *bytes = std::move(*stored);
+    *size = *stored;
     return Status::OK;
   }
   if (!scheduler_.get(job.id, job.owner)) return job_not_found(job.id, job.owner);  // dropped meanwhile
@@ -73,8 +77,8 @@ Status VideoServiceImpl::load_latents(const JobSnapshot& job, int64_t chunk, std
                                           " is done but its result is not in the job store");
 }
 
-Status VideoServiceImpl::load_video(ServerContext* ctx, const std::string& id, const std::string& owner, int64_t chunk,
-                  std::string* bytes) {
+Status VideoServiceImpl::video_size(ServerContext* ctx, const std::string& id, const std::string& owner,
+                                    int64_t chunk, int64_t* size) {
   if (!config_.want_video || !config_.wait_video) {
     return Status(StatusCode::FAILED_PRECONDITION, "format: MP4 needs a server started with --vae");
   }
@@ -86,14 +90,14 @@ Status VideoServiceImpl::load_video(ServerContext* ctx, const std::string& id, c
       return Status(StatusCode::FAILED_PRECONDITION,
                     "job " + id + ": no MP4 can be made for it: its request could not be read back after a restart");
     }
-    std::optional<std::string> stored;
+    std::optional<int64_t> stored;
     try {
-      stored = scheduler_.segment(id, owner, chunk);
+      stored = scheduler_.result_size(id, owner, JobStore::Blob::segment, chunk);
     } catch (const StoreError& e) {
       return store_unreadable(id, e);
     }
     if (stored) {
-      *bytes = std::move(*stored);
+      *size = *stored;
       return Status::OK;
     }
     if (made) {  // asking again would decode again, and again

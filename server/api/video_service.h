@@ -155,34 +155,47 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
 
   static ChunkLayout chunk_layout(const JobSnapshot& job, int64_t chunk);
 
-  // One chunk's blob as parts of at most kPartBytes.
+  // One chunk's blob as parts of at most kPartBytes, from byte `from` on, each part read from the job store when it
+  // is written (a slow reader holds one part, whatever the blob's size); sizes_only: one part without data.
   template <typename Message>
-  bool write_blob(const JobSnapshot& job, int64_t chunk, pb::ResultFormat format, const std::string& bytes,
-                  grpc::ServerWriter<Message>* writer, pb::ResultPart* (*slot)(Message&)) {
+  Status write_blob(const JobSnapshot& job, int64_t chunk, pb::ResultFormat format, int64_t total, int64_t from,
+                    bool sizes_only, grpc::ServerWriter<Message>* writer, pb::ResultPart* (*slot)(Message&)) {
     const ChunkLayout layout = chunk_layout(job, chunk);
-    const int64_t begin = layout.latent_begin, end = layout.latent_end;
-    const size_t total = bytes.size();
-    size_t offset = 0;
+    const JobStore::Blob kind = format == pb::RESULT_FORMAT_MP4 ? JobStore::Blob::segment : JobStore::Blob::chunk;
+    int64_t offset = from;
     do {
-      const size_t n = std::min(kPartBytes, total - offset);
+      const int64_t n = sizes_only ? 0 : std::min(static_cast<int64_t>(kPartBytes), total - offset);
       Message message;
       pb::ResultPart* part = slot(message);
       part->set_job_id(job.id);
       part->set_chunk_index(static_cast<int32_t>(chunk));
       part->set_chunk_count(static_cast<int32_t>(job.chunk_count));
       part->set_format(format);
-      part->set_offset(offset);
-      part->set_chunk_bytes(total);
-      part->set_data(bytes.data() + offset, n);
-      part->set_last_part(offset + n == total);
-      part->set_latent_frame_begin(static_cast<int32_t>(begin));
-      part->set_latent_frame_end(static_cast<int32_t>(end));
+      part->set_offset(static_cast<uint64_t>(offset));
+      part->set_chunk_bytes(static_cast<uint64_t>(total));
+      if (n > 0) {
+        std::optional<std::string> piece;
+        try {
+          piece = scheduler_.result_range(job.id, job.owner, kind, chunk, offset, n);
+        } catch (const StoreError& e) {
+          return store_unreadable(job.id, e);
+        }
+        if (!piece) return job_not_found(job.id, job.owner);  // dropped meanwhile
+        if (static_cast<int64_t>(piece->size()) != n) {
+          return Status(StatusCode::INTERNAL, "job " + job.id + ": chunk " + std::to_string(chunk) +
+                                                  "'s result changed size while it was read");
+        }
+        part->set_data(std::move(*piece));
+      }
+      part->set_last_part(sizes_only || offset + n == total);
+      part->set_latent_frame_begin(static_cast<int32_t>(layout.latent_begin));
+      part->set_latent_frame_end(static_cast<int32_t>(layout.latent_end));
       part->set_pixel_frame_begin(static_cast<int32_t>(layout.pixel_begin));
       part->set_pixel_frame_end(static_cast<int32_t>(layout.pixel_end));
-      if (!writer->Write(message)) return false;
+      if (!writer->Write(message)) return Status(StatusCode::CANCELLED, "client went away");
       offset += n;
-    } while (offset < total);
-    return true;
+    } while (!sizes_only && offset < total);
+    return Status::OK;
   }
 
   Status store_unreadable(const std::string& id, const StoreError& e);
@@ -197,28 +210,31 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
     }
   }
 
-  // Chunk `chunk`'s committed latents, from the job store (the job has chunks_done > chunk).
-  Status load_latents(const JobSnapshot& job, int64_t chunk, std::string* bytes);
+  // The size of chunk `chunk`'s committed latents in the job store (the job has chunks_done > chunk).
+  Status latents_size(const JobSnapshot& job, int64_t chunk, int64_t* size);
 
-  // Chunk `chunk`'s MP4 segment: from the job store when it was made before (even before a restart), else made now
-  // by the VAE worker (it follows the latents by one decode), which stores it.
-  Status load_video(ServerContext* ctx, const std::string& id, const std::string& owner, int64_t chunk,
-                    std::string* bytes);
+  // The size of chunk `chunk`'s MP4 segment: stored when it was made before (even before a restart), else made now by
+  // the VAE worker (it follows the latents by one decode), which stores it.
+  Status video_size(ServerContext* ctx, const std::string& id, const std::string& owner, int64_t chunk,
+                    int64_t* size);
 
-  // One chunk's result in `format`. CANCELLED: the client went away.
+  // One chunk's result in `format`, from byte `from` of it on (sizes_only: its size only). CANCELLED: the client went
+  // away.
   template <typename Message>
   Status send_chunk(ServerContext* ctx, const JobSnapshot& job, int64_t chunk, pb::ResultFormat format,
-                    grpc::ServerWriter<Message>* writer, pb::ResultPart* (*slot)(Message&)) {
-    std::string bytes;
+                    grpc::ServerWriter<Message>* writer, pb::ResultPart* (*slot)(Message&), int64_t from = 0,
+                    bool sizes_only = false) {
+    int64_t size = 0;
     const bool mp4 = format == pb::RESULT_FORMAT_MP4;
-    if (Status s = mp4 ? load_video(ctx, job.id, job.owner, chunk, &bytes) : load_latents(job, chunk, &bytes);
-        !s.ok()) {
+    if (Status s = mp4 ? video_size(ctx, job.id, job.owner, chunk, &size) : latents_size(job, chunk, &size); !s.ok()) {
       return s;
     }
-    if (!write_blob(job, chunk, mp4 ? pb::RESULT_FORMAT_MP4 : pb::RESULT_FORMAT_LATENTS, bytes, writer, slot)) {
-      return Status(StatusCode::CANCELLED, "client went away");
+    if (from < 0 || (from > 0 && from >= size)) {
+      return Status(StatusCode::INVALID_ARGUMENT, "from_offset: " + std::to_string(from) + " is not within chunk " +
+                                                      std::to_string(chunk) + "'s " + std::to_string(size) + " bytes");
     }
-    return Status::OK;
+    return write_blob(job, chunk, mp4 ? pb::RESULT_FORMAT_MP4 : pb::RESULT_FORMAT_LATENTS, size, from, sizes_only,
+                      writer, slot);
   }
 
   // Sends every chunk result not sent yet. CANCELLED: the client went away; INTERNAL: a chunk's MP4 could not be

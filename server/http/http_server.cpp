@@ -66,6 +66,32 @@ struct FormState {
   bool too_many = false;
 };
 
+// One header line as libmicrohttpd parsed it, and whether its value sits right after its name in the read buffer.
+struct RawHeader {
+  std::string name;
+  std::string value;
+  bool in_place = true;  // false: libmicrohttpd moved the name (it does that, and only that, to a folded line)
+};
+
+MHD_Result collect_raw(void* cls, MHD_ValueKind, const char* key, size_t key_size, const char* value,
+                       size_t value_size) {
+  auto* out = static_cast<std::vector<RawHeader>*>(cls);
+  RawHeader h{std::string(key ? key : "", key ? key_size : 0), std::string(value ? value : "", value ? value_size : 0)};
+  // libmicrohttpd 0.9.75 parses "Name: value" in place: the colon becomes NUL, blanks follow, then the value. A folded
+  // line (obs-fold: a line starting with SP/HT) is appended to the *name* of the line before, which moves the name to
+  // a new block of the connection's pool, away from its value (it is then no longer followed by NUL and blanks up to
+  // the value). That displacement is the only trace of the fold that the library leaves.
+  if (key != nullptr && value != nullptr) {
+    const char* end = key + key_size;
+    constexpr ptrdiff_t kMaxBlanks = 1 << 16;
+    const ptrdiff_t gap = value - end;
+    h.in_place = gap >= 1 && gap <= kMaxBlanks && *end == '\0' &&
+                 std::all_of(end + 1, value, [](char c) { return c == ' ' || c == '\t'; });
+  }
+  out->push_back(std::move(h));
+  return MHD_YES;
+}
+
 MHD_Result collect_value(void* cls, MHD_ValueKind, const char* key, const char* value) {
   auto* out = static_cast<std::map<std::string, std::string>*>(cls);
   if (key) (*out)[lower(key)] = value ? value : "";
@@ -138,6 +164,45 @@ sockaddr_storage resolve(const std::string& listen, bool* ipv6) {
 
 }  // namespace
 
+std::optional<std::string> framing_problem(const std::vector<HeaderLine>& headers, bool http_1_0) {
+  auto is_tchar = [](unsigned char c) {
+    return std::isalnum(c) || (c != 0 && std::strchr("!#$%&'*+-.^_`|~", c) != nullptr);
+  };
+  size_t lengths = 0, encodings = 0;
+  std::string length, encoding;
+  for (const HeaderLine& h : headers) {
+    if (!h.in_place) {
+      return "obsolete line folding (a header line starting with a space or tab) is not accepted";
+    }
+    if (h.name.empty() || !std::all_of(h.name.begin(), h.name.end(), [&](char c) { return is_tchar(c); })) {
+      return "malformed header name '" + h.name + "' (no spaces before the colon, no folded lines)";
+    }
+    const std::string name = lower(h.name);
+    if (name == "content-length") {
+      ++lengths;
+      length = h.value;
+    } else if (name == "transfer-encoding") {
+      ++encodings;
+      encoding = h.value;
+    }
+  }
+  if (encodings > 0 && lengths > 0) return "a request may not have both Transfer-Encoding and Content-Length";
+  if (encodings > 1) return "more than one Transfer-Encoding header";
+  if (encodings == 1) {
+    if (http_1_0) return "Transfer-Encoding in an HTTP/1.0 request";
+    if (lower(encoding) != "chunked") return "Transfer-Encoding: only 'chunked' is accepted, not '" + encoding + "'";
+  }
+  if (lengths > 1) return "more than one Content-Length header";
+  if (lengths == 1) {
+    // 1*DIGIT, at most 19 digits: fits in int64 (a list such as "5, 5", a sign or blanks are refused).
+    if (length.empty() || length.size() > 19 ||
+        !std::all_of(length.begin(), length.end(), [](unsigned char c) { return std::isdigit(c); })) {
+      return "malformed Content-Length '" + length + "' (expected one decimal number)";
+    }
+  }
+  return std::nullopt;
+}
+
 std::optional<std::string> Request::header(const std::string& lower_case_name) const {
   auto it = headers.find(lower_case_name);
   if (it == headers.end()) return std::nullopt;
@@ -158,7 +223,9 @@ struct HttpServer::Impl {
 
   static MHD_Result send(MHD_Connection* connection, const Response& r) {
     MHD_Response* response =
-        r.stream ? MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 << 10, &read_stream,
+        r.stream ? MHD_create_response_from_callback(r.stream_bytes >= 0 ? static_cast<uint64_t>(r.stream_bytes)
+                                                                         : MHD_SIZE_UNKNOWN,
+                                                     16 << 10, &read_stream,
                                                      new StreamState{r.stream, {}, 0}, &free_stream)
                  : MHD_create_response_from_buffer(r.body.size(), const_cast<char*>(r.body.data()),
                                                    MHD_RESPMEM_MUST_COPY);
@@ -170,34 +237,55 @@ struct HttpServer::Impl {
     return queued;
   }
 
+  // An answer after which the connection is closed (what is left of the request is never read).
+  static MHD_Result send_closing(MHD_Connection* connection, Response r) {
+    r.headers.emplace_back("Connection", "close");
+    return send(connection, r);
+  }
+
   Refuser refuse;
 
   Response refusal(int status, const std::string& message) const { return refuse(status, message); }
 
-  MHD_Result answer(MHD_Connection* connection, const char* url, const char* method, const char* upload,
-                    size_t* upload_size, void** context) {
+  MHD_Result answer(MHD_Connection* connection, const char* url, const char* method, const char* version,
+                    const char* upload, size_t* upload_size, void** context) {
     auto* exchange = static_cast<Exchange*>(*context);
     if (exchange == nullptr) {  // headers only so far
       exchange = new Exchange;
       *context = exchange;
+      // The body's framing is checked before a byte of it is read (RFC 9112 §6.1, §6.3, §5.2): an answer queued now
+      // makes libmicrohttpd read no body and no further request on this connection, and close it once sent.
+      std::vector<RawHeader> raw;
+      MHD_get_connection_values_n(connection, MHD_HEADER_KIND, collect_raw, &raw);
+      std::vector<HeaderLine> lines;
+      lines.reserve(raw.size());
+      for (RawHeader& h : raw) lines.push_back({std::move(h.name), std::move(h.value), h.in_place});
+      const bool http_1_0 = version != nullptr && std::strcmp(version, MHD_HTTP_VERSION_1_0) == 0;
+      if (std::optional<std::string> problem = framing_problem(lines, http_1_0)) {
+        exchange->answered = true;
+        spdlog::warn("event=http_framing_refused peer={} method={} path={} reason=\"{}\"", peer_of(connection), method,
+                     url, *problem);
+        return send_closing(connection, refusal(400, *problem));
+      }
       const char* length = MHD_lookup_connection_value(connection, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
       if (length != nullptr && std::strtoull(length, nullptr, 10) > static_cast<uint64_t>(options.max_body_bytes)) {
         exchange->answered = true;
-        return send(connection, refusal(413, "the request body is over " + std::to_string(options.max_body_bytes) +
-                                                 " bytes"));
+        return send_closing(connection, refusal(413, "the request body is over " +
+                                                         std::to_string(options.max_body_bytes) + " bytes"));
       }
       return MHD_YES;
     }
     if (*upload_size != 0) {
-      if (exchange->answered) {
-        *upload_size = 0;
-        return MHD_YES;
+      if (exchange->answered) {  // not reached: an early answer makes libmicrohttpd discard the body
+        return MHD_NO;
       }
       if (exchange->body.size() + *upload_size > static_cast<size_t>(options.max_body_bytes)) {
+        // A chunked body grown over the limit: libmicrohttpd 0.9.75 cannot queue an answer in the middle of a body
+        // (only before it or after all of it), so the connection is closed here, without reading any more of it.
         exchange->answered = true;
-        *upload_size = 0;
-        return send(connection, refusal(413, "the request body is over " + std::to_string(options.max_body_bytes) +
-                                                 " bytes"));
+        spdlog::warn("event=http_body_over_limit peer={} method={} path={} limit={}", peer_of(connection), method, url,
+                     options.max_body_bytes);
+        return MHD_NO;
       }
       exchange->body.append(upload, *upload_size);
       *upload_size = 0;
@@ -244,9 +332,9 @@ struct HttpServer::Impl {
 
 namespace {
 
-MHD_Result on_request(void* cls, MHD_Connection* connection, const char* url, const char* method, const char*,
-                      const char* upload, size_t* upload_size, void** context) {
-  return static_cast<HttpServer::Impl*>(cls)->answer(connection, url, method, upload, upload_size, context);
+MHD_Result on_request(void* cls, MHD_Connection* connection, const char* url, const char* method,
+                      const char* version, const char* upload, size_t* upload_size, void** context) {
+  return static_cast<HttpServer::Impl*>(cls)->answer(connection, url, method, version, upload, upload_size, context);
 }
 
 void on_completed(void*, MHD_Connection*, void** context, MHD_RequestTerminationCode) {

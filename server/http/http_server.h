@@ -52,6 +52,7 @@ struct Response {
   std::string body;
   std::vector<std::pair<std::string, std::string>> headers;
   std::shared_ptr<BodyStream> stream;  // set: the body is the stream's, `body` is ignored
+  int64_t stream_bytes = -1;           // the stream's length when known (Content-Length); -1: unknown (chunked)
 };
 
 using Handler = std::function<Response(const Request&)>;
@@ -84,6 +85,19 @@ class HttpServer {
  private:
   std::unique_ptr<Impl> impl_;
 };
+
+// One request header line as received; in_place false when it was folded onto the line before (obs-fold).
+struct HeaderLine {
+  std::string name;
+  std::string value;
+  bool in_place = true;
+};
+
+// What is wrong with a request's framing, nullopt when nothing (RFC 9112): Transfer-Encoding with Content-Length, a
+// Transfer-Encoding other than exactly "chunked" (or any in HTTP/1.0), more than one Content-Length or
+// Transfer-Encoding, a Content-Length that is not one decimal number of at most 19 digits, a folded line, a header
+// name that is not a token. The listener answers 400 with Connection: close and reads nothing more of the connection.
+std::optional<std::string> framing_problem(const std::vector<HeaderLine>& headers, bool http_1_0);
 
 // "bytes=A-B" / "bytes=A-" / "bytes=-N" against a body of `size` bytes: the [first, last] range, nullopt when the
 // header is not one satisfiable single range (multi-range requests are answered whole).

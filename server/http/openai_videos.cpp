@@ -472,10 +472,10 @@ Response video_content(const ServiceCall& call, const std::string& id) {
     return error_response(400, "variant: video, thumbnail or spritesheet, not '" + variant + "'", "variant");
   }
   pb::Job job;
-  std::string mp4;
-  std::vector<int64_t> chunk_starts;
-  if (auto refused = download_mp4(call, id, &job, &mp4, &chunk_starts)) return *refused;
-  if (variant != "video") {
+  if (variant != "video") {  // stills are made from the whole video (small images of it)
+    std::string mp4;
+    std::vector<int64_t> chunk_starts;
+    if (auto refused = download_mp4(call, id, &job, &mp4, &chunk_starts)) return *refused;
     Response still;
     still.content_type = "image/png";
     try {
@@ -486,23 +486,40 @@ Response video_content(const ServiceCall& call, const std::string& id) {
     return still;
   }
 
+  // The video: its segments' sizes first (made now when they were not yet), then the bytes asked for, streamed from
+  // the job store as the client reads them.
+  if (auto failed = get_job(call, id, &job)) return *failed;
+  if (job.state() != pb::JOB_STATE_SUCCEEDED) {
+    return finished(job.state())
+               ? error_response(400, "video '" + id + "' failed; it has no content", "", "video_failed")
+               : error_response(409, "video '" + id + "' is " + video_status(job.state()) +
+                                         "; its content exists once it is completed", "", "video_not_ready");
+  }
+  ResultSizes sizes;
+  if (auto refused = result_sizes(call, id, pb::RESULT_FORMAT_MP4, 0, false, &sizes)) return *refused;
+  uint64_t size = 0;
+  for (int64_t n : sizes.chunk_bytes) size += static_cast<uint64_t>(n);
   Response r;
   r.content_type = "video/mp4";
   r.headers.emplace_back("Accept-Ranges", "bytes");
+  uint64_t first = 0, last = size == 0 ? 0 : size - 1;
   if (auto range = call.request.header("range")) {
-    const auto span = byte_range(*range, mp4.size());
+    const auto span = byte_range(*range, size);
     if (!span) {
-      Response refused = error_response(416, "range: not one satisfiable byte range of " + std::to_string(mp4.size()));
-      refused.headers.emplace_back("Content-Range", "bytes */" + std::to_string(mp4.size()));
+      Response refused = error_response(416, "range: not one satisfiable byte range of " + std::to_string(size));
+      refused.headers.emplace_back("Content-Range", "bytes */" + std::to_string(size));
       return refused;
     }
+    first = span->first;
+    last = span->second;
     r.status = 206;
-    r.headers.emplace_back("Content-Range", "bytes " + std::to_string(span->first) + "-" +
-                                                std::to_string(span->second) + "/" + std::to_string(mp4.size()));
-    r.body = mp4.substr(span->first, span->second - span->first + 1);
-    return r;
+    r.headers.emplace_back("Content-Range", "bytes " + std::to_string(first) + "-" + std::to_string(last) + "/" +
+                                                std::to_string(size));
   }
-  r.body = std::move(mp4);
+  if (size == 0) return r;
+  r.stream_bytes = static_cast<int64_t>(last - first + 1);
+  r.stream = result_body(call, id, pb::RESULT_FORMAT_MP4, 0, sizes.chunk_bytes, static_cast<int64_t>(first),
+                         r.stream_bytes);
   return r;
 }
 

@@ -8,6 +8,7 @@
 #include <optional>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "server/http/http_api.h"
 #include "skyreels/v1/video_service.grpc.pb.h"
@@ -40,6 +41,21 @@ Response from_status(const grpc::Status& status, const grpc::ClientContext& cont
 // GetJob and CancelJob for the request's caller: the job into *job, or the answer to the failure.
 std::optional<Response> get_job(const ServiceCall& call, const std::string& id, pb::Job* job);
 std::optional<Response> cancel_job(const ServiceCall& call, const std::string& id, pb::Job* job);
+
+// A job's result (its chunks' blobs in `format`, from chunk `from_chunk` on; one_chunk: that chunk only) sized
+// before it is sent: each chunk's bytes and first frame, and the first chunk's part (its layout, the chunk count).
+struct ResultSizes {
+  std::vector<int64_t> chunk_bytes;
+  std::vector<int64_t> chunk_starts;  // pixel_frame_begin
+  pb::ResultPart first;
+};
+std::optional<Response> result_sizes(const ServiceCall& call, const std::string& id, pb::ResultFormat format,
+                                     int32_t from_chunk, bool one_chunk, ResultSizes* out);
+// The bytes [first, first + bytes) of those chunks joined, as a response body read from the service a part at a time
+// as the client reads (the calls carry the request's key and client, like every call).
+std::shared_ptr<BodyStream> result_body(const ServiceCall& call, const std::string& id, pb::ResultFormat format,
+                                        int32_t from_chunk, const std::vector<int64_t>& chunk_bytes, int64_t first,
+                                        int64_t bytes);
 
 // OpenAI's Videos API.
 Response create_video(const ServiceCall& call);

@@ -189,34 +189,21 @@ Response job_result(const ServiceCall& call, const std::string& id) {
   if (!chunk || *chunk > 100000) return error_response(400, "chunk: the chunk index, an integer", "chunk");
   const std::string format = call.request.query_value("format").value_or("latents");
   if (format != "latents" && format != "mp4") return error_response(400, "format: latents or mp4", "format");
-  pb::DownloadResultRequest request;
-  request.set_job_id(id);
-  request.set_format(format == "mp4" ? pb::RESULT_FORMAT_MP4 : pb::RESULT_FORMAT_LATENTS);
-  request.set_from_chunk(static_cast<int32_t>(*chunk));
-  request.set_no_wait(true);
-  auto context = call.context(call.config.download_timeout_ms);
-  auto reader = call.stub.DownloadResult(context.get(), request);
-  Response r;
-  pb::ResultPart part;
-  bool complete = false;
-  while (!complete && reader->Read(&part)) {
-    if (part.chunk_index() != static_cast<int32_t>(*chunk)) break;
-    r.body += part.data();
-    complete = part.last_part();
-    if (complete) {
-      r.headers = {{"X-Skyreels-Chunk-Count", std::to_string(part.chunk_count())},
-                   {"X-Skyreels-Latent-Frames", std::to_string(part.latent_frame_begin()) + "-" +
-                                                    std::to_string(part.latent_frame_end())}};
-    }
-  }
-  if (complete) context->TryCancel();  // the later chunks are not wanted
-  const grpc::Status status = reader->Finish();
-  if (!complete) {
-    if (!status.ok()) return from_status(status, *context);
+  const pb::ResultFormat wanted = format == "mp4" ? pb::RESULT_FORMAT_MP4 : pb::RESULT_FORMAT_LATENTS;
+  ResultSizes sizes;
+  if (auto refused = result_sizes(call, id, wanted, static_cast<int32_t>(*chunk), true, &sizes)) return *refused;
+  if (sizes.chunk_bytes.empty() || sizes.first.chunk_index() != static_cast<int32_t>(*chunk)) {
     return error_response(409, "chunk " + std::to_string(*chunk) + " of job '" + id + "' is not finished", "chunk",
                           "chunk_not_ready");
   }
+  Response r;
+  r.headers = {{"X-Skyreels-Chunk-Count", std::to_string(sizes.first.chunk_count())},
+               {"X-Skyreels-Latent-Frames", std::to_string(sizes.first.latent_frame_begin()) + "-" +
+                                                std::to_string(sizes.first.latent_frame_end())}};
   r.content_type = format == "mp4" ? "video/mp4" : "application/octet-stream";
+  if (sizes.chunk_bytes[0] == 0) return r;
+  r.stream_bytes = sizes.chunk_bytes[0];
+  r.stream = result_body(call, id, wanted, static_cast<int32_t>(*chunk), sizes.chunk_bytes, 0, r.stream_bytes);
   return r;
 }
 

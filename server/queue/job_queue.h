@@ -61,12 +61,15 @@ class JobQueue {
   virtual std::vector<JobSnapshot> list(const std::string& owner) const = 0;
   // Why a job the store once had is gone (dropped by retention), nullopt when the id is unknown to the store.
   virtual std::optional<std::string> dropped(const std::string& id, const std::string& owner) const = 0;
-  // Results, read from the job store (not from the payload): the committed result of chunk `index`, and its MP4
-  // segment once made. nullopt when the job is unknown, owned by another client, or has no such result (yet); always
-  // without a store. Throws StoreError when the store cannot be read.
-  virtual std::optional<std::string> chunk_result(const std::string& id, const std::string& owner,
-                                                  int64_t index) const = 0;
-  virtual std::optional<std::string> segment(const std::string& id, const std::string& owner, int64_t index) const = 0;
+  // Results, read from the job store (not from the payload) a piece at a time, so that a download holds one piece
+  // whatever the result's size: the size of chunk `index`'s committed result (JobStore::Blob::chunk) or of its MP4
+  // segment once made (Blob::segment), and its bytes [offset, offset + length). nullopt when the job is unknown, owned
+  // by another client, or has no such result (yet). Throws StoreError when the store cannot be read.
+  virtual std::optional<int64_t> result_size(const std::string& id, const std::string& owner, JobStore::Blob kind,
+                                             int64_t index) const = 0;
+  virtual std::optional<std::string> result_range(const std::string& id, const std::string& owner,
+                                                  JobStore::Blob kind, int64_t index, int64_t offset,
+                                                  int64_t length) const = 0;
   // Cancels at the next step boundary (queued or between chunks: at once). Returns the snapshot, nullopt if unknown.
   virtual std::optional<JobSnapshot> cancel(const std::string& id, const std::string& owner) = 0;
   // Cancels the job if it has not ended, and drops it with its results once it has (at once, or at the next

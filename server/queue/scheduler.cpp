@@ -1170,16 +1170,17 @@ std::shared_ptr<const JobDescription> Scheduler::description_of(const StoredJob&
   return description;
 }
 
-std::optional<std::string> Scheduler::chunk_result(const std::string& id, const std::string& owner,
-                                                       int64_t index) const {
+std::optional<int64_t> Scheduler::result_size(const std::string& id, const std::string& owner, JobStore::Blob kind,
+                                              int64_t index) const {
   if (!find(id, owner)) return std::nullopt;
-  return store_.load_chunk_bytes(id, index);
+  return store_.blob_size(id, kind, index);
 }
 
-std::optional<std::string> Scheduler::segment(const std::string& id, const std::string& owner,
-                                                  int64_t index) const {
+std::optional<std::string> Scheduler::result_range(const std::string& id, const std::string& owner,
+                                                   JobStore::Blob kind, int64_t index, int64_t offset,
+                                                   int64_t length) const {
   if (!find(id, owner)) return std::nullopt;
-  return store_.load_segment(id, index);
+  return store_.load_blob_range(id, kind, index, offset, length);
 }
 
 std::vector<JobSnapshot> Scheduler::list(const std::string& owner) const {

@@ -84,9 +84,10 @@ class Scheduler final : public JobQueue, private ChunkSource {
   std::optional<JobSnapshot> get(const std::string& id, const std::string& owner) const override;
   std::vector<JobSnapshot> list(const std::string& owner) const override;
   std::optional<std::string> dropped(const std::string& id, const std::string& owner) const override;
-  std::optional<std::string> chunk_result(const std::string& id, const std::string& owner,
-                                          int64_t index) const override;
-  std::optional<std::string> segment(const std::string& id, const std::string& owner, int64_t index) const override;
+  std::optional<int64_t> result_size(const std::string& id, const std::string& owner, JobStore::Blob kind,
+                                     int64_t index) const override;
+  std::optional<std::string> result_range(const std::string& id, const std::string& owner, JobStore::Blob kind,
+                                          int64_t index, int64_t offset, int64_t length) const override;
   std::optional<JobSnapshot> cancel(const std::string& id, const std::string& owner) override;
   std::optional<JobSnapshot> remove(const std::string& id, const std::string& owner) override;
 

@@ -230,6 +230,15 @@ std::optional<std::string> LocalLeaseStore::load_segment(const std::string& job_
   return inner_.load_segment(job_id, index);
 }
 
+std::optional<int64_t> LocalLeaseStore::blob_size(const std::string& job_id, Blob kind, int64_t index) const {
+  return inner_.blob_size(job_id, kind, index);
+}
+
+std::optional<std::string> LocalLeaseStore::load_blob_range(const std::string& job_id, Blob kind, int64_t index,
+                                                            int64_t offset, int64_t length) const {
+  return inner_.load_blob_range(job_id, kind, index, offset, length);
+}
+
 // ---- LeaseStore -----------------------------------------------------------------------------------------------
 
 std::optional<ChunkLease> LocalLeaseStore::claim(const std::string& replica, std::chrono::milliseconds ttl,

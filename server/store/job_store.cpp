@@ -54,6 +54,24 @@ std::optional<std::string> JobStore::load_request(const std::string& job_id) con
   return std::nullopt;
 }
 
+std::optional<int64_t> JobStore::blob_size(const std::string& job_id, Blob kind, int64_t index) const {
+  const auto bytes = kind == Blob::chunk ? load_chunk_bytes(job_id, index) : load_segment(job_id, index);
+  if (!bytes) return std::nullopt;
+  return static_cast<int64_t>(bytes->size());
+}
+
+std::optional<std::string> JobStore::load_blob_range(const std::string& job_id, Blob kind, int64_t index,
+                                                     int64_t offset, int64_t length) const {
+  const auto bytes = kind == Blob::chunk ? load_chunk_bytes(job_id, index) : load_segment(job_id, index);
+  if (!bytes) return std::nullopt;
+  return blob_slice(*bytes, offset, length);
+}
+
+std::string blob_slice(const std::string& bytes, int64_t offset, int64_t length) {
+  if (offset < 0 || length <= 0 || offset >= static_cast<int64_t>(bytes.size())) return {};
+  return bytes.substr(static_cast<size_t>(offset), static_cast<size_t>(length));
+}
+
 std::unique_ptr<JobStore> open_job_store(const std::string& spec) {
   if (spec == "memory") return std::make_unique<MemoryJobStore>();
   const std::string sqlite = "sqlite:";

@@ -113,7 +113,20 @@ class JobStore {
   // does not have (dropped meanwhile) keeps nothing.
   virtual void put_segment(const std::string& job_id, int64_t index, const std::string& bytes) = 0;
   virtual std::optional<std::string> load_segment(const std::string& job_id, int64_t index) const = 0;
+
+  // Ranged reads of those two kinds of blob, for downloads that hold a bounded piece at a time whatever the blob's
+  // size (a slow reader of a large video holds one piece, not the video). The size of the blob, and its bytes
+  // [offset, offset + length) (fewer at its end, none past it); nullopt when the blob is absent. Every backend reads
+  // only the piece (memory: a copy of it; SQLite: incremental blob I/O; PostgreSQL: substring of the bytea). The
+  // defaults read the whole blob (for wrappers and test stores).
+  enum class Blob { chunk, segment };
+  virtual std::optional<int64_t> blob_size(const std::string& job_id, Blob kind, int64_t index) const;
+  virtual std::optional<std::string> load_blob_range(const std::string& job_id, Blob kind, int64_t index,
+                                                     int64_t offset, int64_t length) const;
 };
+
+// bytes[offset, offset + length), clipped to the bytes (empty past the end or for a negative offset).
+std::string blob_slice(const std::string& bytes, int64_t offset, int64_t length);
 
 // "memory", "sqlite:PATH[?synchronous=full]" or "postgresql://..." (postgres://). SQLite: creates the file (and its
 // directory) when missing; a file that is corrupt, of a newer schema, not a store, or held by another server is a

@@ -96,6 +96,34 @@ std::optional<std::string> MemoryJobStore::load_segment(const std::string& job_i
   return segment->second;
 }
 
+// The blob, or null; with mu_ held.
+static const std::string* find_blob(const std::map<std::string, MemoryJobStore::Entry>& jobs, const std::string& job_id,
+                                    JobStore::Blob kind, int64_t index) {
+  auto it = jobs.find(job_id);
+  if (it == jobs.end()) return nullptr;
+  if (kind == JobStore::Blob::chunk) {
+    auto chunk = it->second.chunks.find(index);
+    return chunk == it->second.chunks.end() ? nullptr : &chunk->second.bytes;
+  }
+  auto segment = it->second.segments.find(index);
+  return segment == it->second.segments.end() ? nullptr : &segment->second;
+}
+
+std::optional<int64_t> MemoryJobStore::blob_size(const std::string& job_id, Blob kind, int64_t index) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::string* blob = find_blob(jobs_, job_id, kind, index);
+  if (blob == nullptr) return std::nullopt;
+  return static_cast<int64_t>(blob->size());
+}
+
+std::optional<std::string> MemoryJobStore::load_blob_range(const std::string& job_id, Blob kind, int64_t index,
+                                                           int64_t offset, int64_t length) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::string* blob = find_blob(jobs_, job_id, kind, index);
+  if (blob == nullptr) return std::nullopt;
+  return blob_slice(*blob, offset, length);
+}
+
 std::vector<StoredEvent> MemoryJobStore::load_events(const std::string& job_id) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = jobs_.find(job_id);

@@ -28,14 +28,19 @@ class MemoryJobStore final : public JobStore {
   std::optional<std::string> load_chunk_bytes(const std::string& job_id, int64_t index) const override;
   void put_segment(const std::string& job_id, int64_t index, const std::string& bytes) override;
   std::optional<std::string> load_segment(const std::string& job_id, int64_t index) const override;
+  std::optional<int64_t> blob_size(const std::string& job_id, Blob kind, int64_t index) const override;
+  std::optional<std::string> load_blob_range(const std::string& job_id, Blob kind, int64_t index, int64_t offset,
+                                             int64_t length) const override;
 
- private:
+ public:  // for the blob lookup in the .cpp
   struct Entry {
     StoredJob job;
     std::map<int64_t, StoredChunk> chunks;  // by index
     std::map<int64_t, std::string> segments;
     std::vector<StoredEvent> events;
   };
+
+ private:
   mutable std::mutex mu_;
   std::map<std::string, Entry> jobs_;
   std::map<std::string, std::pair<std::string, std::string>> tombstones_;  // id -> (owner, reason)

@@ -399,6 +399,32 @@ std::optional<std::string> PostgresJobStore::load_segment(const std::string& job
   return r.text(0, 0);
 }
 
+std::optional<int64_t> PostgresJobStore::blob_size(const std::string& job_id, Blob kind, int64_t index) const {
+  auto c = pool_->acquire();
+  const pg::Result r = c->exec(std::string("SELECT octet_length(bytes)::bigint FROM ") +
+                                   (kind == Blob::chunk ? "chunks" : "segments") + " WHERE job_id = $1 AND idx = $2",
+                               {job_id, index});
+  if (r.rows() == 0) return std::nullopt;
+  return r.int64(0, 0);
+}
+
+// substring() of the bytea (a bytea is at most 1 GiB, so integer positions): only the piece crosses the connection (TOAST slices an uncompressed value; a compressed
+// one is decompressed up to the piece's end by the server).
+std::optional<std::string> PostgresJobStore::load_blob_range(const std::string& job_id, Blob kind, int64_t index,
+                                                             int64_t offset, int64_t length) const {
+  if (offset < 0 || length <= 0) {
+    if (!blob_size(job_id, kind, index)) return std::nullopt;
+    return std::string();
+  }
+  auto c = pool_->acquire();
+  const pg::Result r = c->exec(std::string("SELECT substring(bytes FROM LEAST($3::bigint + 1, 1073741825)::integer"
+                                   " FOR LEAST($4::bigint, 1073741824)::integer) FROM ") +
+                                   (kind == Blob::chunk ? "chunks" : "segments") + " WHERE job_id = $1 AND idx = $2",
+                               {job_id, index, offset, length});
+  if (r.rows() == 0) return std::nullopt;
+  return r.text(0, 0);
+}
+
 // ---- leases ----
 
 std::optional<ChunkLease> PostgresJobStore::claim(const std::string& replica, std::chrono::milliseconds ttl,

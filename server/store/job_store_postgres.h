@@ -41,6 +41,9 @@ class PostgresJobStore final : public JobStore, public LeaseStore {
   std::optional<std::string> load_chunk_bytes(const std::string& job_id, int64_t index) const override;
   void put_segment(const std::string& job_id, int64_t index, const std::string& bytes) override;
   std::optional<std::string> load_segment(const std::string& job_id, int64_t index) const override;
+  std::optional<int64_t> blob_size(const std::string& job_id, Blob kind, int64_t index) const override;
+  std::optional<std::string> load_blob_range(const std::string& job_id, Blob kind, int64_t index, int64_t offset,
+                                             int64_t length) const override;
 
   // LeaseStore
   std::optional<ChunkLease> claim(const std::string& replica, std::chrono::milliseconds ttl,

@@ -1,6 +1,7 @@
 #include "server/store/job_store_sqlite.h"
 
 #include <spdlog/spdlog.h>
+#include <sqlite3.h>
 
 #include <algorithm>
 #include <chrono>
@@ -286,6 +287,42 @@ std::optional<std::string> SqliteJobStore::load_segment(const std::string& job_i
   s.bind(1, job_id).bind(2, index);
   if (!s.step()) return std::nullopt;
   return s.text(0);
+}
+
+std::optional<int64_t> SqliteJobStore::blob_size(const std::string& job_id, Blob kind, int64_t index) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  sqlite::Statement s(*db_, std::string("SELECT length(bytes) FROM ") + (kind == Blob::chunk ? "chunks" : "segments") +
+                                " WHERE job_id=? AND idx=?");
+  s.bind(1, job_id).bind(2, index);
+  if (!s.step()) return std::nullopt;
+  return s.int64(0);
+}
+
+// Incremental blob I/O (sqlite3_blob_read): only the piece is read from the file, whatever the blob's size.
+std::optional<std::string> SqliteJobStore::load_blob_range(const std::string& job_id, Blob kind, int64_t index,
+                                                           int64_t offset, int64_t length) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const char* table = kind == Blob::chunk ? "chunks" : "segments";
+  sqlite::Statement s(*db_, std::string("SELECT rowid FROM ") + table + " WHERE job_id=? AND idx=?");
+  s.bind(1, job_id).bind(2, index);
+  if (!s.step()) return std::nullopt;
+  const int64_t rowid = s.int64(0);
+  sqlite3_blob* blob = nullptr;
+  if (const int rc = sqlite3_blob_open(db_->handle(), "main", table, "bytes", rowid, 0, &blob); rc != SQLITE_OK) {
+    sqlite3_blob_close(blob);
+    db_->fail(std::string("open the blob of ") + table + " " + job_id + "/" + std::to_string(index), rc);
+  }
+  const int64_t size = sqlite3_blob_bytes(blob);
+  std::string out;
+  if (offset >= 0 && length > 0 && offset < size) {
+    out.resize(static_cast<size_t>(std::min(length, size - offset)));
+    const int rc = sqlite3_blob_read(blob, out.data(), static_cast<int>(out.size()), static_cast<int>(offset));
+    sqlite3_blob_close(blob);
+    if (rc != SQLITE_OK) db_->fail(std::string("read the blob of ") + table + " " + job_id, rc);
+  } else {
+    sqlite3_blob_close(blob);
+  }
+  return out;
 }
 
 }  // namespace skyreels::server

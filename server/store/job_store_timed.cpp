@@ -85,4 +85,13 @@ std::optional<std::string> TimedJobStore::load_segment(const std::string& job_id
   return timed("load_segment", [&] { return inner_->load_segment(job_id, index); });
 }
 
+std::optional<int64_t> TimedJobStore::blob_size(const std::string& job_id, Blob kind, int64_t index) const {
+  return timed("blob_size", [&] { return inner_->blob_size(job_id, kind, index); });
+}
+
+std::optional<std::string> TimedJobStore::load_blob_range(const std::string& job_id, Blob kind, int64_t index,
+                                                          int64_t offset, int64_t length) const {
+  return timed("load_blob_range", [&] { return inner_->load_blob_range(job_id, kind, index, offset, length); });
+}
+
 }  // namespace skyreels::server

@@ -14,7 +14,8 @@ namespace skyreels::server {
 inline constexpr const char* kJobStoreOps[] = {"insert_job",   "update_job",  "commit_chunk",
                                                "append_event", "drop_job",    "dropped_reason",
                                                "load_jobs",    "load_chunks", "load_events", "load_request",
-                                               "load_chunk_bytes", "put_segment", "load_segment"};
+                                               "load_chunk_bytes", "put_segment", "load_segment",
+                                               "blob_size",    "load_blob_range"};
 
 // Receives `op` (one of kJobStoreOps, a string literal) and the call's wall-clock seconds, on the calling thread.
 using StoreCallReport = std::function<void(const char* op, double seconds)>;
@@ -39,6 +40,9 @@ class TimedJobStore final : public JobStore {
   std::optional<std::string> load_chunk_bytes(const std::string& job_id, int64_t index) const override;
   void put_segment(const std::string& job_id, int64_t index, const std::string& bytes) override;
   std::optional<std::string> load_segment(const std::string& job_id, int64_t index) const override;
+  std::optional<int64_t> blob_size(const std::string& job_id, Blob kind, int64_t index) const override;
+  std::optional<std::string> load_blob_range(const std::string& job_id, Blob kind, int64_t index, int64_t offset,
+                                             int64_t length) const override;
 
  private:
   template <typename Call>
