@@ -13,11 +13,7 @@ namespace skyreels::server {
 
 namespace {
 
-int64_t now_ms() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
+// Times here are LeaseStore::now_ms(): this process's clock, the one clock of a store one process holds.
 bool unfinished(const StoredJob& job) { return job.state == "queued" || job.state == "running"; }
 
 // Nobody else writes to a store this process holds: every change was made, and announced, by this process.
