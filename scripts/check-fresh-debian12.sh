@@ -98,6 +98,14 @@ deb $MIRROR bookworm-updates main
 deb $SECURITY_MIRROR bookworm-security main
 EOF
 cp /etc/resolv.conf "$ROOT/etc/resolv.conf"
+# Certificate authorities this machine added locally (a network that intercepts TLS, as npm's registry is reached
+# here, needs them; elsewhere there are none): Debian's Node.js trusts the system store, which the ca-certificates
+# package (a dependency of nodejs) builds from /usr/local/share/ca-certificates too.
+if compgen -G "/usr/local/share/ca-certificates/*.crt" >/dev/null; then
+  mkdir -p "$ROOT/usr/local/share/ca-certificates"
+  cp /usr/local/share/ca-certificates/*.crt "$ROOT/usr/local/share/ca-certificates/"
+  [ ! -x "$ROOT/usr/sbin/update-ca-certificates" ] || chroot "$ROOT" /usr/sbin/update-ca-certificates >/dev/null
+fi
 # No init system runs in a chroot: packages must not start daemons (PostgreSQL's cluster, Prometheus) that would
 # outlive this script; the tests start their own PostgreSQL.
 printf '#!/bin/sh\nexit 101\n' >"$ROOT/usr/sbin/policy-rc.d"
