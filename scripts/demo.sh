@@ -4,7 +4,7 @@
 # chunks) through the `skyreels` client with random prompt embeddings, follows it, downloads the latents and the MP4
 # into ./out/, stops the server with SIGTERM (graceful drain) and exits 0. Random weights make a noise video: this
 # shows the service working, not a model.
-#   scripts/demo.sh                 # build into ./build first (scripts/setup.sh), then run
+#   scripts/demo.sh                 # build the server and the client into ./build first (scripts/setup.sh), then run
 #   SKYREELS_SKIP_BUILD=1 BUILD_DIR=build-x scripts/demo.sh   # use binaries that are already built
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +12,8 @@ cd "$(dirname "$0")/.."
 BUILD_DIR=${BUILD_DIR:-build}
 OUT=${OUT:-out}
 if [ "${SKYREELS_SKIP_BUILD:-0}" != 1 ]; then
-  BUILD_DIR="$BUILD_DIR" scripts/setup.sh
+  # Only what the demo runs: the test binaries and bench_* are left to scripts/test.sh (a first video sooner).
+  BUILD_DIR="$BUILD_DIR" SKYREELS_TARGETS="skyreels-server skyreels" scripts/setup.sh
 fi
 BIN="$BUILD_DIR/bin"
 for b in skyreels-server skyreels; do

@@ -3,6 +3,7 @@
 # Idempotent: packages already present are not reinstalled, and the build is incremental (ccache when present).
 #   scripts/setup.sh            # deps + build into ./build
 #   SKYREELS_SKIP_DEPS=1 ...    # build only
+#   SKYREELS_TARGETS="skyreels-server skyreels" scripts/setup.sh   # build only these targets (scripts/demo.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,8 +20,7 @@ PACKAGES=(
 
 # Packages wanted only for a command (tests run promtool, kubectl kustomize, node + npm for the openai SDK, and
 # chromium for the page): a machine that already has the command from elsewhere keeps it (Google's `kubectl` package,
-# for one, owns /usr/bin/kubectl as well; so does a newer Node.js than Debian 12's 18 — the openai package asks for
-# 22 and works on 20).
+# for one, owns /usr/bin/kubectl as well; so does a newer Node.js than Debian 12's 18, which tests/http runs on too).
 declare -A COMMAND_OF=([prometheus]=promtool [kubernetes-client]=kubectl [nodejs]=node [npm]=npm [chromium]=chromium)
 
 install_deps() {
@@ -63,5 +63,8 @@ JOBS=${JOBS:-$(nproc)}
 if [ ! -f "$BUILD_DIR/build.ninja" ]; then
   cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release
 fi
-cmake --build "$BUILD_DIR" -j "$JOBS"
-echo "setup: built into $BUILD_DIR/bin"
+# All targets by default (the test binaries, bench_*); SKYREELS_TARGETS names a subset.
+TARGETS=()
+for t in ${SKYREELS_TARGETS:-}; do TARGETS+=(--target "$t"); done
+cmake --build "$BUILD_DIR" -j "$JOBS" "${TARGETS[@]}"
+echo "setup: built ${SKYREELS_TARGETS:-all targets} into $BUILD_DIR/bin"

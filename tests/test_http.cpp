@@ -487,8 +487,7 @@ TEST(HttpPageTest, ThePageInChromiumShowsProgressAndPlaysTheVideoBeforeTheJobEnd
                           "&base_num_frames=17&overlap_history=9&autostart";
   const std::string out = temp_dir("http-page");
   const std::string command = "cd " + data_path("..") + "/http && SKYREELS_PAGE_URL='" + url + "' SKYREELS_OUT=" +
-                              out + " timeout 200 node --experimental-websocket page_in_chromium.mjs > " + out +
-                              "/node.log 2>&1";
+                              out + " timeout 200 node page_in_chromium.mjs > " + out + "/node.log 2>&1";
   const int rc = std::system(command.c_str());
   std::ifstream log(out + "/node.log");
   const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());

@@ -3,9 +3,13 @@
 //   plain.mp4, reference.mp4: the downloaded videos; ids.json: the ids of the videos made here.
 //   SKYREELS_HTTP_URL=http://127.0.0.1:PORT SKYREELS_API_KEY=KEY SKYREELS_OUT=DIR node openai_sdk.test.mjs
 import assert from 'node:assert/strict';
+import { File } from 'node:buffer';
 import { writeFileSync } from 'node:fs';
 import { deflateSync } from 'node:zlib';
 import OpenAI, { toFile } from 'openai';
+
+// Node.js 18 (Debian 12's) has `File` in node:buffer only; the SDK's toFile() wants the global (Node 20 has it).
+globalThis.File ??= File;
 
 const base = process.env.SKYREELS_HTTP_URL;
 const out = process.env.SKYREELS_OUT;

@@ -2,12 +2,15 @@
 // the server, its progress advances, the video plays before the job has finished, and a screenshot is kept.
 // Started by tests/test_http.cpp:
 //   SKYREELS_PAGE_URL='http://127.0.0.1:PORT/#prompt=...&autostart' SKYREELS_OUT=DIR \
-//     node --experimental-websocket page_in_chromium.mjs
+//     node page_in_chromium.mjs
+// The DevTools socket is the `ws` package (pinned in package-lock.json), so Node.js 18 (Debian 12's) runs this; Node's
+// own WebSocket needs 20.10 with --experimental-websocket, or 22.
 import assert from 'node:assert/strict';
 import { spawn } from 'node:child_process';
 import { existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
+import WebSocket from 'ws';
 
 const url = process.env.SKYREELS_PAGE_URL;
 const out = process.env.SKYREELS_OUT;
@@ -40,7 +43,7 @@ async function devtools() {
   assert.fail('no page target');
 }
 
-const socket = new WebSocket(await devtools());
+const socket = new WebSocket(await devtools(), { perMessageDeflate: false });
 await new Promise((resolve, reject) => { socket.onopen = resolve; socket.onerror = reject; });
 let nextId = 0;
 const pending = new Map();
