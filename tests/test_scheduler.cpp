@@ -91,6 +91,8 @@ struct Gate {
 struct FakeBehaviour {
   std::chrono::milliseconds step = 2ms;
   std::shared_ptr<Gate> gate;  // every run waits for it before its first step
+  // Shared by replicas: the first run on any of them that finds it false sets it and fails (whichever claims first).
+  std::shared_ptr<std::atomic<bool>> fail_first_run_anywhere;
   int64_t rows = 3;
   std::set<int> fail_calls;  // 1-based runs of this replica that throw (after their first step)
   bool always_fail = false;
@@ -144,7 +146,9 @@ class FakeExecutor : public ChunkExecutor {
     for (int64_t row = 1; row <= behaviour_.rows; ++row) {
       if (callbacks.should_stop()) return {ChunkOutcome::Stopped, "", 0, {}, {}};
       std::this_thread::sleep_for(behaviour_.step);
-      if (row == 1 && (behaviour_.always_fail || behaviour_.fail_calls.count(call))) {
+      const bool first_anywhere = row == 1 && behaviour_.fail_first_run_anywhere &&
+                                  !behaviour_.fail_first_run_anywhere->exchange(true);
+      if (first_anywhere || (row == 1 && (behaviour_.always_fail || behaviour_.fail_calls.count(call)))) {
         throw std::runtime_error("injected fault on " + name_);
       }
       callbacks.on_step(row, behaviour_.rows);
@@ -459,15 +463,20 @@ TEST(Scheduler, FailedChunkIsRetriedOnAnotherReplicaAndTheOutputIsUnchanged) {
   Harness reference_harness({FakeBehaviour{}, FakeBehaviour{}});
   const auto reference = reference_harness.outputs(reference_harness.wait(reference_harness.submit(3, 0, 5)));
 
-  Harness h({failing_calls({1}), FakeBehaviour{}});
+  // Whichever replica claims the chunk first fails it (on a shared store either may be first).
+  FakeBehaviour fails_once;
+  fails_once.fail_first_run_anywhere = std::make_shared<std::atomic<bool>>(false);
+  Harness h({fails_once, fails_once});
   const auto job = h.wait(h.submit(3, 0, 5));
   EXPECT_EQ(job.state, JobState::Succeeded);
   EXPECT_EQ(job.retries, 1);
   EXPECT_EQ(h.outputs(job), reference);
   const auto log = h.log->snapshot();
   ASSERT_GE(log.size(), 2u);
-  EXPECT_EQ(log[0], job.id + ":0@fake:0");
-  EXPECT_EQ(log[1], job.id + ":0@fake:1") << "the retry goes to the other replica";
+  const std::string first = log[0].substr(log[0].find('@'));
+  EXPECT_EQ(log[0].substr(0, log[0].find('@')), job.id + ":0");
+  EXPECT_EQ(log[1].substr(0, log[1].find('@')), job.id + ":0") << "the failed chunk runs again";
+  EXPECT_NE(log[1].substr(log[1].find('@')), first) << "the retry goes to the other replica";
 }
 
 TEST(Scheduler, ReplicaThatKeepsFailingIsTakenOutAndTheOthersKeepServing) {
