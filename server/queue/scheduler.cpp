@@ -194,6 +194,13 @@ std::vector<std::string> Scheduler::pass_over_locked(size_t replica, const std::
   };
   std::set<std::string> running;
   for (const auto& [r, run] : running_) running.insert(run->job.id);
+  // A job running on another replica here is passed over too: its chunk may commit while this replica's claim is in
+  // the store, and its next chunk belongs to that replica, idle once it commits (settle() forgets the run before it
+  // commits or releases, so every replica looks again after that change).
+  std::vector<std::string> pass_over;
+  for (const auto& [r, run] : running_) {
+    if (r != replica) pass_over.push_back(run->job.id);
+  }
   std::vector<Waiting> waiting;
   // Every job whose payload this server holds (a first chunk too: it goes to the first idle replica, as a scheduler
   // that pushes would place it); jobs this server knows nothing of are the store's order alone.
@@ -206,7 +213,7 @@ std::vector<std::string> Scheduler::pass_over_locked(size_t replica, const std::
     if (it == waiting.end()) it = waiting.insert(waiting.end(), {id, {-1, -1}});
     it->placement.avoid = static_cast<int>(avoid);
   }
-  if (waiting.empty()) return {};
+  if (waiting.empty()) return pass_over;
   const auto now = Clock::now();
   std::vector<policy::ReplicaView> views(healthy.size());
   for (size_t i = 0; i < views.size(); ++i) {
@@ -230,7 +237,6 @@ std::vector<std::string> Scheduler::pass_over_locked(size_t replica, const std::
   size_t rank = 0;
   for (size_t i = 0; i < views.size(); ++i) rank += i != replica && views[i].idle && ranks_before(i) ? 1 : 0;
   const bool take_fresh = rank < fresh;
-  std::vector<std::string> pass_over;
   for (const Waiting& w : waiting) {
     if (w.placement.holder < 0 && w.placement.avoid < 0) {
       if (!take_fresh) pass_over.push_back(w.id);
