@@ -122,14 +122,7 @@ Result run_diffusers(const Options& o, const std::string& dir, const GenerationP
       << " --flow-shift " << p.flow_shift << " --sampler " << (p.sampler == SamplerKind::kEuler ? "euler" : "unipc")
       << " --out " << dir << "/latents.safetensors";
   for (size_t i = 0; i < p.timesteps.size(); ++i) cmd << (i == 0 ? " --timesteps " : ",") << p.timesteps[i];
-  cmd << " 2>" << dir << "/stderr.txt";
-  const auto [out, status] = skyreels::bench::command_output(cmd.str());
-  if (status != 0 || out.find('{') == std::string::npos) {
-    std::ifstream err(dir + "/stderr.txt");
-    throw std::runtime_error("diffusers' pipeline failed: " + cmd.str() + "\n" +
-                             std::string(std::istreambuf_iterator<char>(err), {}));
-  }
-  const auto json = nlohmann::json::parse(out.substr(out.rfind('{')));
+  const auto json = nlohmann::json::parse(skyreels::bench::diffusers_timer_json(cmd.str(), dir));
   Result r;
   r.seconds = json.at("seconds").get<double>();
   r.calls = json.at("calls").get<int64_t>();

@@ -150,14 +150,7 @@ DiffusersRun run_diffusers(const Options& o, const std::string& dir, const Gener
       << *p.seed << " --threads " << at::get_num_threads() << " --out " << dir << "/latents.safetensors";
   if (p.overlap_history) cmd << " --overlap-history " << *p.overlap_history;
   if (fbc_threshold) cmd << " --fbc-threshold " << *fbc_threshold;
-  cmd << " 2>" << dir << "/stderr.txt";
-  const auto [out, status] = skyreels::bench::command_output(cmd.str());
-  if (status != 0 || out.find('{') == std::string::npos) {
-    std::ifstream err(dir + "/stderr.txt");
-    throw std::runtime_error("diffusers' pipeline failed: " + cmd.str() + "\n" +
-                             std::string(std::istreambuf_iterator<char>(err), {}));
-  }
-  const auto json = nlohmann::json::parse(out.substr(out.rfind('{')));
+  const auto json = nlohmann::json::parse(skyreels::bench::diffusers_timer_json(cmd.str(), dir));
   DiffusersRun r;
   r.seconds = json.at("seconds").get<double>();
   r.calls = json.at("calls").get<int64_t>();

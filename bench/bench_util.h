@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <stdexcept>
 #include <string>
 
@@ -50,6 +51,20 @@ inline CommandOutput command_output(const std::string& command) {
   while (const size_t n = std::fread(buffer, 1, sizeof(buffer), pipe)) out.text.append(buffer, n);
   out.status = ::pclose(pipe);
   return out;
+}
+
+// Runs bench/diffusers_pipeline_time.py's command line (its stderr kept in dir/stderr.txt) and returns the JSON object
+// it prints last; throws with its stderr when it failed or printed none.
+inline std::string diffusers_timer_json(const std::string& command, const std::string& dir) {
+  const std::string full = command + " 2>" + dir + "/stderr.txt";
+  const CommandOutput out = command_output(full);
+  const auto brace = out.text.rfind('{');
+  if (out.status != 0 || brace == std::string::npos) {
+    std::ifstream err(dir + "/stderr.txt");
+    throw std::runtime_error("diffusers' pipeline failed: " + full + "\n" +
+                             std::string(std::istreambuf_iterator<char>(err), {}));
+  }
+  return out.text.substr(brace);
 }
 
 }  // namespace skyreels::bench
