@@ -139,23 +139,11 @@ std::string slow_grpc_download(ServerProcess& server, const std::string& id, std
 
 // GET `path` with `header` (whole answer until the server closes; Connection: close).
 std::string get_with(int port, const std::string& path, const std::string& header) {
-  const int fd = connect_loopback(port);
-  if (fd < 0) return "";
-  const std::string request = "GET " + path + " HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + kKey + "\r\n" +
-                              header + "\r\nConnection: close\r\n\r\n";
-  ::send(fd, request.data(), request.size(), MSG_NOSIGNAL);
-  std::string answer;
-  char buffer[65536];
-  const auto until = std::chrono::steady_clock::now() + 120s;
-  while (std::chrono::steady_clock::now() < until) {
-    pollfd p{fd, POLLIN, 0};
-    if (::poll(&p, 1, 100) <= 0) continue;
-    const ssize_t n = ::recv(fd, buffer, sizeof buffer, 0);
-    if (n <= 0) break;
-    answer.append(buffer, static_cast<size_t>(n));
-  }
-  ::close(fd);
-  return answer;
+  return send_raw_http(port,
+                       "GET " + path + " HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + kKey + "\r\n" + header +
+                           "\r\nConnection: close\r\n\r\n",
+                       120)
+      .bytes;
 }
 
 TEST(DownloadMemory, TwoHundredSlowReadersOfALargeVideoHoldABoundedPieceEach) {

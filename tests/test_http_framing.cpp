@@ -30,38 +30,10 @@ namespace pb = ::skyreels::v1;
 const std::string kKey = "framing-key-0123456789abcdef0123456789";
 const std::string kVideo = R"({"prompt":"A dog runs.","size":"48x32","seconds":2,"fps":8,"num_inference_steps":1})";
 
-// What one connection got: the bytes, and whether the server closed it (recv returned 0 or a reset) in time.
-struct Exchange {
-  std::string bytes;
-  bool closed = false;
-};
-
-// Sends `raw` on a fresh connection (without shutting down our side) and reads until the server closes it or
-// `seconds` pass. The deadline is far above the time a close takes and far below the idle timeout (30 s).
-Exchange send_raw(int port, const std::string& raw, double seconds = 15) {
-  Exchange out;
-  const int fd = connect_loopback(port);
-  if (fd < 0) return out;
-  size_t sent = 0;
-  while (sent < raw.size()) {
-    const ssize_t n = ::send(fd, raw.data() + sent, raw.size() - sent, MSG_NOSIGNAL);
-    if (n <= 0) break;
-    sent += static_cast<size_t>(n);
-  }
-  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
-  char buffer[65536];
-  while (std::chrono::steady_clock::now() < until) {
-    pollfd p{fd, POLLIN, 0};
-    if (::poll(&p, 1, 100) <= 0) continue;
-    const ssize_t n = ::recv(fd, buffer, sizeof buffer, 0);
-    if (n <= 0) {
-      out.closed = true;
-      break;
-    }
-    out.bytes.append(buffer, static_cast<size_t>(n));
-  }
-  ::close(fd);
-  return out;
+// Sends `raw` on a fresh connection and reads until the server closes it or `seconds` pass. The deadline is far above
+// the time a close takes and far below the idle timeout (30 s).
+RawExchange send_raw(int port, const std::string& raw, double seconds = 15) {
+  return send_raw_http(port, raw, seconds);
 }
 
 int status_of(const std::string& answer) {
@@ -136,7 +108,7 @@ class HttpFramingTest : public ::testing::Test {
   // `raw` is refused with 400, once, the connection closed by the server, and no job made.
   static void expect_refused(const std::string& what, const std::string& raw, int status = 400) {
     const int before = jobs();
-    const Exchange got = send_raw(http_port_, raw);
+    const RawExchange got = send_raw(http_port_, raw);
     EXPECT_EQ(status_of(got.bytes), status) << what << ":\n" << got.bytes;
     EXPECT_TRUE(got.closed) << what << ": the server kept the connection open";
     // One answer: the refusal (libmicrohttpd 0.9.75 writes the head of its own refusals twice, hence "every").
@@ -156,7 +128,7 @@ class HttpFramingTest : public ::testing::Test {
 TEST_F(HttpFramingTest, TheHiddenRequestMakesAJobWhenSentOnItsOwn) {
   // The control: the request hidden in the cases below is a valid submission.
   const int before = jobs();
-  const Exchange got = send_raw(http_port_, hidden_request());
+  const RawExchange got = send_raw(http_port_, hidden_request());
   EXPECT_EQ(status_of(got.bytes), 200) << got.bytes;
   EXPECT_EQ(jobs(), before + 1);
 }
@@ -218,7 +190,7 @@ TEST_F(HttpFramingTest, ChunkSizesAndChunkedBodiesAreBounded) {
   const int before = jobs();
   // A chunk size of 17 hex digits (over 2^64): libmicrohttpd refuses it itself (413) and closes.
   {
-    const Exchange got =
+    const RawExchange got =
         send_raw(http_port_, head() + "Transfer-Encoding: chunked\r\n\r\n10000000000000000\r\n" + hidden_request());
     EXPECT_EQ(status_of(got.bytes), 413) << got.bytes;
     EXPECT_TRUE(got.closed);
@@ -271,7 +243,7 @@ TEST_F(HttpFramingTest, ChunkSizesAndChunkedBodiesAreBounded) {
   }
   EXPECT_EQ(jobs(), before);
   // The server answers as before.
-  const Exchange ok = send_raw(http_port_, "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  const RawExchange ok = send_raw(http_port_, "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
   EXPECT_EQ(status_of(ok.bytes), 200) << ok.bytes;
 }
 
@@ -281,7 +253,7 @@ TEST_F(HttpFramingTest, WellFormedRequestsStillWorkChunkedOrNot) {
   const std::string plain = "POST /v1/videos HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + kKey +
                             "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(kVideo.size()) +
                             "\r\n\r\n" + kVideo;
-  const Exchange two = send_raw(http_port_, plain + "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  const RawExchange two = send_raw(http_port_, plain + "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
   EXPECT_EQ(status_of(two.bytes), 200) << two.bytes;
   EXPECT_EQ(statuses_in(two.bytes), (std::vector<int>{200, 200})) << two.bytes;
   EXPECT_TRUE(two.closed);
@@ -295,7 +267,7 @@ TEST_F(HttpFramingTest, WellFormedRequestsStillWorkChunkedOrNot) {
   const std::string chunked = head() + "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n" + hex(a.size()) +
                               "\r\n" + a + "\r\n" + hex(b.size()) + ";ext=1\r\n" + b + "\r\n" + hex(c.size()) +
                               "\r\n" + c + "\r\n0\r\nX-Trailer: t\r\n\r\n";
-  const Exchange got = send_raw(http_port_, chunked);
+  const RawExchange got = send_raw(http_port_, chunked);
   EXPECT_EQ(status_of(got.bytes), 200) << got.bytes;
   EXPECT_EQ(jobs(), before + 2);
 }

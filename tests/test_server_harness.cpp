@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -155,6 +156,32 @@ int connect_loopback(int port) {
     return -1;
   }
   return fd;
+}
+
+RawExchange send_raw_http(int port, const std::string& raw, double seconds) {
+  RawExchange out;
+  const int fd = connect_loopback(port);
+  if (fd < 0) return out;
+  size_t sent = 0;
+  while (sent < raw.size()) {
+    const ssize_t n = ::send(fd, raw.data() + sent, raw.size() - sent, MSG_NOSIGNAL);
+    if (n <= 0) break;
+    sent += static_cast<size_t>(n);
+  }
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  char buffer[65536];
+  while (std::chrono::steady_clock::now() < until) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 100) <= 0) continue;
+    const ssize_t n = ::recv(fd, buffer, sizeof buffer, 0);
+    if (n <= 0) {
+      out.closed = true;
+      break;
+    }
+    out.bytes.append(buffer, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  return out;
 }
 
 std::string http_get(int port, const std::string& path, int* status) {

@@ -65,6 +65,14 @@ class SharedServerSuite : public ::testing::Test {
 
 // A TCP connection to 127.0.0.1:port (a blocking socket), or -1.
 int connect_loopback(int port);
+// What one raw HTTP exchange got: the bytes, and whether the server closed the connection in time.
+struct RawExchange {
+  std::string bytes;
+  bool closed = false;
+};
+// Sends `raw` on a fresh connection to 127.0.0.1:port (our side stays open) and reads until the server closes it or
+// `seconds` pass.
+RawExchange send_raw_http(int port, const std::string& raw, double seconds);
 // GET http://127.0.0.1:port/path; returns the body ("" on failure), status code into *status.
 std::string http_get(int port, const std::string& path, int* status = nullptr);
 // The value of one sample line "name{labels} value" of a Prometheus exposition (NaN when absent).
