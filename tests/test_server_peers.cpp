@@ -18,6 +18,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -425,33 +426,53 @@ TEST(Peers, ManyJobsOverThreePodsAllFinishAndInterleave) {
 }
 
 // Step progress is not stored: the pod running a chunk publishes it (coalesced, the last row always), and watchers
-// on every pod see it in sequence between the chunk's start and its end.
+// on every pod see it in sequence between the chunk's start and its end. A watch subscribes before it replays, so
+// every chunk that starts after both watchers received their first event is checked; a job that ran (nearly) to its
+// end before they did is submitted again.
 TEST(Peers, StepProgressOfEveryChunkReachesWatchersOnEveryPod) {
-  Cluster cluster(2, 2.0, 40);
-  const std::string id = submit(cluster.pod(0).client(), six_chunk_request(1481)).job_id();
-  std::vector<pb::JobEvent> seen[2];
-  std::thread watchers[2];
-  for (size_t p = 0; p < 2; ++p) {
-    watchers[p] = std::thread([&, p] { seen[p] = watch_until(cluster.pod(p).client(), id, 0, finished, 240); });
-  }
-  for (auto& w : watchers) w.join();
-  // Whichever pods ran the chunks, at least one watcher is on a pod that did not run some of them.
-  for (size_t p = 0; p < 2; ++p) {
-    ASSERT_FALSE(seen[p].empty());
-    ASSERT_TRUE(seen[p].back().has_finished()) << "watcher on pod " << p;
-    std::map<int, int> steps_of_chunk;
-    for (const auto& e : seen[p]) {
-      if (e.has_step()) {
-        ++steps_of_chunk[e.step().chunk_index()];
-        EXPECT_GE(e.step().step(), 1);
-        EXPECT_LE(e.step().step(), e.step().steps());
-        EXPECT_GT(e.step().progress(), 0.0);
+  Cluster cluster(2, 2.0, 100);
+  for (uint64_t attempt = 0;; ++attempt) {
+    ASSERT_LT(attempt, 5u) << "the watchers never attached before the job's last chunk";
+    const std::string id = submit(cluster.pod(0).client(), six_chunk_request(1481 + attempt)).job_id();
+    std::vector<pb::JobEvent> seen[2];
+    std::atomic<int> attached{0};
+    std::thread watchers[2];
+    for (size_t p = 0; p < 2; ++p) {
+      watchers[p] = std::thread([&, p] {
+        bool first = true;
+        seen[p] = watch_until(cluster.pod(p).client(), id, 0, [&](const pb::JobEvent& e) {
+          if (std::exchange(first, false)) ++attached;
+          return finished(e);
+        }, 240);
+      });
+    }
+    const auto deadline = std::chrono::steady_clock::now() + 60s;
+    while (attached < 2 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(5ms);
+    // The chunk after the ones done now had not started stepping when both watchers were subscribed.
+    const int first_checked = get_job(cluster.pod(0).client(), id).chunks_done() + 1;
+    for (auto& w : watchers) w.join();
+    ASSERT_EQ(attached.load(), 2);
+    if (first_checked >= 6) continue;
+    // Whichever pods ran the chunks, at least one watcher is on a pod that did not run some of them.
+    for (size_t p = 0; p < 2; ++p) {
+      ASSERT_FALSE(seen[p].empty());
+      ASSERT_TRUE(seen[p].back().has_finished()) << "watcher on pod " << p;
+      std::map<int, int> steps_of_chunk;
+      for (const auto& e : seen[p]) {
+        if (e.has_step()) {
+          ++steps_of_chunk[e.step().chunk_index()];
+          EXPECT_GE(e.step().step(), 1);
+          EXPECT_LE(e.step().step(), e.step().steps());
+          EXPECT_GT(e.step().progress(), 0.0);
+        }
       }
+      for (int chunk = first_checked; chunk < 6; ++chunk) {
+        EXPECT_GE(steps_of_chunk[chunk], 1) << "watcher on pod " << p << " saw no step of chunk " << chunk;
+      }
+      for (size_t i = 1; i < seen[p].size(); ++i) EXPECT_GT(seen[p][i].sequence(), seen[p][i - 1].sequence());
     }
-    for (int chunk = 0; chunk < 6; ++chunk) {
-      EXPECT_GE(steps_of_chunk[chunk], 1) << "watcher on pod " << p << " saw no step of chunk " << chunk;
-    }
-    for (size_t i = 1; i < seen[p].size(); ++i) EXPECT_GT(seen[p][i].sequence(), seen[p][i - 1].sequence());
+    std::cout << "checked chunks " << first_checked << "..5 (attempt " << attempt + 1 << ")\n";
+    return;
   }
 }
 
