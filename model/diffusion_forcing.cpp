@@ -703,7 +703,51 @@ void mark_frames(DenoiseCall& call, const TimestepMatrix& matrix, const Generati
   }
 }
 
+// The running chunk's clean-latent estimate for previews (made only when they are asked for): the first video of the
+// batch, the chunk's new frames. It reads the loop's tensors and writes only its own.
+class PreviewEstimate {
+ public:
+  PreviewEstimate(const at::Tensor& latents, const ChunkSpec& chunk)
+      : from_(chunk.keep_from),
+        x0_(latents.narrow(0, 0, 1).narrow(2, from_, chunk.num_latent_frames - from_).clone()),
+        first_frame_(chunk.output_begin) {}
+
+  static bool due(const GenerationParams& p, const StepHooks& hooks, int64_t row, int64_t rows) {
+    return p.preview_every > 0 && hooks.on_preview && ((row + 1) % p.preview_every == 0 || row + 1 == rows);
+  }
+
+  // Before row `row`'s update: the frames it updates get x_t - sigma * v (their own sigma); frames already final
+  // their latents; the others keep their last estimate.
+  void record(const at::Tensor& latents, const at::Tensor& prediction, const FrameSampler& sampler,
+              const TimestepMatrix& matrix, int64_t row, int64_t start, int64_t end) {
+    const auto mask = matrix.update_mask.accessor<bool, 2>();
+    const auto steps = matrix.step_matrix.accessor<int64_t, 2>();
+    for (int64_t f = from_; f < from_ + x0_.size(2); ++f) {
+      at::Tensor x0 = x0_.narrow(2, f - from_, 1);
+      const at::Tensor x_t = latents.narrow(0, 0, 1).narrow(2, f, 1);
+      if (f >= start && f < end && mask[row][f]) {
+        const at::Tensor v = prediction.narrow(0, 0, 1).narrow(2, f - start, 1).to(at::kFloat);
+        x0.copy_(x_t - v * static_cast<double>(sampler.sigma(f)));
+      } else if (steps[row][f] == 0) {
+        x0.copy_(x_t);
+      }
+    }
+  }
+
+  ChunkPreview preview(int64_t chunk, int64_t row, int64_t rows) const {
+    return ChunkPreview{chunk, row, rows, first_frame_, x0_.clone()};
+  }
+
+ private:
+  int64_t from_;
+  at::Tensor x0_;  // fp32 [1, 16, F_new, h, w]
+  int64_t first_frame_;
+};
+
 void check_plan(const ChunkPlan& plan, int64_t chunk_index, const GenerationParams& p) {
+  if (p.preview_every < 0) {
+    throw std::invalid_argument("preview_every: " + std::to_string(p.preview_every) + " is negative (0: no previews)");
+  }
   if (chunk_index < 0 || chunk_index >= static_cast<int64_t>(plan.chunks.size())) {
     throw std::invalid_argument("chunk_index: " + std::to_string(chunk_index) + " outside the plan's " +
                                 std::to_string(plan.chunks.size()) + " chunks");
@@ -785,6 +829,8 @@ at::Tensor run_chunk(const Denoiser& denoiser, const DenoiserInfo& info, const G
                 chunk.num_latent_frames, chunk.prefix_frames, matrix.rows());
 
   const at::Tensor timestep_rows = matrix.step_matrix.to(info.device);
+  std::optional<PreviewEstimate> estimate;
+  if (params.preview_every > 0 && hooks.on_preview) estimate.emplace(latents, chunk);
   for (int64_t i = 0; i < matrix.rows(); ++i) {
     if (hooks.cancelled && hooks.cancelled()) {
       throw GenerationCancelled("generation cancelled at chunk " + std::to_string(chunk_index) + ", row " +
@@ -812,9 +858,12 @@ at::Tensor run_chunk(const Denoiser& denoiser, const DenoiserInfo& info, const G
       throw std::logic_error("denoiser returned " + shape_text(prediction.sizes()) + " for input " +
                              shape_text(call.latent_model_input.sizes()));
     }
+    const bool preview = PreviewEstimate::due(params, hooks, i, matrix.rows());
+    if (preview) estimate->record(latents, prediction, schedulers, matrix, i, start, end);
     update_frames(schedulers, latents, prediction, matrix.update_mask.select(0, i), matrix.step_index.select(0, i),
                   start, end);
     if (hooks.on_step) hooks.on_step(chunk_index, i, matrix.rows());
+    if (preview) hooks.on_preview(estimate->preview(chunk_index, i, matrix.rows()));
   }
   return latents;
 }

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "model/preview.h"
 #include "model/sampler_flow_unipc.h"
 
 namespace skyreels::model {
@@ -83,6 +84,9 @@ struct GenerationParams {
   bool exact_savings = true;
   int64_t kv_cache_max_bytes = kDefaultKvCacheBytes;
   StepCacheConfig cache;
+  // Previews (StepHooks::on_preview): after every N-th timestep row of a chunk and after its last row; 0: none.
+  // They read the loop's tensors and never change them: the latents are the same with previews on or off.
+  int64_t preview_every = 0;
 };
 
 // The sampler `params` asks for, for one chunk of `num_frames` latent frames: its per-frame trajectories and the
@@ -225,6 +229,9 @@ struct StepHooks {
   std::function<bool()> cancelled;  // polled before each row and, with the transformer, after each of its blocks;
                                     // true aborts with GenerationCancelled
   std::function<void(const TransformerCallReport&)> on_call;  // after each transformer call (with the transformer)
+  // After the rows GenerationParams::preview_every selects (after on_step); nothing is computed for previews
+  // without it.
+  std::function<void(const ChunkPreview&)> on_preview;
 };
 
 // The transformer-call state of one request's loop: per guidance context, the kept keys / values of the running

@@ -23,6 +23,9 @@ class FrameSampler {
   virtual int64_t num_frames() const = 0;
   // Calls of step() frame `frame` took so far: its next call uses step steps_taken(frame) of the schedule.
   virtual int64_t steps_taken(int64_t frame) const = 0;
+  // The sigma of frame `frame`'s current sample (the schedule's sigma at steps_taken(frame)): flow matching's
+  // clean-latent estimate is x0 = sample - sigma * velocity (previews).
+  virtual float sigma(int64_t frame) const = 0;
   // One step for `frames`, all at the same step counter (else std::invalid_argument). model_output: [B, C, G, H, W]
   // velocity in the model's dtype; sample: [B, C, G, H, W] latents (fp32). Returns the next sample in sample's dtype.
   // No host synchronisation: every coefficient is a precomputed CPU scalar.

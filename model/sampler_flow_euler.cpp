@@ -139,6 +139,10 @@ FlowEulerFrames::FlowEulerFrames(std::shared_ptr<const FlowEulerSampler> sampler
 
 int64_t FlowEulerFrames::steps_taken(int64_t frame) const { return steps_.at(static_cast<size_t>(frame)); }
 
+float FlowEulerFrames::sigma(int64_t frame) const {
+  return sampler_->schedule().sigmas.at(static_cast<size_t>(steps_taken(frame)));
+}
+
 at::Tensor FlowEulerFrames::step(const std::vector<int64_t>& frames, const at::Tensor& model_output,
                                  const at::Tensor& sample) {
   if (frames.empty()) throw std::invalid_argument("FlowEulerFrames::step: no frames given");

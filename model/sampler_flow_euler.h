@@ -64,6 +64,7 @@ class FlowEulerFrames : public FrameSampler {
   FlowEulerFrames(std::shared_ptr<const FlowEulerSampler> sampler, int64_t num_frames);
   int64_t num_frames() const override { return static_cast<int64_t>(steps_.size()); }
   int64_t steps_taken(int64_t frame) const override;
+  float sigma(int64_t frame) const override;
   // prev = sample.float() + dt * model_output (dt * v in v's dtype), then cast to v's dtype and back to sample's.
   at::Tensor step(const std::vector<int64_t>& frames, const at::Tensor& model_output,
                   const at::Tensor& sample) override;

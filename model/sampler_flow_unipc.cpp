@@ -326,6 +326,10 @@ FlowUniPCFrames::FlowUniPCFrames(std::shared_ptr<const FlowUniPCSampler> sampler
 
 int64_t FlowUniPCFrames::steps_taken(int64_t frame) const { return steps_.at(static_cast<size_t>(frame)); }
 
+float FlowUniPCFrames::sigma(int64_t frame) const {
+  return sampler_->schedule().sigmas.at(static_cast<size_t>(steps_taken(frame)));
+}
+
 at::Tensor FlowUniPCFrames::last_x0(int64_t frame) const { return x0_cur_.at(static_cast<size_t>(frame)); }
 
 at::Tensor FlowUniPCFrames::last_corrected_sample(int64_t frame) const {

@@ -79,6 +79,7 @@ class FlowUniPCFrames : public FrameSampler {
 
   int64_t num_frames() const override { return static_cast<int64_t>(steps_.size()); }
   int64_t steps_taken(int64_t frame) const override;
+  float sigma(int64_t frame) const override;
 
   // One scheduler step for `frames` (all at the same step counter, else std::invalid_argument).
   // model_output: [B, C, G, H, W] velocity (any float dtype; sigma*v is computed in that dtype as diffusers does),

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "model/checkpoint.h"
+#include "model/pixel_conditioning.h"
 #include "model/transformer_loader.h"
 #include "tests/test_util.h"
 
@@ -90,6 +91,26 @@ std::unique_ptr<model::SkyReelsV2Transformer> load_fixture_transformer(const std
   auto weights = checkpoint::place_strict(tensors, transformer_parameter_specs(config), {}, dir);
   return std::make_unique<SkyReelsV2Transformer>(std::move(config), std::move(weights), c10::Device(c10::kCPU),
                                                  at::kFloat);
+}
+
+void set_condition_latents(const at::Tensor& all, PipelineCase& c) {
+  if (c.params.last_image) {
+    const int64_t half = all.size(0) / 2;
+    c.conditioning.prefix_latents = all.narrow(0, 0, half);
+    c.conditioning.last_image_latents = all.narrow(0, half, half);
+  } else {
+    c.conditioning.prefix_latents = all;
+  }
+}
+
+void use_recorded_conditioning(PipelineCase& c) {
+  model::PixelConditioning pixels;
+  if (c.inputs.count("image")) pixels.image = c.inputs.at("image");
+  if (c.inputs.count("last_image")) pixels.last_image = c.inputs.at("last_image");
+  if (c.inputs.count("video")) pixels.video = c.inputs.at("video");
+  if (!pixels.image.defined() && !pixels.video.defined()) return;
+  model::describe_conditioning(pixels, c.conditioning.prompt_embeds.size(0), c.params);
+  set_condition_latents(load_tensors(c.base_dir + "/condition.safetensors").at("condition_latents"), c);
 }
 
 std::string row_key(int64_t chunk, int64_t row, const char* what) {

@@ -31,6 +31,13 @@ struct PipelineCase {
 
 PipelineCase load_pipeline_case(const std::string& name, const std::string& dir);
 
+// condition.safetensors' condition_latents `all`, split as the pipeline splits them (image | last_image) into the
+// case's conditioning.
+void set_condition_latents(const at::Tensor& all, PipelineCase& c);
+// An image or video case without the VAE: the pixels' description (image / last_image / video in its inputs) and the
+// recorded condition latents of base_dir/condition.safetensors. Nothing for a text case.
+void use_recorded_conditioning(PipelineCase& c);
+
 // trace.safetensors' key of one denoising row, e.g. c1_r004_model_input.
 std::string row_key(int64_t chunk, int64_t row, const char* what);
 

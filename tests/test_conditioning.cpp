@@ -68,16 +68,7 @@ Case load_case(const std::string& name) {
 int64_t model_block(const Case& c) { return c.model_block; }
 
 // condition.safetensors' condition_latents, split as the pipeline splits them (image | last_image).
-void use_recorded_condition(Case& c) {
-  const at::Tensor all = c.condition.at("condition_latents");
-  if (c.params.last_image) {
-    const int64_t half = all.size(0) / 2;
-    c.conditioning.prefix_latents = all.narrow(0, 0, half);
-    c.conditioning.last_image_latents = all.narrow(0, half, half);
-  } else {
-    c.conditioning.prefix_latents = all;
-  }
-}
+void use_recorded_condition(Case& c) { test::set_condition_latents(c.condition.at("condition_latents"), c); }
 
 WanVae load_vae(const Case& c) { return WanVae::load(c.dir + "/weights/vae"); }
 

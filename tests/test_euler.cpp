@@ -35,20 +35,7 @@ const std::vector<std::string> kCases = {
 // A case of tests/data/euler; image cases get the pixels' description and the recorded condition latents.
 test::PipelineCase load_case(const std::string& name) {
   test::PipelineCase c = test::load_pipeline_case(name, data_path("euler/" + name));
-  if (c.inputs.count("image")) {
-    PixelConditioning pixels;
-    pixels.image = c.inputs.at("image");
-    if (c.inputs.count("last_image")) pixels.last_image = c.inputs.at("last_image");
-    describe_conditioning(pixels, c.conditioning.prompt_embeds.size(0), c.params);
-    const at::Tensor all = test::load_tensors(c.base_dir + "/condition.safetensors").at("condition_latents");
-    if (c.params.last_image) {
-      const int64_t half = all.size(0) / 2;
-      c.conditioning.prefix_latents = all.narrow(0, 0, half);
-      c.conditioning.last_image_latents = all.narrow(0, half, half);
-    } else {
-      c.conditioning.prefix_latents = all;
-    }
-  }
+  test::use_recorded_conditioning(c);
   return c;
 }
 
