@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include <chrono>
+#include <filesystem>
 #include <cstdio>
 #include <fstream>
 #include <functional>
@@ -21,6 +22,7 @@
 #include "model/text_encoding.h"
 #include "model/transformer_loader.h"
 #include "model/vae_wan.h"
+#include "model/video_mp4.h"
 #include "server/job/generation_params.h"
 #include "server/job/generation_params_model.h"
 
@@ -66,6 +68,8 @@ const std::string kUsage =
         "  --inputs-at FRAME:FILE   from pixel frame FRAME on, the embeddings of FILE (like --inputs); repeatable\n"
         "  --cache-log FILE.json    every step-cache decision (the pipeline_df_cache fixtures' decisions.json)\n"
         "  --kv-cache-bytes N       memory for the kept keys/values of final frames (default 4 GiB)\n"
+        "  --previews DIR           a PNG per preview: DIR/chunkK_rowR.png, the chunk's new frames side by side at\n"
+        "                           latent resolution (after every --preview-every rows, default 1, and the last)\n"
         "generation parameters, named after diffusers' arguments (defaults as diffusers):\n"
         "  --scheduler-config FILE        a diffusers UniPCMultistepScheduler scheduler_config.json: the\n"
         "                                 defaults of --flow-shift and of the sampler's flags below\n") +
@@ -222,11 +226,26 @@ model::Conditioning conditioning_from(const std::string& path) {
   return c;
 }
 
+// Writes each preview as DIR/chunkK_rowR.png (K, R zero-padded: the files sort in order).
+std::function<void(const model::ChunkPreview&)> preview_writer(const std::string& dir) {
+  std::filesystem::create_directories(dir);
+  return [dir](const model::ChunkPreview& p) {
+    char name[64];
+    std::snprintf(name, sizeof(name), "/chunk%03lld_row%04lld.png", static_cast<long long>(p.chunk),
+                  static_cast<long long>(p.row));
+    const std::vector<uint8_t> png = skyreels::video::encode_png(model::preview_strip(p));
+    std::ofstream out(dir + name, std::ios::binary);
+    out.write(reinterpret_cast<const char*>(png.data()), static_cast<std::streamsize>(png.size()));
+    if (!out) throw std::runtime_error("--previews: cannot write " + dir + name);
+  };
+}
+
 int run_generate(const std::vector<std::string>& argv) {
   const Args args(argv, skyreels::cli::with_generation_switches({"pin-image-prefix", "count-host-syncs"}));
   args.reject_unknown(with_generation_flags({"model", "inputs", "out", "noise", "dtype", "device", "text-encoder",
                                              "tokenizer", "max-sequence-length", "vae", "pin-image-prefix",
-                                             "cache-log", "kv-cache-bytes", "lora", "count-host-syncs"}));
+                                             "cache-log", "kv-cache-bytes", "lora", "count-host-syncs",
+                                             "previews"}));
   if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional().front() + "'");
   const std::string model_path = args.require("model");
   if (args.has("inputs") == args.has("text-encoder")) {
@@ -280,6 +299,10 @@ int run_generate(const std::vector<std::string>& argv) {
   hooks.on_step = [](int64_t chunk, int64_t row, int64_t rows) {
     spdlog::info("chunk {} row {}/{}", chunk, row + 1, rows);
   };
+  if (args.has("previews")) {
+    if (params.preview_every == 0) params.preview_every = 1;
+    hooks.on_preview = preview_writer(args.get("previews"));
+  }
   TransformerWork work;
   // Stock diffusers' request-scoped step cache lives across chunks: one cache for the whole loop then.
   const auto request_cache =

@@ -50,4 +50,6 @@ at::Tensor frame_strip(const at::Tensor& frames) {
   return frames.permute({1, 0, 2, 3}).reshape({frames.size(1), frames.size(0) * frames.size(2), 3}).contiguous();
 }
 
+at::Tensor preview_strip(const ChunkPreview& preview) { return frame_strip(latent_rgb_u8(preview.x0)[0]); }
+
 }  // namespace skyreels::model

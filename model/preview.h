@@ -37,4 +37,7 @@ struct ChunkPreview {
   at::Tensor x0;
 };
 
+// The preview as one image: its frames' RGB side by side, uint8 [h, F * w, 3] on the CPU (a host sync).
+at::Tensor preview_strip(const ChunkPreview& preview);
+
 }  // namespace skyreels::model

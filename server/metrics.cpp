@@ -106,6 +106,21 @@ Metrics::Metrics(const std::vector<std::string>& replica_names, const std::strin
   using prometheus::BuildHistogram;
   auto& r = *registry_;
   submitted_ = &BuildCounter().Name("skyreels_jobs_submitted_total").Help("Jobs accepted").Register(r).Add({});
+  previews_made_ = &BuildCounter()
+                        .Name("skyreels_previews_total")
+                        .Help("Previews of running chunks made by this pod's replicas (preview_every)")
+                        .Register(r)
+                        .Add({});
+  preview_bytes_ = &BuildCounter()
+                        .Name("skyreels_preview_bytes_total")
+                        .Help("PNG bytes of the previews made (each watcher is sent at most every one)")
+                        .Register(r)
+                        .Add({});
+  previews_dropped_ = &BuildCounter()
+                           .Name("skyreels_previews_dropped_total")
+                           .Help("Previews a watcher skipped because it was still sending an older one")
+                           .Register(r)
+                           .Add({});
   auto& finished = BuildCounter().Name("skyreels_jobs_finished_total").Help("Jobs ended, by outcome").Register(r);
   for (const char* o : {"succeeded", "failed", "cancelled", "deadline_exceeded"})
     finished_[o] = &finished.Add({{"outcome", o}});
@@ -299,6 +314,13 @@ void Metrics::stream_rejected(const std::string& reason) {
 }
 
 void Metrics::job_submitted(const JobSnapshot&) { submitted_->Increment(); }
+
+void Metrics::preview_made(int64_t bytes) {
+  previews_made_->Increment();
+  preview_bytes_->Increment(static_cast<double>(bytes));
+}
+
+void Metrics::previews_dropped(int64_t count) { previews_dropped_->Increment(static_cast<double>(count)); }
 
 void Metrics::job_started(const JobSnapshot&, double queue_wait_seconds) { queue_wait_->Observe(queue_wait_seconds); }
 

@@ -92,6 +92,10 @@ class Metrics : public SchedulerObserver {
   void chunk_failed(const JobSnapshot&, const std::string& replica, int64_t chunk, const std::string& error,
                     bool will_retry) override;
   void step(const std::string& replica, double seconds) override;
+  // Previews of running chunks (preview_every): made by this pod's replicas, and skipped by a watcher that was still
+  // writing an older one (a slow watcher drops previews, never events).
+  void preview_made(int64_t bytes) override;
+  void previews_dropped(int64_t count);
   void handoff(const JobSnapshot&, const std::string& from, const std::string& to) override;
   void replica_changed(const ReplicaStatus& replica) override;
   void replica_recovered(const ReplicaStatus& replica) override;
@@ -118,6 +122,9 @@ class Metrics : public SchedulerObserver {
 
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Counter* submitted_;
+  prometheus::Counter* previews_made_;
+  prometheus::Counter* preview_bytes_;
+  prometheus::Counter* previews_dropped_;
   std::map<std::string, prometheus::Counter*> finished_;
   std::map<std::string, prometheus::Histogram*> job_seconds_;  // by outcome
   prometheus::Histogram* first_chunk_seconds_;

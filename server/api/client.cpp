@@ -170,12 +170,14 @@ std::string seconds_text(double s) {
 
 }  // namespace
 
-WatchOutcome watch_job(Client& client, const std::string& job_id, bool progress_bar, std::ostream& log) {
+WatchOutcome watch_job(Client& client, const std::string& job_id, bool progress_bar, std::ostream& log,
+                       const std::function<void(const v1::ChunkPreview&)>& on_preview) {
   WatchOutcome outcome;
   auto ctx = client.context();
   v1::WatchJobRequest request;
   request.set_job_id(job_id);
   request.set_skip_steps(!progress_bar);
+  request.set_skip_previews(!on_preview);
   auto reader = client.stub().WatchJob(ctx.get(), request);
   v1::JobEvent event;
   bool bar_shown = false;
@@ -208,6 +210,9 @@ WatchOutcome watch_job(Client& client, const std::string& job_id, bool progress_
         bar_shown = true;
         break;
       }
+      case v1::JobEvent::kPreview:
+        if (on_preview) on_preview(event.preview());
+        break;
       case v1::JobEvent::kChunkFinished: {
         const auto& c = event.chunk_finished();
         end_bar();

@@ -77,13 +77,15 @@ void write_binary_file(const std::string& path, const std::string& bytes);
 grpc::Status download_chunks(Client& client, const v1::DownloadResultRequest& request,
                              const std::function<void(int32_t, int32_t, std::string)>& on_chunk);
 
-// Follows a job with WatchJob until it ends, printing events to `log` (a progress bar when `progress_bar`).
+// Follows a job with WatchJob until it ends, printing events to `log` (a progress bar when `progress_bar`), and
+// handing each preview to `on_preview` when set (previews are not asked for otherwise).
 // Returns the final job (state UNSPECIFIED when the stream failed; `status` tells why).
 struct WatchOutcome {
   v1::Job job;
   grpc::Status status;
 };
-WatchOutcome watch_job(Client& client, const std::string& job_id, bool progress_bar, std::ostream& log);
+WatchOutcome watch_job(Client& client, const std::string& job_id, bool progress_bar, std::ostream& log,
+                       const std::function<void(const v1::ChunkPreview&)>& on_preview = {});
 
 const char* state_name(v1::JobState state);  // "SUCCEEDED", ...
 

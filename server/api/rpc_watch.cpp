@@ -1,3 +1,5 @@
+#include <algorithm>
+
 #include "server/api/video_service.h"
 
 namespace skyreels::server::api {
@@ -21,6 +23,7 @@ struct WatchReactor::Core : std::enable_shared_from_this<WatchReactor::Core> {
   WatchReactor* reactor = nullptr;  // valid until `finished`
   std::string id, owner;
   bool skip_steps = false;
+  bool skip_previews = false;
   std::unique_ptr<StreamLimiter::Slot> slot;
   uint64_t token = 0;
   std::atomic<bool> queued{false};  // a pump task is pending: notifications in between need no other
@@ -28,6 +31,9 @@ struct WatchReactor::Core : std::enable_shared_from_this<WatchReactor::Core> {
   // The pump thread's own: where the log was read up to, and whether the job was looked up.
   uint64_t after = 0;
   bool looked_up = false;
+  // Previews are not in the log: the latest one's serial written, and the job's preview count then.
+  uint64_t preview_after = 0, previews_counted = 0;
+  int64_t finished_through = -1;  // the last chunk whose ChunkFinished was read: its previews are stale
 
   std::mutex mu;  // guards what follows; never held while calling the scheduler or gRPC (a reaction may run inline)
   std::deque<pb::JobEvent> pending;
@@ -39,6 +45,7 @@ struct WatchReactor::Core : std::enable_shared_from_this<WatchReactor::Core> {
         id(request.job_id()),
         owner(std::move(job_owner)),
         skip_steps(request.skip_steps()),
+        skip_previews(request.skip_previews()),
         after(request.after_sequence()) {}
 
   // From the scheduler (its lock held) and from reactions: only schedules a pump.
@@ -62,6 +69,15 @@ struct WatchReactor::Core : std::enable_shared_from_this<WatchReactor::Core> {
     std::deque<pb::JobEvent> read;
     bool done = false;
     if (read_more) read_events(&read, &done, &finish);
+    // Events first; a preview only when none is waiting (a slow watcher skips to the latest preview).
+    std::optional<LatestPreview> preview;
+    if (read_more && read.empty() && !done && !finish && looked_up && !skip_previews) {
+      preview = service.scheduler_.latest_preview(id, preview_after);
+      if (preview && preview->image->chunk <= finished_through) {  // its frames are out: never sent after them
+        preview_after = preview->serial;
+        preview.reset();
+      }
+    }
     bool write = false;
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -76,11 +92,36 @@ struct WatchReactor::Core : std::enable_shared_from_this<WatchReactor::Core> {
         in_flight = write = true;
       } else if (!finish && job_done) {
         finish = Status::OK;
+      } else if (!finish && preview) {
+        write_preview(*preview);
+        in_flight = write = true;
       }
       if (finish) finished = true;
     }
     if (write) reactor->StartWrite(&writing);
     if (finish) reactor->Finish(*finish);
+  }
+
+  // Into `writing` (mu held): the preview as a sequence-0 event; the ones skipped since the last are counted.
+  void write_preview(const LatestPreview& preview) {
+    if (previews_counted > 0 && preview.count > previews_counted + 1 && service.config_.metrics) {
+      service.config_.metrics->previews_dropped(static_cast<int64_t>(preview.count - previews_counted - 1));
+    }
+    preview_after = preview.serial;
+    previews_counted = preview.count;
+    const ChunkPreviewImage& image = *preview.image;
+    writing.Clear();
+    writing.set_job_id(id);
+    auto* p = writing.mutable_preview();
+    p->set_chunk_index(static_cast<int32_t>(image.chunk));
+    p->set_step(static_cast<int32_t>(image.step));
+    p->set_steps(static_cast<int32_t>(image.steps));
+    p->set_latent_frame_begin(static_cast<int32_t>(image.frame_begin));
+    p->set_latent_frame_end(static_cast<int32_t>(image.frame_end));
+    p->set_frame_width(static_cast<int32_t>(image.frame_width));
+    p->set_frame_height(static_cast<int32_t>(image.frame_height));
+    p->set_mime_type("image/png");
+    p->set_image(image.png);
   }
 
   void read_events(std::deque<pb::JobEvent>* out, bool* done, std::optional<Status>* finish) {
@@ -102,6 +143,7 @@ struct WatchReactor::Core : std::enable_shared_from_this<WatchReactor::Core> {
     }
     for (const auto& event : batch.events) {
       after = event.sequence;
+      if (event.type == EventType::ChunkFinished) finished_through = std::max(finished_through, event.chunk);
       if (skip_steps && event.type == EventType::Step) continue;
       out->emplace_back();
       service.event_to_proto(id, owner, event, &out->back());

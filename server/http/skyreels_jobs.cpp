@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "server/http/routes.h"
+#include "server/job/base64.h"
 
 namespace skyreels::server::http {
 
@@ -55,7 +56,21 @@ std::string event_type(const pb::JobEvent& event) {
   return field ? field->name() : "event";
 }
 
+// A preview is not in the job's log: no `id:` (a reconnect's Last-Event-ID stays the last event's), and its image
+// goes as a data: URL (`preview.image_url`) that a page can show as it is.
 std::string sse(const pb::JobEvent& event) {
+  if (event.has_preview()) {
+    pb::JobEvent copy = event;
+    copy.mutable_preview()->clear_image();
+    std::string data = to_json(copy);
+    const std::string empty_image = "\"image\":\"\"";
+    const size_t at = data.find(empty_image);
+    if (at != std::string::npos) {
+      data.replace(at, empty_image.size(), "\"image_url\":\"data:" + event.preview().mime_type() + ";base64," +
+                                               base64_encode(event.preview().image()) + "\"");
+    }
+    return "event: preview\ndata: " + data + "\n\n";
+  }
   return "id: " + std::to_string(event.sequence()) + "\nevent: " + event_type(event) + "\ndata: " + to_json(event) +
          "\n\n";
 }
@@ -74,17 +89,24 @@ class EventStream : public BodyStream {
   // Waits for the stream's first event, or its end: the status when it ended without one (then no SSE is sent).
   std::optional<grpc::Status> wait_started(std::chrono::milliseconds timeout) {
     std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait_for(lock, timeout, [&] { return done_ || !queue_.empty(); });
+    cv_.wait_for(lock, timeout, [&] { return done_ || !queue_.empty() || preview_; });
     if (queue_.empty() && done_ && !status_.ok()) return status_;
     return std::nullopt;
   }
 
   std::optional<std::string> next() override {
     std::unique_lock<std::mutex> lock(mu_);
-    if (!cv_.wait_for(lock, kKeepAlive, [&] { return done_ || !queue_.empty(); })) return std::string(": keep-alive\n\n");
+    if (!cv_.wait_for(lock, kKeepAlive, [&] { return done_ || !queue_.empty() || preview_; })) {
+      return std::string(": keep-alive\n\n");
+    }
     if (!queue_.empty()) {
       std::string text = std::move(queue_.front());
       queue_.pop_front();
+      return text;
+    }
+    if (preview_) {
+      std::string text = std::move(*preview_);
+      preview_.reset();
       return text;
     }
     if (!status_.ok() && !error_sent_) {
@@ -98,8 +120,13 @@ class EventStream : public BodyStream {
   void read() {
     pb::JobEvent event;
     while (reader_->Read(&event)) {
+      std::string text = sse(event);
       std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(sse(event));
+      if (event.has_preview()) {
+        preview_ = std::move(text);  // a slow client skips to the latest preview: one held at most
+      } else {
+        queue_.push_back(std::move(text));
+      }
       cv_.notify_all();
     }
     grpc::Status status = reader_->Finish();
@@ -114,6 +141,7 @@ class EventStream : public BodyStream {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::string> queue_;
+  std::optional<std::string> preview_;  // sent once queue_ is empty
   grpc::Status status_;
   bool done_ = false;
   bool error_sent_ = false;
@@ -169,6 +197,7 @@ Response job_events(const ServiceCall& call, const std::string& id) {
     request.set_after_sequence(*n);
   }
   request.set_skip_steps(call.request.query_value("skip_steps").value_or("") == "true");
+  request.set_skip_previews(call.request.query_value("skip_previews").value_or("") == "true");
   auto context = call.context(kStreamTimeoutMs);
   grpc::ClientContext* raw = context.get();
   auto reader = call.stub.WatchJob(raw, request);

@@ -132,5 +132,12 @@
         .fingerprint_when_set() \
         .checked_first() \
         .flag("timesteps", "euler: timesteps before the shift, strictly decreasing, e.g. 1000,750,500,250; " \
-                  "num_inference_steps becomes its length"))
+                  "num_inference_steps becomes its length")) \
+  /* Previews (issue 35) never change the video: a retry with another value is the same job (not fingerprinted). */ \
+  PARAM(preview_every, "preview_every", std::optional<int64_t>, int64_t, 0, \
+        .defaults(int64_t{0}) \
+        .within(0, value_of(&R::num_inference_steps), "at most num_inference_steps") \
+        .not_fingerprinted() \
+        .flag("preview-every", "0: no previews; N: a preview of the running chunk after every N-th timestep row " \
+                  "and after its last"))
 // clang-format on

@@ -188,6 +188,10 @@ class Row {
     p_.checked_first = true;
     return *this;
   }
+  Row& not_fingerprinted() {
+    p_.fingerprinted = false;
+    return *this;
+  }
   Row& fingerprint_when_set() {
     p_.fingerprint_absent = false;
     return *this;

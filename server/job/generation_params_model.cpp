@@ -31,6 +31,7 @@ model::GenerationParams model_params(const ResolvedParams& r) {
   p.cache.max_skips = r.cache_max_skips;
   p.cache.threshold = r.cache_threshold;
   p.cache.scope = r.cache_scope == "request" ? model::StepCacheScope::kRequest : model::StepCacheScope::kChunk;
+  p.preview_every = r.preview_every;
   return p;
 }
 

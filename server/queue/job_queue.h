@@ -85,6 +85,9 @@ class JobQueue {
   // subscribe): whether the job exists is the reader's question; a job that does not is never told.
   virtual uint64_t subscribe(const std::string& id, std::function<void()> notify) = 0;
   virtual void unsubscribe(const std::string& id, uint64_t token) = 0;
+  // The job's latest preview when its serial is above `after_serial` (subscribers are notified of each). Only the
+  // pod running the chunk has its previews. Never calls the store.
+  virtual std::optional<LatestPreview> latest_preview(const std::string& id, uint64_t after_serial) const = 0;
   // Blocks until the job has more than `chunks_seen` chunks done, ended, or `until`; returns the snapshot.
   virtual std::optional<JobSnapshot> wait_chunks(const std::string& id, const std::string& owner, int64_t chunks_seen,
                                                  Clock::time_point until) const = 0;

@@ -82,6 +82,24 @@ struct TransformerWork {
 
 enum class EventType { Queued, ChunkStarted, Step, ChunkFinished, ChunkRetry, Finished, Webhook };
 
+// A preview of a running chunk (model/preview.h) as the replica encoded it: never stored, the latest one per job is
+// kept in memory for its watchers.
+struct ChunkPreviewImage {
+  int64_t chunk = 0;
+  int64_t step = 0, steps = 0;  // 1-based row and rows of the chunk
+  int64_t frame_begin = 0, frame_end = 0;  // latent frames of the whole video, left to right in the image
+  int64_t frame_width = 0, frame_height = 0;
+  std::string png;
+};
+
+// The latest preview of a job, numbered per job on this pod (a watcher delivers each number once, skipping to the
+// latest when it falls behind).
+struct LatestPreview {
+  uint64_t serial = 0;
+  uint64_t count = 0;  // previews made for the job on this pod (a watcher's gap in it: the ones it skipped)
+  std::shared_ptr<const ChunkPreviewImage> image;
+};
+
 struct JobEvent {
   uint64_t sequence = 0;
   EventType type = EventType::Queued;
@@ -179,6 +197,7 @@ class SchedulerObserver {
   virtual void chunk_failed(const JobSnapshot&, const std::string& /*replica*/, int64_t /*chunk*/,
                             const std::string& /*error*/, bool /*will_retry*/) {}
   virtual void step(const std::string& /*replica*/, double /*seconds*/) {}
+  virtual void preview_made(int64_t /*bytes*/) {}
   virtual void handoff(const JobSnapshot&, const std::string& /*from*/, const std::string& /*to*/) {}
   virtual void replica_changed(const ReplicaStatus&) {}
   virtual void replica_recovered(const ReplicaStatus&) {}

@@ -18,6 +18,7 @@ namespace {
 
 constexpr size_t kMaxStepEvents = 64;  // per job: watchers only need the latest progress
 constexpr size_t kMaxStepJobs = 4096;  // jobs with step events kept (those of other pods' chunks too)
+constexpr size_t kPreviewJobsPerReplica = 4;  // jobs whose latest preview is kept, per replica of this pod
 constexpr auto kStepPublishPeriod = std::chrono::milliseconds(500);  // step progress to other pods, coalesced
 constexpr size_t kMaxDescriptions = 4096;  // small structs; a pod is asked about far fewer jobs at a time
 
@@ -405,6 +406,7 @@ std::optional<ChunkAssignment> Scheduler::prepare(size_t replica, const ChunkLea
   Running* r = run.get();
   assignment.callbacks.on_step = [this, r](int64_t row, int64_t of) { push_step(*r, row, of); };
   assignment.callbacks.should_stop = [this, r] { return stop_requested(*r); };
+  assignment.callbacks.on_preview = [this, r](ChunkPreviewImage image) { push_preview(*r, std::move(image)); };
   return assignment;
 }
 
@@ -518,6 +520,37 @@ void Scheduler::push_step(Running& run, int64_t row, int64_t rows) {
     } catch (const StoreError&) {  // progress only
     }
   }
+}
+
+// The job's latest preview replaces the one before (watchers skip to it): one image per job, for at most
+// kPreviewJobsPerReplica jobs per replica (the oldest goes). Serials are this pod's, increasing across jobs, so that
+// an entry evicted and made again never repeats one. A job's entry goes when it ends.
+void Scheduler::push_preview(const Running& run, ChunkPreviewImage image) {
+  if (observer_) observer_->preview_made(static_cast<int64_t>(image.png.size()));
+  auto shared = std::make_shared<const ChunkPreviewImage>(std::move(image));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = previews_.find(run.job.id);
+    if (it == previews_.end()) {
+      if (previews_.size() >= kPreviewJobsPerReplica * pool_.size()) {
+        previews_.erase(std::min_element(previews_.begin(), previews_.end(), [](const auto& a, const auto& b) {
+          return a.second.serial < b.second.serial;
+        }));
+      }
+      it = previews_.emplace(run.job.id, LatestPreview{}).first;
+    }
+    it->second.serial = ++preview_serial_;
+    ++it->second.count;
+    it->second.image = std::move(shared);
+  }
+  stepped(run.job.id);
+}
+
+std::optional<LatestPreview> Scheduler::latest_preview(const std::string& id, uint64_t after_serial) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto it = previews_.find(id);
+  if (it == previews_.end() || !it->second.image || it->second.serial <= after_serial) return std::nullopt;
+  return it->second;
 }
 
 // Step events of a job, this pod's or another's (from publish_step), bounded per job and in number of jobs.
@@ -719,6 +752,10 @@ void Scheduler::finish(const std::string& job_id, JobState state, ErrorKind kind
     event.type = EventType::Finished;
     event.message = error;
     append(job_id, event);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      previews_.erase(job_id);
+    }
     spdlog::log(state == JobState::Succeeded ? spdlog::level::info : spdlog::level::warn,
                 "job={} event=finished state={} chunks_done={} error=\"{}\"", job_id, job_state_name(state),
                 job->chunks_done, error);

@@ -95,6 +95,7 @@ class Scheduler final : public JobQueue, private ChunkSource {
                          Clock::time_point until) const override;
   uint64_t subscribe(const std::string& id, std::function<void()> notify) override;
   void unsubscribe(const std::string& id, uint64_t token) override;
+  std::optional<LatestPreview> latest_preview(const std::string& id, uint64_t after_serial) const override;
   std::optional<JobSnapshot> wait_chunks(const std::string& id, const std::string& owner, int64_t chunks_seen,
                                          Clock::time_point until) const override;
 
@@ -141,6 +142,7 @@ class Scheduler final : public JobQueue, private ChunkSource {
   void fail_or_retry(const Running& run, const std::string& error);
   uint64_t append(const std::string& job_id, const JobEvent& event);
   void push_step(Running& run, int64_t row, int64_t rows);
+  void push_preview(const Running& run, ChunkPreviewImage image);
   void keep_step_locked(const std::string& job_id, const JobEvent& event);
   bool stop_requested(const Running& run) const;
   std::string lease_name(size_t replica) const;
@@ -182,6 +184,8 @@ class Scheduler final : public JobQueue, private ChunkSource {
   std::map<size_t, std::shared_ptr<Running>> running_;  // by replica
   std::map<std::string, std::shared_ptr<Cached>> cache_;  // payloads of jobs whose last chunk ran here
   std::map<std::string, std::deque<JobEvent>> steps_;     // step events of chunks run here or elsewhere (bounded)
+  std::map<std::string, LatestPreview> previews_;         // the latest preview of jobs running here (bounded)
+  uint64_t preview_serial_ = 0;
   std::map<std::string, size_t> avoid_;  // jobs whose chunk just failed on this replica (until claimed again)
   double seconds_per_chunk_ = 0;         // moving average of this server's chunks (0: none measured yet)
   std::optional<std::string> aborted_;   // abort_all's reason

@@ -24,6 +24,7 @@
 #include "model/diffusion_forcing.h"
 #include "model/runtime.h"
 #include "model/transformer_loader.h"
+#include "model/video_mp4.h"
 #include "server/replica/model_job.h"
 
 namespace skyreels::server {
@@ -228,6 +229,22 @@ ChunkResult ModelReplica::run(const ChunkWork& work, const ChunkCallbacks& callb
     if (fault) throw_fault(*fault, run_number);
     if (options_.step_delay.count() > 0) std::this_thread::sleep_for(options_.step_delay);
     callbacks.on_step(row + 1, rows);
+  };
+  // Encoded here, on the replica's thread, only on the rows preview_every selects (the PNG is the measured cost).
+  hooks.on_preview = [&callbacks](const model::ChunkPreview& p) {
+    if (!callbacks.on_preview) return;
+    const at::Tensor strip = model::preview_strip(p);
+    const std::vector<uint8_t> png = video::encode_png(strip);
+    ChunkPreviewImage image;
+    image.chunk = p.chunk;
+    image.step = p.row + 1;
+    image.steps = p.rows;
+    image.frame_begin = p.first_frame;
+    image.frame_end = p.first_frame + p.x0.size(2);
+    image.frame_width = p.x0.size(4);
+    image.frame_height = p.x0.size(3);
+    image.png.assign(png.begin(), png.end());
+    callbacks.on_preview(std::move(image));
   };
   // What the chunk's transformer calls computed against the uncached plan (logged per chunk, counted in metrics).
   struct {

@@ -173,6 +173,7 @@ ChunkResult ReplicaPool::run_chunk(Replica& replica, const ChunkAssignment& assi
     last_step = now;
     if (assignment.callbacks.on_step) assignment.callbacks.on_step(row, rows);
   };
+  callbacks.on_preview = assignment.callbacks.on_preview;
   callbacks.should_stop = [&] {
     const bool stop = assignment.callbacks.should_stop && assignment.callbacks.should_stop();
     stop_asked = stop_asked || stop;

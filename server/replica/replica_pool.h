@@ -48,6 +48,7 @@ struct ChunkResult {
 struct ChunkCallbacks {
   std::function<void(int64_t row, int64_t rows)> on_step;  // after each denoising row (1-based row)
   std::function<bool()> should_stop;                       // cancelled, deadline passed or hard stop: stop now
+  std::function<void(ChunkPreviewImage)> on_preview;       // a preview of the running chunk (preview_every)
 };
 
 // One replica: a model on one device. run() is only ever called from the replica's own worker thread.
