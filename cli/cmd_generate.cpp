@@ -233,7 +233,7 @@ std::function<void(const model::ChunkPreview&)> preview_writer(const std::string
     char name[64];
     std::snprintf(name, sizeof(name), "/chunk%03lld_row%04lld.png", static_cast<long long>(p.chunk),
                   static_cast<long long>(p.row));
-    const std::vector<uint8_t> png = skyreels::video::encode_png(model::preview_strip(p));
+    const std::vector<uint8_t> png = skyreels::video::encode_png(model::preview_strip(p), model::kPreviewPngCompression);
     std::ofstream out(dir + name, std::ios::binary);
     out.write(reinterpret_cast<const char*>(png.data()), static_cast<std::streamsize>(png.size()));
     if (!out) throw std::runtime_error("--previews: cannot write " + dir + name);

@@ -39,5 +39,7 @@ struct ChunkPreview {
 
 // The preview as one image: its frames' RGB side by side, uint8 [h, F * w, 3] on the CPU (a host sync).
 at::Tensor preview_strip(const ChunkPreview& preview);
+// zlib level of a preview's PNG (video::encode_png): fast, since the replica's thread makes it between two rows.
+constexpr int kPreviewPngCompression = 1;
 
 }  // namespace skyreels::model

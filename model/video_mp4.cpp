@@ -313,7 +313,7 @@ void write_mp4(const std::string& path, const at::Tensor& video, const Mp4Option
   writer.finish();
 }
 
-std::vector<uint8_t> encode_png(const at::Tensor& rgb) {
+std::vector<uint8_t> encode_png(const at::Tensor& rgb, int compression_level) {
   quiet_ffmpeg();
   if (rgb.dim() != 3 || rgb.size(2) != 3 || rgb.scalar_type() != at::kByte) {
     throw VideoError("encode_png: expected uint8 [H, W, 3], got " + std::to_string(rgb.dim()) + " dims");
@@ -332,6 +332,7 @@ std::vector<uint8_t> encode_png(const at::Tensor& rgb) {
     ctx->height = height;
     ctx->pix_fmt = AV_PIX_FMT_RGB24;
     ctx->time_base = AVRational{1, 1};
+    if (compression_level >= 0) ctx->compression_level = std::min(compression_level, 9);
     check(avcodec_open2(ctx, codec, nullptr), "encode_png: cannot open the encoder");
     frame->format = AV_PIX_FMT_RGB24;
     frame->width = width;

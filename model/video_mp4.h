@@ -73,8 +73,9 @@ void write_mp4(const std::string& path, const at::Tensor& video, const Mp4Option
 // One self-contained MP4 (fragmented, playable on its own) in memory: what a server sends per chunk when each
 // chunk is its own file.
 std::vector<uint8_t> encode_mp4_segment(const at::Tensor& video, const Mp4Options& options = {});
-// One uint8 RGB image [H, W, 3] as a PNG file's bytes.
-std::vector<uint8_t> encode_png(const at::Tensor& rgb);
+// One uint8 RGB image [H, W, 3] as a PNG file's bytes; `compression_level` 0..9 is zlib's (-1: FFmpeg's default;
+// previews take a fast level: the same pixels, made in less time, a little larger).
+std::vector<uint8_t> encode_png(const at::Tensor& rgb, int compression_level = -1);
 
 struct VideoInfo {
   std::string codec;      // "h264"

@@ -28,7 +28,7 @@ int64_t Mp4Writer::segments_emitted() const { return 0; }
 
 void write_mp4(const std::string& path, const at::Tensor&, const Mp4Options&) { no_ffmpeg("writing " + path); }
 std::vector<uint8_t> encode_mp4_segment(const at::Tensor&, const Mp4Options&) { no_ffmpeg("encoding an MP4"); }
-std::vector<uint8_t> encode_png(const at::Tensor&) { no_ffmpeg("encoding a PNG"); }
+std::vector<uint8_t> encode_png(const at::Tensor&, int) { no_ffmpeg("encoding a PNG"); }
 DecodedVideo read_video(const std::string& path, const ReadLimits&) { no_ffmpeg("reading " + path); }
 DecodedVideo read_video_bytes(const std::vector<uint8_t>&, const ReadLimits&) { no_ffmpeg("reading a video"); }
 

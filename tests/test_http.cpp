@@ -468,8 +468,9 @@ namespace skyreels::test {
 namespace {
 
 // The page at / in headless Chromium (Debian's `chromium`, driven over the DevTools protocol by
-// tests/http/page_in_chromium.mjs): a prompt submitted, progress advancing, the video playing before the job ends.
-TEST(HttpPageTest, ThePageInChromiumShowsProgressAndPlaysTheVideoBeforeTheJobEnds) {
+// tests/http/page_in_chromium.mjs): a prompt submitted, progress advancing, a preview changing in place before its
+// chunk's frames arrive, the video playing before the job ends.
+TEST(HttpPageTest, ThePageInChromiumShowsProgressPreviewsAndPlaysTheVideoBeforeTheJobEnds) {
   ASSERT_EQ(std::system("command -v chromium > /dev/null"), 0) << "Debian's chromium is missing (scripts/setup.sh)";
   const std::string encoder_dir = temp_dir("http-page-umt5");
   model::write_tiny_text_encoder(encoder_dir, 32, 7);
@@ -484,7 +485,7 @@ TEST(HttpPageTest, ThePageInChromiumShowsProgressAndPlaysTheVideoBeforeTheJobEnd
   // 37 frames at 8 fps in chunks of 17 with an overlap of 9: 4 chunks, each played as soon as it is made.
   const std::string url = "http://127.0.0.1:" + std::to_string(http_port) +
                           "/#prompt=A%20cat%20walks%20on%20the%20grass&size=64x64&seconds=4.5&fps=8&steps=4&seed=5"
-                          "&base_num_frames=17&overlap_history=9&autostart";
+                          "&base_num_frames=17&overlap_history=9&preview_every=1&autostart";
   const std::string out = temp_dir("http-page");
   const std::string command = "cd " + data_path("..") + "/http && SKYREELS_PAGE_URL='" + url + "' SKYREELS_OUT=" +
                               out + " timeout 200 node page_in_chromium.mjs > " + out + "/node.log 2>&1";
@@ -492,11 +493,13 @@ TEST(HttpPageTest, ThePageInChromiumShowsProgressAndPlaysTheVideoBeforeTheJobEnd
   std::ifstream log(out + "/node.log");
   const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
   ASSERT_EQ(rc, 0) << text << "\nserver log:\n" << server.log();
-  EXPECT_TRUE(std::filesystem::exists(out + "/page.png"));
-  // Kept as the test's artifact (and the README's picture when refreshed by hand).
+  // Kept as the test's artifacts (and the README's pictures when refreshed by hand: docs/images).
   std::filesystem::create_directories(std::string(SKYREELS_BIN_DIR) + "/../test-artifacts");
-  std::filesystem::copy_file(out + "/page.png", std::string(SKYREELS_BIN_DIR) + "/../test-artifacts/page.png",
-                             std::filesystem::copy_options::overwrite_existing);
+  for (const char* shot : {"page.png", "preview.png"}) {
+    EXPECT_TRUE(std::filesystem::exists(out + "/" + shot)) << shot;
+    std::filesystem::copy_file(out + "/" + shot, std::string(SKYREELS_BIN_DIR) + "/../test-artifacts/" + shot,
+                               std::filesystem::copy_options::overwrite_existing);
+  }
 }
 
 }  // namespace

@@ -234,7 +234,7 @@ ChunkResult ModelReplica::run(const ChunkWork& work, const ChunkCallbacks& callb
   hooks.on_preview = [&callbacks](const model::ChunkPreview& p) {
     if (!callbacks.on_preview) return;
     const at::Tensor strip = model::preview_strip(p);
-    const std::vector<uint8_t> png = video::encode_png(strip);
+    const std::vector<uint8_t> png = video::encode_png(strip, model::kPreviewPngCompression);
     ChunkPreviewImage image;
     image.chunk = p.chunk;
     image.step = p.row + 1;

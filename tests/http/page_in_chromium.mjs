@@ -1,5 +1,6 @@
 // The page (GET /) in a real headless Chromium from Debian, driven over the DevTools protocol: it submits a prompt on
-// the server, its progress advances, the video plays before the job has finished, and a screenshot is kept.
+// the server, its progress advances, a chunk's preview changes in place before the chunk's frames arrive, the video
+// plays before the job has finished, and screenshots are kept (preview.png while a preview shows, page.png).
 // Started by tests/test_http.cpp:
 //   SKYREELS_PAGE_URL='http://127.0.0.1:PORT/#prompt=...&autostart' SKYREELS_OUT=DIR \
 //     node page_in_chromium.mjs
@@ -69,12 +70,18 @@ await send('Page.navigate', { url });
 const progress = new Set();
 let state = null;
 let shot = false;
+let previewShot = false;
 const until = Date.now() + 150000;
 while (Date.now() < until) {
   await sleep(200);
   state = await page();
   if (!state) continue;
   if (!state.finished) progress.add(state.progress);
+  if (!previewShot && state.previewShowing && state.previewsShown >= 2) {  // a preview animating, not the first one
+    const image = await send('Page.captureScreenshot', { format: 'png' });
+    writeFileSync(`${out}/preview.png`, Buffer.from(image.result.data, 'base64'));
+    previewShot = true;
+  }
   if (!shot && state.playedBeforeDone) {  // the video is playing while the job still runs
     const image = await send('Page.captureScreenshot', { format: 'png' });
     writeFileSync(`${out}/page.png`, Buffer.from(image.result.data, 'base64'));
@@ -90,6 +97,8 @@ assert.ok([...progress].filter((p) => p > 0 && p < 100).length >= 2, 'progress d
 assert.ok(state.playedBeforeDone, 'the video did not play before the job finished');
 assert.equal(state.chunksAppended, state.chunksFinished);
 assert.ok(shot, 'no screenshot');
+assert.ok(state.previewChangesBeforeFrames >= 2, 'no chunk showed a preview that changed twice before its frames');
+assert.ok(previewShot, 'no screenshot of a preview');
 socket.close();
 console.log('page in chromium: all checks passed');
 process.exit(0);
