@@ -6,12 +6,14 @@
 
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "model/diffusion_forcing.h"
 #include "model/preview.h"
+#include "model/video_mp4.h"
 #include "tests/pipeline_case.h"
 #include "tests/test_util.h"
 
@@ -151,6 +153,20 @@ TEST(Preview, EveryNthRowAndTheLastRowOfEachChunkCarryTheChunksNewFrames) {
     }
   }
   EXPECT_EQ(next, previews.size());
+}
+
+TEST(Preview, SkyreelsGenerateWritesAPngPerPreviewAndItsLatentsStayDiffusers) {
+  const test::PipelineCase c = load_case("pipeline_df/p1_sync_short");  // 4 rows, 3 latent frames of 6x4
+  const std::string dir = test::temp_dir("generate-previews");
+  const double diff = test::expect_generate_matches(c, " --noise " + c.dir + "/noise.safetensors --preview-every 2 --previews " + dir);
+  EXPECT_LE(diff, 1e-4);
+  std::set<std::string> files;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    files.insert(entry.path().filename().string());
+    const at::Tensor image = video::read_video(entry.path().string()).frames;
+    EXPECT_EQ(image.sizes(), (std::vector<int64_t>{1, 4, 3 * 6, 3})) << entry.path();
+  }
+  EXPECT_EQ(files, (std::set<std::string>{"chunk000_row0001.png", "chunk000_row0003.png"}));
 }
 
 TEST(Preview, FramesGoSideBySideInTheStrip) {
