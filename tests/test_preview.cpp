@@ -78,16 +78,22 @@ float first_flow_sigma(double shift) {
   return static_cast<float>(shift * x / (1.0 + (shift - 1.0) * x) - 1e-6);
 }
 
-TEST(Preview, PixelsAreTheFactorsTimesTheFixturesNoiseMinusSigmaTimesVelocity) {
-  const test::PipelineCase c = load_case("pipeline_df/p1_sync_short");  // sync: row 0 updates every frame
+// The previews of the fixture's loop replayed from its recorded predictions (no transformer).
+std::vector<ChunkPreview> replayed_previews(const test::PipelineCase& c, int64_t preview_every) {
   GenerationParams params = c.params;
-  params.preview_every = 1;
+  params.preview_every = preview_every;
   std::vector<ChunkPreview> previews;
   StepHooks hooks;
   hooks.on_preview = [&](const ChunkPreview& p) { previews.push_back(p); };
   int calls = 0;
   auto noise = make_recorded_noise(c.noise);
   generate(test::trace_denoiser(c, &calls), test::fixture_info(c), params, c.conditioning, *noise, hooks);
+  return previews;
+}
+
+TEST(Preview, PixelsAreTheFactorsTimesTheFixturesNoiseMinusSigmaTimesVelocity) {
+  const test::PipelineCase c = load_case("pipeline_df/p1_sync_short");  // sync: row 0 updates every frame
+  const std::vector<ChunkPreview> previews = replayed_previews(c, 1);
   ASSERT_FALSE(previews.empty());
   ASSERT_EQ(previews[0].row, 0);
 
@@ -129,14 +135,7 @@ TEST(Preview, PixelsAreTheFactorsTimesTheFixturesNoiseMinusSigmaTimesVelocity) {
 
 TEST(Preview, EveryNthRowAndTheLastRowOfEachChunkCarryTheChunksNewFrames) {
   const test::PipelineCase c = load_case("pipeline_df/p3_long_overlap_4chunks");
-  GenerationParams params = c.params;
-  params.preview_every = 3;
-  std::vector<ChunkPreview> previews;
-  StepHooks hooks;
-  hooks.on_preview = [&](const ChunkPreview& p) { previews.push_back(p); };
-  int calls = 0;
-  auto noise = make_recorded_noise(c.noise);
-  generate(test::trace_denoiser(c, &calls), test::fixture_info(c), params, c.conditioning, *noise, hooks);
+  const std::vector<ChunkPreview> previews = replayed_previews(c, 3);
   const ChunkPlan plan = plan_chunks(c.params, c.model_block);
   size_t next = 0;
   for (const ChunkSpec& chunk : plan.chunks) {
