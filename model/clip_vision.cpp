@@ -342,12 +342,151 @@ fs::path resolve_encoder_path(const std::string& path) {
   return p;
 }
 
-// A full CLIPModel's text tower and logit scale, which the image encoder does not use.
+// The text tower of a full CLIP model (transformers' CLIPModel, Wan's XLMRobertaCLIP), which the pipeline never runs.
 bool is_text_tower(const std::string& key) {
-  return starts_with(key, "text_model.") || key == "text_projection.weight" || key == "logit_scale";
+  return starts_with(key, "text_model.") || key == "text_projection.weight" || key == "logit_scale" ||
+         starts_with(key, "textual.") || key == "log_scale";
+}
+
+ClipVisionLayout detect_layout(const std::vector<std::string>& keys, const std::string& context) {
+  bool transformers = false, original = false;
+  for (const auto& k : keys) {
+    transformers = transformers || starts_with(k, "vision_model.") || k == "visual_projection.weight";
+    original = original || starts_with(k, "visual.");
+  }
+  if (transformers && original) {
+    throw CheckpointError(context + " mixes transformers names (vision_model.*) with original Wan names (visual.*)");
+  }
+  if (original) return ClipVisionLayout::Original;
+  if (transformers) return ClipVisionLayout::Transformers;
+  throw CheckpointError(context +
+                        " holds no CLIP image encoder tensors (expected transformers' vision_model.* or the "
+                        "original visual.*)");
+}
+
+// The fused projection of the original layout: to_qkv rows [q; k; v] (Wan views them as [.., 3, heads, head_dim]).
+constexpr const char* kFusedQkv = ".self_attn.qkv_proj.";
+
+// Original tensors renamed, then the transforms a rename cannot do.
+void convert_original(std::map<std::string, at::Tensor>& tensors, checkpoint::KeyOrigins& origins,
+                      const std::string& context) {
+  std::map<std::string, at::Tensor> out;
+  for (auto& [name, t] : tensors) {
+    const std::string& key = origins.source_key.at(name);
+    const size_t fused = name.find(kFusedQkv);
+    if (fused != std::string::npos) {
+      if (t.dim() < 1 || t.size(0) % 3 != 0) {
+        throw CheckpointError(context + ": '" + key + "' has shape " + checkpoint::shape_str(t.sizes().vec()) +
+                              "; a fused q/k/v projection needs 3 x hidden rows");
+      }
+      const int64_t rows = t.size(0) / 3;
+      const std::string prefix = name.substr(0, fused) + ".self_attn.";
+      const std::string leaf = name.substr(fused + std::string(kFusedQkv).size());  // weight / bias
+      const char* parts[] = {"q_proj.", "k_proj.", "v_proj."};
+      for (int64_t i = 0; i < 3; ++i) {
+        const std::string split = prefix + parts[i] + leaf;
+        out[split] = t.narrow(0, i * rows, rows);
+        origins.source_key[split] =
+            key + " (rows " + std::to_string(i * rows) + ".." + std::to_string((i + 1) * rows) + ")";
+      }
+      origins.source_key.erase(name);
+      continue;
+    }
+    if (name == "vision_model.embeddings.class_embedding" && t.dim() == 3 && t.size(0) == 1 && t.size(1) == 1) {
+      out[name] = t.reshape({t.size(2)});  // [1, 1, H] -> [H]
+    } else if (name == "vision_model.embeddings.position_embedding.weight" && t.dim() == 3 && t.size(0) == 1) {
+      out[name] = t.reshape({t.size(1), t.size(2)});  // [1, T, H] -> [T, H]
+    } else if (name == "visual_projection.weight" && t.dim() == 2) {
+      out[name] = t.t().contiguous();  // x @ head -> a linear's [projection, H] weight
+    } else {
+      out[name] = t;
+    }
+  }
+  tensors = std::move(out);
+}
+
+// The original key an internal name is read from (to name a missing one): the rename table backwards, q / k / v
+// from the fused projection.
+std::string original_key_of(const std::string& internal) {
+  std::string name = internal;
+  for (const char* part : {".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.v_proj."}) {
+    const size_t at = name.find(part);
+    if (at != std::string::npos) name.replace(at, std::string(part).size(), kFusedQkv);
+  }
+  std::vector<checkpoint::RenameRule> inverse;
+  const auto& rules = clip_vision_original_rules();
+  for (auto it = rules.rbegin(); it != rules.rend(); ++it) inverse.push_back({it->to, it->from});
+  return checkpoint::apply_rules(name, inverse);
+}
+
+// The original layout's config, read off the shapes (its .pth has no config). The head split is not in the weights.
+ClipVisionConfig infer_original_config(const std::map<std::string, at::Tensor>& t, const std::string& context,
+                                       std::vector<std::string>& notes) {
+  auto shape = [&](const std::string& name) {
+    auto it = t.find(name);
+    if (it == t.end()) throw CheckpointError(context + ": cannot infer the config without tensor '" + name + "'");
+    return it->second.sizes().vec();
+  };
+  ClipVisionConfig c;
+  const auto patch = shape("vision_model.embeddings.patch_embedding.weight");
+  if (patch.size() != 4) throw CheckpointError(context + ": the patch embedding is not a 4-D convolution weight");
+  c.hidden_size = patch[0];
+  c.num_channels = patch[1];
+  c.patch_size = patch[2];
+  const int64_t tokens = shape("vision_model.embeddings.position_embedding.weight").at(0);
+  const auto grid = static_cast<int64_t>(std::llround(std::sqrt(static_cast<double>(tokens - 1))));
+  if (grid * grid + 1 != tokens) {
+    throw CheckpointError(context + ": " + std::to_string(tokens) + " positions are not a square grid plus CLS");
+  }
+  c.image_size = grid * c.patch_size;
+  c.intermediate_size = shape("vision_model.encoder.layers.0.mlp.fc1.weight").at(0);
+  c.projection_dim = shape("visual_projection.weight").at(0);
+  int64_t layers = 0;
+  while (t.count(layer_prefix(layers) + "layer_norm1.weight")) ++layers;
+  c.num_hidden_layers = layers;
+  constexpr int64_t kHeadDim = 80;  // ViT-H/14: 1280 = 16 heads x 80
+  if (c.hidden_size % kHeadDim != 0) {
+    throw CheckpointError(context + ": hidden size " + std::to_string(c.hidden_size) +
+                          " is not a multiple of 80, and the weights do not record the head split; add a "
+                          "transformers config.json beside the file");
+  }
+  c.num_attention_heads = c.hidden_size / kHeadDim;
+  notes.push_back("config inferred from the shapes: " + std::to_string(c.num_hidden_layers) + " layers, hidden " +
+                  std::to_string(c.hidden_size) + ", " + std::to_string(c.image_size) + " px; assumed " +
+                  std::to_string(c.num_attention_heads) + " heads of 80, gelu, eps 1e-5 (Wan's ViT-H/14)");
+  try {
+    c.validate();
+  } catch (const std::invalid_argument& e) {
+    throw CheckpointError(context + ": inferred config: " + e.what());
+  }
+  return c;
 }
 
 }  // namespace
+
+const char* clip_vision_layout_name(ClipVisionLayout layout) {
+  return layout == ClipVisionLayout::Original ? "original" : "transformers";
+}
+
+const std::vector<checkpoint::RenameRule>& clip_vision_original_rules() {
+  // Wan's clip.py VisionTransformer -> transformers' CLIPVisionModelWithProjection.
+  static const std::vector<checkpoint::RenameRule> rules = {
+      {"visual.patch_embedding.", "vision_model.embeddings.patch_embedding."},
+      {"visual.cls_embedding", "vision_model.embeddings.class_embedding"},
+      {"visual.pos_embedding", "vision_model.embeddings.position_embedding.weight"},
+      {"visual.pre_norm.", "vision_model.pre_layrnorm."},
+      {"visual.post_norm.", "vision_model.post_layernorm."},
+      {"visual.head", "visual_projection.weight"},
+      {"visual.transformer.", "vision_model.encoder.layers."},
+      {".norm1.", ".layer_norm1."},
+      {".norm2.", ".layer_norm2."},
+      {".attn.to_qkv.", kFusedQkv},  // split into q_proj / k_proj / v_proj by the loader
+      {".attn.proj.", ".self_attn.out_proj."},
+      {".mlp.0.", ".mlp.fc1."},
+      {".mlp.2.", ".mlp.fc2."},
+  };
+  return rules;
+}
 
 LoadedClipVision load_clip_vision_encoder(const std::string& path, const ClipVisionLoadOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -364,35 +503,57 @@ LoadedClipVision load_clip_vision_encoder(const std::string& path, const ClipVis
       throw CheckpointError(context + ": " + e.what());
     }
   }();
-  const fs::path config_file = fs::path(source.folder()) / "config.json";
-  if (!fs::exists(config_file)) {
-    throw CheckpointError(context + ": no config.json in '" + source.folder() +
-                          "' (transformers' CLIPVisionConfig: hidden_size, num_hidden_layers, ...)");
-  }
-  const ClipVisionConfig config = ClipVisionConfig::from_file(config_file.string());
-
-  std::map<std::string, at::Tensor> tensors;
+  std::vector<std::string> keys;
   int64_t ignored = 0;
   for (const auto& key : source.keys()) {
     if (is_text_tower(key)) {
       ++ignored;
-      continue;
+    } else {
+      keys.push_back(key);
     }
-    tensors[key] = source.tensor(key);
   }
+  loaded.layout = detect_layout(keys, context);
+  const bool original = loaded.layout == ClipVisionLayout::Original;
   if (ignored) loaded.notes.push_back(std::to_string(ignored) + " text-tower tensors ignored (image encoder only)");
+
+  std::map<std::string, at::Tensor> tensors;
+  checkpoint::KeyOrigins origins;
+  for (const auto& key : keys) {
+    const std::string name = original ? checkpoint::apply_rules(key, clip_vision_original_rules()) : key;
+    tensors[name] = source.tensor(key);
+    origins.source_key[name] = key;
+  }
+  if (original) {
+    convert_original(tensors, origins, context);
+    origins.expected_key = original_key_of;
+  }
+
+  const fs::path config_file = fs::path(source.folder()) / "config.json";
+  ClipVisionConfig config;
+  if (fs::exists(config_file)) {
+    config = ClipVisionConfig::from_file(config_file.string());
+    loaded.config_source = "config.json";
+  } else if (original) {
+    config = infer_original_config(tensors, context, loaded.notes);
+    loaded.config_source = "inferred from the shapes";
+  } else {
+    throw CheckpointError(context + ": no config.json in '" + source.folder() +
+                          "' (transformers' CLIPVisionConfig: hidden_size, num_hidden_layers, ...)");
+  }
 
   const std::string dtype_name = runtime::resolve_dtype_name(options.dtype, options.device);
   checkpoint::PlaceOptions place;
   place.device = options.device;
   place.dtype = checkpoint::parse_dtype(dtype_name);
-  checkpoint::StateDict placed = checkpoint::place_strict(tensors, clip_vision_parameter_specs(config), place, context);
+  checkpoint::StateDict placed =
+      checkpoint::place_strict(tensors, clip_vision_parameter_specs(config), place, context, origins);
   loaded.model = std::make_unique<ClipVisionEncoder>(config, std::move(placed),
                                                      checkpoint::parse_device(options.device), place.dtype);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  spdlog::info("CLIP image encoder '{}': {} layers, hidden {}, {}x{} px, {} on {}, {:.2f} s", loaded.path,
-               config.num_hidden_layers, config.hidden_size, config.image_size, config.image_size, dtype_name,
-               options.device, seconds);
+  spdlog::info("CLIP image encoder '{}': {} layout, {} layers, hidden {}, {}x{} px, {} on {}, {:.2f} s", loaded.path,
+               clip_vision_layout_name(loaded.layout), config.num_hidden_layers, config.hidden_size, config.image_size,
+               config.image_size, dtype_name, options.device, seconds);
+  for (const auto& note : loaded.notes) spdlog::info("CLIP image encoder: {}", note);
   return loaded;
 }
 

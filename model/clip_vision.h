@@ -84,16 +84,31 @@ struct ClipVisionLoadOptions {
   std::string dtype = "float32";  // float32, bfloat16, auto
 };
 
+// The checkpoint layouts of the image encoder: transformers' (`vision_model.*`, `visual_projection.weight`) and the
+// original Wan / SkyReels-V2 one (`open-clip-xlm-roberta-large-vit-huge-14`: Wan's clip.py VisionTransformer under
+// `visual.*`, with a fused `attn.to_qkv` and `head` as a [hidden, projection] matrix).
+enum class ClipVisionLayout { Transformers, Original };
+const char* clip_vision_layout_name(ClipVisionLayout layout);  // "transformers", "original"
+
+// The ordered rename table of the original layout (checkpoint::apply_rules), onto the internal names; the tensor
+// transforms no rename can express (the qkv split, [1, 1, H] / [1, T, H] embeddings flattened, head transposed) are
+// done by the loader after it, each documented there.
+const std::vector<checkpoint::RenameRule>& clip_vision_original_rules();
+
 struct LoadedClipVision {
   std::unique_ptr<ClipVisionEncoder> model;
-  std::string path;                // the folder read (a pipeline's image_encoder/)
-  std::vector<std::string> notes;  // layout, ignored tensors
+  std::string path;  // the folder or file read (a pipeline's image_encoder/)
+  ClipVisionLayout layout = ClipVisionLayout::Transformers;
+  std::string config_source;       // "config.json" or "inferred from shapes ..."
+  std::vector<std::string> notes;  // ignored tensors, assumptions
 };
 
-// `path`: an image encoder folder in transformers' layout (config.json + model.safetensors, or shards with an
-// index), or a diffusers pipeline folder holding image_encoder/. Strict: every tensor must be a parameter and every
-// parameter present with its shape; a full CLIPModel's text tower is ignored. Throws checkpoint::CheckpointError
-// naming the folder and every problem.
+// `path`: an image encoder folder (config.json + model.safetensors, or shards with an index), a .safetensors file, or
+// a diffusers pipeline folder holding image_encoder/; in either layout. The original layout needs no config.json:
+// the config is read off the shapes (16 heads of 80 for the 1280-wide ViT-H/14, i.e. heads = hidden / 80; gelu, eps
+// 1e-5 as Wan's clip_xlm_roberta_vit_h_14). Strict: every tensor must be a parameter and every parameter present
+// with its shape; the text tower of a full CLIP model is ignored. Throws checkpoint::CheckpointError naming the
+// folder and every problem (with the checkpoint's own key names).
 LoadedClipVision load_clip_vision_encoder(const std::string& path, const ClipVisionLoadOptions& options = {});
 
 }  // namespace skyreels::model

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -25,6 +26,10 @@ using test::load_tensors;
 using test::max_abs_diff;
 
 const std::vector<std::string> kCases = {"clip_vision/c1_rgb_landscape", "clip_vision/c2_rgba_portrait_downscale"};
+
+checkpoint::StateDict ckpt_place(const std::map<std::string, at::Tensor>& weights, const ClipVisionConfig& config) {
+  return checkpoint::place_strict(weights, clip_vision_parameter_specs(config), {"cpu", at::kFloat}, "test weights");
+}
 
 struct ClipCase {
   std::string dir;
@@ -304,6 +309,90 @@ TEST(ClipEncoderFolder, AMissingConfigAndAWrongImageSizeAreClearErrors) {
   const LoadedClipVision encoder =
       load_clip_vision_encoder(golden_path("clip_vision/c1_rgb_landscape/weights/transformers"));
   EXPECT_HAS(test::error_of([&] { encoder.model->forward(at::zeros({1, 3, 42, 42})); }), "image_size");
+}
+
+// ---- the original Wan / SkyReels-V2 layout ------------------------------------------------------------------------
+
+// transformers-named tensors written as Wan's clip.py VisionTransformer names them (visual.*: fused to_qkv, [1, 1, H]
+// cls and [1, T, H] positions, head = projection^T), with a text tower beside it as in the full XLMRobertaCLIP file.
+std::vector<std::pair<std::string, at::Tensor>> as_original(const std::map<std::string, at::Tensor>& t,
+                                                            int64_t layers) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  const int64_t h = t.at("vision_model.embeddings.class_embedding").size(0);
+  out.emplace_back("visual.patch_embedding.weight", t.at("vision_model.embeddings.patch_embedding.weight"));
+  out.emplace_back("visual.cls_embedding", t.at("vision_model.embeddings.class_embedding").view({1, 1, h}));
+  const at::Tensor& pos = t.at("vision_model.embeddings.position_embedding.weight");
+  out.emplace_back("visual.pos_embedding", pos.view({1, pos.size(0), h}));
+  for (const char* p : {"weight", "bias"}) {
+    out.emplace_back(std::string("visual.pre_norm.") + p, t.at(std::string("vision_model.pre_layrnorm.") + p));
+    out.emplace_back(std::string("visual.post_norm.") + p, t.at(std::string("vision_model.post_layernorm.") + p));
+  }
+  out.emplace_back("visual.head", t.at("visual_projection.weight").t().contiguous());
+  for (int64_t i = 0; i < layers; ++i) {
+    const std::string o = "visual.transformer." + std::to_string(i) + ".";
+    const std::string n = "vision_model.encoder.layers." + std::to_string(i) + ".";
+    for (const char* p : {"weight", "bias"}) {
+      const std::string leaf = p;
+      out.emplace_back(o + "attn.to_qkv." + leaf,
+                       at::cat({t.at(n + "self_attn.q_proj." + leaf), t.at(n + "self_attn.k_proj." + leaf),
+                                t.at(n + "self_attn.v_proj." + leaf)}));
+      out.emplace_back(o + "attn.proj." + leaf, t.at(n + "self_attn.out_proj." + leaf));
+      out.emplace_back(o + "norm1." + leaf, t.at(n + "layer_norm1." + leaf));
+      out.emplace_back(o + "norm2." + leaf, t.at(n + "layer_norm2." + leaf));
+      out.emplace_back(o + "mlp.0." + leaf, t.at(n + "mlp.fc1." + leaf));
+      out.emplace_back(o + "mlp.2." + leaf, t.at(n + "mlp.fc2." + leaf));
+    }
+  }
+  out.emplace_back("textual.head.0.weight", at::zeros({4, 4}));
+  out.emplace_back("log_scale", at::zeros({}));
+  return out;
+}
+
+TEST(ClipEncoderFolder, TheOriginalWanLayoutGivesTheSameTokensAsTransformers) {
+  const ClipCase c(kCases[0]);
+  const std::string dir = test::temp_dir("clip-original");
+  fs::copy_file(c.encoder_dir + "/config.json", dir + "/config.json");  // 8 wide: the head split needs the config
+  safetensors::save(dir + "/open-clip-xlm-roberta-large-vit-huge-14.safetensors",
+                    as_original(load_tensors(c.encoder_dir + "/model.safetensors"), 3));
+  const LoadedClipVision original = load_clip_vision_encoder(dir);
+  EXPECT_EQ(original.layout, ClipVisionLayout::Original);
+  const ClipVisionOutput out = original.model->forward(c.preprocess.at("pixel_values"), true);
+  EXPECT_TRUE(all_close(out.penultimate, c.output.at("hidden_states_penultimate"), 1e-4, 1e-4));
+  EXPECT_TRUE(all_close(out.image_embeds, c.output.at("image_embeds"), 1e-4, 1e-4));
+}
+
+TEST(ClipEncoderFolder, TheOriginalLayoutWithoutConfigIsReadOffTheShapes) {
+  // A 160-wide encoder (2 heads of 80, as the ViT-H/14's 16 heads of 80), random weights, both layouts.
+  ClipVisionConfig config;
+  config.hidden_size = 160;
+  config.intermediate_size = 64;
+  config.num_hidden_layers = 2;
+  config.num_attention_heads = 2;
+  config.image_size = 28;
+  config.projection_dim = 24;
+  at::manual_seed(5);
+  std::map<std::string, at::Tensor> weights;
+  for (const auto& spec : clip_vision_parameter_specs(config)) weights[spec.name] = at::randn(spec.shape) * 0.2;
+  const std::string dir = test::temp_dir("clip-original-noconfig");
+  safetensors::save(dir + "/clip.safetensors", as_original(weights, config.num_hidden_layers));
+  const LoadedClipVision loaded = load_clip_vision_encoder(dir + "/clip.safetensors");
+  EXPECT_EQ(loaded.config_source, "inferred from the shapes");
+  EXPECT_EQ(loaded.model->config().num_attention_heads, 2);
+  EXPECT_EQ(loaded.model->config().image_size, 28);
+  EXPECT_EQ(loaded.model->config().intermediate_size, 64);
+  const ClipVisionEncoder reference(config, ckpt_place(weights, config), at::kCPU, at::kFloat);
+  const at::Tensor pixels = at::randn({2, 3, 28, 28});
+  EXPECT_TRUE(
+      at::equal(loaded.model->forward(pixels, true).image_embeds, reference.forward(pixels, true).image_embeds));
+
+  // A missing piece is named by its original key.
+  auto items = as_original(weights, config.num_hidden_layers);
+  items.erase(std::remove_if(items.begin(), items.end(),
+                             [](const auto& kv) { return kv.first == "visual.transformer.1.mlp.2.weight"; }),
+              items.end());
+  safetensors::save(dir + "/broken.safetensors", items);
+  EXPECT_HAS(test::error_of([&] { load_clip_vision_encoder(dir + "/broken.safetensors"); }),
+             "visual.transformer.1.mlp.2.weight");
 }
 
 // ---- skyreels encode-image ----------------------------------------------------------------------------------------
