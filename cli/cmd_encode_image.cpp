@@ -38,14 +38,13 @@ constexpr const char* kUsage =
 
 namespace fs = std::filesystem;
 
-// diffusers' pipeline layout: <pipeline>/image_encoder and <pipeline>/image_processor.
-std::string default_processor_dir(const std::string& encoder_dir) {
-  const fs::path encoder = fs::path(encoder_dir);
-  for (const fs::path& candidate : {encoder / "image_processor", encoder.parent_path() / "image_processor", encoder}) {
-    if (fs::exists(candidate / "preprocessor_config.json")) return candidate.string();
+std::string processor_dir_of(const std::string& encoder_dir) {
+  const std::string found = skyreels::model::find_image_processor_dir(encoder_dir);
+  if (found.empty()) {
+    throw skyreels::cli::UsageError("no preprocessor_config.json found for '" + encoder_dir +
+                                    "' (looked in image_processor/ beside it and in it); pass --image-processor DIR");
   }
-  throw skyreels::cli::UsageError("no preprocessor_config.json found for '" + encoder_dir +
-                                  "' (looked in image_processor/ beside it and in it); pass --image-processor DIR");
+  return found;
 }
 
 int run_encode_image(const std::vector<std::string>& argv) {
@@ -60,7 +59,7 @@ int run_encode_image(const std::vector<std::string>& argv) {
   if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional().front() + "'");
 
   const std::string processor_dir =
-      args.has("image-processor") ? args.get("image-processor") : default_processor_dir(encoder_dir);
+      args.has("image-processor") ? args.get("image-processor") : processor_dir_of(encoder_dir);
   const auto processor =
       model::ClipImageProcessorConfig::from_file((fs::path(processor_dir) / "preprocessor_config.json").string());
   std::vector<at::Tensor> images;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
@@ -340,6 +341,16 @@ ClipImageProcessorConfig ClipImageProcessorConfig::from_file(const std::string& 
   require(static_cast<bool>(in), "cannot read image processor config '" + path + "'");
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   return from_json(text, path);
+}
+
+std::string find_image_processor_dir(const std::string& encoder_path) {
+  namespace fs = std::filesystem;
+  const fs::path encoder(encoder_path);
+  const fs::path folder = fs::is_directory(encoder) ? encoder : encoder.parent_path();
+  for (const fs::path& candidate : {folder / "image_processor", folder.parent_path() / "image_processor", folder}) {
+    if (fs::exists(candidate / "preprocessor_config.json")) return candidate.string();
+  }
+  return "";
 }
 
 std::array<int64_t, 2> clip_resize_size(const ClipImageProcessorConfig& config, int64_t height, int64_t width) {

@@ -55,6 +55,11 @@ struct ClipImageProcessorConfig {
   static ClipImageProcessorConfig from_file(const std::string& path);
 };
 
+// Where an image encoder's preprocessor_config.json is, as diffusers lays out a pipeline: <encoder>/image_processor,
+// <encoder>/../image_processor (a pipeline's image_encoder/ and image_processor/ side by side), or the encoder's
+// folder itself. "" when none has one.
+std::string find_image_processor_dir(const std::string& encoder_path);
+
 // The (height, width) transformers resizes an image of h x w to (get_resize_output_image_size).
 std::array<int64_t, 2> clip_resize_size(const ClipImageProcessorConfig& config, int64_t height, int64_t width);
 
