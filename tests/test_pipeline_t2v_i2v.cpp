@@ -176,6 +176,28 @@ TEST_P(SeedGolden, TheSeedDrawsTheRecordedNoiseAndTheSameVideo) {
 
 INSTANTIATE_TEST_SUITE_P(T2vI2v, SeedGolden, ::testing::ValuesIn(kSeedCases), label);
 
+TEST(VideoPipelines, Bf16WithFp32IslandsStaysNearTheFp32Videos) {
+  // A smoke bound: bf16 keeps 8 bits of mantissa, and guidance multiplies the difference of two predictions by its
+  // scale (t1: CFG 6 over 3 steps moves the latents by 0.2); a wrong dtype path would be off by O(1).
+  for (const std::string& name : kAllCases) {
+    const VideoCase c(name);
+    const TransformerConfig config = parse_transformer_config(c.weights_dir("transformer") + "/config.json").config;
+    std::map<std::string, at::Tensor> tensors;
+    for (const auto& file : c.json.at("weights").at("transformer").at("safetensors")) {
+      for (auto& [key, t] : load_tensors(golden_path(file.get<std::string>()))) tensors[key] = t;
+    }
+    auto placed = checkpoint::place_strict(tensors, transformer_parameter_specs(config), {"cpu", at::kBFloat16}, name);
+    const SkyReelsV2Transformer model(config, std::move(placed), at::kCPU, at::kBFloat16);
+    auto noise = make_recorded_noise({c.noise.at("noise_000")});
+    const at::Tensor latents =
+        generate_video(model, c.kind, c.params, c.recorded_conditioning(), *noise, c.videos_per_prompt);
+    EXPECT_EQ(latents.scalar_type(), at::kFloat);
+    const double atol = 0.05 * std::max(1.0, c.params.guidance_scale);
+    EXPECT_TRUE(all_close(latents, c.output.at("latents"), atol, 0.05)) << name;
+    std::cout << "[ bf16 ] " << name << " max |diff| = " << max_abs_diff(latents, c.output.at("latents")) << "\n";
+  }
+}
+
 // ---- the I2V inputs on their own ------------------------------------------------------------------------------------
 
 class I2vGolden : public ::testing::TestWithParam<std::string> {};
