@@ -152,6 +152,17 @@ TEST_P(Golden, FromTheImageToTheTokensWithin1e4) {
   EXPECT_TRUE(all_close(out.penultimate, c.output.at("hidden_states_penultimate"), 1e-4, 1e-4));
 }
 
+TEST_P(Golden, Bf16EncoderStaysNearTheFp32Tokens) {
+  const ClipCase c(GetParam());
+  ClipVisionLoadOptions options;
+  options.dtype = "bfloat16";
+  const LoadedClipVision encoder = load_clip_vision_encoder(c.encoder_dir, options);
+  EXPECT_EQ(encoder.model->compute_dtype(), at::kBFloat16);
+  const ClipVisionOutput out = encoder.model->forward(c.preprocess.at("pixel_values"), true);
+  EXPECT_EQ(out.penultimate.scalar_type(), at::kFloat);  // outputs are float32 whatever the compute dtype
+  EXPECT_TRUE(all_close(out.penultimate, c.output.at("hidden_states_penultimate"), 0.05, 0.05));
+}
+
 INSTANTIATE_TEST_SUITE_P(Clip, Golden, ::testing::ValuesIn(kCases), [](const auto& test_info) {
   return test_info.param.substr(test_info.param.find('/') + 1, 2);
 });
