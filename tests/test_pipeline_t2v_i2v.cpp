@@ -478,6 +478,17 @@ TEST(GenerateCommandVideo, ReproducesI2vFromTheSeed) {
   std::cout << "[ generate --seed ] max |diff| = " << expect_generate_matches(c, " --pipeline i2v", true) << "\n";
 }
 
+TEST(GenerateCommandVideo, InspectShowsTheImageBranchAndItsPipeline) {
+  const VideoCase c("pipeline_i2v/i1_image_cfg5_shift5");
+  std::string log;
+  ASSERT_EQ(test::run_command(test::bin_path("skyreels") + " inspect " + c.weights_dir("transformer") + " 2>&1", &log),
+            0)
+      << log;
+  EXPECT_HAS(log, "in/out channels 36/16");
+  EXPECT_HAS(log, "image branch: image_dim 8, added_kv_proj_dim 12 (pipeline i2v)");
+  EXPECT_HAS(log, "problems    none");
+}
+
 TEST(GenerateCommandVideo, WrongCombinationsAreUsageErrors) {
   const VideoCase t2v("pipeline_t2v/t1_cfg6_shift8"), i2v("pipeline_i2v/i1_image_cfg5_shift5");
   const std::string dir = test::temp_dir("generate-errors");
