@@ -224,6 +224,16 @@ TEST(ImageProcessor, CenterCropPadsASmallImageAsTransformers) {
   EXPECT_EQ(crop[0][0][0].item<int64_t>(), 0);
 }
 
+TEST(ClipEncoderFolder, TheViTH14HasThe632MParametersOfOperations) {
+  int64_t n = 0;
+  for (const auto& spec : clip_vision_parameter_specs(ClipVisionConfig::vit_h_14())) {
+    int64_t numel = 1;
+    for (int64_t d : spec.shape) numel *= d;
+    n += numel;
+  }
+  EXPECT_EQ(n, 632'076'800);
+}
+
 TEST(ImageProcessor, ConfigErrorsNameTheFieldAndFile) {
   EXPECT_HAS(test::error_of([] { ClipImageProcessorConfig::from_json(R"({"resample": 0})", "p.json"); }), "resample");
   EXPECT_HAS(test::error_of([] { ClipImageProcessorConfig::from_json(R"({"image_std": [1, 0, 1]})", "p.json"); }),

@@ -569,6 +569,22 @@ TEST(TransformerI2v, MissingOrMisshapenImageTokensAndTokensForATextModelAreNamed
   EXPECT_HAS(error_of([&] { golden.model(at::kFloat)->forward(t); }), "this model has no image branch");
 }
 
+TEST(TransformerI2v, ParameterCountsOfThePublishedConfigsAreThoseInOperations) {
+  auto count = [](const TransformerConfig& c) {
+    int64_t n = 0;
+    for (const auto& spec : skyreels::model::transformer_parameter_specs(c)) {
+      int64_t numel = 1;
+      for (int64_t d : spec.shape) numel *= d;
+      n += numel;
+    }
+    return n;
+  };
+  EXPECT_EQ(count(TransformerConfig::df_1_3b()), 1'435'525'696);
+  EXPECT_EQ(count(TransformerConfig::i2v_1_3b()), 1'564'428'608);
+  EXPECT_EQ(count(TransformerConfig::df_14b()), 14'288'491'584);
+  EXPECT_EQ(count(TransformerConfig::i2v_14b()), 16'394'878'784);
+}
+
 TEST(TransformerI2v, ConfigsOfTheImageBranchAreChecked) {
   TransformerConfig c = TransformerConfig::i2v_1_3b();
   EXPECT_NO_THROW(c.validate());
