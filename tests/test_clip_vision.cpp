@@ -287,6 +287,13 @@ TEST(ImageFiles, AOnePixelImageIsRefusedNamingTheFile) {
   EXPECT_HAS(error, "1x1 pixels");
 }
 
+TEST(ImageFiles, PngsWithAlphaAreReadAsPillowsConvertRgb) {
+  // diffusers' load_image: Image.open(path).convert("RGB"), alpha dropped (tests/data/images/README.md).
+  const auto expected = load_tensors(test::data_path("images/expected_rgb.safetensors"));
+  EXPECT_TRUE(at::equal(read_image(test::data_path("images/rgba.png")), expected.at("rgba_png_as_rgb")));
+  EXPECT_TRUE(at::equal(read_image(test::data_path("images/la.png")), expected.at("la_png_as_rgb")));
+}
+
 TEST(ImageFiles, PngRoundTripsToTheSameRgbPixels) {
   const at::Tensor rgb = at::randint(0, 256, {5, 7, 3}, at::kByte);
   const std::string path = write_bytes(test::temp_dir("clip") + "/rgb.png", video::encode_png(rgb));
