@@ -1,11 +1,13 @@
-// `skyreels generate`: diffusion-forcing generation to latents (diffusers' SkyReelsV2DiffusionForcingPipeline with
-// output_type="latent") from precomputed prompt embeddings, chunk by chunk as the server runs it.
+// `skyreels generate`: generation to latents (output_type="latent") as diffusers' pipelines do it: diffusion forcing
+// (SkyReelsV2DiffusionForcingPipeline and its image / video variants) chunk by chunk as the server runs it, or the
+// text-to-video / image-to-video pipelines (SkyReelsV2Pipeline, SkyReelsV2ImageToVideoPipeline) in one go.
 #include <ATen/ATen.h>
 #include <spdlog/spdlog.h>
 
 #include <chrono>
 #include <filesystem>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iostream>
@@ -15,8 +17,11 @@
 
 #include "cli/command.h"
 #include "model/checkpoint.h"
+#include "model/clip_vision.h"
 #include "model/diffusion_forcing.h"
 #include "model/host_syncs.h"
+#include "model/image_processor.h"
+#include "model/pipeline_t2v_i2v.h"
 #include "model/pixel_conditioning.h"
 #include "model/safetensors.h"
 #include "model/text_encoding.h"
@@ -38,8 +43,12 @@ namespace model = skyreels::model;
 const std::string kUsage =
     std::string(
         "usage: skyreels generate --model DIR (--inputs IN.safetensors | --text-encoder DIR --prompt TEXT)\n"
-        "                         --out OUT.safetensors [flags]\n\n"
-        "Diffusion-forcing generation of latents (diffusers' SkyReelsV2DiffusionForcingPipeline, output_type=latent).\n"
+        "                         [--pipeline df|t2v|i2v] --out OUT.safetensors [flags]\n\n"
+        "Generation of latents as diffusers' pipelines make them (output_type=latent).\n"
+        "  --pipeline   df: diffusion forcing (SkyReelsV2DiffusionForcingPipeline, chunk by chunk; the image / video\n"
+        "               flags below); t2v: SkyReelsV2Pipeline (one timestep for all frames); i2v:\n"
+        "               SkyReelsV2ImageToVideoPipeline. Default: i2v for an image-to-video checkpoint (36 channels),\n"
+        "               else df (a T2V checkpoint runs both df and t2v)\n"
         "  --model      a transformer checkpoint in any layout the loader accepts\n"
         "  --inputs     safetensors with prompt_embeds [B, T, text_dim] and, when --guidance-scale > 1,\n"
         "               negative_prompt_embeds (e.g. from `skyreels encode-text`)\n"
@@ -63,6 +72,15 @@ const std::string kUsage =
         "  --pin-image-prefix with --causal-block-size > 1: keep the image frame fixed (diffusers denoises it)\n"
         "  --count-host-syncs on CUDA: count the host-device synchronisations of the step loops (LibTorch's sync\n"
         "               debug mode) and print them with the number of transformer calls\n"
+        "text-to-video / image-to-video (--pipeline t2v / i2v):\n"
+        "  --num-videos-per-prompt N  videos per prompt (default 1); the output holds prompt b's v-th video at b*N+v\n"
+        "  --image PATH       i2v: the first frame, PNG/JPEG or safetensors with `image` uint8 [H, W, C]; resized to\n"
+        "                     --width x --height with Pillow LANCZOS for the VAE, as the pipeline does\n"
+        "  --last-image PATH  i2v with a first-last-frame checkpoint: the last frame\n"
+        "  --image-encoder DIR    i2v: the CLIP image encoder (transformers folder, a pipeline folder, or the\n"
+        "                         original open-clip-xlm-roberta-large-vit-huge-14 weights)\n"
+        "  --image-processor DIR  its preprocessor_config.json (default: image_processor/ beside the encoder)\n"
+        "  --vae DIR          i2v: the VAE that encodes the condition video\n"
         "a prompt per chunk (each chunk takes the prompt in force at its first new frame):\n"
         "  --prompt-at FRAME:TEXT   from pixel frame FRAME on, TEXT (needs --text-encoder); repeatable\n"
         "  --inputs-at FRAME:FILE   from pixel frame FRAME on, the embeddings of FILE (like --inputs); repeatable\n"
@@ -240,18 +258,155 @@ std::function<void(const model::ChunkPreview&)> preview_writer(const std::string
   };
 }
 
+// ---- text-to-video and image-to-video ----------------------------------------------------------------------------
+
+// --pipeline, or what the checkpoint runs by default. Without the flag the checkpoint's config is peeked at (mapped,
+// not loaded); a path that cannot be read is left to the diffusion-forcing path, which names the problem itself.
+model::PipelineKind pipeline_from_flags(const Args& args, const std::string& model_path) {
+  if (args.has("pipeline")) {
+    try {
+      return model::pipeline_kind_from_name(args.get("pipeline"));
+    } catch (const std::invalid_argument& e) {
+      throw UsageError(std::string("--") + e.what());
+    }
+  }
+  if (!std::filesystem::exists(model_path)) return model::PipelineKind::kDiffusionForcing;
+  try {
+    const auto analysis = model::analyze_transformer_checkpoint(model_path);
+    if (analysis.config) return model::default_pipeline(*analysis.config);
+  } catch (const std::exception&) {
+  }
+  return model::PipelineKind::kDiffusionForcing;
+}
+
+// Flags that belong to diffusion forcing only.
+void refuse_df_flags(const Args& args, model::PipelineKind kind) {
+  for (const char* flag : {"video", "prompt-at", "inputs-at", "overlap-history", "ar-step", "causal-block-size",
+                           "base-num-frames", "addnoise-condition", "pin-image-prefix", "cache-log", "kv-cache-bytes",
+                           "cache", "cache-threshold", "cache-scope", "cache-max-skips", "count-host-syncs", "previews",
+                           "preview-every"}) {
+    if (args.has(flag)) {
+      throw UsageError(std::string("--") + flag + " is a diffusion-forcing flag; --pipeline " +
+                       model::pipeline_kind_name(kind) + " does not take it");
+    }
+  }
+}
+
+// The image tokens and the VAE condition of an I2V call, from its pixels (as the pipeline's two processors see them).
+void encode_i2v_images(const Args& args, const model::GenerationParams& params, const model::TransformerConfig& config,
+                       model::VideoConditioning& conditioning) {
+  const at::Tensor image = model::convert_to_rgb(model::read_image(args.require("image")));
+  const at::Tensor last =
+      args.has("last-image") ? model::convert_to_rgb(model::read_image(args.get("last-image"))) : at::Tensor();
+  const std::string encoder_dir = args.require("image-encoder");
+  const std::string processor_dir =
+      args.has("image-processor") ? args.get("image-processor") : model::find_image_processor_dir(encoder_dir);
+  if (processor_dir.empty()) {
+    throw UsageError("no preprocessor_config.json beside '" + encoder_dir + "'; pass --image-processor DIR");
+  }
+  auto start = std::chrono::steady_clock::now();
+  const auto processor = model::ClipImageProcessorConfig::from_file(
+      (std::filesystem::path(processor_dir) / "preprocessor_config.json").string());
+  model::ClipVisionLoadOptions clip_options;
+  clip_options.device = args.get("device", "cpu");
+  const model::LoadedClipVision encoder = model::load_clip_vision_encoder(encoder_dir, clip_options);
+  std::vector<at::Tensor> images{image};
+  if (last.defined()) images.push_back(last);
+  const at::Tensor tokens = encoder.model->forward(model::clip_preprocess(processor, images).pixel_values).penultimate;
+  conditioning.image_tokens = model::prepare_image_tokens(config, tokens.narrow(0, 0, 1),
+                                                          last.defined() ? tokens.narrow(0, 1, 1) : at::Tensor());
+  spdlog::info("image tokens [{}, {}, {}] in {:.2f} s", tokens.size(0), tokens.size(1), tokens.size(2),
+               seconds_since(start));
+
+  start = std::chrono::steady_clock::now();
+  skyreels::checkpoint::PlaceOptions place;
+  place.device = args.get("device", "cpu");
+  const model::WanVae vae = model::WanVae::load(args.require("vae"), place);
+  auto vae_side = [&](const at::Tensor& rgb) { return model::vae_image_preprocess(rgb, params.height, params.width); };
+  conditioning.condition =
+      model::prepare_i2v_condition(vae, vae_side(image), last.defined() ? vae_side(last) : at::Tensor(),
+                                   model::round_num_frames(params.num_frames))
+          .condition;
+  spdlog::info("condition video encoded in {:.2f} s", seconds_since(start));
+}
+
+int run_video_pipeline(const Args& args, model::PipelineKind kind, const std::string& model_path,
+                       const std::string& out_path) {
+  refuse_df_flags(args, kind);
+  const bool i2v = kind == model::PipelineKind::kImageToVideo;
+  if (!i2v) {
+    for (const char* flag : {"image", "last-image", "image-encoder", "image-processor"}) {
+      if (args.has(flag)) throw UsageError(std::string("--") + flag + ": the t2v pipeline takes no image");
+    }
+  } else {
+    for (const char* flag : {"image", "image-encoder", "vae"}) {
+      if (!args.has(flag)) throw UsageError(std::string("--pipeline i2v needs --") + flag);
+    }
+  }
+  model::GenerationParams params = params_from_flags(args);
+  if (i2v && !args.has("guidance-scale")) params.guidance_scale = 5.0;  // SkyReelsV2ImageToVideoPipeline's default
+  const int videos_per_prompt = args.get_int("num-videos-per-prompt", 1);
+  if (videos_per_prompt < 1) throw UsageError("--num-videos-per-prompt must be at least 1");
+
+  std::unique_ptr<model::TextEncoder> encoder;
+  model::VideoConditioning conditioning;
+  {
+    model::Conditioning text;
+    if (args.has("inputs")) {
+      text = conditioning_from(args.get("inputs"));
+    } else {
+      model::TextEncoderOptions options;
+      options.device = args.get("device", "cpu");
+      encoder = model::TextEncoder::load(args.require("text-encoder"), args.get("tokenizer"), options);
+      text = conditioning_from_text(*encoder, args, params, args.require("prompt"));
+      encoder.reset();
+    }
+    conditioning.prompt_embeds = text.prompt_embeds;
+    conditioning.negative_prompt_embeds = text.negative_prompt_embeds;
+  }
+  auto noise = noise_from_flags(args, params);
+
+  model::TransformerLoadOptions options;
+  options.device = args.get("device", "cpu");
+  options.dtype = args.get("dtype", "float32");
+  options.loras = skyreels::cli::lora_specs_from_flags(args);
+  auto start = std::chrono::steady_clock::now();
+  auto loaded = model::load_transformer(model_path, options);
+  const auto& transformer = *loaded.model;
+  model::check_pipeline_fits(kind, transformer.config());
+  spdlog::info("loaded {} on {} as {} in {:.2f} s; pipeline {}", model_path, transformer.device().str(),
+               c10::toString(transformer.compute_dtype()), seconds_since(start), model::pipeline_kind_name(kind));
+  if (i2v) encode_i2v_images(args, params, transformer.config(), conditioning);
+
+  model::VideoHooks hooks;
+  hooks.on_step = [](int64_t step, int64_t steps, const at::Tensor&) { spdlog::info("step {}/{}", step + 1, steps); };
+  start = std::chrono::steady_clock::now();
+  const at::Tensor latents =
+      model::generate_video(transformer, kind, params, conditioning, *noise, videos_per_prompt, hooks);
+  spdlog::info("generated in {:.2f} s", seconds_since(start));
+  skyreels::safetensors::save(out_path, {{"latents", latents}}, {{"pipeline", model::pipeline_kind_name(kind)}});
+  std::cout << out_path << ": latents " << latents.sizes() << " float32, pipeline " << model::pipeline_kind_name(kind)
+            << "\n";
+  return 0;
+}
+
 int run_generate(const std::vector<std::string>& argv) {
   const Args args(argv, skyreels::cli::with_generation_switches({"pin-image-prefix", "count-host-syncs"}));
   args.reject_unknown(with_generation_flags({"model", "inputs", "out", "noise", "dtype", "device", "text-encoder",
-                                             "tokenizer", "max-sequence-length", "vae", "pin-image-prefix",
-                                             "cache-log", "kv-cache-bytes", "lora", "count-host-syncs",
-                                             "previews"}));
+                                             "tokenizer", "max-sequence-length", "vae", "pin-image-prefix", "cache-log",
+                                             "kv-cache-bytes", "lora", "count-host-syncs", "pipeline",
+                                             "num-videos-per-prompt", "image-encoder", "image-processor", "previews"}));
   if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional().front() + "'");
   const std::string model_path = args.require("model");
   if (args.has("inputs") == args.has("text-encoder")) {
     throw UsageError("give either --inputs (prompt embeddings) or --text-encoder with --prompt");
   }
   const std::string out_path = args.require("out");
+  const model::PipelineKind kind = pipeline_from_flags(args, model_path);
+  if (kind != model::PipelineKind::kDiffusionForcing) return run_video_pipeline(args, kind, model_path, out_path);
+  for (const char* flag : {"num-videos-per-prompt", "image-encoder", "image-processor"}) {
+    if (args.has(flag)) throw UsageError(std::string("--") + flag + " belongs to --pipeline t2v / i2v");
+  }
 
   model::GenerationParams params = params_from_flags(args);
   if (args.has("kv-cache-bytes")) params.kv_cache_max_bytes = parse_bytes(args.get("kv-cache-bytes"));
@@ -288,6 +443,7 @@ int run_generate(const std::vector<std::string>& argv) {
   auto start = std::chrono::steady_clock::now();
   auto loaded = model::load_transformer(model_path, options);
   const auto& transformer = *loaded.model;
+  model::check_pipeline_fits(model::PipelineKind::kDiffusionForcing, transformer.config());
   spdlog::info("loaded {} on {} as {} in {:.2f} s", model_path, transformer.device().str(),
                c10::toString(transformer.compute_dtype()), seconds_since(start));
 
@@ -346,4 +502,5 @@ int run_generate(const std::vector<std::string>& argv) {
 
 }  // namespace
 
-SKYREELS_COMMAND("generate", "diffusion-forcing generation of latents from prompt embeddings", kUsage, run_generate);
+SKYREELS_COMMAND("generate", "generation of latents (diffusion forcing, text-to-video, image-to-video)", kUsage,
+                 run_generate);

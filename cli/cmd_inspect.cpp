@@ -28,6 +28,12 @@ std::string describe_config(const TransformerConfig& c) {
      << ", text_dim " << c.text_dim << ", freq_dim " << c.freq_dim << ", patch [" << c.patch_size[0] << ", "
      << c.patch_size[1] << ", " << c.patch_size[2] << "], fps embedding " << (c.inject_sample_info ? "yes" : "no")
      << ", cross_attn_norm " << (c.cross_attn_norm ? "yes" : "no") << ", eps " << c.eps;
+  if (c.image_dim) {  // image-to-video: the pipeline it runs by default, and what its image tokens must be
+    os << "; image branch: image_dim " << *c.image_dim << ", added_kv_proj_dim " << *c.added_kv_proj_dim
+       << (c.pos_embed_seq_len ? ", first-last-frame pos_embed " + std::to_string(*c.pos_embed_seq_len) + " tokens"
+                               : std::string())
+       << " (pipeline i2v)";
+  }
   return os.str();
 }
 

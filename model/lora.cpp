@@ -42,7 +42,7 @@ constexpr ModuleName kTopModules[] = {
     {"time_embedding.0", nullptr, "condition_embedder.time_embedder.linear_1"},
     {"time_embedding.2", nullptr, "condition_embedder.time_embedder.linear_2"},
 };
-// Image-conditioning modules (I2V adapters): the model is text-to-video only.
+// Image-conditioning modules (I2V adapters): not merged (the I2V models load, their adapters are refused by name).
 constexpr const char* kImageModules[] = {"cross_attn.k_img", "cross_attn.v_img", "cross_attn_k_img",
                                          "cross_attn_v_img", "img_emb."};
 
@@ -378,7 +378,7 @@ LoraAdapter read_lora(const LoraSpec& spec) {
     const std::string rest = key.substr(std::string(prefix).size());
     for (const char* image : kImageModules) {
       if (contains(rest, image)) {
-        r.fail(key, "adapts the image conditioning (an I2V adapter); this model is text-to-video");
+        r.fail(key, "adapts the image conditioning (an I2V adapter); adapters of the image branch are not supported");
       }
     }
     const auto split = split_suffix(rest, suffixes, suffixes_end);

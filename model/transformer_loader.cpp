@@ -77,7 +77,7 @@ const std::vector<RenameRule>& original_rules() {
       {"cross_attn.o.", "attn2.to_out.0."},
       {"cross_attn.norm_q.", "attn2.norm_q."},
       {"cross_attn.norm_k.", "attn2.norm_k."},
-      {"cross_attn.k_img.", "attn2.add_k_proj."},  // I2V only: mapped so that the I2V refusal names the model, not keys
+      {"cross_attn.k_img.", "attn2.add_k_proj."},  // I2V: the image tokens' key / value projections and key norm
       {"cross_attn.v_img.", "attn2.add_v_proj."},
       {"cross_attn.norm_k_img.", "attn2.norm_added_k."},
       {".ffn.0.", ".ffn.net.0.proj."},
@@ -86,7 +86,8 @@ const std::vector<RenameRule>& original_rules() {
       {".norm2.", ".norm__placeholder."},
       {".norm3.", ".norm2."},
       {".norm__placeholder.", ".norm3."},
-      // After the swap, so that image_embedder.norm2 is not swapped.
+      // After the swap, so that image_embedder.norm2 is not swapped. Wan's MLPProj: LayerNorm, Linear, GELU, Linear,
+      // LayerNorm (proj.2 is the GELU), and the first-last-frame position embedding.
       {"img_emb.proj.0.", "condition_embedder.image_embedder.norm1."},
       {"img_emb.proj.1.", "condition_embedder.image_embedder.ff.net.0.proj."},
       {"img_emb.proj.3.", "condition_embedder.image_embedder.ff.net.2."},
@@ -306,9 +307,7 @@ TransformerConfig parse_diffusers_config(const json& j, ConfigReader& r, std::ve
   c.rope_max_seq_len = r.integer("rope_max_seq_len", 1024);
   c.inject_sample_info = r.boolean("inject_sample_info", false);
   c.num_frame_per_block = r.integer("num_frame_per_block", 1);
-  if (r.has("pos_embed_seq_len")) {
-    r.fail("pos_embed_seq_len", "is set: first-last-frame (FLF2V) checkpoints are not supported");
-  }
+  c.pos_embed_seq_len = r.optional_integer("pos_embed_seq_len");
   const std::string qk_norm = r.string("qk_norm", "rms_norm_across_heads");
   if (qk_norm != "rms_norm_across_heads") {
     notes.push_back("config.json qk_norm '" + qk_norm + "' is ignored: diffusers always builds the q/k RMSNorm");
@@ -347,8 +346,10 @@ TransformerConfig parse_original_config(const json& j, ConfigReader& r, std::vec
     r.fail("window_size", "is " + j["window_size"].dump() + ": only global attention [-1, -1] is supported");
   }
   if (model_type == "i2v" || model_type == "flf2v") {
-    c.image_dim = 1280;  // makes validate() refuse with the I2V message
+    // WanModel's image branch: MLPProj(1280, dim) on CLIP ViT-H/14 tokens; flf2v adds emb_pos for 2 x 257 tokens.
+    c.image_dim = 1280;
     c.added_kv_proj_dim = dim;
+    if (model_type == "flf2v") c.pos_embed_seq_len = 2 * 257;
   } else if (model_type != "t2v") {
     r.fail("model_type", "is '" + model_type + "' (expected t2v, i2v or flf2v)");
   }
@@ -370,7 +371,7 @@ struct Fact {
 
 struct ShapeFacts {
   std::optional<Fact> inner_dim, in_channels, patch_t, patch_h, patch_w, proj_out_rows, text_dim, freq_dim, ffn_dim,
-      num_layers, image_dim;
+      num_layers, image_dim, added_kv_proj_dim, pos_embed_seq_len;
   bool has_fps = false;
   bool has_cross_norm = false;
 };
@@ -393,9 +394,8 @@ ShapeFacts read_facts(const std::map<std::string, at::Tensor>& t) {
   f.freq_dim = dim_of(t, "condition_embedder.time_embedder.linear_1.weight", 1);
   f.ffn_dim = dim_of(t, "blocks.0.ffn.net.0.proj.weight", 0);
   f.image_dim = dim_of(t, "condition_embedder.image_embedder.norm1.weight", 0);
-  if (!f.image_dim) {
-    if (auto kv = dim_of(t, "blocks.0.attn2.add_k_proj.weight", 1)) f.image_dim = kv;
-  }
+  f.added_kv_proj_dim = dim_of(t, "blocks.0.attn2.add_k_proj.weight", 1);
+  f.pos_embed_seq_len = dim_of(t, "condition_embedder.image_embedder.pos_embed", 1);
   f.has_fps = t.count("fps_embedding.weight") != 0;
   f.has_cross_norm = t.count("blocks.0.norm2.weight") != 0;
   int64_t max_block = -1;
@@ -759,9 +759,10 @@ TransformerConfig infer_transformer_config(const std::map<std::string, at::Tenso
   c.num_layers = need(f.num_layers, "num_layers", "blocks.0.*");
   c.inject_sample_info = f.has_fps;
   c.cross_attn_norm = f.has_cross_norm;
-  if (f.image_dim) {
-    c.image_dim = f.image_dim->value;  // validate() then refuses I2V with its own message
-    c.added_kv_proj_dim = D;
+  if (f.image_dim || f.added_kv_proj_dim) {
+    c.image_dim = need(f.image_dim, "image_dim", "condition_embedder.image_embedder.norm1.weight");
+    c.added_kv_proj_dim = f.added_kv_proj_dim ? f.added_kv_proj_dim->value : D;
+    if (f.pos_embed_seq_len) c.pos_embed_seq_len = f.pos_embed_seq_len->value;
   }
   // The split of D into heads changes the attention and the RoPE split but is recorded nowhere in the weights.
   if (D % kAssumedHeadDim != 0) {
@@ -807,6 +808,22 @@ std::vector<std::string> transformer_config_contradictions(const TransformerConf
   check("freq_dim", "freq_dim", c.freq_dim, f.freq_dim);
   check("ffn_dim", "ffn_dim", c.ffn_dim, f.ffn_dim);
   check("num_layers", "num_layers", c.num_layers, f.num_layers);
+  // The image branch (I2V) and the first-last-frame position embedding: present in both or in neither.
+  auto optional_field = [&](const char* diffusers_field, const char* what, const std::optional<int64_t>& configured,
+                            const std::optional<Fact>& fact) {
+    if (configured && fact) {
+      check(diffusers_field, diffusers_field, *configured, fact);
+    } else if (configured.has_value() != fact.has_value() && f.inner_dim) {
+      out.push_back(std::string(diffusers_field) + ": config " +
+                    (configured ? "says " + std::to_string(*configured) : std::string("has none")) +
+                    ", but the checkpoint " + (fact ? "has " + fact->evidence : "has no " + std::string(what)));
+    }
+  };
+  optional_field("image_dim", "image embedder (condition_embedder.image_embedder / img_emb)", c.image_dim, f.image_dim);
+  optional_field("added_kv_proj_dim", "image key projection (attn2.add_k_proj / cross_attn.k_img)", c.added_kv_proj_dim,
+                 f.added_kv_proj_dim);
+  optional_field("pos_embed_seq_len", "image position embedding (image_embedder.pos_embed / img_emb.emb_pos)",
+                 c.pos_embed_seq_len, f.pos_embed_seq_len);
   if (c.inject_sample_info != f.has_fps && f.inner_dim) {
     out.push_back(std::string("inject_sample_info: config says ") + (c.inject_sample_info ? "true" : "false") +
                   ", but the checkpoint " + (f.has_fps ? "has" : "has no") + " fps_embedding.weight");

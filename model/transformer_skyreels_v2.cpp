@@ -31,6 +31,23 @@ TransformerConfig TransformerConfig::df_14b() {
   return c;
 }
 
+TransformerConfig TransformerConfig::i2v_1_3b() {
+  TransformerConfig c = df_1_3b();
+  c.inject_sample_info = false;
+  c.in_channels = 36;  // 16 noise + 4 frame mask + 16 image latent
+  c.image_dim = 1280;  // CLIP ViT-H/14
+  c.added_kv_proj_dim = c.inner_dim();
+  return c;
+}
+
+TransformerConfig TransformerConfig::i2v_14b() {
+  TransformerConfig c = df_14b();
+  c.in_channels = 36;
+  c.image_dim = 1280;
+  c.added_kv_proj_dim = c.inner_dim();
+  return c;
+}
+
 std::string TransformerConfig::to_diffusers_json() const {
   nlohmann::ordered_json j;
   j["_class_name"] = "SkyReelsV2Transformer3DModel";
@@ -49,7 +66,7 @@ std::string TransformerConfig::to_diffusers_json() const {
   j["image_dim"] = image_dim ? nlohmann::ordered_json(*image_dim) : nlohmann::ordered_json();
   j["added_kv_proj_dim"] = added_kv_proj_dim ? nlohmann::ordered_json(*added_kv_proj_dim) : nlohmann::ordered_json();
   j["rope_max_seq_len"] = rope_max_seq_len;
-  j["pos_embed_seq_len"] = nullptr;
+  j["pos_embed_seq_len"] = pos_embed_seq_len ? nlohmann::ordered_json(*pos_embed_seq_len) : nlohmann::ordered_json();
   j["inject_sample_info"] = inject_sample_info;
   j["num_frame_per_block"] = num_frame_per_block;
   return j.dump(2);
@@ -67,9 +84,17 @@ void TransformerConfig::validate() const {
   require(freq_dim >= 2 && freq_dim % 2 == 0, "freq_dim: must be even and >= 2");
   require(rope_max_seq_len >= 1, "rope_max_seq_len: must be >= 1");
   require(num_frame_per_block >= 1, "num_frame_per_block: must be >= 1");
-  require(!image_dim && !added_kv_proj_dim,
-          "image_dim/added_kv_proj_dim: image-conditioned (I2V) SkyReels-V2 checkpoints are not supported; use a "
-          "diffusion-forcing (DF) checkpoint");
+  require(image_dim.has_value() == added_kv_proj_dim.has_value(),
+          "image_dim/added_kv_proj_dim: an image-to-video model needs both (or neither)");
+  if (image_dim) {
+    require(*image_dim >= 1, "image_dim: must be >= 1");
+    // The image embedder's output (inner_dim wide) is what add_k_proj / add_v_proj read.
+    require(*added_kv_proj_dim == inner_dim(), "added_kv_proj_dim: " + std::to_string(*added_kv_proj_dim) +
+                                                   " must equal the inner dim " + std::to_string(inner_dim()) +
+                                                   " (the image embedder's width)");
+  }
+  require(!pos_embed_seq_len || (image_dim && *pos_embed_seq_len >= 2 && *pos_embed_seq_len % 2 == 0),
+          "pos_embed_seq_len: needs image_dim and an even length >= 2 (the tokens of the first and the last image)");
 }
 
 std::vector<checkpoint::ParamSpec> transformer_parameter_specs(const TransformerConfig& c) {
@@ -90,6 +115,17 @@ std::vector<checkpoint::ParamSpec> transformer_parameter_specs(const Transformer
   linear("condition_embedder.time_proj", 6 * D, D);
   linear("condition_embedder.text_embedder.linear_1", D, c.text_dim);
   linear("condition_embedder.text_embedder.linear_2", D, D);
+  if (c.image_dim) {
+    const int64_t I = *c.image_dim;
+    const std::string e = "condition_embedder.image_embedder.";
+    add(e + "norm1.weight", {I}, true);
+    add(e + "norm1.bias", {I}, true);
+    linear(e + "ff.net.0.proj", I, I);
+    linear(e + "ff.net.2", D, I);
+    add(e + "norm2.weight", {D}, true);
+    add(e + "norm2.bias", {D}, true);
+    if (c.pos_embed_seq_len) add(e + "pos_embed", {1, *c.pos_embed_seq_len, I});
+  }
   for (int64_t i = 0; i < c.num_layers; ++i) {
     const std::string b = "blocks." + std::to_string(i) + ".";
     add(b + "scale_shift_table", {1, 6, D}, true);
@@ -97,6 +133,11 @@ std::vector<checkpoint::ParamSpec> transformer_parameter_specs(const Transformer
       for (const char* proj : {"to_q", "to_k", "to_v", "to_out.0"}) linear(b + attn + "." + proj, D, D);
       add(b + attn + ".norm_q.weight", {D});
       add(b + attn + ".norm_k.weight", {D});
+    }
+    if (c.image_dim) {
+      linear(b + "attn2.add_k_proj", D, *c.added_kv_proj_dim);
+      linear(b + "attn2.add_v_proj", D, *c.added_kv_proj_dim);
+      add(b + "attn2.norm_added_k.weight", {D});
     }
     if (c.cross_attn_norm) {
       add(b + "norm2.weight", {D}, true);
@@ -226,9 +267,16 @@ struct AttentionWeights {
   Tensor norm_q, norm_k;
 };
 
+// I2V: the cross-attention's key / value projections of the image tokens (undefined in other models).
+struct ImageKvWeights {
+  Linear add_k, add_v;
+  Tensor norm_added_k;
+};
+
 struct BlockWeights {
   Tensor scale_shift_table;  // [1, 6, D] fp32
   AttentionWeights attn1, attn2;
+  ImageKvWeights image_kv;
   Tensor norm2_weight, norm2_bias;  // fp32; undefined without cross_attn_norm
   Linear ffn_in, ffn_out;
 };
@@ -241,6 +289,13 @@ struct Geometry {
   int64_t tokens_per_frame = 0, tokens = 0, dim = 0;
   std::vector<int64_t> per_frame() const { return {batch, ppf, tokens_per_frame, dim}; }
   std::vector<int64_t> flat() const { return {batch, tokens, dim}; }
+};
+
+// What every block's cross-attention attends to: the projected text rows and, in I2V models, the embedded image
+// tokens (undefined otherwise), each attended on its own and the two outputs added.
+struct CrossContext {
+  Tensor text;   // [B, T, D]
+  Tensor image;  // [B, N, D]
 };
 
 // LayerNorm over the last dim computed in fp32 (diffusers' FP32LayerNorm); returns fp32.
@@ -262,6 +317,16 @@ Tensor rms_norm_across_heads(Tensor x, const Tensor& weight, double eps) {
   const Tensor inv = at::rsqrt(xf.pow(2).mean(-1, true).add_(eps));
   xf.mul_(inv).mul_(weight.to(at::kFloat));
   return xf.to(dtype);
+}
+
+// diffusers' own RMSNorm class (attention's norm_added_k): fp32 statistics, the normalised value rounded to the
+// weight's dtype when that is half precision, then multiplied by the weight in it (torch.nn.RMSNorm above multiplies
+// in fp32 and rounds once; the same numbers in fp32).
+Tensor rms_norm_diffusers(const Tensor& x, const Tensor& weight, double eps) {
+  const Tensor xf = x.to(at::kFloat);
+  const Tensor normed = xf * at::rsqrt(xf.pow(2).mean(-1, true).add_(eps));
+  if (weight.scalar_type() == at::kFloat) return (normed * weight).to(x.scalar_type());
+  return normed.to(weight.scalar_type()) * weight;
 }
 
 // (LN(x) * (1 + scale) + shift) in fp32, rounded to `dtype`. x [B, L, D]; scale/shift [B, Fm, 1, D] fp32.
@@ -403,6 +468,9 @@ struct SkyReelsV2Transformer::Impl {
   Linear patch_embedding;     // the conv3d with kernel == stride, as a linear over flattened patches
   Linear time_1, time_2, time_proj, text_1, text_2, proj_out, fps_1, fps_2;
   Tensor fps_embedding, head_table;
+  // I2V image embedder: FP32LayerNorm -> Linear -> GELU -> Linear -> FP32LayerNorm, after the optional pos_embed.
+  Linear image_ff_in, image_ff_out;
+  Tensor image_norm1_weight, image_norm1_bias, image_norm2_weight, image_norm2_bias, image_pos_embed;
   std::vector<BlockWeights> blocks;
 
   const Tensor& w(const std::string& name) const { return weights.at(name); }
@@ -417,19 +485,20 @@ struct SkyReelsV2Transformer::Impl {
                         int64_t causal_block_tokens, const KvSlot* kv, const BlockSparseAttention* sparse) const;
   Tensor block_sparse_attention(const AttentionWeights& a, const Tensor& n, const RopeTables& rope, const Geometry& g,
                                 int64_t causal_block_tokens, const BlockSparseAttention& sparse) const;
-  Tensor cross_attention(const AttentionWeights& a, const Tensor& n, const Tensor& context) const;
+  Tensor embed_image(const Tensor& image_tokens) const;
+  Tensor cross_attention(const BlockWeights& b, const Tensor& n, const CrossContext& context) const;
   Tensor feed_forward(const BlockWeights& b, const Tensor& n) const;
-  Tensor block_forward(const BlockWeights& b, Tensor x, const Tensor& context, const Tensor& modulation,
+  Tensor block_forward(const BlockWeights& b, Tensor x, const CrossContext& context, const Tensor& modulation,
                        const RopeTables& rope, const Geometry& g, int64_t causal_block_tokens,
                        const KvSlot* kv = nullptr, const BlockSparseAttention* sparse = nullptr) const;
   Tensor patchify(const Tensor& hidden_states, const Geometry& g, int64_t first_frame) const;
   // Blocks 0..L-1 under the cache per causal block (TransformerForwardArgs::per_block_cache); computed_blocks runs
   // blocks 1..L-1 over the blocks that the plan computes and writes them into `out`.
   Tensor per_block_layers(Tensor x, const PerBlockCache& cache, TransformerCallState::Impl& state,
-                          const Tensor& context, const Tensor& modulation, const RopeTables& rope, const Geometry& g,
-                          int64_t frames_per_block, const std::function<void()>& after_block,
+                          const CrossContext& context, const Tensor& modulation, const RopeTables& rope,
+                          const Geometry& g, int64_t frames_per_block, const std::function<void()>& after_block,
                           TransformerCallStats& stats) const;
-  Tensor computed_blocks(const Tensor& block0_out, Tensor out, const BlockPlan& plan, const Tensor& context,
+  Tensor computed_blocks(const Tensor& block0_out, Tensor out, const BlockPlan& plan, const CrossContext& context,
                          const Tensor& modulation, const RopeTables& rope, const Geometry& g, int64_t frames_per_block,
                          const std::function<void()>& after_block, std::vector<std::vector<Tensor>>& fresh_k,
                          std::vector<std::vector<Tensor>>& fresh_v, TransformerCallStats& stats) const;
@@ -503,10 +572,23 @@ void SkyReelsV2Transformer::Impl::bind_weights() {
     return AttentionWeights{linear(p + ".to_q"),     linear(p + ".to_k"),     linear(p + ".to_v"),
                             linear(p + ".to_out.0"), w(p + ".norm_q.weight"), w(p + ".norm_k.weight")};
   };
+  if (config.image_dim) {
+    const std::string e = "condition_embedder.image_embedder.";
+    image_norm1_weight = w(e + "norm1.weight");
+    image_norm1_bias = w(e + "norm1.bias");
+    image_ff_in = linear(e + "ff.net.0.proj");
+    image_ff_out = linear(e + "ff.net.2");
+    image_norm2_weight = w(e + "norm2.weight");
+    image_norm2_bias = w(e + "norm2.bias");
+    if (config.pos_embed_seq_len) image_pos_embed = w(e + "pos_embed");
+  }
   blocks.clear();
   for (int64_t i = 0; i < config.num_layers; ++i) {
     const std::string p = "blocks." + std::to_string(i) + ".";
     BlockWeights b;
+    if (config.image_dim) {
+      b.image_kv = {linear(p + "attn2.add_k_proj"), linear(p + "attn2.add_v_proj"), w(p + "attn2.norm_added_k.weight")};
+    }
     b.scale_shift_table = w(p + "scale_shift_table");
     b.attn1 = attention_weights(p + "attn1");
     b.attn2 = attention_weights(p + "attn2");
@@ -641,6 +723,23 @@ Geometry SkyReelsV2Transformer::Impl::check_inputs(const TransformerForwardArgs&
               std::to_string(c.text_dim) + (e.defined() ? ", got " + checkpoint::shape_str(e.sizes().vec()) : ""));
   require(at::isFloatingType(e.scalar_type()), "encoder_hidden_states: expected a floating-point tensor");
 
+  const Tensor& img = a.encoder_hidden_states_image;
+  if (c.image_dim) {
+    const int64_t tokens = c.pos_embed_seq_len.value_or(0);
+    require(img.defined() && img.dim() == 3 && img.size(0) == g.batch && img.size(1) >= 1 &&
+                img.size(2) == *c.image_dim && (tokens == 0 || img.size(1) == tokens),
+            "encoder_hidden_states_image: this image-to-video model needs image tokens [B, N, image_dim] with B=" +
+                std::to_string(g.batch) + ", image_dim=" + std::to_string(*c.image_dim) +
+                (tokens ? ", N=" + std::to_string(tokens) + " (pos_embed_seq_len: the first and the last image)"
+                        : std::string()) +
+                (img.defined() ? ", got " + checkpoint::shape_str(img.sizes().vec()) : ", got none"));
+    require(at::isFloatingType(img.scalar_type()), "encoder_hidden_states_image: expected a floating-point tensor");
+  } else {
+    require(!img.defined(),
+            "encoder_hidden_states_image: this model has no image branch (image_dim is unset); "
+            "image tokens need an image-to-video checkpoint");
+  }
+
   if (c.inject_sample_info) {
     require(a.fps.has_value() && a.fps->defined(),
             "fps: this model has an fps embedding (inject_sample_info); pass fps [B] with 0 for 16 fps, else 1");
@@ -736,14 +835,35 @@ Tensor SkyReelsV2Transformer::Impl::block_sparse_attention(const AttentionWeight
   return a.to_out(o.reshape(g.flat()));
 }
 
-Tensor SkyReelsV2Transformer::Impl::cross_attention(const AttentionWeights& a, const Tensor& n,
-                                                    const Tensor& context) const {
-  // No RoPE and no mask: zero-padded text rows are attended, as in diffusers.
+Tensor SkyReelsV2Transformer::Impl::embed_image(const Tensor& image_tokens) const {
+  // diffusers' SkyReelsV2ImageEmbedding: (+ pos_embed) -> FP32LayerNorm -> Linear -> GELU (erf) -> Linear ->
+  // FP32LayerNorm; its LayerNorms keep torch's default eps 1e-5, not the config's.
+  constexpr double kEps = 1e-5;
+  Tensor x = image_tokens.to(device, dtype);
+  if (image_pos_embed.defined()) x = x + image_pos_embed;
+  const Tensor n = layer_norm_fp32(x, kEps, image_norm1_weight, image_norm1_bias).to(dtype);
+  const Tensor h = image_ff_out(at::gelu(image_ff_in(n)));
+  return layer_norm_fp32(h, kEps, image_norm2_weight, image_norm2_bias).to(dtype);
+}
+
+Tensor SkyReelsV2Transformer::Impl::cross_attention(const BlockWeights& b, const Tensor& n,
+                                                    const CrossContext& context) const {
+  // No RoPE and no mask: zero-padded text rows are attended, as in diffusers. The image tokens get their own keys
+  // and values and one attention of the same queries; both outputs are summed before to_out (diffusers' I2V
+  // processor, minus its `total - 512` split: the two contexts are never concatenated here).
+  const AttentionWeights& a = b.attn2;
   const int64_t heads = config.num_attention_heads;
   const Tensor q = split_heads(rms_norm_across_heads(a.to_q(n), a.norm_q, config.eps), heads).contiguous();
-  const Tensor k = split_heads(rms_norm_across_heads(a.to_k(context), a.norm_k, config.eps), heads).contiguous();
-  const Tensor v = split_heads(a.to_v(context), heads).contiguous();
-  const Tensor o = detail::attention(q, k, v, 0, chunk_bytes);
+  const Tensor k = split_heads(rms_norm_across_heads(a.to_k(context.text), a.norm_k, config.eps), heads).contiguous();
+  const Tensor v = split_heads(a.to_v(context.text), heads).contiguous();
+  Tensor o = detail::attention(q, k, v, 0, chunk_bytes);
+  if (context.image.defined()) {
+    const ImageKvWeights& kv = b.image_kv;
+    const Tensor k_img =
+        split_heads(rms_norm_diffusers(kv.add_k(context.image), kv.norm_added_k, config.eps), heads).contiguous();
+    const Tensor v_img = split_heads(kv.add_v(context.image), heads).contiguous();
+    o.add_(detail::attention(q, k_img, v_img, 0, chunk_bytes));
+  }
   return a.to_out(o.view({n.size(0), n.size(1), n.size(2)}));
 }
 
@@ -766,7 +886,7 @@ Tensor SkyReelsV2Transformer::Impl::feed_forward(const BlockWeights& b, const Te
   return out.view(n.sizes());
 }
 
-Tensor SkyReelsV2Transformer::Impl::block_forward(const BlockWeights& b, Tensor x, const Tensor& context,
+Tensor SkyReelsV2Transformer::Impl::block_forward(const BlockWeights& b, Tensor x, const CrossContext& context,
                                                   const Tensor& modulation, const RopeTables& rope, const Geometry& g,
                                                   int64_t causal_block_tokens, const KvSlot* kv,
                                                   const BlockSparseAttention* sparse) const {
@@ -780,7 +900,7 @@ Tensor SkyReelsV2Transformer::Impl::block_forward(const BlockWeights& b, Tensor 
   {
     const Tensor n =
         config.cross_attn_norm ? layer_norm_fp32(x, config.eps, b.norm2_weight, b.norm2_bias).to(dtype) : x;
-    x.add_(cross_attention(b.attn2, n, context));  // plain add in the compute dtype (no fp32 island)
+    x.add_(cross_attention(b, n, context));  // plain add in the compute dtype (no fp32 island)
   }
   {
     const Tensor n = modulated_norm(x, row(4), row(3), g, config.eps, dtype);
@@ -959,7 +1079,7 @@ int64_t kept_bytes_besides(const TransformerCallState::Impl& state, const PerBlo
 }  // namespace
 
 Tensor SkyReelsV2Transformer::Impl::per_block_layers(Tensor x, const PerBlockCache& cache,
-                                                    TransformerCallState::Impl& state, const Tensor& context,
+                                                    TransformerCallState::Impl& state, const CrossContext& context,
                                                     const Tensor& modulation, const RopeTables& rope,
                                                     const Geometry& g, int64_t frames_per_block,
                                                     const std::function<void()>& after_block,
@@ -1020,7 +1140,7 @@ Tensor SkyReelsV2Transformer::Impl::per_block_layers(Tensor x, const PerBlockCac
 }
 
 Tensor SkyReelsV2Transformer::Impl::computed_blocks(const Tensor& block0_out, Tensor out, const BlockPlan& plan,
-                                                   const Tensor& context, const Tensor& modulation,
+                                                   const CrossContext& context, const Tensor& modulation,
                                                    const RopeTables& rope, const Geometry& g,
                                                    int64_t frames_per_block, const std::function<void()>& after_block,
                                                    std::vector<std::vector<Tensor>>& fresh_k,
@@ -1096,7 +1216,9 @@ at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) co
     modulation = modulation + fps_proj.view({g.batch, 1, 6, g.dim});
   }
   modulation = modulation.to(at::kFloat);
-  const Tensor context = m.text_2(at::gelu(m.text_1(args.encoder_hidden_states.to(m.device, m.dtype)), "tanh"));
+  CrossContext context;
+  context.text = m.text_2(at::gelu(m.text_1(args.encoder_hidden_states.to(m.device, m.dtype)), "tanh"));
+  if (c.image_dim) context.image = m.embed_image(args.encoder_hidden_states_image);
 
   // RoPE: diffusers uses cos[..., 0::2] and sin[..., 1::2] of its tables, each angle repeated over its pair.
   const auto [cos_full, sin_full] = rope_tables(g.ppf, g.pph, g.ppw);

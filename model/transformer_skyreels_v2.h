@@ -37,14 +37,21 @@ struct TransformerConfig {
   // Checkpoint default only. The block-causal mask of a request comes from ForwardArgs::num_frame_per_block;
   // nothing at run time writes back into the config (diffusers does, and leaks it into later calls).
   int64_t num_frame_per_block = 1;
-  // I2V fields: recognised so a clear error can name them; image conditioning is not supported.
+  // Image-to-video (I2V) models: image tokens (CLIP's penultimate hidden states, image_dim wide) pass the image
+  // embedder and every block's cross-attention attends to them through its own key / value projections
+  // (added_kv_proj_dim = inner_dim, the embedder's width). First-last-frame models add a learned position embedding
+  // to the tokens of both images (pos_embed_seq_len = 2 x the tokens of one image).
   std::optional<int64_t> image_dim;
   std::optional<int64_t> added_kv_proj_dim;
+  std::optional<int64_t> pos_embed_seq_len;
 
   int64_t inner_dim() const { return num_attention_heads * attention_head_dim; }
+  bool has_image_branch() const { return image_dim.has_value(); }
 
-  static TransformerConfig df_1_3b();  // Skywork/SkyReels-V2-DF-1.3B-540P
-  static TransformerConfig df_14b();   // Skywork/SkyReels-V2-DF-14B-540P / 720P
+  static TransformerConfig df_1_3b();   // Skywork/SkyReels-V2-DF-1.3B-540P
+  static TransformerConfig df_14b();    // Skywork/SkyReels-V2-DF-14B-540P / 720P (and T2V-14B: the same shapes)
+  static TransformerConfig i2v_1_3b();  // Skywork/SkyReels-V2-I2V-1.3B-540P
+  static TransformerConfig i2v_14b();   // Skywork/SkyReels-V2-I2V-14B-540P / 720P
 
   // diffusers config.json (what `convert` writes); the loader owns parsing of every accepted form.
   std::string to_diffusers_json() const;
@@ -53,7 +60,8 @@ struct TransformerConfig {
 };
 
 // Every parameter the model owns, with its shape and whether it is an fp32 island
-// (diffusers' _keep_in_fp32_modules: time_embedder, scale_shift_table, norm1/2/3).
+// (diffusers' _keep_in_fp32_modules: time_embedder, scale_shift_table, norm1/2/3, which includes the image
+// embedder's norm1 / norm2).
 std::vector<checkpoint::ParamSpec> transformer_parameter_specs(const TransformerConfig& config);
 
 // What a denoising loop keeps between the transformer calls of one guidance context (cond / uncond) of one chunk:
@@ -119,9 +127,14 @@ struct TransformerForwardArgs {
   at::Tensor hidden_states;          // [B, in_channels, F, H, W], any float dtype (cast to the compute dtype)
   at::Tensor timestep;               // int64 [B] or [B, F] (diffusion forcing)
   at::Tensor encoder_hidden_states;  // [B, T, text_dim], zero-padded text rows
-  std::optional<at::Tensor> fps;     // int64 [B] with values in {0, 1}; required iff inject_sample_info (a model
-                                     // without the fps embedding ignores it, as diffusers does)
-  int64_t num_frame_per_block = 1;   // > 1 turns on the block-causal self-attention mask (F must be a multiple)
+  // I2V models only (required there, refused elsewhere): image tokens [B, N, image_dim], CLIP's penultimate hidden
+  // states; first-last-frame models take both images' tokens, N = pos_embed_seq_len (diffusers' [2B, n, d] viewed
+  // as [B, 2n, d]). Kept apart from the text rows: diffusers concatenates them in front of the text and splits them
+  // off again at `total - 512`, which is wrong for any other text length; here the split is never needed.
+  at::Tensor encoder_hidden_states_image;
+  std::optional<at::Tensor> fps;    // int64 [B] with values in {0, 1}; required iff inject_sample_info (a model
+                                    // without the fps embedding ignores it, as diffusers does)
+  int64_t num_frame_per_block = 1;  // > 1 turns on the block-causal self-attention mask (F must be a multiple)
   // Called after every transformer block; it may throw to abandon the forward (cancellation, deadlines, shutdown
   // act within one block instead of one whole forward).
   std::function<void()> after_block;

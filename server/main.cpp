@@ -536,6 +536,12 @@ std::unique_ptr<CheckedModel> check_model(const Options& o) {
   }
   if (!o.tokenizer.empty() && o.text_encoder.empty()) throw UsageError("--tokenizer needs --text-encoder");
   m->mapped = skyreels::model::map_transformer_checkpoint(m->path);
+  if (m->mapped.config.has_image_branch()) {
+    // The model side runs it (`skyreels generate --pipeline i2v`); the server's jobs are diffusion-forcing chunks.
+    throw UsageError("--model: " + m->path + " is an image-to-video (I2V, CLIP image branch) checkpoint; the server "
+                     "serves the diffusion-forcing pipelines (DF and T2V checkpoints) only, so far: run it with "
+                     "`skyreels generate --pipeline i2v`");
+  }
   // Adapters too: a bad one stops the start here, naming its key, not in every replica.
   for (const auto& spec : o.loras) m->adapters.push_back(skyreels::model::read_lora(spec));
   skyreels::model::check_loras(m->adapters, skyreels::model::transformer_parameter_specs(m->mapped.config));

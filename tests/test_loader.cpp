@@ -186,6 +186,105 @@ TEST(TransformerLoader, ReadsTheTransformerFolderOfADiffusersPipeline) {
   EXPECT_EQ(mapped.report.files.size(), 2u);
 }
 
+// ---- image-to-video (I2V) checkpoints: pipeline_i2v's models in both layouts --------------------------------------
+
+// pipeline_i2v's transformer of `name` as one folder: its config.json and the union of case.json's safetensors (the
+// FLF2V case adds pos_embed to the I2V model of i1), with every key written by `key` (a layout's naming).
+std::string i2v_folder(const std::string& name, const std::function<std::string(const std::string&)>& key) {
+  const std::string dir = temp_dir("i2v") + "/" + name;
+  fs::create_directories(dir);
+  const auto json = nlohmann::json::parse(std::ifstream(golden_path("pipeline_i2v/" + name + "/case.json")));
+  const auto& w = json["weights"]["transformer"];
+  fs::copy(golden_path(w["dir"].get<std::string>() + "/config.json"), dir + "/config.json");
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& file : w["safetensors"]) {
+    for (const auto& [k, t] : st::load_all(golden_path(file.get<std::string>()))) tensors.emplace_back(key(k), t);
+  }
+  st::save(dir + "/diffusion_pytorch_model.safetensors", tensors);
+  return dir;
+}
+
+std::string same_name(const std::string& name) { return name; }
+std::string original_name(const std::string& name) {
+  return transformer_checkpoint_key(TransformerLayout::Original, name);
+}
+
+TEST(TransformerLoaderI2v, BothLayoutsOfTheI2vAndFlf2vModelsMapOntoTheSameTensors) {
+  for (const char* name : {"i1_image_cfg5_shift5", "i2_flf2v_last_image_cfg4"}) {
+    SCOPED_TRACE(name);
+    const auto diffusers = map_transformer_checkpoint(i2v_folder(name, same_name));
+    const std::string original_dir = i2v_folder(name, original_name);
+    const auto keys = st::File::open(original_dir + "/diffusion_pytorch_model.safetensors")->names();
+    const std::set<std::string> key_set(keys.begin(), keys.end());
+    for (const char* k : {"img_emb.proj.0.weight", "img_emb.proj.1.weight", "img_emb.proj.3.weight",
+                          "img_emb.proj.4.bias", "blocks.1.cross_attn.k_img.weight", "blocks.1.cross_attn.v_img.bias",
+                          "blocks.1.cross_attn.norm_k_img.weight"}) {
+      EXPECT_TRUE(key_set.count(k)) << "the original name '" << k << "' (Wan's WanI2VCrossAttention / MLPProj)";
+    }
+    EXPECT_EQ(key_set.count("img_emb.emb_pos"), std::string(name).rfind("i2", 0) == 0 ? 1u : 0u);
+    const auto original = map_transformer_checkpoint(original_dir);
+    EXPECT_EQ(original.report.layout, TransformerLayout::Original);
+    ASSERT_EQ(original.tensors.size(), diffusers.tensors.size());
+    for (const auto& [n, t] : diffusers.tensors) EXPECT_TRUE(at::equal(original.tensors.at(n), t)) << n;
+    EXPECT_EQ(original.config.to_diffusers_json(), diffusers.config.to_diffusers_json());
+    EXPECT_EQ(*diffusers.config.image_dim, 8);
+    EXPECT_EQ(*diffusers.config.added_kv_proj_dim, 12);
+  }
+}
+
+TEST(TransformerLoaderI2v, LoadsOntoTheDeviceWithTheImageEmbedderNormsAsFp32Islands) {
+  TransformerLoadOptions options;
+  options.dtype = "bfloat16";
+  const auto loaded = load_transformer(i2v_folder("i2_flf2v_last_image_cfg4", same_name), options);
+  std::map<std::string, at::ScalarType> dtypes;
+  for (const auto& [name, t] : loaded.model->named_tensors()) dtypes[name] = t.scalar_type();
+  EXPECT_EQ(dtypes.at("condition_embedder.image_embedder.norm1.weight"), at::kFloat);
+  EXPECT_EQ(dtypes.at("condition_embedder.image_embedder.norm2.bias"), at::kFloat);
+  EXPECT_EQ(dtypes.at("condition_embedder.image_embedder.pos_embed"), at::kBFloat16);
+  EXPECT_EQ(dtypes.at("blocks.0.attn2.norm_added_k.weight"), at::kBFloat16);
+  EXPECT_EQ(dtypes.at("blocks.0.attn2.add_k_proj.weight"), at::kBFloat16);
+  EXPECT_EQ(loaded.report.placed_device, "cpu");
+  EXPECT_EQ(loaded.report.placed_tensors, static_cast<int64_t>(loaded.model->named_tensors().size()));
+}
+
+TEST(TransformerLoaderI2v, OriginalConfigOfI2vAndFlf2vModels) {
+  const std::string dir = copy_of("t1_tiny_df_fps", "original");
+  for (const char* type : {"i2v", "flf2v"}) {
+    edit_json(dir + "/config.json", [&](auto& j) { j["model_type"] = type; });
+    const auto parsed = parse_transformer_config(dir + "/config.json").config;
+    EXPECT_EQ(parsed.image_dim, 1280);
+    EXPECT_EQ(parsed.added_kv_proj_dim, parsed.inner_dim());
+    EXPECT_EQ(parsed.pos_embed_seq_len.value_or(0), std::string(type) == "flf2v" ? 514 : 0);
+  }
+}
+
+TEST(TransformerLoaderI2v, InfersTheImageBranchFromShapesWhenConfigJsonIsAbsent) {
+  TransformerConfig want = head128_config();
+  want.inject_sample_info = false;
+  want.in_channels = 36;
+  want.image_dim = 16;
+  want.added_kv_proj_dim = want.inner_dim();
+  want.pos_embed_seq_len = 6;
+  for (const auto layout : {TransformerLayout::Diffusers, TransformerLayout::Original}) {
+    const std::string dir = temp_dir("infer-i2v");
+    st::save(dir + "/model.safetensors",
+             random_tensors(want, [&](std::string n) { return transformer_checkpoint_key(layout, n); }));
+    const auto analysis = analyze_transformer_checkpoint(dir);
+    ASSERT_TRUE(analysis.ok()) << analysis.error_message();
+    EXPECT_EQ(analysis.config->to_diffusers_json(), want.to_diffusers_json());
+  }
+}
+
+TEST(TransformerLoaderI2v, MissingImageTensorsAndAConfigThatContradictsThemAreNamed) {
+  const std::string dir = i2v_folder("i1_image_cfg5_shift5", original_name);
+  edit_json(dir + "/config.json", [](auto& j) { j["pos_embed_seq_len"] = 10; });
+  EXPECT_HAS(load_error(dir), "pos_embed_seq_len: config says 10, but the checkpoint has no image position embedding");
+  edit_json(dir + "/config.json", [](auto& j) { j["pos_embed_seq_len"] = nullptr; });
+  edit_tensors(dir + "/diffusion_pytorch_model.safetensors",
+               [](auto& t) { t.erase("blocks.1.cross_attn.norm_k_img.weight"); });
+  EXPECT_HAS(load_error(dir), "blocks.1.cross_attn.norm_k_img.weight");
+}
+
 // ---- config inference ------------------------------------------------------------------------------------------
 
 TEST(TransformerLoader, InfersTheConfigFromShapesWhenConfigJsonIsAbsent) {
@@ -480,10 +579,11 @@ TEST(TransformerLoaderDamage, MalformedOrForeignConfigJsonNamesTheField) {
   EXPECT_HAS(load_error(dir), "describes a 'AutoencoderKLWan', not a SkyReels-V2 transformer");
 }
 
-TEST(TransformerLoaderDamage, ImageToVideoCheckpointsAreRefusedByName) {
+TEST(TransformerLoaderDamage, AnImageToVideoConfigOnATextCheckpointNamesTheMissingImageBranch) {
   const std::string dir = copy_of("t1_tiny_df_fps", "original");
   edit_json(dir + "/config.json", [](auto& j) { j["model_type"] = "i2v"; });
-  EXPECT_HAS(load_error(dir), "image-conditioned (I2V) SkyReels-V2 checkpoints are not supported");
+  EXPECT_HAS(load_error(dir), "image_dim: config says 1280, but the checkpoint has no image embedder");
+  EXPECT_HAS(load_error(dir), "added_kv_proj_dim: config says 24, but the checkpoint has no image key projection");
 }
 
 TEST(TransformerLoaderDamage, ForeignOrMixedKeysAreNotGuessed) {

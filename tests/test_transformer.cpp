@@ -418,6 +418,192 @@ TEST(Transformer, BadInputShapesAreInvalidArgumentsNamingTheInput) {
   EXPECT_NE(message_for([](auto& a) { a.num_frame_per_block = 0; }).find("num_frame_per_block"), std::string::npos);
 }
 
+// ---- image-to-video (I2V) models: pipeline_i2v's first transformer calls -------------------------------------------
+
+// An I2V case of pipeline_i2v: its transformer (config.json, the union of case.json's safetensors files: the FLF2V
+// case adds a pos_embed to the I2V model of i1), and the inputs of step 0 (latents = noise_000, cat with the
+// condition; prompt rows zero-padded to 512; the CLIP image tokens).
+struct I2vCase {
+  TransformerConfig config;
+  std::map<std::string, at::Tensor> checkpoint;
+  std::map<std::string, at::Tensor> inputs, image_encoder, condition, noise, trace;
+
+  explicit I2vCase(const std::string& name) {
+    const std::string dir = skyreels::test::golden_path("pipeline_i2v/" + name);
+    const auto json = nlohmann::json::parse(std::ifstream(dir + "/case.json"));
+    const auto& w = json["weights"]["transformer"];
+    config = skyreels::model::parse_transformer_config(
+                 skyreels::test::golden_path(w["dir"].get<std::string>() + "/config.json"))
+                 .config;
+    for (const auto& file : w["safetensors"]) {
+      for (auto& [k, t] : skyreels::test::load_tensors(skyreels::test::golden_path(file.get<std::string>()))) {
+        checkpoint[k] = t;
+      }
+    }
+    inputs = skyreels::test::load_tensors(dir + "/inputs.safetensors");
+    image_encoder = skyreels::test::load_tensors(dir + "/image_encoder.safetensors");
+    condition = skyreels::test::load_tensors(dir + "/condition.safetensors");
+    noise = skyreels::test::load_tensors(dir + "/noise.safetensors");
+    trace = skyreels::test::load_tensors(dir + "/trace.safetensors");
+  }
+
+  std::unique_ptr<SkyReelsV2Transformer> model(at::ScalarType dtype = at::kFloat) const {
+    return model_of(config, checkpoint, dtype);
+  }
+  static std::unique_ptr<SkyReelsV2Transformer> model_of(const TransformerConfig& config,
+                                                         const std::map<std::string, at::Tensor>& weights,
+                                                         at::ScalarType dtype = at::kFloat) {
+    auto placed = ckpt::place_strict(weights, skyreels::model::transformer_parameter_specs(config), {"cpu", dtype},
+                                     "pipeline_i2v weights");
+    return std::make_unique<SkyReelsV2Transformer>(config, std::move(placed), at::kCPU, dtype);
+  }
+
+  static at::Tensor padded(const at::Tensor& rows, int64_t total) {
+    at::Tensor out = at::zeros({rows.size(0), total, rows.size(2)});
+    out.narrow(1, 0, rows.size(1)).copy_(rows);
+    return out;
+  }
+
+  // Step 0's call; `negative`: the unconditional one. Image tokens [2, n, d] of FLF2V viewed as [1, 2n, d].
+  TransformerForwardArgs step0(bool negative, int64_t text_rows = 512) const {
+    TransformerForwardArgs a;
+    a.hidden_states = at::cat({noise.at("noise_000"), condition.at("condition")}, 1);
+    a.timestep = trace.at("timesteps").narrow(0, 0, 1).expand({1}).contiguous();
+    a.encoder_hidden_states =
+        padded(inputs.at(negative ? "negative_prompt_embeds_rows" : "prompt_embeds_rows"), text_rows);
+    const at::Tensor tokens = image_encoder.at("image_embeds");
+    a.encoder_hidden_states_image = tokens.reshape({1, -1, tokens.size(2)});
+    return a;
+  }
+};
+
+const std::vector<std::string> kI2vCases = {"i1_image_cfg5_shift5", "i2_flf2v_last_image_cfg4"};
+
+class I2vForward : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(I2vForward, Fp32ReproducesDiffusersStep0CondAndUncondWithin1e4) {
+  const I2vCase c(GetParam());
+  const auto model = c.model();
+  EXPECT_EQ(model->config().in_channels, 36);
+  for (const bool negative : {false, true}) {
+    const at::Tensor sample = model->forward(c.step0(negative));
+    const at::Tensor expected = c.trace.at(negative ? "s000_noise_pred_uncond" : "s000_noise_pred_cond");
+    EXPECT_TRUE(all_close(sample, expected, 1e-4, 1e-4)) << (negative ? "uncond" : "cond");
+    std::cout << "[ i2v fp32 ] " << GetParam() << (negative ? " uncond" : " cond")
+              << " max |diff| = " << max_abs_diff(sample, expected) << "\n";
+  }
+}
+
+TEST_P(I2vForward, Bf16WithFp32IslandsStaysNearTheFp32Sample) {
+  const I2vCase c(GetParam());
+  const auto model = c.model(at::kBFloat16);
+  for (const auto& [name, t] : model->named_tensors()) {
+    if (name.find("image_embedder.norm") != std::string::npos) {
+      EXPECT_EQ(t.scalar_type(), at::kFloat) << name << " is an fp32 island (diffusers' norm1 / norm2)";
+    }
+  }
+  const at::Tensor sample = model->forward(c.step0(false));
+  EXPECT_EQ(sample.scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(all_close(sample, c.trace.at("s000_noise_pred_cond"), 0.05, 0.05));
+}
+
+INSTANTIATE_TEST_SUITE_P(Transformer, I2vForward, ::testing::ValuesIn(kI2vCases),
+                         [](const auto& test_info) { return test_info.param.substr(0, 2); });
+
+// diffusers splits image tokens from text at `total - 512`, so any other text length mixes them (with 16 rows the
+// image branch gets nothing and the image tokens are attended as text). Here the image tokens are their own
+// context: with the image values zeroed, the image branch adds exactly nothing, whatever the text length, and the
+// output is that of the same model without its image branch; the image tokens cannot leak into the text attention.
+TEST(TransformerI2v, ImageTokensAreSplitByTheirOwnCountForAnyTextLength) {
+  const I2vCase c("i1_image_cfg5_shift5");
+  auto weights = c.checkpoint;
+  for (int64_t i = 0; i < c.config.num_layers; ++i) {
+    for (const char* leaf : {"weight", "bias"}) {
+      auto& t = weights.at("blocks." + std::to_string(i) + ".attn2.add_v_proj." + leaf);
+      t = at::zeros_like(t);
+    }
+  }
+  const auto i2v = I2vCase::model_of(c.config, weights);
+  TransformerConfig text_only = c.config;
+  text_only.image_dim.reset();
+  text_only.added_kv_proj_dim.reset();
+  std::map<std::string, at::Tensor> text_weights;
+  for (const auto& spec : skyreels::model::transformer_parameter_specs(text_only)) {
+    text_weights[spec.name] = weights.at(spec.name);
+  }
+  const auto t2v = I2vCase::model_of(text_only, text_weights);
+  for (const int64_t rows : {11, 16, 512, 600}) {
+    TransformerForwardArgs a = c.step0(false, rows);
+    const at::Tensor with_image = i2v->forward(a);
+    a.encoder_hidden_states_image = at::randn_like(a.encoder_hidden_states_image) * 3;
+    EXPECT_TRUE(at::equal(i2v->forward(a), with_image)) << rows << " text rows: the image tokens leaked into the text";
+    a.encoder_hidden_states_image = at::Tensor();
+    EXPECT_TRUE(at::equal(t2v->forward(a), with_image)) << rows << " text rows";
+  }
+  // With the real weights the image tokens matter at every text length.
+  const auto model = c.model();
+  for (const int64_t rows : {16, 512}) {
+    TransformerForwardArgs a = c.step0(false, rows);
+    const at::Tensor base = model->forward(a);
+    a.encoder_hidden_states_image = at::randn_like(a.encoder_hidden_states_image);
+    EXPECT_GT(max_abs_diff(model->forward(a), base), 1e-3) << rows << " text rows";
+  }
+}
+
+TEST(TransformerI2v, MissingOrMisshapenImageTokensAndTokensForATextModelAreNamed) {
+  const I2vCase i1("i1_image_cfg5_shift5"), i2("i2_flf2v_last_image_cfg4");
+  const auto model = i1.model();
+  TransformerForwardArgs a = i1.step0(false);
+  a.encoder_hidden_states_image = at::Tensor();
+  EXPECT_HAS(error_of([&] { model->forward(a); }), "encoder_hidden_states_image: this image-to-video model needs");
+  a.encoder_hidden_states_image = at::zeros({1, 5, 9});
+  EXPECT_HAS(error_of([&] { model->forward(a); }), "image_dim=8, got [1, 5, 9]");
+  // FLF2V: both images' tokens, N = pos_embed_seq_len.
+  TransformerForwardArgs b = i2.step0(false);
+  b.encoder_hidden_states_image = b.encoder_hidden_states_image.narrow(1, 0, 5);
+  EXPECT_HAS(error_of([&] { i2.model()->forward(b); }), "N=10 (pos_embed_seq_len");
+  // A text model refuses image tokens rather than ignoring them.
+  const GoldenCase golden("t4_batch2_df_nofps");
+  TransformerForwardArgs t = golden.args();
+  t.encoder_hidden_states_image = at::zeros({2, 5, 8});
+  EXPECT_HAS(error_of([&] { golden.model(at::kFloat)->forward(t); }), "this model has no image branch");
+}
+
+TEST(TransformerI2v, ParameterCountsOfThePublishedConfigsAreThoseInOperations) {
+  auto count = [](const TransformerConfig& c) {
+    int64_t n = 0;
+    for (const auto& spec : skyreels::model::transformer_parameter_specs(c)) {
+      int64_t numel = 1;
+      for (int64_t d : spec.shape) numel *= d;
+      n += numel;
+    }
+    return n;
+  };
+  EXPECT_EQ(count(TransformerConfig::df_1_3b()), 1'435'525'696);
+  EXPECT_EQ(count(TransformerConfig::i2v_1_3b()), 1'564'428'608);
+  EXPECT_EQ(count(TransformerConfig::df_14b()), 14'288'491'584);
+  EXPECT_EQ(count(TransformerConfig::i2v_14b()), 16'394'878'784);
+}
+
+TEST(TransformerI2v, ConfigsOfTheImageBranchAreChecked) {
+  TransformerConfig c = TransformerConfig::i2v_1_3b();
+  EXPECT_NO_THROW(c.validate());
+  EXPECT_EQ(*c.added_kv_proj_dim, 1536);
+  EXPECT_EQ(*TransformerConfig::i2v_14b().added_kv_proj_dim, 5120);
+  c.added_kv_proj_dim = 1280;
+  EXPECT_HAS(error_of([&] { c.validate(); }), "added_kv_proj_dim: 1280 must equal the inner dim 1536");
+  c = TransformerConfig::df_14b();
+  c.pos_embed_seq_len = 514;
+  EXPECT_HAS(error_of([&] { c.validate(); }), "pos_embed_seq_len: needs image_dim");
+  c = TransformerConfig::i2v_14b();
+  c.added_kv_proj_dim.reset();
+  EXPECT_HAS(error_of([&] { c.validate(); }), "needs both (or neither)");
+  const nlohmann::json j = nlohmann::json::parse(TransformerConfig::i2v_14b().to_diffusers_json());
+  EXPECT_EQ(j["image_dim"], 1280);
+  EXPECT_EQ(j["in_channels"], 36);
+  EXPECT_TRUE(j["pos_embed_seq_len"].is_null());
+}
+
 // ---- the CLI -----------------------------------------------------------------------------------------------------
 
 TEST(ForwardCli, ReproducesGoldensThroughTheLoader) {
