@@ -258,6 +258,20 @@ std::function<void(const model::ChunkPreview&)> preview_writer(const std::string
   };
 }
 
+// The transformer as --device, --dtype and --lora ask, checked to run `kind`.
+model::LoadedTransformer load_for(const Args& args, const std::string& model_path, model::PipelineKind kind) {
+  model::TransformerLoadOptions options;
+  options.device = args.get("device", "cpu");
+  options.dtype = args.get("dtype", "float32");
+  options.loras = skyreels::cli::lora_specs_from_flags(args);
+  const auto start = std::chrono::steady_clock::now();
+  model::LoadedTransformer loaded = model::load_transformer(model_path, options);
+  model::check_pipeline_fits(kind, loaded.model->config());
+  spdlog::info("loaded {} on {} as {} in {:.2f} s; pipeline {}", model_path, loaded.model->device().str(),
+               c10::toString(loaded.model->compute_dtype()), seconds_since(start), model::pipeline_kind_name(kind));
+  return loaded;
+}
+
 // ---- text-to-video and image-to-video ----------------------------------------------------------------------------
 
 // --pipeline, or what the checkpoint runs by default. Without the flag the checkpoint's config is peeked at (mapped,
@@ -366,21 +380,13 @@ int run_video_pipeline(const Args& args, model::PipelineKind kind, const std::st
   }
   auto noise = noise_from_flags(args, params);
 
-  model::TransformerLoadOptions options;
-  options.device = args.get("device", "cpu");
-  options.dtype = args.get("dtype", "float32");
-  options.loras = skyreels::cli::lora_specs_from_flags(args);
-  auto start = std::chrono::steady_clock::now();
-  auto loaded = model::load_transformer(model_path, options);
+  const auto loaded = load_for(args, model_path, kind);
   const auto& transformer = *loaded.model;
-  model::check_pipeline_fits(kind, transformer.config());
-  spdlog::info("loaded {} on {} as {} in {:.2f} s; pipeline {}", model_path, transformer.device().str(),
-               c10::toString(transformer.compute_dtype()), seconds_since(start), model::pipeline_kind_name(kind));
   if (i2v) encode_i2v_images(args, params, transformer.config(), conditioning);
 
   model::VideoHooks hooks;
   hooks.on_step = [](int64_t step, int64_t steps, const at::Tensor&) { spdlog::info("step {}/{}", step + 1, steps); };
-  start = std::chrono::steady_clock::now();
+  auto start = std::chrono::steady_clock::now();
   const at::Tensor latents =
       model::generate_video(transformer, kind, params, conditioning, *noise, videos_per_prompt, hooks);
   spdlog::info("generated in {:.2f} s", seconds_since(start));
@@ -436,16 +442,8 @@ int run_generate(const std::vector<std::string>& argv) {
 
   encode_pixels(args, pixels, params, conditioning);
 
-  model::TransformerLoadOptions options;
-  options.device = args.get("device", "cpu");
-  options.dtype = args.get("dtype", "float32");
-  options.loras = skyreels::cli::lora_specs_from_flags(args);
-  auto start = std::chrono::steady_clock::now();
-  auto loaded = model::load_transformer(model_path, options);
+  const auto loaded = load_for(args, model_path, model::PipelineKind::kDiffusionForcing);
   const auto& transformer = *loaded.model;
-  model::check_pipeline_fits(model::PipelineKind::kDiffusionForcing, transformer.config());
-  spdlog::info("loaded {} on {} as {} in {:.2f} s", model_path, transformer.device().str(),
-               c10::toString(transformer.compute_dtype()), seconds_since(start));
 
   // The same path the server takes: an explicit plan, then run_chunk per chunk.
   if (!plan) plan = model::plan_chunks(params, transformer.config().num_frame_per_block);
@@ -465,7 +463,7 @@ int run_generate(const std::vector<std::string>& argv) {
       params.cache.scope == model::StepCacheScope::kRequest ? model::make_denoise_cache() : nullptr;
   std::vector<std::pair<std::string, at::Tensor>> outputs;
   at::Tensor video;
-  start = std::chrono::steady_clock::now();
+  auto start = std::chrono::steady_clock::now();
   int64_t host_syncs = 0, transformer_calls = 0;
   hooks.on_call = [&work, &transformer_calls](const model::TransformerCallReport& call) {
     work.add(call);

@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "model/sampler_flow_euler.h"
+#include "model/shape_text.h"
 #include "model/transformer_skyreels_v2.h"
 
 namespace skyreels::model {
@@ -22,12 +23,6 @@ constexpr int64_t kTemporalFactor = 4;  // Wan VAE: 4 pixel frames per latent fr
 constexpr int64_t kSpatialFactor = 8;
 
 int64_t latent_frames_of(int64_t pixel_frames) { return (pixel_frames - 1) / kTemporalFactor + 1; }
-
-std::string shape_text(at::IntArrayRef shape) {
-  std::ostringstream os;
-  os << shape;
-  return os.str();
-}
 
 std::string join(const std::vector<int64_t>& values) {
   std::ostringstream os;

@@ -13,6 +13,7 @@
 #include <stdexcept>
 
 #include "model/safetensors.h"
+#include "model/shape_text.h"
 #include "model/video_mp4.h"
 
 namespace skyreels::model {
@@ -21,12 +22,6 @@ namespace {
 
 void require(bool ok, const std::string& message) {
   if (!ok) throw std::invalid_argument(message);
-}
-
-std::string shape_text(at::IntArrayRef shape) {
-  std::ostringstream os;
-  os << shape;
-  return os.str();
 }
 
 void check_u8_image(const at::Tensor& image, const std::string& what) {

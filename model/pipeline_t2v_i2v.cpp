@@ -7,6 +7,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "model/shape_text.h"
 #include "model/transformer_skyreels_v2.h"
 #include "model/vae_wan.h"
 
@@ -16,12 +17,6 @@ namespace {
 
 void require(bool ok, const std::string& message) {
   if (!ok) throw std::invalid_argument(message);
-}
-
-std::string shape_text(at::IntArrayRef shape) {
-  std::ostringstream os;
-  os << shape;
-  return os.str();
 }
 
 constexpr int64_t kLatentChannels = 16;

@@ -7,17 +7,12 @@
 #include <vector>
 
 #include "model/safetensors.h"
+#include "model/shape_text.h"
 #include "model/vae_wan.h"
 
 namespace skyreels::model {
 
 namespace {
-
-std::string shape_text(at::IntArrayRef shape) {
-  std::ostringstream os;
-  os << shape;
-  return os.str();
-}
 
 void require(bool ok, const std::string& message) {
   if (!ok) throw std::invalid_argument(message);
