@@ -115,25 +115,33 @@ std::string get(const std::string& path) {
 
 class HttpServerTest : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() {
+  static void start_server() {
     const std::string dir = temp_dir("http");
     std::ofstream(dir + "/keys") << kKey << " http-client\n";
     encoder_dir_ = new std::string(temp_dir("http-umt5"));
     model::write_tiny_text_encoder(*encoder_dir_, 32, 7);  // d_model = the demo transformer's text_dim
     http_port_ = free_port();
-    server_ = new ServerProcess(
+    server_ = start_suite_server([&] {
+      return std::make_unique<ServerProcess>(std::vector<std::string>
         {"--demo", "--vae", "demo", "--devices", "cpu", "--dtype", "float32", "--text-encoder", *encoder_dir_,
          "--tokenizer", golden_path("umt5_encoder/e3_prompts_to_embeds/tokenizer"), "--api-keys", dir + "/keys",
          "--http-listen", "127.0.0.1:" + std::to_string(http_port_), "--http-idle-timeout-seconds", "2",
          "--max-streams-per-client", "8"},
         true, kKey);
+    });
+  }
+  void SetUp() override {
+    if (!std::exchange(started_, true)) start_server();
+    expect_suite_server(server_);
   }
   static void TearDownTestSuite() {
     delete server_;
     server_ = nullptr;
+    started_ = false;
     delete encoder_dir_;
   }
   static inline ServerProcess* server_ = nullptr;
+  static inline bool started_ = false;
   static inline std::string* encoder_dir_ = nullptr;
   static inline int http_port_ = 0;
 };

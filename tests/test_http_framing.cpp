@@ -69,22 +69,29 @@ std::string head(const std::string& version = "HTTP/1.1") {
 
 class HttpFramingTest : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() {
+  static void start_server() {
     const std::string dir = temp_dir("http-framing");
     std::ofstream(dir + "/keys") << kKey << " framing-client\n";
     encoder_dir_ = new std::string(temp_dir("http-framing-umt5"));
     model::write_tiny_text_encoder(*encoder_dir_, 32, 7);
     http_port_ = free_port();
-    server_ = new ServerProcess({"--demo", "--devices", "cpu", "--dtype", "float32", "--text-encoder", *encoder_dir_,
+    server_ = start_suite_server([&] {
+      return std::make_unique<ServerProcess>(std::vector<std::string>{"--demo", "--devices", "cpu", "--dtype", "float32", "--text-encoder", *encoder_dir_,
                                  "--tokenizer", golden_path("umt5_encoder/e3_prompts_to_embeds/tokenizer"),
                                  "--api-keys", dir + "/keys", "--http-listen",
                                  "127.0.0.1:" + std::to_string(http_port_), "--http-idle-timeout-seconds", "30",
                                  "--max-jobs-per-client", "1000"},
                                 true, kKey);
+    });
+  }
+  void SetUp() override {
+    if (!std::exchange(started_, true)) start_server();
+    expect_suite_server(server_);
   }
   static void TearDownTestSuite() {
     delete server_;
     server_ = nullptr;
+    started_ = false;
     delete encoder_dir_;
   }
 
@@ -121,6 +128,7 @@ class HttpFramingTest : public ::testing::Test {
   }
 
   static inline ServerProcess* server_ = nullptr;
+  static inline bool started_ = false;
   static inline std::string* encoder_dir_ = nullptr;
   static inline int http_port_ = 0;
 };

@@ -17,6 +17,7 @@
 #include <fstream>
 #include <limits>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
@@ -32,18 +33,26 @@ namespace skyreels::test {
 
 namespace pb = skyreels::v1;
 
+// A port the kernel just had free, never one this process handed out before: a server's gRPC and HTTP ports are
+// asked for one after the other, and the kernel may offer the first again before anything binds it (both listeners
+// then share it through SO_REUSEPORT and the server never looks ready).
 int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) throw std::runtime_error("bind failed");
-  socklen_t len = sizeof addr;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  const int port = ntohs(addr.sin_port);
-  ::close(fd);
-  return port;
+  static std::mutex mu;
+  static std::set<int> given;
+  for (;;) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = 0;
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) throw std::runtime_error("bind failed");
+    socklen_t len = sizeof addr;
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+    const int port = ntohs(addr.sin_port);
+    ::close(fd);
+    std::lock_guard<std::mutex> lock(mu);
+    if (given.insert(port).second) return port;
+  }
 }
 
 ServerProcess::ServerProcess(std::vector<std::string> args, bool wait_ready, std::string api_key)
@@ -94,7 +103,25 @@ ServerProcess::ServerProcess(std::vector<std::string> args, bool wait_ready, std
     if (client_->wait_ready(0.5, &why)) return;
   }
   ADD_FAILURE() << "skyreels-server did not become ready (" << why << "); log:\n" << log();
+  // The destructor does not run for a constructor that throws: the process goes here.
+  if (running()) {
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, nullptr, 0);
+  }
+  exited_ = true;
   throw std::runtime_error("server did not start");
+}
+
+ServerProcess* start_suite_server(const std::function<std::unique_ptr<ServerProcess>()>& start) {
+  try {
+    return start().release();
+  } catch (const std::exception&) {  // ServerProcess reported why
+    return nullptr;
+  }
+}
+
+void expect_suite_server(const ServerProcess* server) {
+  if (server == nullptr) GTEST_FAIL() << "the suite's skyreels-server did not start (see the first failure)";
 }
 
 ServerProcess::~ServerProcess() {

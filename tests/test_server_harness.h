@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <utility>
 #include <memory>
 #include <string>
 #include <vector>
@@ -51,16 +52,27 @@ class ServerProcess {
   bool exited_ = false;
 };
 
+// A suite's shared server, started by its first test's SetUp: null when it did not start. A failure inside
+// SetUpTestSuite would make gtest report the suite's tests as skipped (and ctest with them); this way the first test
+// fails with the start's own failure and every other test in SetUp (expect_suite_server).
+ServerProcess* start_suite_server(const std::function<std::unique_ptr<ServerProcess>()>& start);
+void expect_suite_server(const ServerProcess* server);
+
 // One server shared by every test of a suite, started by the suite's `static std::unique_ptr<ServerProcess> start()`.
 template <typename Suite>
 class SharedServerSuite : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() { server_ = Suite::start().release(); }
+  void SetUp() override {
+    if (!std::exchange(started_, true)) server_ = start_suite_server([] { return Suite::start(); });
+    expect_suite_server(server_);
+  }
   static void TearDownTestSuite() {
     delete server_;
     server_ = nullptr;
+    started_ = false;
   }
   static inline ServerProcess* server_ = nullptr;
+  static inline bool started_ = false;
 };
 
 // A TCP connection to 127.0.0.1:port (a blocking socket), or -1.
