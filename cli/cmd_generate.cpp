@@ -358,7 +358,7 @@ int run_video_pipeline(const Args& args, model::PipelineKind kind, const std::st
     }
   }
   model::GenerationParams params = params_from_flags(args);
-  if (i2v && !args.has("guidance-scale")) params.guidance_scale = 5.0;  // SkyReelsV2ImageToVideoPipeline's default
+  if (i2v && !args.has("guidance-scale")) params.guidance_scale = skyreels::server::kImageToVideoGuidanceScale;
   const int videos_per_prompt = args.get_int("num-videos-per-prompt", 1);
   if (videos_per_prompt < 1) throw UsageError("--num-videos-per-prompt must be at least 1");
 

@@ -31,6 +31,7 @@
 #include <sstream>
 #include <thread>
 
+#include "model/pipeline_t2v_i2v.h"
 #include "model/runtime.h"
 #include "model/transformer_loader.h"
 #include "server/api/auth.h"
@@ -71,6 +72,11 @@ model:
   --vae-device DEV            where the VAE decodes (default: the first replica's device, next to its transformer)
   --text-encoder DIR          UMT5 encoder for text prompts; without it, text prompts answer FAILED_PRECONDITION
   --tokenizer DIR             its spiece.model (default: found next to the text encoder)
+  --image-encoder DIR         CLIP image encoder of an image-to-video (I2V) checkpoint's i2v pipeline (required
+                              with one): a transformers folder, a pipeline folder holding image_encoder/, or the
+                              original open-clip weights; it runs next to the VAE (--vae-device)
+  --image-processor DIR       its preprocessor_config.json (default: found beside the encoder, as diffusers lays out
+                              a pipeline)
   --devices LIST              auto (default: every CUDA device, else one CPU replica), cpu, cuda:0,cuda:1;
                               repeats such as cpu,cpu make several replicas; CPU replicas split the cores evenly
   --dtype auto|float32|bfloat16   (default auto: bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16)
@@ -162,7 +168,7 @@ stopped 5 s later are abandoned: the process logs event=exit forced=true and exi
 )";
 
 struct Options {
-  std::string model, vae, vae_device, text_encoder, tokenizer;
+  std::string model, vae, vae_device, text_encoder, tokenizer, image_encoder, image_processor;
   bool demo = false;
   std::string devices = "auto";
   std::string dtype = "auto";
@@ -232,6 +238,8 @@ Options parse(int argc, char** argv) {
                                                  {"--vae-device", &o.vae_device},
                                                  {"--text-encoder", &o.text_encoder},
                                                  {"--tokenizer", &o.tokenizer},
+                                                 {"--image-encoder", &o.image_encoder},
+                                                 {"--image-processor", &o.image_processor},
                                                  {"--devices", &o.devices},
                                                  {"--dtype", &o.dtype},
                                                  {"--listen", &o.listen},
@@ -536,11 +544,16 @@ std::unique_ptr<CheckedModel> check_model(const Options& o) {
   }
   if (!o.tokenizer.empty() && o.text_encoder.empty()) throw UsageError("--tokenizer needs --text-encoder");
   m->mapped = skyreels::model::map_transformer_checkpoint(m->path);
+  if (!o.image_processor.empty() && o.image_encoder.empty()) throw UsageError("--image-processor needs --image-encoder");
   if (m->mapped.config.has_image_branch()) {
-    // The model side runs it (`skyreels generate --pipeline i2v`); the server's jobs are diffusion-forcing chunks.
-    throw UsageError("--model: " + m->path + " is an image-to-video (I2V, CLIP image branch) checkpoint; the server "
-                     "serves the diffusion-forcing pipelines (DF and T2V checkpoints) only, so far: run it with "
-                     "`skyreels generate --pipeline i2v`");
+    // Every job of an I2V checkpoint is i2v: without its encoders it could run none.
+    if (o.image_encoder.empty() || o.vae.empty()) {
+      throw UsageError("--model: " + m->path + " is an image-to-video (I2V, CLIP image branch) checkpoint; its jobs "
+                       "need --image-encoder (the CLIP image encoder) and --vae (which encodes the condition video)");
+    }
+  } else if (!o.image_encoder.empty()) {
+    throw UsageError("--image-encoder: the model " + m->path + " has no image branch (it is not an I2V checkpoint); "
+                     "its image-to-video runs on the diffusion-forcing pipeline with --vae alone");
   }
   // Adapters too: a bad one stops the start here, naming its key, not in every replica.
   for (const auto& spec : o.loras) m->adapters.push_back(skyreels::model::read_lora(spec));
@@ -625,6 +638,17 @@ ServiceConfig service_config(const Options& o, const CheckedModel& model, const 
   c.model.text_dim = config.text_dim;
   c.model.num_frame_per_block = config.num_frame_per_block;
   c.model.latent_channels = config.out_channels;
+  c.model.pipelines.clear();
+  for (const auto kind : {skyreels::model::PipelineKind::kDiffusionForcing, skyreels::model::PipelineKind::kTextToVideo,
+                          skyreels::model::PipelineKind::kImageToVideo}) {
+    try {
+      skyreels::model::check_pipeline_fits(kind, config);
+      c.model.pipelines.emplace_back(skyreels::model::pipeline_kind_name(kind));
+    } catch (const std::invalid_argument&) {
+    }
+  }
+  c.model.default_pipeline = skyreels::model::pipeline_kind_name(skyreels::model::default_pipeline(config));
+  c.model.first_last_frame = config.pos_embed_seq_len.has_value();
   ModelSummary& summary = c.summary;
   summary.source = o.demo ? "demo" : o.model;
   summary.dtype = skyreels::runtime::resolve_dtype_name(o.dtype, replicas.plans.front().device);
@@ -639,6 +663,7 @@ ServiceConfig service_config(const Options& o, const CheckedModel& model, const 
   summary.patch_size = {config.patch_size[0], config.patch_size[1], config.patch_size[2]};
   summary.inject_sample_info = config.inject_sample_info;
   summary.num_frame_per_block = config.num_frame_per_block;
+  summary.image_dim = config.image_dim.value_or(0);
   for (const auto& a : model.adapters) {
     const auto r = skyreels::model::lora_report(a);
     summary.loras.push_back({r.path, r.scale, r.format, r.parameters, r.max_rank});
@@ -858,6 +883,14 @@ int serve(const Options& o, Signals& signals) {
                                            *store, &metrics, 1024, replicas.faults);
     metrics.model_loaded(kComponentVae, std::chrono::duration<double>(Clock::now() - t0).count());
   }
+  std::shared_ptr<const ImageEncoder> image_encoder;
+  if (!o.image_encoder.empty()) {
+    const auto t0 = Clock::now();
+    image_encoder = load_image_encoder(o.image_encoder, o.image_processor,
+                                       o.vae_device.empty() ? replicas.plans.front().device : o.vae_device, o.dtype,
+                                       model->mapped.config.image_dim.value_or(0));
+    metrics.model_loaded(kComponentImageEncoder, std::chrono::duration<double>(Clock::now() - t0).count());
+  }
   std::unique_ptr<WebhookSender> webhooks = make_webhooks(o, *store, metrics);
   metrics.serve(o.metrics_listen);
   ObserverList observers;
@@ -873,6 +906,7 @@ int serve(const Options& o, Signals& signals) {
   }
   warn_about_exposure(o);
   ServiceConfig config = service_config(o, *model, replicas, keys, text_encoder, video.get(), metrics);
+  config.image_encoder = image_encoder;
   if (webhooks) {
     config.check_webhook = [hosts = split_list(o.webhook_allow_hosts)](const std::string& url,
                                                                        const std::vector<std::string>& events) {

@@ -137,9 +137,10 @@ Metrics::Metrics(const std::vector<std::string>& replica_names, const std::strin
                               .Add({}, kJob);
   auto& load = BuildHistogram()
                    .Name("skyreels_model_load_seconds")
-                   .Help("Loading a model component's weights (each replica's transformer, the VAE, the text encoder)")
+                   .Help("Loading a model component's weights (each replica's transformer, the VAE, the text encoder, "
+                         "the image encoder)")
                    .Register(r);
-  for (const char* c : {kComponentTransformer, kComponentVae, kComponentTextEncoder})
+  for (const char* c : {kComponentTransformer, kComponentVae, kComponentTextEncoder, kComponentImageEncoder})
     load_seconds_[c] = &load.Add({{"component", c}}, kLoad);
   auto& vae = BuildHistogram()
                   .Name("skyreels_vae_seconds")

@@ -39,6 +39,7 @@ inline constexpr const char* kRejectEncoderBusy = "encoder_busy";  // --max-conc
 inline constexpr const char* kComponentTransformer = "transformer";
 inline constexpr const char* kComponentVae = "vae";
 inline constexpr const char* kComponentTextEncoder = "text_encoder";
+inline constexpr const char* kComponentImageEncoder = "image_encoder";
 // At most this many (type, service, method) series of the grpc_server_* metrics; later ones count as "unknown".
 inline constexpr size_t kMaxRpcSeries = 64;
 // Reasons of skyreels_streams_rejected_total.

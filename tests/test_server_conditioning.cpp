@@ -278,20 +278,3 @@ TEST_F(ConditioningServerTest, BadImagesAndVideosAreInvalidArgumentAndTheServerK
 
 }  // namespace
 }  // namespace skyreels::test
-
-namespace skyreels::test {
-namespace {
-
-// Issue 34: `skyreels generate --pipeline i2v` runs the I2V checkpoints; the server does not serve them yet, and says
-// so at start instead of failing every replica's warm-up.
-TEST(ConditioningServerStart, AnImageToVideoCheckpointIsRefusedAtStartNamingWhatRunsIt) {
-  ServerProcess server({"--model", golden_path("pipeline_i2v/i1_image_cfg5_shift5/weights/diffusers"), "--devices",
-                        "cpu"},
-                       false);
-  EXPECT_EQ(server.wait_exit(std::chrono::seconds(60)), 2) << server.log();
-  EXPECT_NE(server.log().find("image-to-video (I2V"), std::string::npos) << server.log();
-  EXPECT_NE(server.log().find("skyreels generate --pipeline i2v"), std::string::npos) << server.log();
-}
-
-}  // namespace
-}  // namespace skyreels::test

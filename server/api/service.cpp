@@ -1,6 +1,30 @@
 #include "server/api/video_service.h"
 
+#include <algorithm>
+
 namespace skyreels::server::api {
+
+namespace {
+bool serves(const ServiceConfig& config, const std::string& pipeline) {
+  const auto& p = config.model.pipelines;
+  return std::find(p.begin(), p.end(), pipeline) != p.end();
+}
+
+// What a job may be conditioned on here, from the pipelines the model runs and the encoders this server has.
+std::vector<std::string> conditionings(const ServiceConfig& config) {
+  std::vector<std::string> kinds{"embeddings"};
+  if (config.text_encoder) kinds.emplace_back("text");
+  if (serves(config, "df")) {
+    kinds.emplace_back("prompt_changes");
+    if (config.vae) kinds.insert(kinds.end(), {"image", "last_image", "video"});
+  }
+  if (serves(config, "i2v") && config.vae && config.image_encoder) {
+    kinds.emplace_back("image");
+    if (config.model.first_last_frame) kinds.emplace_back("last_image");
+  }
+  return kinds;
+}
+}  // namespace
 
 VideoServiceImpl::VideoServiceImpl(JobQueue& jobs, ServiceConfig config)
     : scheduler_(jobs),
@@ -32,6 +56,10 @@ Status VideoServiceImpl::GetServerInfo(ServerContext* ctx, const pb::GetServerIn
   for (int64_t p : m.patch_size) model->add_patch_size(p);
   model->set_inject_sample_info(m.inject_sample_info);
   model->set_num_frame_per_block(m.num_frame_per_block);
+  for (const std::string& pipeline : config_.model.pipelines) model->add_pipelines(pipeline);
+  model->set_default_pipeline(config_.model.default_pipeline);
+  model->set_image_dim(m.image_dim);
+  model->set_first_last_frame(config_.model.first_last_frame);
   for (const auto& lora : m.loras) {
     auto* l = model->add_loras();
     l->set_path(lora.path);
@@ -74,11 +102,8 @@ Status VideoServiceImpl::GetServerInfo(ServerContext* ctx, const pb::GetServerIn
   response->set_queued_jobs(static_cast<int32_t>(scheduler_.queued_jobs()));
   response->set_running_jobs(static_cast<int32_t>(scheduler_.running_jobs()));
   response->set_api_keys_required(config_.api_keys != nullptr && config_.api_keys->enabled());
-  for (const char* kind : {"embeddings", "prompt_changes"}) response->add_conditionings(kind);
-  if (config_.text_encoder) response->add_conditionings("text");
-  if (config_.vae) {
-    for (const char* kind : {"image", "last_image", "video"}) response->add_conditionings(kind);
-  }
+  response->set_image_encoder_available(config_.image_encoder != nullptr);
+  for (const std::string& kind : conditionings(config_)) response->add_conditionings(kind);
   return Status::OK;
 }
 
@@ -179,7 +204,8 @@ RestoredJob restore_job(const StoredJob& stored, std::vector<StoredChunk> chunks
     // Requests are stored with embeddings, never text: no text is encoded again. (Only a request stored by an older
     // server may still hold prompt changes as text; they are encoded with this server's encoder.)
     auto job = ModelJob::create(request_from_proto(request.spec()), config.model, config.limits, 0,
-                                config.text_encoder, config.vae, vae_encode_metric(config.metrics));
+                                config.text_encoder, config.vae, vae_encode_metric(config.metrics),
+                                config.image_encoder);
     std::vector<std::string> bytes;
     for (auto& chunk : chunks) bytes.push_back(std::move(chunk.bytes));
     job->restore_results(bytes);  // the next chunk's tail; the results stay in the store

@@ -37,6 +37,7 @@ struct ModelSummary {
   std::vector<int64_t> patch_size{1, 2, 2};
   bool inject_sample_info = false;
   int64_t num_frame_per_block = 1;
+  int64_t image_dim = 0;  // I2V models: the image tokens' width
   struct Lora {
     std::string path;
     double scale = 1.0;
@@ -76,6 +77,8 @@ struct ServiceConfig {
   TextEncoderFn text_encoder;  // unset: text prompts answer FAILED_PRECONDITION
   std::shared_ptr<const model::WanVae>
       vae;  // encodes image / video conditioning; null: they answer FAILED_PRECONDITION
+  std::shared_ptr<const ImageEncoder> image_encoder;  // the i2v pipeline's CLIP encoder; null: i2v answers
+                                                      // FAILED_PRECONDITION
   const ApiKeys* api_keys = nullptr;
   Metrics* metrics = nullptr;
   TransportLimits transport;

@@ -35,19 +35,23 @@
         .defaults(int64_t{97}) \
         .within(1, max_frames, "--max-frames") \
         .rule(four_k_plus_one) \
+        .diffusion_forcing_only() \
         .flag("base-num-frames", "pixel frames per chunk of a long video, 4k+1")) \
   PARAM(overlap_history, "overlap_history", std::optional<int64_t>, std::optional<int64_t>, {}, \
         .defaults(DefaultRule::kUnset) \
         .within(1, value_of(&R::base_num_frames)) \
+        .diffusion_forcing_only() \
         .flag("overlap-history", "frames each chunk continues from the previous one (long videos)")) \
   /* Each unit of ar_step adds a row per block to every chunk; beyond the step count it only adds cost. */ \
   PARAM(ar_step, "ar_step", std::optional<int64_t>, int64_t, 0, \
         .defaults(int64_t{0}) \
         .within(0, value_of(&R::num_inference_steps), "at most num_inference_steps") \
+        .diffusion_forcing_only() \
         .flag("ar-step", "0: synchronous; N: each block N steps behind the previous one")) \
   PARAM(causal_block_size, "causal_block_size", std::optional<int64_t>, int64_t, 0, \
         .defaults(DefaultRule::kModelBlockSize) \
         .within(1, 1000) \
+        .diffusion_forcing_only() \
         .flag("causal-block-size", "latent frames per causal block")) \
   PARAM(fps, "fps", std::optional<int64_t>, int64_t, 0, \
         .defaults(int64_t{24}) \
@@ -64,6 +68,7 @@
   PARAM(addnoise_condition, "addnoise_condition", std::optional<double>, double, 0, \
         .defaults(0.0) \
         .finite_within(0.0, 999.0) \
+        .diffusion_forcing_only() \
         .flag("addnoise-condition", "noise added to the frames a long video continues from")) \
   PARAM(seed, "seed", std::optional<uint64_t>, uint64_t, 0, \
         .defaults(DefaultRule::kRandomSeed) \
@@ -100,23 +105,27 @@
         .defaults(std::string("none")) \
         .one_of({std::string("none"), std::string("first-block"), std::string("first-block-per-block")}) \
         .fingerprint_when_set() \
+        .diffusion_forcing_only() \
         .flag("cache", "step cache: first-block = diffusers' FirstBlockCache (lossy, --cache-threshold); " \
                   "first-block-per-block = one decision per causal block (--cache-max-skips)")) \
   PARAM(cache_threshold, "cache_threshold", std::optional<double>, double, 0, \
         .defaults(0.0) \
         .finite_within(0.0, 10.0) \
         .fingerprint_when_set() \
+        .diffusion_forcing_only() \
         .flag("cache-threshold", "skip blocks 1..L-1 when block 0's relative residual change is at most this")) \
   PARAM(cache_scope, "cache_scope", std::optional<std::string>, std::string, {}, \
         .defaults(std::string("chunk")) \
         .one_of({std::string("chunk"), std::string("request")}) \
         .fingerprint_when_set() \
+        .diffusion_forcing_only() \
         .flag("cache-scope", "chunk: cache state reset per chunk; request: kept across chunks as stock diffusers " \
                   "(equal chunk lengths; skyreels generate only)")) \
   PARAM(cache_max_skips, "cache_max_skips", std::optional<int64_t>, int64_t, 0, \
         .defaults(int64_t{3}) \
         .within(1, 1000, "skips in a row") \
         .fingerprint_when_set() \
+        .diffusion_forcing_only() \
         .flag("cache-max-skips", "first-block-per-block: at most this many skips in a row per causal block")) \
   /* Samplers (issue 32). Unset, they leave the fingerprint of older jobs as it was. */ \
   PARAM(sampler, "scheduler.type", std::optional<std::string>, std::string, {}, \
@@ -138,6 +147,14 @@
         .defaults(int64_t{0}) \
         .within(0, value_of(&R::num_inference_steps), "at most num_inference_steps") \
         .not_fingerprinted() \
+        .diffusion_forcing_only() \
         .flag("preview-every", "0: no previews; N: a preview of the running chunk after every N-th timestep row " \
-                  "and after its last"))
+                  "and after its last")) \
+  /* The pipeline (issue 34). Unset, it leaves the fingerprint of older jobs as it was. */ \
+  PARAM(pipeline, "pipeline", std::optional<std::string>, std::string, "df", \
+        .defaults(DefaultRule::kModelPipeline) \
+        .one_of({std::string("df"), std::string("t2v"), std::string("i2v")}) \
+        .fingerprint_when_set() \
+        .flag("pipeline", "df: diffusion forcing; t2v: SkyReelsV2Pipeline (one timestep for every frame); i2v: " \
+                  "SkyReelsV2ImageToVideoPipeline (an I2V checkpoint, an image)"))
 // clang-format on

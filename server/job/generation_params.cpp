@@ -188,6 +188,10 @@ class Row {
     p_.checked_first = true;
     return *this;
   }
+  Row& diffusion_forcing_only() {
+    p_.diffusion_forcing_only = true;
+    return *this;
+  }
   Row& not_fingerprinted() {
     p_.fingerprinted = false;
     return *this;
@@ -260,6 +264,8 @@ std::string default_text(const GenerationParam& param) {
       return "the model's num_frame_per_block";
     case DefaultRule::kRandomSeed:
       return "random";
+    case DefaultRule::kModelPipeline:
+      return "the model's: i2v for an I2V checkpoint, else df";
   }
   return "";
 }
@@ -339,13 +345,27 @@ ResolvedParams resolve_generation_params(const JobRequest& request, const Resolv
       case DefaultRule::kRandomSeed:
         p.set_resolved(out, ParamValue(context.random_seed));
         break;
+      case DefaultRule::kModelPipeline:
+        p.set_resolved(out, ParamValue(context.default_pipeline));
+        break;
     }
   }
   // An explicit timestep list defines the steps.
   if (!request.num_inference_steps && !out.timesteps.empty()) {
     out.num_inference_steps = static_cast<int64_t>(out.timesteps.size());
   }
+  if (!request.guidance_scale && out.pipeline == "i2v") out.guidance_scale = kImageToVideoGuidanceScale;
   return out;
+}
+
+void check_pipeline_params(const JobRequest& request, const ResolvedParams& params) {
+  if (params.pipeline == "df") return;
+  for (const GenerationParam& p : generation_params()) {
+    if (p.diffusion_forcing_only && p.requested(request)) {
+      throw ValidationError(p.name + ": a diffusion-forcing parameter; pipeline " + params.pipeline +
+                            " does not take it (leave it unset, or use pipeline df)");
+    }
+  }
 }
 
 void validate_generation_params(const ResolvedParams& params, const ServerLimits& limits) {

@@ -30,7 +30,11 @@ enum class DefaultRule {
   kUnset,           // stays unset (overlap_history: only long videos need it)
   kModelBlockSize,  // the loaded model's num_frame_per_block (causal_block_size)
   kRandomSeed,      // a seed drawn for the job (seed)
+  kModelPipeline,   // the loaded model's pipeline: i2v for an I2V checkpoint, else df (pipeline)
 };
+
+// SkyReelsV2ImageToVideoPipeline's default guidance_scale (the others' is the row's, 6.0).
+constexpr double kImageToVideoGuidanceScale = 5.0;
 
 // What a bound may depend on: the server's limits and the other parameters' values in effect.
 struct CheckContext {
@@ -72,6 +76,8 @@ struct GenerationParam {
   bool fingerprint_absent = true;
   // Checked before every other row (a parameter another's value derives from: its errors name it, not the other).
   bool checked_first = false;
+  // Read by the diffusion-forcing pipelines only: a t2v / i2v request that sets it is refused (check_pipeline_params).
+  bool diffusion_forcing_only = false;
 
   // Where the parameter lives. JobRequest: nullopt when unset (a list is never unset: empty is its default).
   std::function<std::optional<ParamValue>(const JobRequest&)> requested;
@@ -89,14 +95,19 @@ struct ResolveContext {
   // The model's; unset (no model known yet): a causal_block_size the request leaves unset stays 0.
   std::optional<int64_t> num_frame_per_block;
   uint64_t random_seed = 0;  // the seed of a request without one
+  std::string default_pipeline = "df";  // the model's (ModelDescription::default_pipeline)
 };
 
 // Every parameter the request leaves unset takes its default; num_inference_steps left unset with a
-// scheduler.timesteps list takes the list's length. Does not validate.
+// scheduler.timesteps list takes the list's length; guidance_scale left unset on the i2v pipeline takes
+// kImageToVideoGuidanceScale. Does not validate.
 ResolvedParams resolve_generation_params(const JobRequest& request, const ResolveContext& context);
 
 // Throws ValidationError (INVALID_ARGUMENT) naming the first parameter out of its bounds.
 void validate_generation_params(const ResolvedParams& params, const ServerLimits& limits);
+
+// A t2v / i2v request that sets a diffusion-forcing-only parameter: ValidationError naming it and the pipeline.
+void check_pipeline_params(const JobRequest& request, const ResolvedParams& params);
 
 // Feeds the request's fingerprinted parameters, as requested (unset stays distinct from the default), to `bytes`.
 void fingerprint_generation_params(const JobRequest& request,

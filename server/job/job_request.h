@@ -97,6 +97,11 @@ struct ModelDescription {
   int64_t num_frame_per_block = 1;
   int64_t latent_channels = 16;
   int64_t patch_size[3] = {1, 2, 2};  // latent positions per transformer token (frames, height, width)
+  // The pipelines it runs (model::check_pipeline_fits): "df" and "t2v" (DF and T2V checkpoints share the
+  // architecture), or "i2v" (an I2V checkpoint); and what a request that names none runs.
+  std::vector<std::string> pipelines = {"df", "t2v"};
+  std::string default_pipeline = "df";
+  bool first_last_frame = false;  // i2v: the model takes a first and a last image (pos_embed)
 };
 
 // Turns text prompts into [1, T, text_dim] float32 embeddings each (data as raw F32 bytes), one call per submission

@@ -14,6 +14,8 @@
 #include <utility>
 
 #include "model/checkpoint.h"
+#include "model/clip_vision.h"
+#include "model/image_processor.h"
 #include "model/text_encoding.h"
 #include "model/vae_wan.h"
 #include "model/video_mp4.h"
@@ -21,6 +23,32 @@
 #include "server/replica/demo_model.h"
 
 namespace skyreels::server {
+
+std::shared_ptr<const ImageEncoder> load_image_encoder(const std::string& path, const std::string& processor_dir,
+                                                       const std::string& device, const std::string& dtype,
+                                                       int64_t image_dim) {
+  const std::string processor = processor_dir.empty() ? model::find_image_processor_dir(path) : processor_dir;
+  if (processor.empty()) {
+    throw std::runtime_error("--image-encoder: no preprocessor_config.json beside '" + path +
+                             "'; pass --image-processor DIR");
+  }
+  auto encoder = std::make_shared<ImageEncoder>();
+  encoder->processor = std::make_shared<const model::ClipImageProcessorConfig>(
+      model::ClipImageProcessorConfig::from_file((std::filesystem::path(processor) / "preprocessor_config.json").string()));
+  model::ClipVisionLoadOptions options;
+  options.device = device;
+  options.dtype = dtype;
+  model::LoadedClipVision loaded = model::load_clip_vision_encoder(path, options);
+  const int64_t hidden = loaded.model->config().hidden_size;
+  if (hidden != image_dim) {
+    throw std::runtime_error("--image-encoder: hidden size " + std::to_string(hidden) + " does not match the "
+                             "transformer's image_dim " + std::to_string(image_dim));
+  }
+  spdlog::info("event=image_encoder_loaded path={} layout={} device={} hidden_size={} processor={}", loaded.path,
+               model::clip_vision_layout_name(loaded.layout), device, hidden, processor);
+  encoder->model = std::shared_ptr<const model::ClipVisionEncoder>(std::move(loaded.model));
+  return encoder;
+}
 
 TextEncoderFn load_text_encoder(const std::string& path, const std::string& tokenizer, const std::string& device,
                                 const std::string& dtype, int64_t text_dim, Metrics* metrics) {

@@ -32,6 +32,14 @@ namespace skyreels::server {
 TextEncoderFn load_text_encoder(const std::string& path, const std::string& tokenizer, const std::string& device,
                                 const std::string& dtype, int64_t text_dim, Metrics* metrics = nullptr);
 
+// Loads the i2v pipeline's CLIP image encoder (model::load_clip_vision_encoder: a transformers folder, a pipeline
+// folder holding image_encoder/, or the original open-clip weights) and its preprocessor_config.json (from
+// `processor_dir`, else found beside the encoder as diffusers lays out a pipeline). Throws naming what is missing or
+// does not fit the transformer's image_dim.
+std::shared_ptr<const ImageEncoder> load_image_encoder(const std::string& path, const std::string& processor_dir,
+                                                       const std::string& device, const std::string& dtype,
+                                                       int64_t image_dim);
+
 // Decodes a job's chunk latents with the Wan VAE (a decode session per job keeps the causal cache between chunks)
 // and encodes them into one fragmented MP4 per job: chunk 0's segment is the init segment plus its fragment, later
 // chunks' segments are one fragment each, so the segments joined in order are a playable MP4. Latents are read from

@@ -65,6 +65,11 @@ void write_tiny_model(const std::string& dir, const TinyModelOptions& options) {
   config.ffn_dim = options.ffn_dim;
   config.freq_dim = options.freq_dim;
   config.inject_sample_info = options.inject_sample_info;
+  if (options.image_dim > 0) {
+    config.in_channels = 36;  // noise, the 4-channel frame mask, the condition video's latents
+    config.image_dim = options.image_dim;
+    config.added_kv_proj_dim = options.num_attention_heads * options.attention_head_dim;
+  }
   config.validate();
 
   std::filesystem::create_directories(dir);

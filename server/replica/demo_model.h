@@ -17,6 +17,9 @@ struct TinyModelOptions {
   int64_t ffn_dim = 48;
   int64_t freq_dim = 256;
   bool inject_sample_info = true;
+  // > 0: an image-to-video (I2V) model: 36 input channels and the image branch for CLIP tokens this wide
+  // (added_kv_proj_dim = the inner dim).
+  int64_t image_dim = 0;
 };
 
 // Writes the checkpoint into `dir` (created if missing). Same options, same bytes.

@@ -11,9 +11,13 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "model/clip_vision.h"
 #include "model/diffusion_forcing.h"
+#include "model/image_processor.h"
+#include "model/pipeline_t2v_i2v.h"
 #include "model/pixel_conditioning.h"
 #include "model/safetensors.h"
+#include "model/transformer_skyreels_v2.h"
 #include "model/vae_wan.h"
 #include "model/safetensors_limits.h"
 #include "server/job/blob.h"
@@ -29,6 +33,9 @@ constexpr int64_t kTemporal = 4;  // VAE: 4 pixel frames per latent frame (after
 constexpr int64_t kSpatial = 8;   // VAE: 8 pixels per latent position
 constexpr int64_t kMaxTensorElements = int64_t{1} << 28;
 constexpr size_t kMaxPromptBytes = 16384;  // the tokenizer keeps 512 tokens anyway
+// An i2v image is resized by the pipeline (any size goes in); its side is bounded on the file's header, before
+// decoding, so that a decode holds at most 4096 x 4096 x 3 bytes.
+constexpr int64_t kMaxImageSide = 4096;
 
 [[noreturn]] void invalid(const std::string& message) { throw ValidationError(message); }
 
@@ -198,6 +205,37 @@ model::PixelConditioning pixel_conditioning(const JobRequest& r, const model::Ge
   return pixels;
 }
 
+// The i2v pipeline's images: PNG / JPEG bytes of any size up to kMaxImageSide (its CLIP and VAE sides resize them as
+// Pillow does), decoded to uint8 RGB [H, W, 3].
+at::Tensor pipeline_image(const PixelRequest& r, const std::string& field, const ServerLimits& limits) {
+  if (!r.encoded) {
+    invalid(field + ".tensor: the i2v pipeline takes an encoded PNG / JPEG image (its CLIP and VAE sides resize it as "
+                    "Pillow does); send it as " + field + ".encoded");
+  }
+  if (r.encoded->empty()) invalid(field + ".encoded: empty");
+  if (r.encoded->size() > static_cast<size_t>(limits.max_pixel_input_bytes)) {
+    invalid(field + ".encoded: " + std::to_string(r.encoded->size()) + " bytes, more than the limit " +
+            std::to_string(limits.max_pixel_input_bytes));
+  }
+  const std::vector<uint8_t> bytes(r.encoded->begin(), r.encoded->end());
+  try {
+    return model::convert_to_rgb(model::decode_image(bytes, field + ".encoded", model::ImageLimits{kMaxImageSide, 2}));
+  } catch (const std::invalid_argument& e) {
+    invalid(e.what());
+  }
+}
+
+// A pipeline the loaded model does not run: FAILED_PRECONDITION naming what it runs.
+void check_pipeline_served(const std::string& pipeline, const ModelDescription& model) {
+  if (std::find(model.pipelines.begin(), model.pipelines.end(), pipeline) != model.pipelines.end()) return;
+  std::string served;
+  for (const auto& p : model.pipelines) served += (served.empty() ? "" : ", ") + p;
+  throw PreconditionError("pipeline: " + pipeline + " needs " +
+                          (pipeline == "i2v" ? std::string("an image-to-video (I2V) checkpoint")
+                                             : std::string("a diffusion-forcing or text-to-video checkpoint")) +
+                          "; this server's model runs " + served);
+}
+
 // ---- fingerprint ----------------------------------------------------------------------------------------------
 
 // The request's bytes in a fixed order, into both fingerprint versions (server/fingerprint.h).
@@ -322,6 +360,7 @@ std::vector<model::PromptChange> prompt_changes(const JobRequest& r, const Model
 // ---- the job --------------------------------------------------------------------------------------------------
 
 struct ModelJob::Impl {
+  model::PipelineKind pipeline = model::PipelineKind::kDiffusionForcing;
   model::GenerationParams generation;
   ResolvedParams resolved;
   model::ChunkPlan plan;
@@ -337,6 +376,13 @@ struct ModelJob::Impl {
   std::shared_ptr<const model::WanVae> vae;
   std::function<void(double seconds)> on_vae_encode;  // metrics
   void encode_conditioning_once();
+  // i2v: the images (uint8 RGB [H, W, 3]) until the first run encodes them with the CLIP encoder and the VAE (once,
+  // into `video`).
+  at::Tensor image_rgb, last_image_rgb;
+  std::shared_ptr<const ImageEncoder> image_encoder;
+  model::VideoConditioning video;
+  void encode_images_once(const model::TransformerConfig& config);
+  std::string run_whole_video(const model::SkyReelsV2Transformer& transformer, const model::StepHooks& hooks);
   // The job's random streams, positioned after the last chunk that succeeded (committed only on success).
   std::unique_ptr<model::NoiseSource> noise;
   std::shared_ptr<const JobDescription> description;
@@ -359,7 +405,73 @@ void ModelJob::Impl::encode_conditioning_once() {
   pixels = {};
 }
 
+// The i2v images' CLIP tokens and VAE condition video, as `skyreels generate --pipeline i2v` makes them.
+void ModelJob::Impl::encode_images_once(const model::TransformerConfig& config) {
+  if (!image_rgb.defined()) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<at::Tensor> images{image_rgb};
+  if (last_image_rgb.defined()) images.push_back(last_image_rgb);
+  const at::Tensor tokens =
+      image_encoder->model->forward(model::clip_preprocess(*image_encoder->processor, images).pixel_values).penultimate;
+  video.image_tokens = model::prepare_image_tokens(config, tokens.narrow(0, 0, 1),
+                                                   last_image_rgb.defined() ? tokens.narrow(0, 1, 1) : at::Tensor());
+  auto vae_side = [&](const at::Tensor& rgb) {
+    return rgb.defined() ? model::vae_image_preprocess(rgb, generation.height, generation.width) : at::Tensor();
+  };
+  video.condition =
+      model::prepare_i2v_condition(*vae, vae_side(image_rgb), vae_side(last_image_rgb), generation.num_frames)
+          .condition;
+  if (on_vae_encode) on_vae_encode(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  image_rgb = at::Tensor();
+  last_image_rgb = at::Tensor();
+}
+
 namespace {
+
+// A t2v / i2v video denoises every frame at once: its plan is one chunk holding the whole video, one row per step.
+model::ChunkPlan whole_video_plan(const model::GenerationParams& p) {
+  model::ChunkPlan plan;
+  plan.total_latent_frames = (p.num_frames - 1) / kTemporal + 1;
+  plan.base_latent_frames = plan.total_latent_frames;
+  plan.latent_height = p.height / kSpatial;
+  plan.latent_width = p.width / kSpatial;
+  model::ChunkSpec chunk;
+  chunk.num_latent_frames = plan.total_latent_frames;
+  chunk.output_end = plan.total_latent_frames;
+  chunk.timestep_rows = p.num_inference_steps;
+  plan.chunks.push_back(chunk);
+  return plan;
+}
+
+// The t2v / i2v request's images, checked against the model and the server's encoders, decoded into the job.
+void take_pipeline_images(const JobRequest& request, const ModelDescription& model, const ServerLimits& limits,
+                          const std::string& pipeline, bool have_vae, bool have_image_encoder, at::Tensor& image,
+                          at::Tensor& last_image) {
+  if (request.video) {
+    invalid("video: video extension runs on the diffusion-forcing pipeline; pipeline " + pipeline + " takes no video");
+  }
+  if (pipeline == "t2v") {
+    if (request.image || request.last_image) {
+      invalid(std::string(request.image ? "image" : "last_image") +
+              ": pipeline t2v takes no image (image-to-video: pipeline df, or i2v on an I2V checkpoint)");
+    }
+    return;
+  }
+  if (!request.image) invalid("image: pipeline i2v needs an image (the video's first frame)");
+  if (request.last_image && !model.first_last_frame) {
+    invalid("last_image: this I2V model takes one image (it has no first-last-frame position embedding)");
+  }
+  if (!request.last_image && model.first_last_frame) {
+    invalid("last_image: this first-last-frame I2V model needs a last image as well");
+  }
+  if (!have_vae) throw PreconditionError("image: this server has no VAE to encode the condition video (start it with --vae)");
+  if (!have_image_encoder) {
+    throw PreconditionError("image: this server has no image encoder for the i2v pipeline (start it with "
+                            "--image-encoder)");
+  }
+  image = pipeline_image(*request.image, "image", limits);
+  if (request.last_image) last_image = pipeline_image(*request.last_image, "last_image", limits);
+}
 
 // Admission of the work itself (issue 12, item 4): a request within every field limit can still be one chunk of
 // millions of tokens (quadratic attention, gigabytes) or hundreds of chunks. Refused before it is queued.
@@ -368,6 +480,12 @@ void check_work(const ModelJob& job, const ServerLimits& limits) {
   if (p.cache != "none" && p.cache_scope == "request") {
     invalid("cache_scope: request keeps the step cache from chunk to chunk, but a server runs each chunk on its own "
             "(on any replica or pod, after a retry or a restart); use cache_scope chunk");
+  }
+  if (job.max_chunk_tokens() > limits.max_chunk_tokens && p.pipeline != "df") {
+    invalid("num_frames: pipeline " + p.pipeline + " denoises the whole video at once, and " +
+            std::to_string(p.num_frames) + " frames at " + std::to_string(p.width) + "x" + std::to_string(p.height) +
+            " are " + std::to_string(job.max_chunk_tokens()) + " transformer tokens, over --max-chunk-tokens " +
+            std::to_string(limits.max_chunk_tokens) + "; lower num_frames, height or width");
   }
   if (job.max_chunk_tokens() > limits.max_chunk_tokens) {
     invalid("base_num_frames: a chunk of " + std::to_string(std::min(p.num_frames, p.base_num_frames)) + " frames at " +
@@ -414,12 +532,22 @@ std::shared_ptr<ModelJob> ModelJob::create(const JobRequest& request, const Mode
                                            const ServerLimits& limits, uint64_t random_seed,
                                            const TextEncoderFn& text_encoder,
                                            std::shared_ptr<const model::WanVae> vae,
-                                           std::function<void(double seconds)> on_vae_encode) {
+                                           std::function<void(double seconds)> on_vae_encode,
+                                           std::shared_ptr<const ImageEncoder> image_encoder) {
   std::shared_ptr<ModelJob> job(new ModelJob());
   Impl& d = *job->impl_;
   d.on_vae_encode = std::move(on_vae_encode);
-  d.resolved = resolve_generation_params(request, ResolveContext{model.num_frame_per_block, random_seed});
+  d.resolved = resolve_generation_params(
+      request, ResolveContext{model.num_frame_per_block, random_seed, model.default_pipeline});
   validate_generation_params(d.resolved, limits);
+  check_pipeline_served(d.resolved.pipeline, model);
+  check_pipeline_params(request, d.resolved);
+  d.pipeline = model::pipeline_kind_from_name(d.resolved.pipeline);
+  const bool diffusion_forcing = d.pipeline == model::PipelineKind::kDiffusionForcing;
+  if (!diffusion_forcing && !request.prompt_changes.empty()) {
+    invalid("prompt_changes: a prompt per chunk is a diffusion-forcing feature; pipeline " + d.resolved.pipeline +
+            " runs one prompt for the whole video");
+  }
   d.generation = model_params(d.resolved);
   if (limits.kv_cache_bytes >= 0) d.generation.kv_cache_max_bytes = limits.kv_cache_bytes;
   const model::GenerationParams& p = d.generation;
@@ -460,7 +588,16 @@ std::shared_ptr<ModelJob> ModelJob::create(const JobRequest& request, const Mode
   }
   d.conditioning.prompt_changes = prompt_changes(request, model, limits, encoded);
 
-  if (request.image || request.video) {
+  if (!diffusion_forcing) {
+    take_pipeline_images(request, model, limits, d.resolved.pipeline, vae != nullptr, image_encoder != nullptr,
+                         d.image_rgb, d.last_image_rgb);
+    if (d.image_rgb.defined()) {
+      d.vae = std::move(vae);
+      d.image_encoder = std::move(image_encoder);
+    }
+    d.video.prompt_embeds = d.conditioning.prompt_embeds;
+    d.video.negative_prompt_embeds = d.conditioning.negative_prompt_embeds;
+  } else if (request.image || request.video) {
     if (!vae) {
       throw PreconditionError(std::string(request.image ? "image" : "video") +
                               ": this server has no VAE to encode it (start it with --vae)");
@@ -477,7 +614,7 @@ std::shared_ptr<ModelJob> ModelJob::create(const JobRequest& request, const Mode
   }
 
   try {
-    d.plan = model::plan_chunks(p, model.num_frame_per_block);
+    d.plan = diffusion_forcing ? model::plan_chunks(p, model.num_frame_per_block) : whole_video_plan(p);
   } catch (const std::invalid_argument& e) {
     invalid(e.what());  // plan_chunks names the field first
   }
@@ -578,9 +715,46 @@ int64_t ModelJob::chunk_pixel_frames(int64_t chunk) const {
   return begin == 0 ? (latent - 1) * kTemporal + 1 : latent * kTemporal;
 }
 
+namespace {
+// A chunk's result as the job store keeps it: its new latent frames (fp32, CPU) and where they belong.
+std::string chunk_result_bytes(const at::Tensor& fresh, int64_t chunk, int64_t chunk_count,
+                               const model::ChunkSpec& spec, uint64_t seed) {
+  if (fresh.size(2) != spec.output_end - spec.output_begin) {
+    throw std::logic_error("chunk " + std::to_string(chunk) + " produced " + std::to_string(fresh.size(2)) +
+                           " new latent frames, the plan expects " +
+                           std::to_string(spec.output_end - spec.output_begin));
+  }
+  return safetensors_bytes("latents", fresh.sizes().vec(), fresh.data_ptr<float>(),
+                           {{"chunk_index", std::to_string(chunk)},
+                            {"chunk_count", std::to_string(chunk_count)},
+                            {"latent_frame_begin", std::to_string(spec.output_begin)},
+                            {"latent_frame_end", std::to_string(spec.output_end)},
+                            {"seed", std::to_string(seed)}});
+}
+}  // namespace
+
+// The t2v / i2v call, as `skyreels generate --pipeline t2v|i2v` makes it: one video from the job's noise stream.
+std::string ModelJob::Impl::run_whole_video(const model::SkyReelsV2Transformer& transformer,
+                                            const model::StepHooks& hooks) {
+  encode_images_once(transformer.config());
+  if (!noise) noise = model::make_seeded_noise(resolved.seed);
+  std::unique_ptr<model::NoiseSource> draws = noise->clone();
+  model::VideoHooks video_hooks;
+  video_hooks.cancelled = hooks.cancelled;
+  video_hooks.on_step = [&hooks](int64_t step, int64_t steps, const at::Tensor&) {
+    if (hooks.on_step) hooks.on_step(0, step, steps);
+  };
+  const at::Tensor latents =
+      model::generate_video(transformer, pipeline, generation, video, *draws, 1, video_hooks).contiguous();
+  std::string bytes = chunk_result_bytes(latents, 0, 1, plan.chunks.front(), resolved.seed);
+  noise = std::move(draws);
+  return bytes;
+}
+
 std::string ModelJob::run_chunk(const model::SkyReelsV2Transformer& transformer, int64_t chunk,
                                 const model::StepHooks& hooks) {
   Impl& d = *impl_;
+  if (d.pipeline != model::PipelineKind::kDiffusionForcing) return d.run_whole_video(transformer, hooks);
   const model::ChunkSpec& spec = d.plan.chunks.at(static_cast<size_t>(chunk));
   // Chunk k's noise depends on (seed, k) only, never on where chunk k-1 ran. The chunk draws from a copy of the
   // job's committed streams (O(chunk) draws, not O(all chunks so far)); a failed chunk leaves them untouched, so its
@@ -600,17 +774,7 @@ std::string ModelJob::run_chunk(const model::SkyReelsV2Transformer& transformer,
   }
   const at::Tensor fresh =
       latents.narrow(2, spec.keep_from, latents.size(2) - spec.keep_from).to(at::kCPU, at::kFloat).contiguous();
-  if (fresh.size(2) != spec.output_end - spec.output_begin) {
-    throw std::logic_error("chunk " + std::to_string(chunk) + " produced " + std::to_string(fresh.size(2)) +
-                           " new latent frames, the plan expects " +
-                           std::to_string(spec.output_end - spec.output_begin));
-  }
-  std::string bytes = safetensors_bytes("latents", fresh.sizes().vec(), fresh.data_ptr<float>(),
-                                        {{"chunk_index", std::to_string(chunk)},
-                                         {"chunk_count", std::to_string(chunk_count())},
-                                         {"latent_frame_begin", std::to_string(spec.output_begin)},
-                                         {"latent_frame_end", std::to_string(spec.output_end)},
-                                         {"seed", std::to_string(d.resolved.seed)}});
+  std::string bytes = chunk_result_bytes(fresh, chunk, chunk_count(), spec, d.resolved.seed);
   d.tail = tail;
   d.noise = std::move(noise);
   return bytes;

@@ -19,8 +19,10 @@
 #include "server/replica/replica_pool.h"
 
 namespace skyreels::model {
+class ClipVisionEncoder;
 class SkyReelsV2Transformer;
 class WanVae;
+struct ClipImageProcessorConfig;
 struct StepHooks;
 }  // namespace skyreels::model
 
@@ -32,16 +34,27 @@ struct SegmentWait {
   std::string error;    // it cannot be made (set: the rest does not matter)
 };
 
+// The i2v pipeline's CLIP image encoder and its preprocessing (skyreels-server --image-encoder), shared by every job.
+struct ImageEncoder {
+  std::shared_ptr<const model::ClipVisionEncoder> model;
+  std::shared_ptr<const model::ClipImageProcessorConfig> processor;
+};
+
+// A job runs one of three pipelines (GenerationParams.pipeline). Diffusion forcing ("df") runs as planned chunks;
+// text-to-video and image-to-video ("t2v", "i2v") denoise the whole video at once, so their plan is one chunk: the
+// whole video is one unit of work for the scheduler, retried and resumed like a chunk (from its seed, bit-identical).
 class ModelJob : public JobPayload {
  public:
   // Validates every field (ValidationError / PreconditionError) and plans the chunks. `random_seed` is used when
   // the request has no seed. Images and videos are decoded here (bounded by the request's size and --max-frames);
-  // `vae` encodes them later, once, when the job's first chunk runs (after admission); null: they are refused.
+  // `vae` (and for i2v `image_encoder`) encode them later, once, when the job's first chunk runs (after admission);
+  // null: they are refused.
   static std::shared_ptr<ModelJob> create(const JobRequest& request, const ModelDescription& model,
                                           const ServerLimits& limits, uint64_t random_seed,
                                           const TextEncoderFn& text_encoder = {},
                                           std::shared_ptr<const model::WanVae> vae = nullptr,
-                                          std::function<void(double seconds)> on_vae_encode = {});
+                                          std::function<void(double seconds)> on_vae_encode = {},
+                                          std::shared_ptr<const ImageEncoder> image_encoder = nullptr);
   ~ModelJob() override;
 
   const ResolvedParams& params() const;

@@ -200,6 +200,10 @@ void ModelReplica::warm_up() const {
   args.encoder_hidden_states =
       at::zeros({1, 1, config.text_dim}, at::TensorOptions().device(device).dtype(model_->compute_dtype()));
   if (config.inject_sample_info) args.fps = at::ones({1}, at::TensorOptions().device(device).dtype(at::kLong));
+  if (config.has_image_branch()) {  // an I2V model attends to image tokens (a first-last-frame one: exactly its count)
+    args.encoder_hidden_states_image = at::zeros({1, config.pos_embed_seq_len.value_or(1), *config.image_dim},
+                                                 at::TensorOptions().device(device).dtype(model_->compute_dtype()));
+  }
   model_->forward(args);
 }
 
