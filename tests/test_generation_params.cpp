@@ -434,8 +434,11 @@ std::string every_flag() {
   std::string flags;
   for (const GenerationParam& p : generation_params()) {
     ParamValue value = p.default_value;
-    if (p.default_rule != DefaultRule::kValue)
+    if (p.default_rule != DefaultRule::kValue && !p.allowed.empty()) {
+      value = p.allowed.front();
+    } else if (p.default_rule != DefaultRule::kValue) {
       value = p.kind == ParamKind::kSeed ? ParamValue(uint64_t{7}) : ParamValue(int64_t{1});
+    }
     flags += " --" + p.flag + "='" + format_param_value(value) + "'";
   }
   return flags;

@@ -85,7 +85,9 @@ TEST_F(ServedPreviews, EveryChunkShowsPreviewsBeforeItsFramesAndTheVideoIsTheSam
     if (e.has_chunk_finished()) {
       done.insert(e.chunk_finished().chunk_index());
       const int chunk = e.chunk_finished().chunk_index();
-      if (chunk >= first_checked) EXPECT_GE(previews_of[chunk], 1) << "chunk " << chunk;
+      if (chunk >= first_checked) {
+        EXPECT_GE(previews_of[chunk], 1) << "chunk " << chunk;
+      }
     }
   }
   EXPECT_EQ(done.size(), 4u);
