@@ -28,7 +28,7 @@ namespace server = skyreels::server;
 const std::string kUsage =
     std::string(
         "usage: skyreels submit (--inputs IN.safetensors | --random-embeddings | --prompt TEXT) [flags]\n\n"
-        "Submits a diffusion-forcing video job and prints its id on stdout.\n"
+        "Submits a video job (diffusion forcing, or --pipeline t2v / i2v) and prints its id on stdout.\n"
         "conditioning (exactly one):\n"
         "  --inputs FILE             safetensors with prompt_embeds [1, T, text_dim] and negative_prompt_embeds\n"
         "                            (as `skyreels generate --inputs`)\n"

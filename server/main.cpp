@@ -60,8 +60,8 @@ using namespace skyreels::server;
 const char* kUsage = R"(usage: skyreels-server --model DIR [flags]
        skyreels-server --demo [flags]
 
-Serves SkyReels-V2 diffusion-forcing video generation over gRPC (skyreels.v1.VideoService), one model replica per
-device, with grpc.health.v1 (service "" = readiness, "liveness"), server reflection and Prometheus metrics.
+Serves SkyReels-V2 video generation (diffusion forcing; text-to-video and image-to-video checkpoints) over gRPC
+(skyreels.v1.VideoService), one model replica per device, with grpc.health.v1 (service "" = readiness, "liveness"), server reflection and Prometheus metrics.
 
 model:
   --model DIR                 transformer checkpoint (diffusers or original layout, single or sharded)
