@@ -307,6 +307,26 @@ TEST(ServedI2vDurable, ASigkillMidVideoResumesBitIdentical) {
   EXPECT_TRUE(at::equal(served, expected)) << "max |resumed - generate| = " << max_abs_diff(served, expected);
 }
 
+// Cancelling acts within a step, as for a diffusion-forcing chunk (the pipeline polls between transformer blocks).
+TEST(ServedI2vDurable, CancellingARunningVideoStopsItWithinAStep) {
+  std::vector<std::string> args = server_args();
+  for (const char* a : {"--devices", "cpu", "--step-delay-ms", "300"}) args.emplace_back(a);
+  ServerProcess server(args);
+  const std::string id = submit(server.client(), i2v_request(3405, 20)).job_id();  // 20 steps: >= 6 s
+  first_event_of_type(server.client(), id, pb::JobEvent::kStep);
+  const auto t0 = std::chrono::steady_clock::now();
+  pb::CancelJobRequest cancel;
+  cancel.set_job_id(id);
+  pb::Job response;
+  auto ctx = server.client().context(10);
+  ASSERT_TRUE(server.client().stub().CancelJob(ctx.get(), cancel, &response).ok());
+  const pb::Job done = wait_job(server.client(), id);
+  EXPECT_EQ(done.state(), pb::JOB_STATE_CANCELLED);
+  EXPECT_EQ(done.chunks_done(), 0);
+  // A step is >= 300 ms and the video's end >= 5 s away: 3 s leaves room for a loaded machine and tells them apart.
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 3s) << "stopped within a step, not at the video's end";
+}
+
 // An I2V checkpoint's jobs need both encoders: without them the server refuses to start, naming them; an image
 // encoder on a model without the image branch is refused as well.
 TEST(ServedI2vStart, AnI2vCheckpointWithoutItsImageEncoderIsRefusedAtStartNamingIt) {
@@ -325,9 +345,12 @@ TEST(ServedI2vStart, AnI2vCheckpointWithoutItsImageEncoderIsRefusedAtStartNaming
 class ServedT2v : public SharedServerSuite<ServedT2v> {
  public:
   static std::unique_ptr<ServerProcess> start() {
+    http_port_ = free_port();
     return std::make_unique<ServerProcess>(
-        std::vector<std::string>{"--demo", "--vae", "demo", "--devices", "cpu", "--dtype", "float32"});
+        std::vector<std::string>{"--demo", "--vae", "demo", "--devices", "cpu", "--dtype", "float32", "--http-listen",
+                                 "127.0.0.1:" + std::to_string(http_port_)});
   }
+  static inline int http_port_ = 0;
 };
 
 TEST_F(ServedT2v, AT2vJobOnTheDfModelEqualsSkyreelsGenerateAndI2vIsRefused) {
@@ -373,6 +396,16 @@ TEST_F(ServedT2v, AT2vJobOnTheDfModelEqualsSkyreelsGenerateAndI2vIsRefused) {
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
   EXPECT_NE(status.error_message().find("image: pipeline t2v takes no image"), std::string::npos)
       << status.error_message();
+
+  // The HTTP doors take `pipeline` by its name, like every generation parameter.
+  const std::string body = R"({"prompt": "a cat", "size": "48x32", "pipeline": "i2v"})";
+  const RawExchange http = send_raw_http(
+      http_port_,
+      "POST /v1/videos HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Type: application/json\r\n"
+      "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body,
+      30);
+  EXPECT_EQ(http.bytes.rfind("HTTP/1.1 4", 0), 0u) << http.bytes;
+  EXPECT_NE(http.bytes.find("pipeline: i2v needs an image-to-video (I2V) checkpoint"), std::string::npos) << http.bytes;
 }
 
 }  // namespace
