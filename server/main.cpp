@@ -35,6 +35,7 @@
 #include "model/runtime.h"
 #include "model/transformer_loader.h"
 #include "server/api/auth.h"
+#include "server/app/server_flags.h"
 #include "server/replica/demo_model.h"
 #include "server/media/encoders.h"
 #include "server/store/job_store_timed.h"
@@ -57,293 +58,13 @@ namespace {
 
 using namespace skyreels::server;
 
-const char* kUsage = R"(usage: skyreels-server --model DIR [flags]
-       skyreels-server --demo [flags]
-
-Serves SkyReels-V2 video generation (diffusion forcing; text-to-video and image-to-video checkpoints) over gRPC
-(skyreels.v1.VideoService), one model replica per device, with grpc.health.v1 (service "" = readiness, "liveness"), server reflection and Prometheus metrics.
-
-model:
-  --model DIR                 transformer checkpoint (diffusers or original layout, single or sharded)
-  --demo                      a tiny random-weight model written to a temp dir and loaded as usual (tests, demos)
-  --vae DIR                   Wan VAE (diffusers layout): results also as MP4, decoded chunk by chunk on demand (a
-                              job that asks for MP4 at submit, or its first MP4 download); "demo": a tiny random
-                              VAE. Without it, results are latents only
-  --vae-device DEV            where the VAE decodes (default: the first replica's device, next to its transformer)
-  --text-encoder DIR          UMT5 encoder for text prompts; without it, text prompts answer FAILED_PRECONDITION
-  --tokenizer DIR             its spiece.model (default: found next to the text encoder)
-  --image-encoder DIR         CLIP image encoder of an image-to-video (I2V) checkpoint's i2v pipeline (required
-                              with one): a transformers folder, a pipeline folder holding image_encoder/, or the
-                              original open-clip weights; it runs next to the VAE (--vae-device)
-  --image-processor DIR       its preprocessor_config.json (default: found beside the encoder, as diffusers lays out
-                              a pipeline)
-  --devices LIST              auto (default: every CUDA device, else one CPU replica), cpu, cuda:0,cuda:1;
-                              repeats such as cpu,cpu make several replicas; CPU replicas split the cores evenly
-  --dtype auto|float32|bfloat16   (default auto: bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16)
-  --lora FILE[:SCALE]         a LoRA adapter (diffusers/PEFT, original/kohya or musubi keys, as diffusers reads
-                              them) merged into the weights at load: W + SCALE * (alpha / r) * B @ A in float32,
-                              then cast (default SCALE 1); repeatable, applied in order. GetServerInfo lists them
-network:
-  --listen HOST:PORT          gRPC (default 0.0.0.0:50051)
-  --metrics-listen HOST:PORT  Prometheus /metrics (default 0.0.0.0:9090)
-  --http-listen HOST:PORT     HTTP/1.1 next to gRPC (off by default): OpenAI's Videos API at /v1/videos, /healthz,
-                              /readyz and /metrics; the same API keys (Authorization: Bearer KEY), caps and
-                              admission as gRPC, and the same --tls-cert/--tls-key; connections at most
-                              --max-streams (--max-streams-per-client per address), bodies at most the request limit
-  --http-idle-timeout-seconds N   an HTTP connection that sends nothing for N s is closed (default 30)
-  --webhook-secret-file FILE  jobs may carry a webhook (SubmitJobRequest.webhook, webhook_url over HTTP): their
-                              events are POSTed signed as Standard Webhooks with this key ("whsec_" + base64, or
-                              raw), from a durable outbox in the job store, retried with back-off
-  --webhook-allow-hosts LIST  the hosts a webhook may call, comma-separated: exact names or *.example.com (so that
-                              a client cannot make the server call internal addresses)
-  --webhook-takeover-seconds N   pods sharing a store: a pod delivers another pod's job's webhook event once it is
-                              N s overdue (the accepting pod is gone or stuck; default 30)
-  --tls-cert FILE --tls-key FILE   serve TLS (both or neither)
-  --api-keys FILE             require a key per call: lines 'KEY [CLIENT_NAME] [max_priority=N] [max_jobs=N]
-                              [max_streams=N]' (keys >= 32 characters); each client sees only its own jobs;
-                              SIGHUP reloads the file (TLS certificate and key: re-read every 10 s)
-limits:
-  --max-queue N               jobs admitted and not finished (default 64); more: RESOURCE_EXHAUSTED + retry-after-ms
-  --max-jobs-per-client N     of those, per client (API key, else peer address) (default 16); more: the same
-  --max-streams N             open WatchJob/DownloadResult/Generate streams in total (default 256); more:
-                              RESOURCE_EXHAUSTED for the new stream
-  --max-streams-per-client N  the same per client (default 16)
-  --max-concurrent-encodes N  text prompts encoded at once, and image / video inputs decoded at once (default 2
-                              each); more: RESOURCE_EXHAUSTED + retry-after-ms
-  --max-frames N              (default 1457)     --max-steps N (default 100)
-  --max-height N              (default 1280)     --max-width N (default 1280)
-  --max-chunk-tokens N        transformer tokens of one chunk (default: derived from the model and the device
-                              memory, at most 131072); more: INVALID_ARGUMENT naming the flag
-  --max-job-work N            token-forwards of one job, tokens x rows x guidance passes summed over its chunks
-                              (default: 24 chunks of --max-chunk-tokens at --max-steps with guidance)
-  --kv-cache-bytes N          memory for the kept keys/values of final frames per chunk loop (exact savings;
-                              default: a fifth of the memory left after the weights, 4 GiB when unknown)
-  --max-chunks N              chunks of one job (default 64)
-  --chunk-retries N           attempts after a failed chunk, on another replica when possible (default 2)
-  --chunk-takeover-limit N    takeovers of a chunk whose process died or went silent before its job fails (counted
-                              apart from --chunk-retries: a crash is not the chunk's error; default 10)
-  --replica-failure-limit N   consecutive failed chunks before a replica is taken out (default 3)
-  --replica-retest-seconds S  a replica taken out is re-tested (one warm-up forward) after S seconds, then after
-                              twice as long each time it fails again (default 30)
-  --replica-retest-max-seconds S   cap of that back-off (default 600)
-  --liveness-grace-seconds N  liveness turns NOT_SERVING (the pod is restarted) once no replica has been healthy
-                              for N seconds (default 300)
-  --handoff-cost-seconds S    what moving a job to another replica is assumed to cost (default 0.25)
-  --drain-timeout-seconds N   on SIGTERM, how long accepted jobs may still run (default 600)
-  --result-ttl-seconds N      how long finished jobs and their results are kept (default 3600)
-  --max-retained-jobs N       finished jobs kept at most, oldest dropped first (default 256)
-jobs that survive a restart:
-  --data-dir DIR              where the server keeps its state (default ./skyreels-data; the container uses
-                              /var/lib/skyreels)
-  --job-store memory|sqlite:PATH[?synchronous=full]|postgresql://USER[:PASSWORD]@HOST[:PORT]/DB   where jobs, their
-                              chunk results, MP4 segments and chunk events are kept (default
-                              sqlite:<--data-dir>/jobs.sqlite; also $SKYREELS_JOB_STORE, which keeps a password out of
-                              the process list): on start, unfinished jobs resume at their last finished chunk; memory
-                              keeps today's behaviour (nothing survives a restart). sqlite:PATH?synchronous=full: every
-                              commit also survives a power loss (an fsync each). A corrupt, newer-schema or locked
-                              (another server's) store file, or an unreachable or newer-schema PostgreSQL store, is a
-                              startup error.
-                              PostgreSQL: several servers (pods) share the store as peers: any of them accepts,
-                              answers and streams any job, and their replicas claim chunks under leases
-  --pod-name NAME             this server among peers, in chunk leases and events (default $HOSTNAME)
-  --lease-seconds S           a chunk lease's time to live, renewed every S/3 while the chunk runs; a pod that
-                              stops renewing loses the chunk to another pod after S seconds (default 30)
-test hooks:
-  --fault-inject SPEC         REPLICA@N[+][:KIND],...: the N-th chunk run on REPLICA (e.g. cpu:1@2) fails after its
-                              first step ('+': and every later run); KIND error (default), oom (an out-of-memory
-                              error: the job fails RESOURCE_EXHAUSTED), dead (re-tests fail too) or kill (the
-                              process dies by SIGKILL); REPLICA "vae":
-                              the N-th chunk's MP4 encode throws; also $SKYREELS_FAULT_INJECT
-  --step-delay-ms N           sleep N ms after every denoising step (slows the tiny model down for tests)
-  --block-delay-ms N          sleep N ms at every stop check, i.e. after every transformer block and before every
-                              step (a long forward, for tests)
-other:
-  --log-level LEVEL           trace, debug, info (default), warn, error
-  --help, --version
-
-SIGTERM/SIGINT drain: readiness turns NOT_SERVING and new jobs get UNAVAILABLE at once; accepted jobs (queued ones
-too) keep running until done or --drain-timeout-seconds, then the rest stop after their current transformer block
-(FAILED, UNAVAILABLE); results stay downloadable for a short grace, then the process exits 0. Chunks that have not
-stopped 5 s later are abandoned: the process logs event=exit forced=true and exits 0. A second signal stops at once.
-)";
-
-struct Options {
-  std::string model, vae, vae_device, text_encoder, tokenizer, image_encoder, image_processor;
-  bool demo = false;
-  std::string devices = "auto";
-  std::string dtype = "auto";
-  std::string listen = "0.0.0.0:50051";
-  std::string metrics_listen = "0.0.0.0:9090";
-  std::string http_listen;  // empty: no HTTP listener
-  std::string webhook_secret_file, webhook_allow_hosts;  // both, or no webhooks
-  int64_t http_idle_timeout_seconds = 30;
-  int64_t webhook_takeover_seconds = 30;
-  std::string tls_cert, tls_key, api_keys;
-  int64_t max_queue = 64, max_frames = 1457, max_height = 1280, max_width = 1280, max_steps = 100;
-  int64_t max_chunk_tokens = 0, max_job_work = 0;  // 0: derived (server/limits.h)
-  int64_t kv_cache_bytes = -1;                       // < 0: derived (server/limits.h)
-  int64_t max_chunks = kDefaultMaxChunks;
-  int chunk_retries = 2, replica_failure_limit = 3;
-  int64_t chunk_takeover_limit = 10;
-  double handoff_cost_seconds = 0.25;
-  double replica_retest_seconds = 30, replica_retest_max_seconds = 600;
-  int64_t liveness_grace_seconds = 300;
-  int64_t block_delay_ms = 0;
-  int64_t drain_timeout_seconds = 600, result_ttl_seconds = 3600, max_retained_jobs = 256;
-  std::string fault_inject;
-  int64_t step_delay_ms = 0;
-  std::string log_level = "info";
-  std::string data_dir = "./skyreels-data";
-  std::string job_store;  // empty: sqlite:<data_dir>/jobs.sqlite
-  std::string pod_name;   // empty: $HOSTNAME, else the host name
-  std::vector<skyreels::model::LoraSpec> loras;  // --lora, in order
-  double lease_seconds = 30;
-  TransportLimits transport;
-};
+using Options = ServerOptions;
 
 // After the drain ends, how long running chunks get to stop (they check after every transformer block).
 constexpr auto kFinalWait = std::chrono::seconds(5);
 
 std::chrono::milliseconds to_millis(double seconds) {
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
-}
-
-struct UsageError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-int64_t to_int(const std::string& flag, const std::string& value, int64_t lo, int64_t hi) {
-  try {
-    size_t used = 0;
-    const int64_t v = std::stoll(value, &used);
-    if (used == value.size() && v >= lo && v <= hi) return v;
-  } catch (const std::exception&) {
-  }
-  throw UsageError(flag + ": '" + value + "' is not an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
-                   "]");
-}
-
-// In Kubernetes $HOSTNAME is the pod's name.
-std::string default_pod_name() {
-  if (const char* env = std::getenv("HOSTNAME"); env != nullptr && *env != '\0') return env;
-  char host[256] = {};
-  if (gethostname(host, sizeof host - 1) == 0 && host[0] != '\0') return host;
-  return "pod";
-}
-
-Options parse(int argc, char** argv) {
-  Options o;
-  std::map<std::string, std::string*> strings = {{"--model", &o.model},
-                                                 {"--vae", &o.vae},
-                                                 {"--vae-device", &o.vae_device},
-                                                 {"--text-encoder", &o.text_encoder},
-                                                 {"--tokenizer", &o.tokenizer},
-                                                 {"--image-encoder", &o.image_encoder},
-                                                 {"--image-processor", &o.image_processor},
-                                                 {"--devices", &o.devices},
-                                                 {"--dtype", &o.dtype},
-                                                 {"--listen", &o.listen},
-                                                 {"--metrics-listen", &o.metrics_listen},
-                                                 {"--http-listen", &o.http_listen},
-                                                 {"--webhook-secret-file", &o.webhook_secret_file},
-                                                 {"--webhook-allow-hosts", &o.webhook_allow_hosts},
-                                                 {"--tls-cert", &o.tls_cert},
-                                                 {"--tls-key", &o.tls_key},
-                                                 {"--api-keys", &o.api_keys},
-                                                 {"--fault-inject", &o.fault_inject},
-                                                 {"--log-level", &o.log_level},
-                                                 {"--data-dir", &o.data_dir},
-                                                 {"--job-store", &o.job_store},
-                                                 {"--pod-name", &o.pod_name}};
-  struct IntFlag {
-    int64_t* target;
-    int64_t lo, hi;
-  };
-  int64_t chunk_retries = o.chunk_retries, failure_limit = o.replica_failure_limit;
-  std::map<std::string, IntFlag> ints = {{"--max-queue", {&o.max_queue, 1, 1000000}},
-                                         {"--max-frames", {&o.max_frames, 1, 100000}},
-                                         {"--max-height", {&o.max_height, 16, 16384}},
-                                         {"--max-width", {&o.max_width, 16, 16384}},
-                                         {"--max-steps", {&o.max_steps, 1, 10000}},
-                                         {"--chunk-retries", {&chunk_retries, 0, 100}},
-                                         {"--chunk-takeover-limit", {&o.chunk_takeover_limit, 0, 1000}},
-                                         {"--replica-failure-limit", {&failure_limit, 1, 1000000}},
-                                         {"--drain-timeout-seconds", {&o.drain_timeout_seconds, 0, 86400 * 7}},
-                                         {"--result-ttl-seconds", {&o.result_ttl_seconds, 1, 86400 * 30}},
-                                         {"--max-retained-jobs", {&o.max_retained_jobs, 0, 1000000}},
-                                         {"--step-delay-ms", {&o.step_delay_ms, 0, 600000}},
-                                         {"--block-delay-ms", {&o.block_delay_ms, 0, 600000}},
-                                         {"--max-chunk-tokens", {&o.max_chunk_tokens, 1, int64_t{1} << 40}},
-                                         {"--max-job-work", {&o.max_job_work, 1, int64_t{1} << 60}},
-                                         {"--kv-cache-bytes", {&o.kv_cache_bytes, 0, int64_t{1} << 50}},
-                                         {"--max-chunks", {&o.max_chunks, 1, 100000}},
-                                         {"--liveness-grace-seconds", {&o.liveness_grace_seconds, 1, 86400 * 7}},
-                                         {"--max-jobs-per-client", {&o.transport.max_jobs_per_client, 1, 1000000}},
-                                         {"--max-streams", {&o.transport.max_streams, 1, 100000}},
-                                         {"--max-streams-per-client", {&o.transport.max_streams_per_client, 1, 100000}},
-                                         {"--max-concurrent-encodes", {&o.transport.max_concurrent_encodes, 1, 1024}},
-                                         {"--http-idle-timeout-seconds", {&o.http_idle_timeout_seconds, 1, 3600}},
-                                         {"--webhook-takeover-seconds", {&o.webhook_takeover_seconds, 1, 86400}}};
-  std::map<std::string, double*> doubles = {{"--handoff-cost-seconds", &o.handoff_cost_seconds},
-                                            {"--replica-retest-seconds", &o.replica_retest_seconds},
-                                            {"--replica-retest-max-seconds", &o.replica_retest_max_seconds},
-                                            {"--lease-seconds", &o.lease_seconds}};
-  for (int i = 1; i < argc; ++i) {
-    std::string flag = argv[i];
-    std::string value;
-    bool inline_value = false;
-    if (const auto eq = flag.find('='); flag.rfind("--", 0) == 0 && eq != std::string::npos) {
-      value = flag.substr(eq + 1);
-      flag = flag.substr(0, eq);
-      inline_value = true;
-    }
-    if (flag == "--demo") {
-      o.demo = true;
-      continue;
-    }
-    auto take = [&]() {
-      if (inline_value) return value;
-      if (i + 1 >= argc) throw UsageError(flag + ": needs a value");
-      return std::string(argv[++i]);
-    };
-    if (flag == "--lora") {
-      try {
-        o.loras.push_back(skyreels::model::parse_lora_spec(take()));
-      } catch (const std::invalid_argument& e) {
-        throw UsageError(e.what());
-      }
-    } else if (auto s = strings.find(flag); s != strings.end()) {
-      *s->second = take();
-    } else if (auto n = ints.find(flag); n != ints.end()) {
-      *n->second.target = to_int(flag, take(), n->second.lo, n->second.hi);
-    } else if (auto d = doubles.find(flag); d != doubles.end()) {
-      try {
-        *d->second = std::stod(take());
-      } catch (const std::exception&) {
-        throw UsageError(flag + ": not a number");
-      }
-      if (!(*d->second >= 0 && *d->second <= 86400 * 7)) throw UsageError(flag + ": outside [0, 604800]");
-    } else {
-      throw UsageError("unknown flag '" + flag + "'");
-    }
-  }
-  o.chunk_retries = static_cast<int>(chunk_retries);
-  o.replica_failure_limit = static_cast<int>(failure_limit);
-  if (o.model.empty() == !o.demo)
-    throw UsageError(o.demo ? "--demo and --model exclude each other" : "--model DIR is required (or --demo)");
-  if (o.tls_cert.empty() != o.tls_key.empty()) throw UsageError("--tls-cert and --tls-key go together");
-  if (o.webhook_secret_file.empty() != o.webhook_allow_hosts.empty()) {
-    throw UsageError("--webhook-secret-file and --webhook-allow-hosts go together");
-  }
-  if (o.fault_inject.empty()) {
-    if (const char* env = std::getenv("SKYREELS_FAULT_INJECT")) o.fault_inject = env;
-  }
-  if (o.job_store.empty()) {  // a PostgreSQL URL with its password stays out of the process list
-    if (const char* env = std::getenv("SKYREELS_JOB_STORE")) o.job_store = env;
-  }
-  if (o.lease_seconds < 0.2) throw UsageError("--lease-seconds: at least 0.2");
-  if (o.pod_name.empty()) o.pod_name = default_pod_name();
-  return o;
 }
 
 std::string read_file(const std::string& path, const std::string& flag) {
@@ -610,9 +331,9 @@ SchedulerOptions scheduling_options(const Options& o) {
   SchedulerOptions scheduling;
   scheduling.max_jobs = o.max_queue;
   scheduling.max_jobs_per_client = o.transport.max_jobs_per_client;
-  scheduling.chunk_retries = o.chunk_retries;
+  scheduling.chunk_retries = static_cast<int>(o.chunk_retries);
   scheduling.chunk_takeover_limit = static_cast<int>(o.chunk_takeover_limit);
-  scheduling.replica_failure_limit = o.replica_failure_limit;
+  scheduling.replica_failure_limit = static_cast<int>(o.replica_failure_limit);
   scheduling.handoff_cost_seconds = o.handoff_cost_seconds;
   scheduling.retention = std::chrono::seconds(o.result_ttl_seconds);
   scheduling.max_retained_jobs = o.max_retained_jobs;
@@ -963,20 +684,31 @@ int main(int argc, char** argv) {
   skyreels::runtime::init_process(argc, argv);
   Options options;
   try {
+    bool print_flags = false;
+    std::vector<char*> args{argv[0]};
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
       if (a == "--help" || a == "-h") {
-        std::cout << kUsage;
+        std::cout << server_usage();
         return 0;
       }
       if (a == "--version") {
         std::cout << "skyreels-server " << SKYREELS_VERSION << "\n";
         return 0;
       }
+      if (a == "--print-flags") {
+        print_flags = true;
+      } else {
+        args.push_back(argv[i]);
+      }
     }
-    options = parse(argc, argv);
+    options = parse_server_flags(static_cast<int>(args.size()), args.data(), nullptr, !print_flags);
+    if (print_flags) {
+      std::cout << print_server_flags(options);
+      return 0;
+    }
   } catch (const UsageError& e) {
-    std::cerr << "skyreels-server: " << e.what() << "\n\n" << kUsage;
+    std::cerr << "skyreels-server: " << e.what() << "\n\n" << server_usage();
     return 2;
   }
   const auto level = spdlog::level::from_str(options.log_level);

@@ -342,18 +342,75 @@ TEST(Kustomize, ContainerArgumentsAreFlagsOfTheServerAndTheContract) {
   }
 }
 
-// The documented contract names every operational flag the server takes (the test hooks after "test hooks:" apart):
-// a flag added to the server and not to docs/ARCHITECTURE.md fails here.
-TEST(Contract, EveryServerFlagIsInTheOperationsContract) {
-  const std::string help = server_help();
-  const auto hooks = help.find("\ntest hooks:");
-  ASSERT_NE(hooks, std::string::npos) << "the test hooks' heading moved:\n" << help;
-  const auto operational = flags_in_help(help.substr(0, hooks));
-  ASSERT_GT(operational.size(), 40u) << "the usage text lost its flags";
-  for (const std::string& flag : operational) {
-    if (flag == "--help") continue;
-    EXPECT_TRUE(contract().flags.count(flag)) << flag << " is in skyreels-server --help but not in the contract";
+// `skyreels-server --print-flags` rows (flag, environment variable, value in effect, default, bounds, group) under
+// `environment` (NAME=VALUE words before the command).
+std::vector<std::vector<std::string>> print_flags(const std::string& environment = "", const std::string& args = "",
+                                                  int* status = nullptr) {
+  std::string output;
+  const int rc = run_command(environment + " " + bin_path("skyreels-server") + " --print-flags " + args + " 2>&1",
+                             &output);
+  if (status != nullptr) *status = rc;
+  std::vector<std::vector<std::string>> rows;
+  std::istringstream lines(output);
+  for (std::string line; std::getline(lines, line);) {
+    std::vector<std::string> cells;
+    std::istringstream fields(line);
+    for (std::string cell; std::getline(fields, cell, '\t');) cells.push_back(cell);
+    if (line.back() == '\t') cells.emplace_back();
+    if (cells.size() == 6 && cells[0] != "flag") rows.push_back(cells);
   }
+  if (status == nullptr && rc != 0) throw std::runtime_error("--print-flags exited with " + std::to_string(rc) + output);
+  return rows;
+}
+
+std::string value_of(const std::vector<std::vector<std::string>>& rows, const std::string& flag) {
+  for (const auto& row : rows) {
+    if (row[0] == flag) return row[2];
+  }
+  return "(no such flag)";
+}
+
+// The documented contract names every operational flag the server takes (the test hooks apart): a flag added to the
+// server's table and not to docs/ARCHITECTURE.md fails here. The usage text shows every flag of the table.
+TEST(Contract, EveryServerFlagIsInTheOperationsContract) {
+  const auto rows = print_flags();
+  ASSERT_GT(rows.size(), 40u) << "the flag table lost its flags";
+  const auto help_flags = flags_in_help(server_help());
+  for (const auto& row : rows) {
+    EXPECT_TRUE(help_flags.count(row[0])) << row[0] << " is in the flag table but not in --help";
+    if (row[5] == "test hooks") continue;
+    EXPECT_TRUE(contract().flags.count(row[0])) << row[0] << " is a server flag but not in the contract";
+  }
+}
+
+// Every flag also reads SKYREELS_<NAME> (TGI's launcher does the same); the command line wins over it, a bad value is
+// refused naming the variable, and --print-flags keeps a PostgreSQL URL's password to itself.
+TEST(Contract, EveryFlagReadsItsEnvironmentVariableAndTheCommandLineWins) {
+  const auto defaults = print_flags();
+  EXPECT_EQ(value_of(defaults, "--max-queue"), "64");
+  for (const auto& row : defaults) {
+    std::string expected = "SKYREELS_";
+    for (char c : row[0].substr(2)) expected += c == '-' ? '_' : static_cast<char>(std::toupper(c));
+    EXPECT_EQ(row[1], expected) << row[0];
+  }
+  const auto from_env = print_flags("SKYREELS_MAX_QUEUE=7 SKYREELS_LEASE_SECONDS=2.5 SKYREELS_DEMO=1 "
+                                    "SKYREELS_LORA=a.safetensors:0.5,b.safetensors "
+                                    "SKYREELS_JOB_STORE=postgresql://u:hunter2@db/jobs");
+  EXPECT_EQ(value_of(from_env, "--max-queue"), "7");
+  EXPECT_EQ(value_of(from_env, "--lease-seconds"), "2.5");
+  EXPECT_EQ(value_of(from_env, "--demo"), "true");
+  EXPECT_EQ(value_of(from_env, "--lora"), "a.safetensors:0.5,b.safetensors:1");
+  EXPECT_EQ(value_of(from_env, "--job-store"), "(set)");
+  EXPECT_EQ(value_of(print_flags("SKYREELS_MAX_QUEUE=7", "--max-queue 9"), "--max-queue"), "9");
+  EXPECT_EQ(value_of(print_flags("SKYREELS_MAX_QUEUE=7", "--max-queue=9"), "--max-queue"), "9");
+  int status = 0;
+  std::string output;
+  status = run_command("SKYREELS_MAX_QUEUE=many " + bin_path("skyreels-server") + " --demo 2>&1", &output);
+  EXPECT_EQ(status, 2) << output;
+  EXPECT_NE(output.find("SKYREELS_MAX_QUEUE: 'many' is not an integer in [1, 1000000]"), std::string::npos) << output;
+  status = run_command(bin_path("skyreels-server") + " --demo --lease-seconds 0.1 2>&1", &output);
+  EXPECT_EQ(status, 2) << output;
+  EXPECT_NE(output.find("--lease-seconds: '0.1' is not a number in [0.2, 604800]"), std::string::npos) << output;
 }
 
 TEST(Kustomize, ProbesAskTheContractHealthServicesOnTheListenPort) {
