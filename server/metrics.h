@@ -15,7 +15,9 @@
 #include <vector>
 
 #include "server/store/job_store_timed.h"
+#include "server/media/media_metrics.h"
 #include "server/queue/job_types.h"
+#include "server/webhook/webhook_metrics.h"
 
 namespace prometheus {
 class Registry;
@@ -52,7 +54,7 @@ inline constexpr std::chrono::seconds kScrapeDeadline{5};
 inline constexpr size_t kMaxScrapeConnections = 64;
 inline constexpr size_t kMaxScrapeRequestBytes = 16384;
 
-class Metrics : public SchedulerObserver {
+class Metrics : public SchedulerObserver, public MediaMetrics, public WebhookMetrics {
  public:
   // `loras`: the adapters in effect (model::describe_loras); when non-empty, skyreels_build_info gets a `loras` label.
   Metrics(const std::vector<std::string>& replica_names, const std::string& version, const std::string& loras = "");
@@ -68,17 +70,17 @@ class Metrics : public SchedulerObserver {
   void set_streams_open(int64_t open);
   void text_encoded(double seconds);
   // One encoder call of the text embedding cache: rows served from it, rows encoded, bytes it holds now.
-  void text_embedding_cache(uint64_t hits, uint64_t misses, size_t bytes);
+  void text_embedding_cache(uint64_t hits, uint64_t misses, size_t bytes) override;
   void stream_rejected(const std::string& reason);
   // The SLO side: one model component's load (kComponent*), one VAE call ("encode": conditioning frames to latents,
   // "decode": a chunk's latents to frames for its MP4).
   void model_loaded(const std::string& component, double seconds);
-  void vae_call(const char* op, double seconds);
+  void vae_call(const char* op, double seconds) override;
   // One RPC, as go-grpc-prometheus counts it: started, then handled with its code (grpc::StatusCode) and duration.
   // `type` is unary / client_stream / server_stream / bidi_stream; `service` and `method` as in "/service/method".
   void rpc_started(const std::string& type, const std::string& service, const std::string& method);
   // One webhook delivery attempt ended: outcome delivered, failed (a retry follows) or abandoned.
-  void webhook_attempted(const std::string& outcome);
+  void webhook_attempted(const std::string& outcome) override;
   // One HTTP request answered (--http-listen): `route` is the route's template ("/v1/videos/{id}"), never a path.
   void http_handled(const std::string& route, int status, double seconds);
   void rpc_handled(const std::string& type, const std::string& service, const std::string& method, int code,
@@ -103,8 +105,8 @@ class Metrics : public SchedulerObserver {
   // The VAE worker (server/encoders.*): one chunk's MP4 made; jobs with MP4 work left.
   // One transformer call's token-blocks (tokens x blocks): computed, saved exactly, saved by the step cache.
   void transformer_work(int64_t computed, int64_t saved_exact, int64_t saved_cache);
-  void video_chunk_encoded();
-  void video_jobs_pending(int64_t jobs);
+  void video_chunk_encoded() override;
+  void video_jobs_pending(int64_t jobs) override;
   // Also sets skyreels_global_queue_depth to `queued` until set_global_queue_depth() is first called.
   void queue_changed(int64_t queued, int64_t running) override;
 

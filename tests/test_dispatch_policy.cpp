@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "server/queue/dispatch_policy.h"
+#include "server/policy/dispatch_policy.h"
 
 namespace skyreels::server::policy {
 namespace {

@@ -25,7 +25,7 @@
 #include <thread>
 #include <vector>
 
-#include "server/queue/fingerprint.h"
+#include "server/job/fingerprint.h"
 #include "server/store/job_lease.h"
 #include "server/replica/replica_pool.h"
 #include "server/queue/scheduler.h"

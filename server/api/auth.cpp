@@ -7,7 +7,7 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "server/queue/dispatch_policy.h"
+#include "server/policy/dispatch_policy.h"
 
 namespace skyreels::server {
 

@@ -21,7 +21,7 @@
 #include <thread>
 
 #include "server/job/generation_params_proto.h"
-#include "server/queue/fingerprint.h"
+#include "server/job/fingerprint.h"
 #include "server/api/guards.h"
 #include "server/store/job_store.h"
 #include "skyreels/v1/video_service.grpc.pb.h"

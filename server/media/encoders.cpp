@@ -51,7 +51,7 @@ std::shared_ptr<const ImageEncoder> load_image_encoder(const std::string& path, 
 }
 
 TextEncoderFn load_text_encoder(const std::string& path, const std::string& tokenizer, const std::string& device,
-                                const std::string& dtype, int64_t text_dim, Metrics* metrics) {
+                                const std::string& dtype, int64_t text_dim, MediaMetrics* metrics) {
   model::TextEncoderOptions options;
   options.device = device;
   options.dtype = dtype;
@@ -106,7 +106,7 @@ struct VideoEncoder::VideoState {
   std::string pending;  // bytes the writer emitted since the last chunk was stored
 };
 
-VideoEncoder::VideoEncoder(const std::string& vae_path, const std::string& device, JobStore& store, Metrics* metrics,
+VideoEncoder::VideoEncoder(const std::string& vae_path, const std::string& device, JobStore& store, MediaMetrics* metrics,
                            int64_t max_jobs, const std::vector<FaultRule>& faults)
     : store_(store), metrics_(metrics), max_jobs_(max_jobs) {
   for (const auto& rule : faults) {

@@ -16,7 +16,7 @@
 #include <thread>
 
 #include "server/queue/job_types.h"
-#include "server/metrics.h"
+#include "server/media/media_metrics.h"
 #include "server/replica/model_job.h"
 #include "server/replica/replica.h"
 
@@ -30,7 +30,7 @@ namespace skyreels::server {
 // one TextEncoder::encode (cached by text and encoder, pad-aware, batched where that is faster). Each call's cache
 // hits and misses go to `metrics` (may be null). Throws when its hidden size is not the transformer's text_dim.
 TextEncoderFn load_text_encoder(const std::string& path, const std::string& tokenizer, const std::string& device,
-                                const std::string& dtype, int64_t text_dim, Metrics* metrics = nullptr);
+                                const std::string& dtype, int64_t text_dim, MediaMetrics* metrics = nullptr);
 
 // Loads the i2v pipeline's CLIP image encoder (model::load_clip_vision_encoder: a transformers folder, a pipeline
 // folder holding image_encoder/, or the original open-clip weights) and its preprocessor_config.json (from
@@ -57,7 +57,7 @@ class VideoEncoder : public SchedulerObserver {
  public:
   // `vae_path` "demo": a tiny random-weight VAE (for tests and the demo). `store` must outlive the encoder. `metrics`
   // may be null. Rules of `faults` named kVideoEncoderFaultName apply to the encodes (others are ignored).
-  VideoEncoder(const std::string& vae_path, const std::string& device, JobStore& store, Metrics* metrics = nullptr,
+  VideoEncoder(const std::string& vae_path, const std::string& device, JobStore& store, MediaMetrics* metrics = nullptr,
                int64_t max_jobs = 1024, const std::vector<FaultRule>& faults = {});
   ~VideoEncoder() override;
   // Starts (or keeps) decoding this job's chunks: those done already and every later one; nothing when its MP4 is
@@ -109,7 +109,7 @@ class VideoEncoder : public SchedulerObserver {
   void publish_locked();
   std::shared_ptr<model::WanVae> vae_;
   JobStore& store_;
-  Metrics* metrics_;
+  MediaMetrics* metrics_;
   int64_t max_jobs_;
   std::mutex mu_;
   std::condition_variable cv_;

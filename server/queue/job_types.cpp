@@ -8,7 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
-#include "server/queue/fingerprint.h"
+#include "server/job/fingerprint.h"
 
 namespace skyreels::server {
 

@@ -8,8 +8,8 @@
 #include <set>
 #include <stdexcept>
 
-#include "server/queue/dispatch_policy.h"
-#include "server/queue/fingerprint.h"
+#include "server/policy/dispatch_policy.h"
+#include "server/job/fingerprint.h"
 #include "server/store/job_lease_local.h"
 
 namespace skyreels::server {

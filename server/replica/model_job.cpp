@@ -21,7 +21,7 @@
 #include "model/vae_wan.h"
 #include "model/safetensors_limits.h"
 #include "server/job/blob.h"
-#include "server/queue/fingerprint.h"
+#include "server/job/fingerprint.h"
 #include "server/job/generation_params.h"
 #include "server/job/generation_params_model.h"
 

@@ -7,7 +7,7 @@
 #include <functional>
 #include <thread>
 
-#include "server/queue/dispatch_policy.h"
+#include "server/policy/dispatch_policy.h"
 
 namespace skyreels::server {
 

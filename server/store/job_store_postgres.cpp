@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <random>
 
-#include "server/queue/dispatch_policy.h"
+#include "server/policy/dispatch_policy.h"
 #include "server/store/pg_db.h"
 
 namespace skyreels::server {

@@ -12,7 +12,6 @@
 #include <stdexcept>
 
 #include "server/job/base64.h"
-#include "server/metrics.h"
 #include "server/store/job_lease.h"
 #include "skyreels/v1/video_service.pb.h"
 
@@ -150,7 +149,7 @@ std::string webhook_signature(const std::string& secret, const std::string& id, 
   return "v1," + base64_encode(std::string(reinterpret_cast<const char*>(mac), length));
 }
 
-WebhookSender::WebhookSender(JobStore& store, WebhookOptions options, Metrics* metrics)
+WebhookSender::WebhookSender(JobStore& store, WebhookOptions options, WebhookMetrics* metrics)
     : store_(store), options_(std::move(options)), metrics_(metrics) {
   curl_global_init(CURL_GLOBAL_DEFAULT);
 }

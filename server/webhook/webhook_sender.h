@@ -26,10 +26,10 @@
 
 #include "server/queue/job_types.h"
 #include "server/store/job_store.h"
+#include "server/webhook/webhook_metrics.h"
 
 namespace skyreels::server {
 
-class Metrics;
 
 struct WebhookOptions {
   std::string secret;                    // the signing key's bytes (read_webhook_secret)
@@ -65,7 +65,7 @@ std::string webhook_signature(const std::string& secret, const std::string& id, 
 class WebhookSender : public SchedulerObserver {
  public:
   // `store` (with leases) must outlive the sender; `metrics` may be null.
-  WebhookSender(JobStore& store, WebhookOptions options, Metrics* metrics = nullptr);
+  WebhookSender(JobStore& store, WebhookOptions options, WebhookMetrics* metrics = nullptr);
   ~WebhookSender() override;
   // Reads every stored job with a webhook (deliveries a restart interrupted), then follows new events.
   void start();
@@ -118,7 +118,7 @@ class WebhookSender : public SchedulerObserver {
 
   JobStore& store_;
   WebhookOptions options_;
-  Metrics* metrics_;
+  WebhookMetrics* metrics_;
   std::mutex mu_;
   std::condition_variable scan_cv_, work_cv_;
   std::map<std::string, Followed> followed_;        // jobs with deliveries not all ended

@@ -1,4 +1,4 @@
-#include "server/queue/dispatch_policy.h"
+#include "server/policy/dispatch_policy.h"
 
 #include <algorithm>
 

@@ -1,4 +1,4 @@
-#include "server/queue/fingerprint.h"
+#include "server/job/fingerprint.h"
 
 #include <openssl/evp.h>
 
