@@ -27,7 +27,7 @@
 
 #include "server/job/fingerprint.h"
 #include "server/store/job_lease.h"
-#include "server/replica/replica_pool.h"
+#include "server/queue/replica_pool.h"
 #include "server/queue/scheduler.h"
 #include "tests/pg_fixture.h"
 

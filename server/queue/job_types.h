@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "server/replica/chunk_executor.h"
 #include "server/store/job_store.h"
 
 namespace skyreels::server {
@@ -22,12 +23,6 @@ using WallClock = std::chrono::system_clock;
 // results): defined by them (server/model_job.h), carried here unopened.
 struct JobDescription;
 
-// Per-job data only the executor understands (model inputs, the state carried between chunks; results go to the
-// job store). Shared by every replica that runs one of the job's chunks; chunks of one job never run concurrently.
-class JobPayload {
- public:
-  virtual ~JobPayload() = default;
-};
 
 enum class JobState { Queued, Running, Succeeded, Failed, Cancelled, DeadlineExceeded };
 const char* job_state_name(JobState state);
@@ -66,31 +61,9 @@ struct RestoredJob {
   std::string error;  // why the payload could not be re-created: the job, if unfinished, fails with it
 };
 
-// Transformer work in token-blocks (one token through one transformer block, as in
-// skyreels_transformer_token_blocks_total): what the uncached plan would compute, what was computed, and what the
-// exact savings and the step cache left out (full = computed + saved_exact + saved_cache).
-struct TransformerWork {
-  int64_t full = 0, computed = 0, saved_exact = 0, saved_cache = 0;
-  TransformerWork& operator+=(const TransformerWork& o) {
-    full += o.full;
-    computed += o.computed;
-    saved_exact += o.saved_exact;
-    saved_cache += o.saved_cache;
-    return *this;
-  }
-};
 
 enum class EventType { Queued, ChunkStarted, Step, ChunkFinished, ChunkRetry, Finished, Webhook };
 
-// A preview of a running chunk (model/preview.h) as the replica encoded it: never stored, the latest one per job is
-// kept in memory for its watchers.
-struct ChunkPreviewImage {
-  int64_t chunk = 0;
-  int64_t step = 0, steps = 0;  // 1-based row and rows of the chunk
-  int64_t frame_begin = 0, frame_end = 0;  // latent frames of the whole video, left to right in the image
-  int64_t frame_width = 0, frame_height = 0;
-  std::string png;
-};
 
 // The latest preview of a job, numbered per job on this pod (a watcher delivers each number once, skipping to the
 // latest when it falls behind).

@@ -41,7 +41,7 @@
 #include "server/store/job_lease.h"
 #include "server/queue/job_queue.h"
 #include "server/store/job_store.h"
-#include "server/replica/replica_pool.h"
+#include "server/queue/replica_pool.h"
 
 namespace skyreels::server {
 

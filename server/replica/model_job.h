@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "server/job/job_request.h"
-#include "server/replica/replica_pool.h"
+#include "server/replica/chunk_executor.h"
 
 namespace skyreels::model {
 class ClipVisionEncoder;

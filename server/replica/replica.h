@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "model/lora.h"
-#include "server/replica/replica_pool.h"
+#include "server/replica/chunk_executor.h"
 
 namespace skyreels::model {
 class SkyReelsV2Transformer;

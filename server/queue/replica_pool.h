@@ -18,52 +18,10 @@
 #include <vector>
 
 #include "server/queue/job_types.h"
+#include "server/replica/chunk_executor.h"
 
 namespace skyreels::server {
 
-struct ChunkWork {
-  std::string job_id;
-  int64_t chunk_index = 0;
-  int64_t chunk_count = 0;
-  int attempt = 0;       // 0 on the first try
-  bool handoff = false;  // the previous chunk ran on another replica
-  JobPayload* payload = nullptr;
-};
-
-// Failed: the replica could not run it (retried elsewhere, counts against the replica). Rejected: the request itself
-// cannot run (the job fails at once with ErrorKind::InvalidArgument; no retry, the replica is not blamed).
-// ResourceExhausted: the request was too large for the device's memory (the job fails with
-// ErrorKind::ResourceExhausted; no retry, the replica is not blamed). NotStored: the chunk ran but the job store could
-// not commit its result (full disk, I/O error): the job fails with ErrorKind::Internal naming the reason.
-enum class ChunkOutcome { Succeeded, Stopped, Failed, Rejected, ResourceExhausted, NotStored };
-
-struct ChunkResult {
-  ChunkOutcome outcome = ChunkOutcome::Succeeded;
-  std::string error;             // when Failed
-  int64_t frames_generated = 0;  // pixel frames this chunk added to the video
-  std::string bytes;             // the chunk's result, committed to the job store with chunks_done (empty: none)
-  TransformerWork work;          // what the chunk's transformer calls computed and saved
-};
-
-struct ChunkCallbacks {
-  std::function<void(int64_t row, int64_t rows)> on_step;  // after each denoising row (1-based row)
-  std::function<bool()> should_stop;                       // cancelled, deadline passed or hard stop: stop now
-  std::function<void(ChunkPreviewImage)> on_preview;       // a preview of the running chunk (preview_every)
-};
-
-// One replica: a model on one device. run() is only ever called from the replica's own worker thread.
-class ChunkExecutor {
- public:
-  virtual ~ChunkExecutor() = default;
-  virtual std::string name() const = 0;  // metric label, e.g. "cpu:0"
-  // Loads and warms the model, on the worker thread, before any chunk. Throws on failure (replica unhealthy).
-  virtual void start() {}
-  // Runs one chunk. Should return Stopped when callbacks.should_stop() turned true. Exceptions count as Failed.
-  virtual ChunkResult run(const ChunkWork& work, const ChunkCallbacks& callbacks) = 0;
-  // Re-tests a replica that was taken out (e.g. one small warm-up forward), on the worker thread. Throws when the
-  // replica still does not work.
-  virtual void probe() {}
-};
 
 // One chunk handed to a replica: what to run, the payload kept alive while it runs, and the source's callbacks.
 struct ChunkAssignment {

@@ -1,4 +1,4 @@
-#include "server/replica/replica_pool.h"
+#include "server/queue/replica_pool.h"
 
 #include <spdlog/spdlog.h>
 

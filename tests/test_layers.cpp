@@ -1,0 +1,140 @@
+// The layer order of server/README.md, checked on the source: every `#include "server/..."` in server/ points to the
+// same folder or to a folder below it, model/ includes nothing of server/, cli/ or gRPC, and only the transports and
+// the assembly include gRPC or libmicrohttpd. A new include against the order fails here, naming the file and line.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "tests/test_util.h"
+
+namespace skyreels::test {
+namespace {
+
+namespace fs = std::filesystem;
+
+// server/README.md's order, top first. A folder may include its own files and those of any folder after it.
+const std::vector<std::string> kServerLayers = {"server/main.cpp", "server/app",     "server/http",  "server/api",
+                                                "server/metrics",  "server/media",   "server/webhook", "server/queue",
+                                                "server/store",    "server/replica", "server/policy",  "server/job"};
+// Folders on one rank: neither includes the other.
+const std::map<std::string, std::string> kSameRank = {{"server/webhook", "server/media"}};
+
+struct Include {
+  std::string file;  // relative to the source root
+  int line = 0;
+  std::string target;  // as written between the quotes or brackets
+};
+
+std::string source_root() { return fs::canonical(data_path("../..")).string(); }
+
+std::vector<Include> includes_under(const std::string& folder) {
+  std::vector<Include> found;
+  const std::string root = source_root();
+  const std::regex include(R"(^\s*#\s*include\s*[<"]([^>"]+)[>"])");
+  for (const auto& entry : fs::recursive_directory_iterator(root + "/" + folder)) {
+    const std::string ext = entry.path().extension().string();
+    if (!entry.is_regular_file() || (ext != ".h" && ext != ".cpp" && ext != ".inc" && ext != ".in")) continue;
+    std::ifstream in(entry.path());
+    int number = 0;
+    for (std::string line; std::getline(in, line);) {
+      ++number;
+      std::smatch m;
+      if (std::regex_search(line, m, include)) {
+        found.push_back({fs::relative(entry.path(), root).string(), number, m[1].str()});
+      }
+    }
+  }
+  return found;
+}
+
+// The layer a server/ path belongs to: its folder, or server/main.cpp and server/metrics.* at the top level.
+std::string layer_of(const std::string& path) {
+  if (path == "server/main.cpp") return path;
+  if (path.rfind("server/metrics.", 0) == 0) return "server/metrics";
+  const auto second = path.find('/', std::string("server/").size());
+  return second == std::string::npos ? path : path.substr(0, second);
+}
+
+int rank_of(const std::string& layer) {
+  std::string l = layer;
+  if (const auto same = kSameRank.find(layer); same != kSameRank.end()) l = same->second;
+  for (size_t i = 0; i < kServerLayers.size(); ++i) {
+    if (kServerLayers[i] == l) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+std::string where(const Include& inc) { return inc.file + ":" + std::to_string(inc.line) + " includes " + inc.target; }
+
+bool is_grpc(const std::string& target) {
+  return target.rfind("grpc", 0) == 0 || target.find(".grpc.pb.h") != std::string::npos;
+}
+
+TEST(Layers, EveryServerFolderIsInTheStatedOrder) {
+  for (const auto& entry : fs::directory_iterator(source_root() + "/server")) {
+    if (!entry.is_directory()) continue;
+    const std::string folder = "server/" + entry.path().filename().string();
+    EXPECT_GE(rank_of(folder), 0) << folder << " is not in server/README.md's layer order (nor in this test's copy)";
+  }
+}
+
+TEST(Layers, ServerIncludesPointDownTheOrder) {
+  std::vector<std::string> against;
+  for (const Include& inc : includes_under("server")) {
+    if (inc.target.rfind("server/", 0) != 0) continue;
+    const std::string from = layer_of(inc.file), to = layer_of(inc.target);
+    if (from == to) continue;
+    const int from_rank = rank_of(from), to_rank = rank_of(to);
+    ASSERT_GE(from_rank, 0) << inc.file << ": an unknown layer " << from;
+    ASSERT_GE(to_rank, 0) << where(inc) << ": an unknown layer " << to;
+    if (to_rank <= from_rank) against.push_back(where(inc));
+  }
+  EXPECT_TRUE(against.empty()) << against.size() << " include(s) against the layer order of server/README.md:\n"
+                               << ::testing::PrintToString(against);
+}
+
+TEST(Layers, OnlyTheTransportsAndTheAssemblyUseGrpcAndLibmicrohttpd) {
+  const std::vector<std::string> allowed = {"server/main.cpp", "server/app", "server/http", "server/api"};
+  std::vector<std::string> against;
+  for (const Include& inc : includes_under("server")) {
+    if (!is_grpc(inc.target) && inc.target != "microhttpd.h") continue;
+    const std::string layer = layer_of(inc.file);
+    if (std::find(allowed.begin(), allowed.end(), layer) == allowed.end()) against.push_back(where(inc));
+  }
+  EXPECT_TRUE(against.empty()) << ::testing::PrintToString(against);
+}
+
+TEST(Layers, TheModelIncludesNothingOfTheServerTheCliOrGrpc) {
+  std::vector<std::string> against;
+  for (const Include& inc : includes_under("model")) {
+    const bool server = inc.target.rfind("server/", 0) == 0 || inc.target.rfind("cli/", 0) == 0;
+    const bool proto = inc.target.find(".pb.h") != std::string::npos || inc.target.rfind("skyreels/v1", 0) == 0;
+    if (server || proto || is_grpc(inc.target)) against.push_back(where(inc));
+  }
+  EXPECT_TRUE(against.empty()) << ::testing::PrintToString(against);
+}
+
+// The check itself: an include against the order is found (so that the tests above cannot pass by reading nothing).
+TEST(Layers, TheCheckSeesTheIncludesItJudges) {
+  const auto server = includes_under("server");
+  EXPECT_GT(server.size(), 300u);
+  bool queue_includes_replica_seam = false, store_includes_policy = false;
+  for (const Include& inc : server) {
+    queue_includes_replica_seam |= layer_of(inc.file) == "server/queue" && inc.target == "server/replica/chunk_executor.h";
+    store_includes_policy |= layer_of(inc.file) == "server/store" && inc.target == "server/policy/dispatch_policy.h";
+  }
+  EXPECT_TRUE(queue_includes_replica_seam);
+  EXPECT_TRUE(store_includes_policy);
+  EXPECT_LT(rank_of("server/queue"), rank_of("server/replica")) << "a queue file may include the replicas' seam";
+  EXPECT_GT(rank_of("server/replica"), rank_of("server/api")) << "a replica file may not include the transport";
+  EXPECT_EQ(rank_of("server/webhook"), rank_of("server/media")) << "webhook and media are one rank: neither includes the other";
+}
+
+}  // namespace
+}  // namespace skyreels::test
