@@ -106,8 +106,8 @@ void AdapterCatalogue::check_fits(const std::string& path, const LoraLayout& lay
     const size_t dot = name.rfind('.');
     const std::string module = name.substr(0, dot);
     const bool linear = std::binary_search(linear_modules_.begin(), linear_modules_.end(), module);
-    if (!linear || (name.compare(dot, std::string::npos, ".weight") != 0 &&
-                    name.compare(dot, std::string::npos, ".bias") != 0)) {
+    if (!linear ||
+        (name.compare(dot, std::string::npos, ".weight") != 0 && name.compare(dot, std::string::npos, ".bias") != 0)) {
       throw std::invalid_argument("LoRA '" + path + "': key '" + target.key + "': targets '" + name +
                                   "', which is not a linear layer's weight or bias (adapters per call change linear "
                                   "layers only; --lora merges it)");
@@ -173,7 +173,8 @@ std::shared_ptr<const LoraAdapter> AdapterBank::load(const AdapterInfo& info) co
                              " now); restart to take the new file");
   }
   LoraAdapter adapter = read_lora({info.path, 1.0}, *file);
-  catalogue_->check_fits(info.path, read_lora_layout(info.path, {file->tensors(), file->metadata(), file->file_size()}));
+  catalogue_->check_fits(info.path,
+                         read_lora_layout(info.path, {file->tensors(), file->metadata(), file->file_size()}));
   return std::make_shared<const LoraAdapter>(place_lora(adapter, catalogue_->specs(), device_, dtype_));
 }
 

@@ -50,7 +50,7 @@ inline constexpr size_t kDefaultMaxResident = 4;
 
 // One file of the catalogue.
 struct AdapterInfo {
-  std::string name;    // file name without .safetensors
+  std::string name;  // file name without .safetensors
   std::string path;
   std::string sha256;  // 64 hex digits; empty when the file could not be read
   uint64_t bytes = 0;
@@ -81,7 +81,7 @@ class AdapterCatalogue {
 
   const std::string& directory() const { return directory_; }
   const std::vector<AdapterInfo>& adapters() const { return adapters_; }  // sorted by name
-  const AdapterInfo* find(const std::string& name) const;                  // nullptr when there is none
+  const AdapterInfo* find(const std::string& name) const;                 // nullptr when there is none
   const std::vector<checkpoint::ParamSpec>& specs() const { return specs_; }
 
   // Validates a request's adapters, in order. Throws std::invalid_argument naming the field ("adapters",

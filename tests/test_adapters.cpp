@@ -128,7 +128,8 @@ TEST(Sha256, GivesTheFipsDigestsWhateverThePiecesItIsFedIn) {
   };
   EXPECT_EQ(digest("", 1), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
   EXPECT_EQ(digest("abc", 1), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
-  const std::string two_blocks = "abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq";  // 448 bits: padding spills
+  const std::string two_blocks =
+      "abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq";  // 448 bits: padding spills
   for (size_t piece : {1, 7, 64, 1000}) {
     EXPECT_EQ(digest(two_blocks, piece), "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1") << piece;
   }
@@ -196,15 +197,14 @@ TEST(AdaptersPerCall, Bf16UnmergedIsAsCloseToFloat32AsTheBf16Merge) {
   const auto before = snapshot(*base.model);
   const std::vector<AdapterRequest> stack = {{"original_format", 0.7}, {"musubi_format", -0.5}};
   const at::Tensor unmerged = forward(*base.model, bank.activate(stack));
-  const at::Tensor merged = forward(*load_with({{fixture("original_format"), 0.7}, {fixture("musubi_format"), -0.5}},
-                                               "bfloat16")
-                                         .model);
+  const at::Tensor merged =
+      forward(*load_with({{fixture("original_format"), 0.7}, {fixture("musubi_format"), -0.5}}, "bfloat16").model);
   const at::Tensor reference =
       forward(*load_with({{fixture("original_format"), 0.7}, {fixture("musubi_format"), -0.5}}).model);
   const double unmerged_error = max_abs_diff(unmerged, reference), merged_error = max_abs_diff(merged, reference);
-  std::cout << "[ bf16 ] max |unmerged - merged| = " << max_abs_diff(unmerged, merged)
-            << "; against fp32: unmerged " << unmerged_error << ", merged " << merged_error
-            << " (max |fp32 output| " << reference.abs().max().item<double>() << ")\n";
+  std::cout << "[ bf16 ] max |unmerged - merged| = " << max_abs_diff(unmerged, merged) << "; against fp32: unmerged "
+            << unmerged_error << ", merged " << merged_error << " (max |fp32 output| "
+            << reference.abs().max().item<double>() << ")\n";
   EXPECT_TRUE(skyreels::test::all_close(unmerged, merged, 5e-2, 5e-2));
   EXPECT_LE(unmerged_error, 2 * merged_error + 1e-2);
   expect_unchanged(*base.model, before);
@@ -220,7 +220,9 @@ TEST(AdaptersPerCall, Bf16UnmergedIsAsCloseToFloat32AsTheBf16Merge) {
 TEST(AdaptersPerCall, AnAdapterThatDoesNotFitTheCallIsRefusedNamingItsKey) {
   const auto base = load_with({}, "bfloat16");
   auto unplaced = std::make_shared<const LoraAdapter>(read_lora({fixture("musubi_format"), 1.0}));  // float32
-  EXPECT_HAS(error_of([&] { forward(*base.model, {{unplaced, 1.0}}); }),
+  EXPECT_HAS(error_of([&] {
+               forward(*base.model, {{unplaced, 1.0}});
+             }),
              "key 'lora_unet_blocks_0_self_attn_k.lora_down.weight': is Float on cpu, "
              "'blocks.0.attn1.to_k.weight' is BFloat16 on cpu (place_lora places an adapter for a model)");
   const auto f32 = load_with({});
@@ -228,7 +230,9 @@ TEST(AdaptersPerCall, AnAdapterThatDoesNotFitTheCallIsRefusedNamingItsKey) {
   LoraAdapter norm;  // a bias delta of a LayerNorm: --lora merges it, a call cannot add it to a linear's output
   norm.spec.path = "norm.safetensors";
   norm.updates["blocks.0.norm2.bias"] = {"transformer.blocks.0.norm2.lora_B.bias", {}, {}, at::zeros({24}), 1.0};
-  EXPECT_HAS(error_of([&] { forward(*f32.model, {{std::make_shared<const LoraAdapter>(norm), 1.0}}); }),
+  EXPECT_HAS(error_of([&] {
+               forward(*f32.model, {{std::make_shared<const LoraAdapter>(norm), 1.0}});
+             }),
              "adapter 'norm.safetensors': key 'transformer.blocks.0.norm2.lora_B.bias': targets "
              "'blocks.0.norm2.bias', which is not a linear layer's weight or bias");
 }
@@ -296,8 +300,8 @@ TEST(AdapterCatalogue, ListsEveryFileWithItsDigestFormatRankAndParameters) {
 TEST(AdapterCatalogue, DamagedFilesAreListedUnavailableWithTheReasonAndRefusedUnderStrict) {
   const auto base = load_with({});
   const std::string dir = lora_dir({"musubi_format"});
-  write_bytes(dir + "/truncated.safetensors", with_header(R"({"a": {"dtype": "F32", "shape": [4], "data_offsets")")
-                                                  .substr(0, 20));
+  write_bytes(dir + "/truncated.safetensors",
+              with_header(R"({"a": {"dtype": "F32", "shape": [4], "data_offsets")").substr(0, 20));
   write_bytes(dir + "/garbage.safetensors", with_header("{this is not json"));
   const auto catalogue = catalogue_of(dir, base);
   EXPECT_TRUE(info_of(*catalogue, "musubi_format").available);
@@ -309,7 +313,10 @@ TEST(AdapterCatalogue, DamagedFilesAreListedUnavailableWithTheReasonAndRefusedUn
   EXPECT_FALSE(garbage.available);
   EXPECT_HAS(garbage.reason, "garbage.safetensors'");
   EXPECT_EQ(garbage.sha256, sha256_file(dir + "/garbage.safetensors"));  // listed with its digest all the same
-  EXPECT_HAS(error_of([&] { catalogue->resolve({{"garbage", 1.0}}); }), "adapters[0].name: adapter 'garbage' is unavailable: ");
+  EXPECT_HAS(error_of([&] {
+               catalogue->resolve({{"garbage", 1.0}});
+             }),
+             "adapters[0].name: adapter 'garbage' is unavailable: ");
   const std::string strict = error_of([&] { catalogue_of(dir, base, {true}); });
   EXPECT_HAS(strict, "adapter 'garbage' is unavailable: ");  // the first by name
 }
@@ -326,9 +333,11 @@ TEST(AdapterCatalogue, AnAdapterWhoseShapesDoNotFitTheModelNamesTheKeyAndBothSha
   const auto catalogue = catalogue_of(dir, base);
   const AdapterInfo& wide = info_of(*catalogue, "wide");
   EXPECT_FALSE(wide.available);
-  EXPECT_HAS(wide.reason, "key 'transformer.blocks.0.attn1.to_q.lora_A.weight': implies [30, 24] for "
-                          "'blocks.0.attn1.to_q.weight', which is [24, 24] in this model");
-  EXPECT_HAS(info_of(*catalogue, "nine_blocks").reason, "targets 'blocks.8.attn1.to_q.weight', which this model does not have");
+  EXPECT_HAS(wide.reason,
+             "key 'transformer.blocks.0.attn1.to_q.lora_A.weight': implies [30, 24] for "
+             "'blocks.0.attn1.to_q.weight', which is [24, 24] in this model");
+  EXPECT_HAS(info_of(*catalogue, "nine_blocks").reason,
+             "targets 'blocks.8.attn1.to_q.weight', which this model does not have");
 }
 
 // The catalogue never reads a tensor: an adapter whose values are NaN is listed available (its header is fine) and
@@ -361,15 +370,23 @@ TEST(AdapterCatalogue, ResolveRefusesWhatARequestMustNotAskNamingTheField) {
   const auto ok = catalogue->resolve({{"musubi_format", -0.5}, {"original_format", 100.0}});
   ASSERT_EQ(ok.size(), 2u);
   EXPECT_EQ(ok[0].sha256, sha256_file(fixture("musubi_format")));
-  EXPECT_HAS(error_of([&] { catalogue->resolve({{"musubi_format", 1.0}, {"styel", 1.0}}); }),
+  EXPECT_HAS(error_of([&] {
+               catalogue->resolve({{"musubi_format", 1.0}, {"styel", 1.0}});
+             }),
              "adapters[1].name: unknown adapter 'styel'");
-  EXPECT_HAS(error_of([&] { catalogue->resolve({{"musubi_format", NAN}}); }),
+  EXPECT_HAS(error_of([&] {
+               catalogue->resolve({{"musubi_format", NAN}});
+             }),
              "adapters[0].scale: adapter 'musubi_format' has scale nan; it must be a finite number within +-100");
   EXPECT_HAS(error_of([&] { catalogue->resolve({{"musubi_format", INFINITY}}); }), "adapters[0].scale");
   EXPECT_HAS(error_of([&] { catalogue->resolve({{"musubi_format", -100.5}}); }), "has scale -100.5");
-  EXPECT_HAS(error_of([&] { catalogue->resolve(std::vector<AdapterRequest>(9, {"musubi_format", 1.0})); }),
+  EXPECT_HAS(error_of([&] {
+               catalogue->resolve(std::vector<AdapterRequest>(9, {"musubi_format", 1.0}));
+             }),
              "adapters: 9 given, at most 8 per request");
-  EXPECT_HAS(error_of([&] { catalogue->resolve({{"musubi_format", 1.0}, {"diffusers_format", 1.0}, {"musubi_format", 2.0}}); }),
+  EXPECT_HAS(error_of([&] {
+               catalogue->resolve({{"musubi_format", 1.0}, {"diffusers_format", 1.0}, {"musubi_format", 2.0}});
+             }),
              "adapters[2].name: adapter 'musubi_format' is given twice (also adapters[0])");
   EXPECT_HAS(error_of([&] { AdapterCatalogue("/nonexistent-dir", load_with({}).model->config()); }),
              "--lora-dir '/nonexistent-dir': not a directory");
@@ -412,7 +429,8 @@ TEST(AdapterBank, AFileReplacedAfterTheCatalogueReadItIsRefusedNamingTheAdapter)
   AdapterBank bank = bank_for(dir, base);
   fs::copy(fixture("diffusers_format"), dir + "/musubi_format.safetensors", fs::copy_options::overwrite_existing);
   const std::string error = error_of([&] { bank.acquire("musubi_format"); });
-  EXPECT_HAS(error, "adapter 'musubi_format': file '" + dir + "/musubi_format.safetensors' changed since --lora-dir was read");
+  EXPECT_HAS(error,
+             "adapter 'musubi_format': file '" + dir + "/musubi_format.safetensors' changed since --lora-dir was read");
   EXPECT_HAS(error, sha256_file(fixture("musubi_format")));
   EXPECT_TRUE(bank.resident().empty());
   EXPECT_EQ(bank.loads(), 0);
@@ -426,7 +444,8 @@ TEST(AdaptersCli, ForwardWithAnAdapterOfTheDirectoryWritesWhatMergingItWrites) {
   const std::string bin = skyreels::test::bin_path("skyreels");
   ASSERT_TRUE(fs::exists(bin)) << bin << " is not built";
   const std::string dir = lora_dir(), out = temp_dir("forward");
-  const std::string common = bin + " forward --model " + base_dir() + " --inputs " + golden_path(kT1 + "/inputs.safetensors");
+  const std::string common =
+      bin + " forward --model " + base_dir() + " --inputs " + golden_path(kT1 + "/inputs.safetensors");
   std::string log;
   ASSERT_EQ(skyreels::test::run_command(common + " --out " + out + "/unmerged.safetensors --lora-dir " + dir +
                                             " --adapter original_format:0.7 --adapter musubi_format:-0.5",
@@ -445,7 +464,8 @@ TEST(AdaptersCli, ForwardWithAnAdapterOfTheDirectoryWritesWhatMergingItWrites) {
 
   EXPECT_EQ(skyreels::test::run_command(common + " --out /dev/null --adapter musubi_format", &log), 2) << log;
   EXPECT_HAS(log, "--adapter needs --lora-dir DIR");
-  EXPECT_EQ(skyreels::test::run_command(common + " --out /dev/null --lora-dir " + dir + " --adapter styel:0.5", &log), 2)
+  EXPECT_EQ(skyreels::test::run_command(common + " --out /dev/null --lora-dir " + dir + " --adapter styel:0.5", &log),
+            2)
       << log;
   EXPECT_HAS(log, "adapters[0].name: unknown adapter 'styel'");
 }
