@@ -18,7 +18,8 @@ using skyreels::cli::UsageError;
 const char* kUsage =
     "usage: skyreels forward --model DIR --inputs IN.safetensors --out OUT.safetensors\n"
     "                        [--dtype float32|bfloat16|auto] [--device cpu|cuda|cuda:N]\n"
-    "                        [--num-frame-per-block N] [--lora FILE[:SCALE]]...\n\n"
+    "                        [--num-frame-per-block N] [--lora FILE[:SCALE]]...\n"
+    "                        [--lora-dir DIR --adapter NAME[:SCALE]...]\n\n"
     "Runs SkyReelsV2Transformer3DModel.forward once.\n"
     "  --model    a transformer checkpoint in any layout the loader accepts (see `skyreels inspect`)\n"
     "  --inputs   safetensors with hidden_states [B, C, F, H, W], timestep int64 [B] or [B, F] (per-frame,\n"
@@ -29,6 +30,10 @@ const char* kUsage =
     "  --device   default cpu\n"
     "  --lora     a LoRA adapter merged at load (diffusers/PEFT, original/kohya or musubi keys): W + SCALE *\n"
     "             (alpha / r) * B @ A in float32, then cast; SCALE default 1; repeatable, applied in order\n"
+    "  --lora-dir DIR  adapters for --adapter: every DIR/NAME.safetensors (same key formats as --lora)\n"
+    "  --adapter  NAME[:SCALE] an adapter of --lora-dir applied unmerged, the weights unchanged: each linear layer\n"
+    "             adds SCALE * (alpha / r) * B (A x); SCALE default 1, |SCALE| <= 100; repeatable (at most 8),\n"
+    "             in order; combines with --lora\n"
     "  --num-frame-per-block  block size of the block-causal self-attention mask (default: the config's value;\n"
     "             1 = no mask)";
 
@@ -45,7 +50,8 @@ const at::Tensor& required_input(const std::map<std::string, at::Tensor>& inputs
 
 int run_forward(const std::vector<std::string>& argv) {
   const Args args(argv);
-  args.reject_unknown({"model", "inputs", "out", "dtype", "device", "num-frame-per-block", "lora"});
+  args.reject_unknown(
+      {"model", "inputs", "out", "dtype", "device", "num-frame-per-block", "lora", "lora-dir", "adapter"});
   if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional().front() + "'");
   const std::string model_path = args.require("model");
   const std::string inputs_path = args.require("inputs");
@@ -55,6 +61,7 @@ int run_forward(const std::vector<std::string>& argv) {
   options.device = args.get("device", "cpu");
   options.dtype = args.get("dtype", "float32");
   options.loras = skyreels::cli::lora_specs_from_flags(args);
+  skyreels::cli::check_adapter_flags(args);
 
   const auto loaded = skyreels::model::load_transformer(model_path, options);  // logs what it found and did
   const auto& model = *loaded.model;
@@ -71,6 +78,7 @@ int run_forward(const std::vector<std::string>& argv) {
   const int nfpb = args.get_int("num-frame-per-block", static_cast<int>(model.config().num_frame_per_block));
   if (nfpb < 1) throw UsageError("flag --num-frame-per-block must be >= 1, got " + std::to_string(nfpb));
   forward_args.num_frame_per_block = nfpb;
+  forward_args.adapters = skyreels::cli::adapters_from_flags(args, model);
 
   const auto start = std::chrono::steady_clock::now();
   at::Tensor sample = model.forward(forward_args);

@@ -62,6 +62,10 @@ const std::string kUsage =
         "  --dtype float32|bfloat16|auto (default float32)  --device cpu|cuda|cuda:N (default cpu)\n"
         "  --lora FILE[:SCALE]  a LoRA adapter merged at load (diffusers/PEFT, original/kohya or musubi keys):\n"
         "               W + SCALE * (alpha / r) * B @ A in float32, then cast; default SCALE 1; repeatable\n"
+        "  --lora-dir DIR       adapters for --adapter: every DIR/NAME.safetensors (same key formats as --lora)\n"
+        "  --adapter NAME[:SCALE]  an adapter of --lora-dir applied unmerged in every transformer call, the weights\n"
+        "               unchanged (SCALE default 1, |SCALE| <= 100); repeatable (at most 8), in order; combines\n"
+        "               with --lora\n"
         "image-to-video and video extension (diffusers' DF ImageToVideo / VideoToVideo pipelines):\n"
         "  --vae DIR          the Wan VAE that encodes the image / video (diffusers AutoencoderKLWan folder)\n"
         "  --image PATH       first frame: PNG/JPEG, or safetensors with `image` [B, 3, H, W] float in [0, 1]\n"
@@ -264,6 +268,7 @@ model::LoadedTransformer load_for(const Args& args, const std::string& model_pat
   options.device = args.get("device", "cpu");
   options.dtype = args.get("dtype", "float32");
   options.loras = skyreels::cli::lora_specs_from_flags(args);
+  skyreels::cli::check_adapter_flags(args);
   const auto start = std::chrono::steady_clock::now();
   model::LoadedTransformer loaded = model::load_transformer(model_path, options);
   model::check_pipeline_fits(kind, loaded.model->config());
@@ -382,6 +387,7 @@ int run_video_pipeline(const Args& args, model::PipelineKind kind, const std::st
 
   const auto loaded = load_for(args, model_path, kind);
   const auto& transformer = *loaded.model;
+  params.adapters = skyreels::cli::adapters_from_flags(args, transformer);
   if (i2v) encode_i2v_images(args, params, transformer.config(), conditioning);
 
   model::VideoHooks hooks;
@@ -398,10 +404,28 @@ int run_video_pipeline(const Args& args, model::PipelineKind kind, const std::st
 
 int run_generate(const std::vector<std::string>& argv) {
   const Args args(argv, skyreels::cli::with_generation_switches({"pin-image-prefix", "count-host-syncs"}));
-  args.reject_unknown(with_generation_flags({"model", "inputs", "out", "noise", "dtype", "device", "text-encoder",
-                                             "tokenizer", "max-sequence-length", "vae", "pin-image-prefix", "cache-log",
-                                             "kv-cache-bytes", "lora", "count-host-syncs", "pipeline",
-                                             "num-videos-per-prompt", "image-encoder", "image-processor", "previews"}));
+  args.reject_unknown(with_generation_flags({"model",
+                                             "inputs",
+                                             "out",
+                                             "noise",
+                                             "dtype",
+                                             "device",
+                                             "text-encoder",
+                                             "tokenizer",
+                                             "max-sequence-length",
+                                             "vae",
+                                             "pin-image-prefix",
+                                             "cache-log",
+                                             "kv-cache-bytes",
+                                             "lora",
+                                             "lora-dir",
+                                             "adapter",
+                                             "count-host-syncs",
+                                             "pipeline",
+                                             "num-videos-per-prompt",
+                                             "image-encoder",
+                                             "image-processor",
+                                             "previews"}));
   if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional().front() + "'");
   const std::string model_path = args.require("model");
   if (args.has("inputs") == args.has("text-encoder")) {
@@ -444,6 +468,7 @@ int run_generate(const std::vector<std::string>& argv) {
 
   const auto loaded = load_for(args, model_path, model::PipelineKind::kDiffusionForcing);
   const auto& transformer = *loaded.model;
+  params.adapters = skyreels::cli::adapters_from_flags(args, transformer);
 
   // The same path the server takes: an explicit plan, then run_chunk per chunk.
   if (!plan) plan = model::plan_chunks(params, transformer.config().num_frame_per_block);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "model/adapter_bank.h"
 #include "model/lora.h"
 #include "server/job/generation_params.h"
 #include "server/job/generation_params_model.h"
@@ -159,6 +160,32 @@ std::vector<model::LoraSpec> lora_specs_from_flags(const Args& args) {
     }
   }
   return out;
+}
+
+void check_adapter_flags(const Args& args) {
+  if (args.has("adapter") && !args.has("lora-dir")) throw UsageError("--adapter needs --lora-dir DIR");
+  for (const auto& text : args.all("adapter")) {
+    try {
+      model::parse_adapter_request(text);
+    } catch (const std::invalid_argument& e) {
+      throw UsageError(e.what());
+    }
+  }
+}
+
+std::vector<model::ActiveAdapter> adapters_from_flags(const Args& args, const model::SkyReelsV2Transformer& model) {
+  check_adapter_flags(args);
+  if (!args.has("lora-dir")) return {};
+  std::vector<model::AdapterRequest> requests;
+  for (const auto& text : args.all("adapter")) requests.push_back(model::parse_adapter_request(text));
+  auto catalogue = std::make_shared<const model::AdapterCatalogue>(args.get("lora-dir"), model.config());
+  model::AdapterBank bank(catalogue, model.device(), model.compute_dtype(),
+                          std::max(requests.size(), model::kDefaultMaxResident));
+  try {
+    return bank.activate(requests);
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(std::string("--adapter: ") + e.what());
+  }
 }
 
 std::pair<int64_t, std::string> frame_and_value(const std::string& flag, const std::string& text) {

@@ -14,6 +14,8 @@ struct JobRequest;
 }
 namespace skyreels::model {
 struct LoraSpec;
+struct ActiveAdapter;
+class SkyReelsV2Transformer;
 }
 
 namespace skyreels::cli {
@@ -70,6 +72,14 @@ std::pair<int64_t, std::string> frame_and_value(const std::string& flag, const s
 
 // Every --lora FILE[:SCALE], in order. Throws UsageError on a bad value.
 std::vector<model::LoraSpec> lora_specs_from_flags(const Args& args);
+
+// The flags of adapters per call, checked before a model loads: UsageError for --adapter without --lora-dir or a bad
+// NAME[:SCALE].
+void check_adapter_flags(const Args& args);
+// Every --adapter NAME[:SCALE], in order, from the adapters of --lora-dir, on `model`'s device in its dtypes (applied
+// unmerged per call). Empty without --adapter. Throws UsageError for a request the catalogue refuses (unknown name,
+// bad scale, duplicate, ...).
+std::vector<model::ActiveAdapter> adapters_from_flags(const Args& args, const model::SkyReelsV2Transformer& model);
 
 }  // namespace skyreels::cli
 

@@ -1034,6 +1034,7 @@ Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const Generati
       args.fps = at::full({input.size(0)}, fps_index, at::TensorOptions().dtype(at::kLong).device(input.device()));
     }
     args.num_frame_per_block = call.num_frame_per_block;  // per request; the model config is never written
+    args.adapters = params.adapters;
     if (cancelled) {
       args.after_block = [&cancelled, &call] {
         if (cancelled()) {

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "model/active_adapter.h"
 #include "model/preview.h"
 #include "model/sampler_flow_unipc.h"
 
@@ -86,7 +87,9 @@ struct GenerationParams {
   StepCacheConfig cache;
   // Previews (StepHooks::on_preview): after every N-th timestep row of a chunk and after its last row; 0: none.
   // They read the loop's tensors and never change them: the latents are the same with previews on or off.
-  int64_t preview_every = 0;
+  int64_t preview_every =
+      0;  // Adapters of this request, applied unmerged in every transformer call (AdapterBank::activate); empty: none.
+  std::vector<ActiveAdapter> adapters;
 };
 
 // The sampler `params` asks for, for one chunk of `num_frames` latent frames: its per-frame trajectories and the

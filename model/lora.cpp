@@ -74,33 +74,19 @@ bool ends_with(const std::string& s, const std::string& x) {
 }
 bool contains(const std::string& s, const std::string& p) { return s.find(p) != std::string::npos; }
 
-std::string shape_of(const at::Tensor& t) { return checkpoint::shape_str(t.sizes().vec()); }
-
-// The tensors of one module of an adapter, by role, with the keys they came from.
-struct ModuleParts {
-  std::string module;  // as the adapter names it (for messages)
-  std::map<Part, std::pair<std::string, at::Tensor>> parts;
-};
-
 class Reader {
  public:
-  explicit Reader(const LoraSpec& spec) : spec_(spec) {}
+  explicit Reader(std::string path) : path_(std::move(path)) {}
 
   [[noreturn]] void fail(const std::string& key, const std::string& what) const {
-    throw std::invalid_argument("LoRA '" + spec_.path + "': key '" + key + "': " + what);
+    throw std::invalid_argument("LoRA '" + path_ + "': key '" + key + "': " + what);
   }
   [[noreturn]] void fail_file(const std::string& what) const {
-    throw std::invalid_argument("LoRA '" + spec_.path + "': " + what);
+    throw std::invalid_argument("LoRA '" + path_ + "': " + what);
   }
-  void ignore(LoraAdapter& adapter, const std::string& key, const std::string& why) const {
-    spdlog::warn("LoRA '{}': ignoring key '{}' ({}), as diffusers does", spec_.path, key, why);
-    adapter.ignored.push_back(key);
-  }
-
-  const LoraSpec& spec() const { return spec_; }
 
  private:
-  LoraSpec spec_;
+  std::string path_;
 };
 
 // Splits "<module><suffix>" by the longest known suffix.
@@ -157,18 +143,24 @@ LoraFormat detect_format(const std::vector<std::string>& keys) {
   return LoraFormat::Diffusers;
 }
 
+bool is_float(safetensors::DType dtype) {
+  using safetensors::DType;
+  return dtype == DType::F64 || dtype == DType::F32 || dtype == DType::F16 || dtype == DType::BF16;
+}
+
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (const int64_t d : shape) n *= d;
+  return n;
+}
+
 at::Tensor float_tensor(const Reader& r, const safetensors::File& file, const std::string& key, bool check_finite) {
-  at::Tensor t = file.tensor(key);
-  if (!at::isFloatingType(t.scalar_type())) {
-    r.fail(key, std::string("is ") + safetensors::dtype_name(file.find(key)->dtype) + ", not floating point");
-  }
-  t = t.to(at::kFloat);
+  at::Tensor t = file.tensor(key).to(at::kFloat);  // the header check made sure it is floating point
   if (check_finite && !at::isfinite(t).all().item<bool>()) r.fail(key, "contains NaN or infinite values");
   return t;
 }
 
 double alpha_value(const Reader& r, const std::string& key, const at::Tensor& alpha) {
-  if (alpha.numel() != 1) r.fail(key, "alpha must be one number, got shape " + shape_of(alpha));
   const double a = alpha.to(at::kDouble).item<double>();
   if (!std::isfinite(a) || a <= 0) {
     std::ostringstream os;
@@ -192,10 +184,10 @@ struct PeftConfig {
   }
 };
 
-PeftConfig read_peft_config(const Reader& r, const safetensors::File& file) {
+PeftConfig read_peft_config(const Reader& r, const std::map<std::string, std::string>& metadata) {
   PeftConfig config;
-  auto it = file.metadata().find("lora_adapter_metadata");
-  if (it == file.metadata().end()) return config;
+  auto it = metadata.find("lora_adapter_metadata");
+  if (it == metadata.end()) return config;
   const std::string where = "__metadata__ lora_adapter_metadata";
   nlohmann::json j;
   try {
@@ -228,73 +220,217 @@ PeftConfig read_peft_config(const Reader& r, const safetensors::File& file) {
   return config;
 }
 
-// Builds the updates of one module from its parts. `default_alpha`: the alpha of a module without an .alpha tensor
-// (PEFT's lora_alpha from the file's metadata), else r.
-void add_module(const Reader& r, LoraAdapter& adapter, const std::string& internal, const ModuleParts& m,
-                std::optional<double> default_alpha) {
-  auto part = [&](Part p) -> const std::pair<std::string, at::Tensor>* {
-    auto it = m.parts.find(p);
-    return it == m.parts.end() ? nullptr : &it->second;
-  };
-  const auto* down = part(Part::Down);
-  const auto* up = part(Part::Up);
-  const auto* alpha = part(Part::Alpha);
-  const auto* bias = part(Part::Bias);
-  const auto* diff = part(Part::Diff);
-  const char* down_name = adapter.format == LoraFormat::Diffusers ? "lora_A" : "lora_down";
-  const char* up_name = adapter.format == LoraFormat::Diffusers ? "lora_B" : "lora_up";
+// The tensors of one module of an adapter, by role: the keys they come from and their header entries.
+struct ModuleLayout {
+  std::string module;  // as the adapter names it (for messages)
+  std::map<Part, std::pair<std::string, const safetensors::TensorInfo*>> parts;
+  int64_t rank = 0;                     // of its low-rank update; 0 without one
+  std::optional<double> default_alpha;  // PEFT's lora_alpha for a module without an .alpha tensor
+
+  const std::pair<std::string, const safetensors::TensorInfo*>* part(Part p) const {
+    auto it = parts.find(p);
+    return it == parts.end() ? nullptr : &it->second;
+  }
+  const std::string& key(Part p) const { return parts.at(p).first; }
+};
+
+// An adapter file as its header describes it: everything checked that needs no tensor value.
+struct FileLayout {
+  LoraFormat format = LoraFormat::Diffusers;
+  std::map<std::string, ModuleLayout> modules;               // internal module -> its tensors
+  std::vector<std::pair<std::string, std::string>> ignored;  // key, why diffusers drops it too
+};
+
+// Checks the shapes of one module's tensors and sets its rank.
+void check_module(const Reader& r, LoraFormat format, ModuleLayout& m) {
+  const auto* down = m.part(Part::Down);
+  const auto* up = m.part(Part::Up);
+  const auto* alpha = m.part(Part::Alpha);
+  const auto* bias = m.part(Part::Bias);
+  const auto* diff = m.part(Part::Diff);
+  const char* down_name = format == LoraFormat::Diffusers ? "lora_A" : "lora_down";
+  const char* up_name = format == LoraFormat::Diffusers ? "lora_B" : "lora_up";
   if ((down == nullptr) != (up == nullptr)) {
     const auto* have = down != nullptr ? down : up;
-    r.fail(have->first, std::string("has no matching ") + (down != nullptr ? up_name : down_name) +
-                            " for module '" + m.module + "': the rank of the update is unknown");
+    r.fail(have->first, std::string("has no matching ") + (down != nullptr ? up_name : down_name) + " for module '" +
+                            m.module + "': the rank of the update is unknown");
   }
-  double alpha_over_rank = 1.0;
   if (down != nullptr) {
-    const at::Tensor& A = down->second;
-    const at::Tensor& B = up->second;
-    if (A.dim() != 2) r.fail(down->first, "must be a matrix [rank, in_features], got shape " + shape_of(A));
-    if (B.dim() != 2) r.fail(up->first, "must be a matrix [out_features, rank], got shape " + shape_of(B));
-    const int64_t rank = A.size(0);
-    if (B.size(1) != rank) {
-      r.fail(up->first, "shape " + shape_of(B) + " does not match " + std::string(down_name) + " " + shape_of(A) +
-                            " (ranks " + std::to_string(B.size(1)) + " and " + std::to_string(rank) + ")");
+    const std::vector<int64_t>& A = down->second->shape;
+    const std::vector<int64_t>& B = up->second->shape;
+    if (A.size() != 2)
+      r.fail(down->first, "must be a matrix [rank, in_features], got shape " + checkpoint::shape_str(A));
+    if (B.size() != 2)
+      r.fail(up->first, "must be a matrix [out_features, rank], got shape " + checkpoint::shape_str(B));
+    const int64_t rank = A[0];
+    if (B[1] != rank) {
+      r.fail(up->first, "shape " + checkpoint::shape_str(B) + " does not match " + std::string(down_name) + " " +
+                            checkpoint::shape_str(A) + " (ranks " + std::to_string(B[1]) + " and " +
+                            std::to_string(rank) + ")");
     }
-    if (rank <= 0 || rank > std::min(A.size(1), B.size(0))) {
-      r.fail(down->first, "rank " + std::to_string(rank) + " is absurd for a " + std::to_string(B.size(0)) + " x " +
-                              std::to_string(A.size(1)) + " weight (expected 1 ... " +
-                              std::to_string(std::min(A.size(1), B.size(0))) + ")");
+    if (rank <= 0 || rank > std::min(A[1], B[0])) {
+      r.fail(down->first, "rank " + std::to_string(rank) + " is absurd for a " + std::to_string(B[0]) + " x " +
+                              std::to_string(A[1]) + " weight (expected 1 ... " + std::to_string(std::min(A[1], B[0])) +
+                              ")");
     }
-    if (adapter.format == LoraFormat::Musubi && alpha == nullptr) {
+    if (format == LoraFormat::Musubi && alpha == nullptr) {
       r.fail(down->first, "module '" + m.module + "' has no '.alpha' (musubi-tuner always writes one; diffusers "
                           "requires it)");
     }
-    double a = static_cast<double>(rank);
-    if (alpha != nullptr) {
-      a = alpha_value(r, alpha->first, alpha->second);
-    } else if (default_alpha) {
-      if (!std::isfinite(*default_alpha) || *default_alpha <= 0) {
-        r.fail(down->first, "the lora_alpha of the file's metadata for module '" + m.module + "' is " +
-                                std::to_string(*default_alpha) + "; it must be a finite number > 0");
-      }
-      a = *default_alpha;
+    if (alpha != nullptr && numel_of(alpha->second->shape) != 1) {
+      r.fail(alpha->first, "alpha must be one number, got shape " + checkpoint::shape_str(alpha->second->shape));
     }
-    alpha_over_rank = a / static_cast<double>(rank);
-    adapter.updates[internal + ".weight"] = {down->first, A, B, at::Tensor(), r.spec().scale * alpha_over_rank};
-    adapter.max_rank = std::max(adapter.max_rank, rank);
+    if (alpha == nullptr && m.default_alpha && (!std::isfinite(*m.default_alpha) || *m.default_alpha <= 0)) {
+      r.fail(down->first, "the lora_alpha of the file's metadata for module '" + m.module + "' is " +
+                              std::to_string(*m.default_alpha) + "; it must be a finite number > 0");
+    }
+    m.rank = rank;
   } else if (alpha != nullptr && bias == nullptr && diff == nullptr) {
     r.fail(alpha->first, "alpha for module '" + m.module + "', which has no " + down_name + " / " + up_name);
   }
-  if (diff != nullptr) {
-    if (down != nullptr) r.fail(diff->first, "module '" + m.module + "' has both a weight diff and a low-rank update");
-    adapter.updates[internal + ".weight"] = {diff->first, at::Tensor(), at::Tensor(), diff->second, r.spec().scale};
+  if (diff != nullptr && down != nullptr) {
+    r.fail(diff->first, "module '" + m.module + "' has both a weight diff and a low-rank update");
   }
-  if (bias != nullptr) {
-    if (bias->second.dim() != 1) r.fail(bias->first, "a bias delta must be a vector, got shape " + shape_of(bias->second));
+  if (bias != nullptr && bias->second->shape.size() != 1) {
+    r.fail(bias->first, "a bias delta must be a vector, got shape " + checkpoint::shape_str(bias->second->shape));
+  }
+}
+
+// Maps and checks every key of an adapter from its header alone.
+FileLayout layout_of(const Reader& r, const std::vector<safetensors::TensorInfo>& tensors,
+                     const std::map<std::string, std::string>& metadata) {
+  if (tensors.empty()) r.fail_file("holds no tensors");
+  std::vector<std::string> keys;
+  for (const auto& t : tensors) keys.push_back(t.name);
+  FileLayout layout;
+  layout.format = detect_format(keys);
+
+  const char* prefix = layout.format == LoraFormat::Original ? kOriginalPrefix
+                       : layout.format == LoraFormat::Musubi ? kMusubiPrefix
+                                                             : kDiffusersPrefix;
+  const Suffix* suffixes = layout.format == LoraFormat::Original ? std::begin(kOriginalSuffixes)
+                           : layout.format == LoraFormat::Musubi ? std::begin(kMusubiSuffixes)
+                                                                 : std::begin(kDiffusersSuffixes);
+  const Suffix* suffixes_end = layout.format == LoraFormat::Original ? std::end(kOriginalSuffixes)
+                               : layout.format == LoraFormat::Musubi ? std::end(kMusubiSuffixes)
+                                                                     : std::end(kDiffusersSuffixes);
+  // diffusers drops time_projection keys of adapters that have no time_projection weight (AccVideo).
+  const bool has_time_projection_weight = std::any_of(keys.begin(), keys.end(), [](const std::string& k) {
+    return starts_with(k, std::string(kOriginalPrefix) + "time_projection") && ends_with(k, ".weight");
+  });
+
+  std::map<std::string, std::string> module_of;  // internal module -> adapter module (one each)
+  for (const auto& info : tensors) {
+    const std::string& key = info.name;
+    if (!starts_with(key, prefix)) {
+      r.fail(key, std::string("does not start with '") + prefix + "' like the other keys of this " +
+                      lora_format_name(layout.format) + "-format adapter");
+    }
+    const std::string rest = key.substr(std::string(prefix).size());
+    for (const char* image : kImageModules) {
+      if (contains(rest, image)) {
+        r.fail(key, "adapts the image conditioning (an I2V adapter); adapters of the image branch are not supported");
+      }
+    }
+    const auto split = split_suffix(rest, suffixes, suffixes_end);
+    if (!split)
+      r.fail(key, "is not a LoRA tensor this format has (" + std::string(lora_format_name(layout.format)) +
+                      " keys end in .lora_A/.lora_B/.lora_down/.lora_up.weight, .alpha" +
+                      (layout.format == LoraFormat::Original ? ", .diff, .diff_b" : "") + ")");
+    const auto& [module, part] = *split;
+    if (part == Part::DoraScale) {
+      layout.ignored.emplace_back(key, "DoRA magnitude: diffusers filters dora_scale out");
+      continue;
+    }
+    if (layout.format == LoraFormat::Original) {
+      if ((part == Part::Diff || part == Part::Bias) && contains(module, "norm")) {
+        layout.ignored.emplace_back(key, "norm diff");
+        continue;
+      }
+      if (starts_with(module, "time_projection") && !has_time_projection_weight) {
+        layout.ignored.emplace_back(key, "time_projection without weights");
+        continue;
+      }
+      if (part == Part::Diff && module != "head.head") {
+        layout.ignored.emplace_back(key, "full weight diff");
+        continue;
+      }
+    }
+    std::string internal = layout.format == LoraFormat::Diffusers ? module : internal_module(module, layout.format);
+    if (internal.empty()) {
+      r.fail(key, "module '" + module + "' maps to no layer of the SkyReels-V2 transformer (" +
+                      lora_format_name(layout.format) + " format)");
+    }
+    auto seen = module_of.find(internal);
+    if (seen != module_of.end() && seen->second != module) {
+      r.fail(key, "module '" + module + "' and '" + seen->second + "' both map onto '" + internal + "'");
+    }
+    module_of[internal] = module;
+    ModuleLayout& m = layout.modules[internal];
+    m.module = module;
+    if (m.parts.count(part)) r.fail(key, "module '" + module + "' has this tensor twice (lora_A/lora_down naming)");
+    if (!is_float(info.dtype)) {
+      r.fail(key, std::string("is ") + safetensors::dtype_name(info.dtype) + ", not floating point");
+    }
+    m.parts[part] = {key, &info};
+  }
+  const PeftConfig peft = layout.format == LoraFormat::Diffusers ? read_peft_config(r, metadata) : PeftConfig{};
+  for (auto& [internal, m] : layout.modules) {
+    m.default_alpha = peft.alpha_for(internal);
+    check_module(r, layout.format, m);
+  }
+  return layout;
+}
+
+// The updates of one module from its tensors' values (finite, alpha > 0); `scale` multiplies every factor.
+void add_module(const Reader& r, const safetensors::File& file, LoraFormat format, const std::string& internal,
+                const ModuleLayout& m, double scale, LoraAdapter& adapter) {
+  auto value = [&](Part p) { return float_tensor(r, file, m.key(p), p != Part::Alpha); };  // alpha_value() checks
+  double alpha_over_rank = 1.0;
+  if (m.part(Part::Down) != nullptr) {
+    double alpha = static_cast<double>(m.rank);
+    if (m.part(Part::Alpha) != nullptr) {
+      alpha = alpha_value(r, m.key(Part::Alpha), value(Part::Alpha));
+    } else if (m.default_alpha) {
+      alpha = *m.default_alpha;
+    }
+    alpha_over_rank = alpha / static_cast<double>(m.rank);
+    adapter.updates[internal + ".weight"] = {m.key(Part::Down), value(Part::Down), value(Part::Up), at::Tensor(),
+                                             scale * alpha_over_rank};
+    adapter.max_rank = std::max(adapter.max_rank, m.rank);
+  }
+  if (m.part(Part::Diff) != nullptr) {
+    adapter.updates[internal + ".weight"] = {m.key(Part::Diff), at::Tensor(), at::Tensor(), value(Part::Diff), scale};
+  }
+  if (m.part(Part::Bias) != nullptr) {
     // diffusers folds alpha / r into A and B of the non-diffusers formats, never into the bias; PEFT scales a lora_B
     // bias like the rest of lora_B.
-    const double factor = r.spec().scale * (adapter.format == LoraFormat::Diffusers ? alpha_over_rank : 1.0);
-    adapter.updates[internal + ".bias"] = {bias->first, at::Tensor(), at::Tensor(), bias->second, factor};
+    const double factor = scale * (format == LoraFormat::Diffusers ? alpha_over_rank : 1.0);
+    adapter.updates[internal + ".bias"] = {m.key(Part::Bias), at::Tensor(), at::Tensor(), value(Part::Bias), factor};
   }
+}
+
+// Checks one update's target against the model: it exists and has the shape the update implies.
+void check_target(const std::string& where, const std::string& name, const std::vector<int64_t>& implied, bool low_rank,
+                  const std::map<std::string, const checkpoint::ParamSpec*>& by_name) {
+  auto it = by_name.find(name);
+  if (it == by_name.end())
+    throw std::invalid_argument(where + "targets '" + name + "', which this model does not have");
+  const std::vector<int64_t>& shape = it->second->shape;
+  if (low_rank && shape.size() != 2) {
+    throw std::invalid_argument(where + "targets '" + name + "' " + checkpoint::shape_str(shape) +
+                                ", which is not a linear layer's weight");
+  }
+  if (implied != shape) {
+    throw std::invalid_argument(where + "implies " + checkpoint::shape_str(implied) + " for '" + name + "', which is " +
+                                checkpoint::shape_str(shape) + " in this model");
+  }
+}
+
+std::map<std::string, const checkpoint::ParamSpec*> specs_by_name(const std::vector<checkpoint::ParamSpec>& specs) {
+  std::map<std::string, const checkpoint::ParamSpec*> by_name;
+  for (const auto& s : specs) by_name[s.name] = &s;
+  return by_name;
 }
 
 }  // namespace
@@ -339,121 +475,85 @@ const char* lora_format_name(LoraFormat format) {
   return "?";
 }
 
+LoraLayout read_lora_layout(const std::string& path, const safetensors::Header& header) {
+  const Reader r(path);
+  const FileLayout file = layout_of(r, header.tensors, header.metadata);
+  LoraLayout layout;
+  layout.format = file.format;
+  for (const auto& [key, why] : file.ignored) layout.ignored.push_back(key);
+  for (const auto& [internal, m] : file.modules) {
+    if (const auto* down = m.part(Part::Down)) {
+      const int64_t out = m.part(Part::Up)->second->shape[0], in = down->second->shape[1];
+      layout.targets[internal + ".weight"] = {down->first, {out, in}, m.rank};
+      layout.max_rank = std::max(layout.max_rank, m.rank);
+    }
+    if (const auto* diff = m.part(Part::Diff))
+      layout.targets[internal + ".weight"] = {diff->first, diff->second->shape, 0};
+    if (const auto* bias = m.part(Part::Bias))
+      layout.targets[internal + ".bias"] = {bias->first, bias->second->shape, 0};
+  }
+  if (layout.targets.empty()) r.fail_file("changes no parameter (every key was ignored)");
+  return layout;
+}
+
+void check_lora_layout(const std::string& path, const LoraLayout& layout,
+                       const std::vector<checkpoint::ParamSpec>& specs) {
+  const auto by_name = specs_by_name(specs);
+  for (const auto& [name, t] : layout.targets) {
+    check_target("LoRA '" + path + "': key '" + t.key + "': ", name, t.shape, t.rank > 0, by_name);
+  }
+}
+
 LoraAdapter read_lora(const LoraSpec& spec) {
-  const Reader r(spec);
+  const Reader r(spec.path);
   if (!std::isfinite(spec.scale)) r.fail_file("scale must be finite");
-  std::shared_ptr<safetensors::File> file;
   try {
-    file = safetensors::File::open(spec.path);
+    return read_lora(spec, *safetensors::File::open(spec.path));
   } catch (const safetensors::FormatError& e) {
     throw std::invalid_argument(std::string("LoRA: ") + e.what());
   }
-  const std::vector<std::string> keys = file->names();
-  if (keys.empty()) r.fail_file("holds no tensors");
+}
+
+LoraAdapter read_lora(const LoraSpec& spec, const safetensors::File& file) {
+  const Reader r(spec.path);
+  if (!std::isfinite(spec.scale)) r.fail_file("scale must be finite");
+  const FileLayout layout = layout_of(r, file.tensors(), file.metadata());
   LoraAdapter adapter;
   adapter.spec = spec;
-  adapter.format = detect_format(keys);
-
-  const char* prefix = adapter.format == LoraFormat::Original ? kOriginalPrefix
-                       : adapter.format == LoraFormat::Musubi ? kMusubiPrefix
-                                                              : kDiffusersPrefix;
-  const Suffix* suffixes = adapter.format == LoraFormat::Original ? std::begin(kOriginalSuffixes)
-                           : adapter.format == LoraFormat::Musubi ? std::begin(kMusubiSuffixes)
-                                                                  : std::begin(kDiffusersSuffixes);
-  const Suffix* suffixes_end = adapter.format == LoraFormat::Original ? std::end(kOriginalSuffixes)
-                               : adapter.format == LoraFormat::Musubi ? std::end(kMusubiSuffixes)
-                                                                      : std::end(kDiffusersSuffixes);
-  // diffusers drops time_projection keys of adapters that have no time_projection weight (AccVideo).
-  const bool has_time_projection_weight = std::any_of(keys.begin(), keys.end(), [](const std::string& k) {
-    return starts_with(k, std::string(kOriginalPrefix) + "time_projection") && ends_with(k, ".weight");
-  });
-
-  std::map<std::string, ModuleParts> modules;  // internal module -> parts
-  std::map<std::string, std::string> module_of;  // internal module -> adapter module (one each)
-  for (const auto& key : keys) {
-    if (!starts_with(key, prefix)) {
-      r.fail(key, std::string("does not start with '") + prefix + "' like the other keys of this " +
-                      lora_format_name(adapter.format) + "-format adapter");
-    }
-    const std::string rest = key.substr(std::string(prefix).size());
-    for (const char* image : kImageModules) {
-      if (contains(rest, image)) {
-        r.fail(key, "adapts the image conditioning (an I2V adapter); adapters of the image branch are not supported");
-      }
-    }
-    const auto split = split_suffix(rest, suffixes, suffixes_end);
-    if (!split) r.fail(key, "is not a LoRA tensor this format has (" + std::string(lora_format_name(adapter.format)) +
-                                " keys end in .lora_A/.lora_B/.lora_down/.lora_up.weight, .alpha" +
-                                (adapter.format == LoraFormat::Original ? ", .diff, .diff_b" : "") + ")");
-    const auto& [module, part] = *split;
-    if (part == Part::DoraScale) {
-      r.ignore(adapter, key, "DoRA magnitude: diffusers filters dora_scale out");
-      continue;
-    }
-    if (adapter.format == LoraFormat::Original) {
-      if ((part == Part::Diff || part == Part::Bias) && contains(module, "norm")) {
-        r.ignore(adapter, key, "norm diff");
-        continue;
-      }
-      if (starts_with(module, "time_projection") && !has_time_projection_weight) {
-        r.ignore(adapter, key, "time_projection without weights");
-        continue;
-      }
-      if (part == Part::Diff && module != "head.head") {
-        r.ignore(adapter, key, "full weight diff");
-        continue;
-      }
-    }
-    std::string internal = adapter.format == LoraFormat::Diffusers ? module : internal_module(module, adapter.format);
-    if (internal.empty()) {
-      r.fail(key, "module '" + module + "' maps to no layer of the SkyReels-V2 transformer (" +
-                      lora_format_name(adapter.format) + " format)");
-    }
-    auto seen = module_of.find(internal);
-    if (seen != module_of.end() && seen->second != module) {
-      r.fail(key, "module '" + module + "' and '" + seen->second + "' both map onto '" + internal + "'");
-    }
-    module_of[internal] = module;
-    ModuleParts& m = modules[internal];
-    m.module = module;
-    if (m.parts.count(part)) r.fail(key, "module '" + module + "' has this tensor twice (lora_A/lora_down naming)");
-    at::Tensor value = float_tensor(r, *file, key, part != Part::Alpha);  // alpha_value() names a bad alpha
-    m.parts[part] = {key, value};
+  adapter.format = layout.format;
+  for (const auto& [key, why] : layout.ignored) {
+    spdlog::warn("LoRA '{}': ignoring key '{}' ({}), as diffusers does", spec.path, key, why);
+    adapter.ignored.push_back(key);
   }
-  const PeftConfig peft =
-      adapter.format == LoraFormat::Diffusers ? read_peft_config(r, *file) : PeftConfig{};
-  for (const auto& [internal, m] : modules) add_module(r, adapter, internal, m, peft.alpha_for(internal));
+  for (const auto& [internal, m] : layout.modules) add_module(r, file, layout.format, internal, m, spec.scale, adapter);
   if (adapter.updates.empty()) r.fail_file("changes no parameter (every key was ignored)");
   return adapter;
 }
 
 void check_loras(const std::vector<LoraAdapter>& adapters, const std::vector<checkpoint::ParamSpec>& specs) {
-  std::map<std::string, const checkpoint::ParamSpec*> by_name;
-  for (const auto& s : specs) by_name[s.name] = &s;
+  const auto by_name = specs_by_name(specs);
   for (const auto& adapter : adapters) {
     for (const auto& [name, u] : adapter.updates) {
-      const std::string where = "LoRA '" + adapter.spec.path + "': key '" + u.key + "': ";
-      auto it = by_name.find(name);
-      if (it == by_name.end()) {
-        throw std::invalid_argument(where + "targets '" + name + "', which this model does not have");
-      }
-      const std::vector<int64_t>& shape = it->second->shape;
-      std::vector<int64_t> implied;
-      if (u.delta.defined()) {
-        implied = u.delta.sizes().vec();
-      } else {
-        if (shape.size() != 2) {
-          throw std::invalid_argument(where + "targets '" + name + "' " + checkpoint::shape_str(shape) +
-                                      ", which is not a linear layer's weight");
-        }
-        implied = {u.up.size(0), u.down.size(1)};
-      }
-      if (implied != shape) {
-        throw std::invalid_argument(where + "implies " + checkpoint::shape_str(implied) + " for '" + name +
-                                    "', which is " + checkpoint::shape_str(shape) + " in this model");
-      }
+      const bool low_rank = !u.delta.defined();
+      const std::vector<int64_t> implied =
+          low_rank ? std::vector<int64_t>{u.up.size(0), u.down.size(1)} : u.delta.sizes().vec();
+      check_target("LoRA '" + adapter.spec.path + "': key '" + u.key + "': ", name, implied, low_rank, by_name);
     }
   }
+}
+
+LoraAdapter place_lora(const LoraAdapter& adapter, const std::vector<checkpoint::ParamSpec>& specs, c10::Device device,
+                       at::ScalarType compute_dtype) {
+  const auto by_name = specs_by_name(specs);
+  LoraAdapter placed = adapter;
+  for (auto& [name, u] : placed.updates) {
+    auto it = by_name.find(name);
+    const at::ScalarType dtype = it != by_name.end() && it->second->keep_fp32 ? at::kFloat : compute_dtype;
+    for (at::Tensor* t : {&u.down, &u.up, &u.delta}) {
+      if (t->defined()) *t = t->to(device, dtype).contiguous();
+    }
+  }
+  return placed;
 }
 
 bool merge_loras(const std::vector<LoraAdapter>& adapters, const std::string& name, at::Tensor& value) {

@@ -1,6 +1,8 @@
-// LoRA adapters for the SkyReels-V2 transformer, read as diffusers reads them (SkyReelsV2LoraLoaderMixin) and merged
-// into the weights at load: W' = W + scale * (alpha / r) * B @ A, in float32, before the cast to the compute dtype
-// (so a step costs what it costs without the adapter).
+// LoRA adapters for the SkyReels-V2 transformer, read as diffusers reads them (SkyReelsV2LoraLoaderMixin). Either
+// merged into the weights at load: W' = W + scale * (alpha / r) * B @ A, in float32, before the cast to the compute
+// dtype (so a step costs what it costs without the adapter); or placed on the model's device (place_lora) and applied
+// unmerged per call, y = W x + b + scale * (alpha / r) * B (A x) (TransformerForwardArgs::adapters, the bank of
+// model/adapter_bank.h), leaving the weights as they are.
 //
 // Key formats (detected as diffusers detects them, from the first key that shows one):
 //   diffusers / PEFT   transformer.<module>.lora_A.weight, .lora_B.weight, optional .lora_B.bias and .alpha
@@ -44,7 +46,8 @@ enum class LoraFormat { Diffusers, Original, Musubi };
 const char* lora_format_name(LoraFormat format);  // "diffusers", "original", "musubi"
 
 // One update of one parameter: value += factor * (up @ down) (a low-rank weight update: down [r, in], up [out, r]),
-// or value += factor * delta (a bias delta, or a full weight diff). Tensors are float32 CPU.
+// or value += factor * delta (a bias delta, or a full weight diff). Tensors are float32 CPU as read_lora returns them;
+// place_lora moves them to a model's device and dtypes.
 struct LoraUpdate {
   std::string key;  // the adapter key it came from (for messages)
   at::Tensor down;
@@ -63,6 +66,26 @@ struct LoraAdapter {
 
 // Reads, maps and checks one adapter file (shapes between A and B, rank, alpha, finiteness); the model is not needed.
 LoraAdapter read_lora(const LoraSpec& spec);
+// The same from a file already open (spec.path names it in messages).
+LoraAdapter read_lora(const LoraSpec& spec, const safetensors::File& file);
+
+// An adapter file as its header describes it, no tensor read: every key mapped and every check that needs no tensor
+// value (the values' finiteness and alpha > 0 are read_lora's). Throws what read_lora throws for those problems.
+struct LoraLayout {
+  LoraFormat format = LoraFormat::Diffusers;
+  struct Target {
+    std::string key;             // the adapter key (lora_A / lora_down of a low-rank update)
+    std::vector<int64_t> shape;  // the parameter shape the update implies
+    int64_t rank = 0;            // 0: a delta (bias delta or full weight diff)
+  };
+  std::map<std::string, Target> targets;  // internal parameter name -> its update
+  std::vector<std::string> ignored;       // keys diffusers drops too
+  int64_t max_rank = 0;
+};
+LoraLayout read_lora_layout(const std::string& path, const safetensors::Header& header);
+// check_loras for a layout: every target exists in `specs` with the implied shape.
+void check_lora_layout(const std::string& path, const LoraLayout& layout,
+                       const std::vector<checkpoint::ParamSpec>& specs);
 
 // Checks the adapters against the model's parameters: every target exists and has the shape the update implies.
 // Throws std::invalid_argument naming the adapter, its key and both shapes.
@@ -71,6 +94,11 @@ void check_loras(const std::vector<LoraAdapter>& adapters, const std::vector<che
 // Adds every adapter's update of parameter `name` to `value` (float32, in place, in adapter order). Returns true when
 // any adapter touches it.
 bool merge_loras(const std::vector<LoraAdapter>& adapters, const std::string& name, at::Tensor& value);
+
+// A copy of `adapter` whose tensors lie on `device` in the dtype of the parameter they update: float32 for fp32 islands
+// (checkpoint::ParamSpec::keep_fp32), else `compute_dtype`. For the unmerged branch.
+LoraAdapter place_lora(const LoraAdapter& adapter, const std::vector<checkpoint::ParamSpec>& specs, c10::Device device,
+                       at::ScalarType compute_dtype);
 
 // What was merged (for the load report, GetServerInfo and logs).
 struct LoraReport {

@@ -236,6 +236,7 @@ at::Tensor generate_video(const SkyReelsV2Transformer& model, PipelineKind kind,
     args.fps = at::full({g.batch}, fps_index, at::TensorOptions().dtype(at::kLong).device(device));
   }
   args.encoder_hidden_states_image = image_tokens;
+  args.adapters = params.adapters;
   if (hooks.cancelled) {
     args.after_block = [&hooks] {
       if (hooks.cancelled()) throw GenerationCancelled("generation cancelled inside a forward");

@@ -46,6 +46,21 @@ bool parse_dtype(const std::string& s, DType& out) {
   return false;
 }
 
+// The header length the first 8 bytes give (little-endian), checked against the file's size and the limit.
+uint64_t checked_header_length(const std::string& path, const uint8_t* first8, uint64_t file_size) {
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | first8[i];
+  if (header_len > file_size - 8) {
+    fail(path, "header length " + std::to_string(header_len) + " is past the end of the file (" +
+                   std::to_string(file_size) + " bytes)");
+  }
+  if (header_len > kMaxFileHeaderBytes) {
+    fail(path, "header length " + std::to_string(header_len) + " is over the limit of " +
+                   std::to_string(kMaxFileHeaderBytes) + " bytes");
+  }
+  return header_len;
+}
+
 }  // namespace
 
 const char* dtype_name(DType dtype) {
@@ -283,22 +298,33 @@ std::shared_ptr<File> File::open(const std::string& path) {
     g_mappings[reinterpret_cast<uintptr_t>(map)] = reinterpret_cast<uintptr_t>(map) + file->size_;
   }
 
-  uint64_t header_len = 0;
   const auto* bytes = static_cast<const uint8_t*>(map);
-  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | bytes[i];
-  if (header_len > file->size_ - 8) {
-    fail(path, "header length " + std::to_string(header_len) + " is past the end of the file (" +
-                   std::to_string(file->size_) + " bytes)");
-  }
-  if (header_len > kMaxFileHeaderBytes) {
-    fail(path, "header length " + std::to_string(header_len) + " is over the limit of " +
-                   std::to_string(kMaxFileHeaderBytes) + " bytes");
-  }
+  const uint64_t header_len = checked_header_length(path, bytes, file->size_);
   const std::string text(reinterpret_cast<const char*>(bytes + 8), header_len);
   parse_header(path, text, header_len, file->size_, file->tensors_, file->metadata_);
   file->data_start_ = 8 + header_len;
   for (size_t i = 0; i < file->tensors_.size(); ++i) file->index_[file->tensors_[i].name] = i;
   return file;
+}
+
+Header read_header(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail(path, std::string("cannot open: ") + std::strerror(errno));
+  Header header;
+  in.seekg(0, std::ios::end);
+  header.file_size = static_cast<uint64_t>(in.tellg());
+  in.seekg(0);
+  if (header.file_size < 8) {
+    fail(path, "file is " + std::to_string(header.file_size) + " bytes, too short for a header (truncated?)");
+  }
+  uint8_t first8[8];
+  in.read(reinterpret_cast<char*>(first8), 8);
+  const uint64_t header_len = checked_header_length(path, first8, header.file_size);
+  std::string text(header_len, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(header_len));
+  if (static_cast<uint64_t>(in.gcount()) != header_len) fail(path, "cannot read the header");
+  parse_header(path, text, header_len, header.file_size, header.tensors, header.metadata);
+  return header;
 }
 
 File::~File() {

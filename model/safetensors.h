@@ -64,6 +64,8 @@ class File {
   at::Tensor tensor(const std::string& name) const;
   // Raw bytes of one tensor inside the mapping.
   const uint8_t* data(const TensorInfo& info) const;
+  // The whole mapped file, header included (file_size() bytes): what was read, e.g. to hash it.
+  const uint8_t* bytes() const { return static_cast<const uint8_t*>(map_); }
 
  private:
   File() = default;
@@ -76,6 +78,15 @@ class File {
   std::map<std::string, std::string> metadata_;
   std::weak_ptr<File> self_;
 };
+
+// A file's header without mapping or reading its data area (what File::open checks of it; the tensors' bytes are
+// not checked beyond their offsets lying inside the file).
+struct Header {
+  std::vector<TensorInfo> tensors;
+  std::map<std::string, std::string> metadata;
+  uint64_t file_size = 0;
+};
+Header read_header(const std::string& path);
 
 // Parses and validates a header against a file of `file_size` bytes (exposed for tests of damaged headers).
 void parse_header(const std::string& path, const std::string& json, uint64_t header_len, uint64_t file_size,

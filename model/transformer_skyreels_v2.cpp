@@ -9,8 +9,11 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <stdexcept>
+
+#include "model/lora.h"
 
 namespace skyreels::model {
 
@@ -251,14 +254,42 @@ namespace {
 using at::Tensor;
 namespace detail = transformer_detail;
 
-// y = x W^T + b over the last dim, through a 2-D view so LibTorch takes its addmm (oneDNN for bf16) path.
+// The adapters of one linear layer in one call (TransformerForwardArgs::adapters), each term with its call's scale.
+struct LinearAdapters {
+  struct Term {
+    Tensor down, up;  // a low-rank update: down [r, in], up [out, r]
+    Tensor delta;     // or a full weight delta [out, in] / a bias delta [out]
+    double factor = 1.0;
+  };
+  std::vector<Term> weight, bias;
+
+  // y += factor * (x down^T) up^T, factor * x delta^T, factor * bias delta, in adapter order; x [N, in], y [N, out].
+  // The rank-r product first: x never meets an [out, in] matrix the model does not hold.
+  void add_to(Tensor& y, const Tensor& x) const {
+    for (const Term& t : weight) {
+      if (t.delta.defined()) {
+        y.addmm_(x, t.delta.t(), 1.0, t.factor);
+      } else {
+        y.addmm_(at::mm(x, t.down.t()), t.up.t(), 1.0, t.factor);
+      }
+    }
+    for (const Term& t : bias) y.add_(t.delta, t.factor);
+  }
+};
+
+// y = x W^T + b over the last dim, through a 2-D view so LibTorch takes its addmm (oneDNN for bf16) path; plus the
+// call's adapter terms when the layer is a per-call copy that has some.
 struct Linear {
   Tensor weight;
   Tensor bias;
+  const LinearAdapters* adapters = nullptr;
   Tensor operator()(const Tensor& x) const {
     std::vector<int64_t> shape = x.sizes().vec();
     shape.back() = weight.size(0);
-    return at::linear(x.reshape({-1, x.size(-1)}), weight, bias).view(shape);
+    const Tensor flat = x.reshape({-1, x.size(-1)});
+    Tensor y = at::linear(flat, weight, bias);
+    if (adapters != nullptr) adapters->add_to(y, flat);
+    return y.view(shape);
   }
 };
 
@@ -279,6 +310,109 @@ struct BlockWeights {
   ImageKvWeights image_kv;
   Tensor norm2_weight, norm2_bias;  // fp32; undefined without cross_attn_norm
   Linear ffn_in, ffn_out;
+};
+
+// Every layer a call computes with. A call with adapters runs on a copy whose linear layers point at its terms (the
+// tensors are shared, never written), so the model itself holds no per-call state.
+struct Layers {
+  Linear time_1, time_2, time_proj, text_1, text_2, proj_out, fps_1, fps_2;
+  Linear image_ff_in, image_ff_out;  // I2V image embedder
+  std::vector<BlockWeights> blocks;
+};
+
+// Calls fn(module name, linear) for every linear layer of `layers` (all but the patch embedding, a convolution) in one
+// fixed order: the one table of their names, for binding the weights and for adapters.
+template <class L, class Fn>
+void for_each_linear(L& layers, const TransformerConfig& c, Fn&& fn) {
+  fn("condition_embedder.time_embedder.linear_1", layers.time_1);
+  fn("condition_embedder.time_embedder.linear_2", layers.time_2);
+  fn("condition_embedder.time_proj", layers.time_proj);
+  fn("condition_embedder.text_embedder.linear_1", layers.text_1);
+  fn("condition_embedder.text_embedder.linear_2", layers.text_2);
+  fn("proj_out", layers.proj_out);
+  if (c.inject_sample_info) {
+    fn("fps_projection.net.0.proj", layers.fps_1);
+    fn("fps_projection.net.2", layers.fps_2);
+  }
+  if (c.image_dim) {
+    fn("condition_embedder.image_embedder.ff.net.0.proj", layers.image_ff_in);
+    fn("condition_embedder.image_embedder.ff.net.2", layers.image_ff_out);
+  }
+  for (size_t i = 0; i < layers.blocks.size(); ++i) {
+    const std::string p = "blocks." + std::to_string(i) + ".";
+    auto& b = layers.blocks[i];
+    for (auto* a : {&b.attn1, &b.attn2}) {
+      const std::string attn = p + (a == &b.attn1 ? "attn1." : "attn2.");
+      fn(attn + "to_q", a->to_q);
+      fn(attn + "to_k", a->to_k);
+      fn(attn + "to_v", a->to_v);
+      fn(attn + "to_out.0", a->to_out);
+    }
+    if (c.image_dim) {
+      fn(p + "attn2.add_k_proj", b.image_kv.add_k);
+      fn(p + "attn2.add_v_proj", b.image_kv.add_v);
+    }
+    fn(p + "ffn.net.0.proj", b.ffn_in);
+    fn(p + "ffn.net.2", b.ffn_out);
+  }
+}
+
+// The layers of one call with its adapters attached (TransformerForwardArgs::adapters): a copy of the model's layers
+// whose adapted linears point at their terms here. Checked before anything runs: every update targets a linear layer's
+// weight or bias of the implied shape, on its device in its dtype (place_lora), with a finite scale. Metadata only:
+// no host sync.
+class AdaptedLayers {
+ public:
+  AdaptedLayers(const Layers& base, const TransformerConfig& c, const std::vector<ActiveAdapter>& active)
+      : layers_(base) {
+    std::map<std::string, Linear*> linears;
+    for_each_linear(layers_, c, [&](const std::string& name, Linear& l) { linears[name] = &l; });
+    for (size_t k = 0; k < active.size(); ++k) {
+      const ActiveAdapter& a = active[k];
+      if (!a.adapter) throw std::invalid_argument("adapters[" + std::to_string(k) + "]: no adapter");
+      const std::string where = "adapter '" + a.adapter->spec.path + "'";
+      if (!std::isfinite(a.scale)) throw std::invalid_argument(where + ": scale must be a finite number");
+      for (const auto& [name, u] : a.adapter->updates) add_term(where, name, u, a.scale, linears);
+    }
+    for (auto& [module, terms] : terms_) linears.at(module)->adapters = &terms;
+  }
+  AdaptedLayers(const AdaptedLayers&) = delete;
+  AdaptedLayers& operator=(const AdaptedLayers&) = delete;
+
+  const Layers& layers() const { return layers_; }
+
+ private:
+  void add_term(const std::string& where, const std::string& name, const LoraUpdate& u, double scale,
+                const std::map<std::string, Linear*>& linears) {
+    const std::string at_key = where + ": key '" + u.key + "': ";
+    const size_t dot = name.rfind('.');
+    const std::string module = name.substr(0, dot), what = dot == std::string::npos ? "" : name.substr(dot + 1);
+    auto it = linears.find(module);
+    if (it == linears.end() || (what != "weight" && what != "bias") || (what == "bias" && !u.delta.defined())) {
+      throw std::invalid_argument(at_key + "targets '" + name +
+                                  "', which is not a linear layer's weight or bias "
+                                  "(adapters per call change linear layers only)");
+    }
+    const Tensor& target = what == "bias" ? it->second->bias : it->second->weight;
+    const std::vector<int64_t> implied =
+        u.delta.defined() ? u.delta.sizes().vec() : std::vector<int64_t>{u.up.size(0), u.down.size(1)};
+    if (implied != target.sizes().vec()) {
+      throw std::invalid_argument(at_key + "implies " + checkpoint::shape_str(implied) + " for '" + name +
+                                  "', which is " + checkpoint::shape_str(target.sizes().vec()) + " in this model");
+    }
+    for (const Tensor* t : {&u.down, &u.up, &u.delta}) {
+      if (t->defined() && (t->scalar_type() != target.scalar_type() || t->device() != target.device())) {
+        throw std::invalid_argument(at_key + "is " + c10::toString(t->scalar_type()) + " on " + t->device().str() +
+                                    ", '" + name + "' is " + c10::toString(target.scalar_type()) + " on " +
+                                    target.device().str() + " (place_lora places an adapter for a model)");
+      }
+    }
+    LinearAdapters& terms = terms_[module];
+    (what == "bias" ? terms.bias : terms.weight).push_back({u.down, u.up, u.delta, scale * u.factor});
+  }
+
+  Layers layers_;
+  std::map<std::string, LinearAdapters> terms_;  // module -> its terms (map nodes never move)
 };
 
 // Token geometry of one call. Modulation tensors are per frame ([B, Fm, 1, D], Fm = F in diffusion forcing, else 1)
@@ -466,12 +600,10 @@ struct SkyReelsV2Transformer::Impl {
   detail::RopeSplit split;
   Tensor rope_cos, rope_sin;  // [rope_max_seq_len, Dh] fp32, diffusers' freqs_cos / freqs_sin
   Linear patch_embedding;     // the conv3d with kernel == stride, as a linear over flattened patches
-  Linear time_1, time_2, time_proj, text_1, text_2, proj_out, fps_1, fps_2;
+  Layers base_layers;         // every linear layer and the blocks, as loaded
   Tensor fps_embedding, head_table;
   // I2V image embedder: FP32LayerNorm -> Linear -> GELU -> Linear -> FP32LayerNorm, after the optional pos_embed.
-  Linear image_ff_in, image_ff_out;
   Tensor image_norm1_weight, image_norm1_bias, image_norm2_weight, image_norm2_bias, image_pos_embed;
-  std::vector<BlockWeights> blocks;
 
   const Tensor& w(const std::string& name) const { return weights.at(name); }
   Linear linear(const std::string& prefix) const { return {w(prefix + ".weight"), w(prefix + ".bias")}; }
@@ -485,7 +617,7 @@ struct SkyReelsV2Transformer::Impl {
                         int64_t causal_block_tokens, const KvSlot* kv, const BlockSparseAttention* sparse) const;
   Tensor block_sparse_attention(const AttentionWeights& a, const Tensor& n, const RopeTables& rope, const Geometry& g,
                                 int64_t causal_block_tokens, const BlockSparseAttention& sparse) const;
-  Tensor embed_image(const Tensor& image_tokens) const;
+  Tensor embed_image(const Layers& l, const Tensor& image_tokens) const;
   Tensor cross_attention(const BlockWeights& b, const Tensor& n, const CrossContext& context) const;
   Tensor feed_forward(const BlockWeights& b, const Tensor& n) const;
   Tensor block_forward(const BlockWeights& b, Tensor x, const CrossContext& context, const Tensor& modulation,
@@ -494,15 +626,16 @@ struct SkyReelsV2Transformer::Impl {
   Tensor patchify(const Tensor& hidden_states, const Geometry& g, int64_t first_frame) const;
   // Blocks 0..L-1 under the cache per causal block (TransformerForwardArgs::per_block_cache); computed_blocks runs
   // blocks 1..L-1 over the blocks that the plan computes and writes them into `out`.
-  Tensor per_block_layers(Tensor x, const PerBlockCache& cache, TransformerCallState::Impl& state,
-                          const CrossContext& context, const Tensor& modulation, const RopeTables& rope,
-                          const Geometry& g, int64_t frames_per_block, const std::function<void()>& after_block,
-                          TransformerCallStats& stats) const;
-  Tensor computed_blocks(const Tensor& block0_out, Tensor out, const BlockPlan& plan, const CrossContext& context,
-                         const Tensor& modulation, const RopeTables& rope, const Geometry& g, int64_t frames_per_block,
+  Tensor per_block_layers(const std::vector<BlockWeights>& blocks, Tensor x, const PerBlockCache& cache,
+                          TransformerCallState::Impl& state, const CrossContext& context, const Tensor& modulation,
+                          const RopeTables& rope, const Geometry& g, int64_t frames_per_block,
+                          const std::function<void()>& after_block, TransformerCallStats& stats) const;
+  Tensor computed_blocks(const std::vector<BlockWeights>& blocks, const Tensor& block0_out, Tensor out,
+                         const BlockPlan& plan, const CrossContext& context, const Tensor& modulation,
+                         const RopeTables& rope, const Geometry& g, int64_t frames_per_block,
                          const std::function<void()>& after_block, std::vector<std::vector<Tensor>>& fresh_k,
                          std::vector<std::vector<Tensor>>& fresh_v, TransformerCallStats& stats) const;
-  Tensor head(const Tensor& x, const Tensor& temb, const Geometry& g) const;
+  Tensor head(const Linear& proj_out, const Tensor& x, const Tensor& temb, const Geometry& g) const;
 };
 
 namespace {
@@ -556,49 +689,31 @@ void SkyReelsV2Transformer::Impl::check_weights() const {
 void SkyReelsV2Transformer::Impl::bind_weights() {
   const Tensor& patch = w("patch_embedding.weight");
   patch_embedding = {patch.reshape({patch.size(0), -1}), w("patch_embedding.bias")};
-  time_1 = linear("condition_embedder.time_embedder.linear_1");
-  time_2 = linear("condition_embedder.time_embedder.linear_2");
-  time_proj = linear("condition_embedder.time_proj");
-  text_1 = linear("condition_embedder.text_embedder.linear_1");
-  text_2 = linear("condition_embedder.text_embedder.linear_2");
-  proj_out = linear("proj_out");
+  base_layers.blocks.assign(static_cast<size_t>(config.num_layers), BlockWeights{});
+  for_each_linear(base_layers, config, [&](const std::string& name, Linear& l) { l = linear(name); });
   head_table = w("scale_shift_table");
-  if (config.inject_sample_info) {
-    fps_embedding = w("fps_embedding.weight");
-    fps_1 = linear("fps_projection.net.0.proj");
-    fps_2 = linear("fps_projection.net.2");
-  }
-  auto attention_weights = [&](const std::string& p) {
-    return AttentionWeights{linear(p + ".to_q"),     linear(p + ".to_k"),     linear(p + ".to_v"),
-                            linear(p + ".to_out.0"), w(p + ".norm_q.weight"), w(p + ".norm_k.weight")};
-  };
+  if (config.inject_sample_info) fps_embedding = w("fps_embedding.weight");
   if (config.image_dim) {
     const std::string e = "condition_embedder.image_embedder.";
     image_norm1_weight = w(e + "norm1.weight");
     image_norm1_bias = w(e + "norm1.bias");
-    image_ff_in = linear(e + "ff.net.0.proj");
-    image_ff_out = linear(e + "ff.net.2");
     image_norm2_weight = w(e + "norm2.weight");
     image_norm2_bias = w(e + "norm2.bias");
     if (config.pos_embed_seq_len) image_pos_embed = w(e + "pos_embed");
   }
-  blocks.clear();
   for (int64_t i = 0; i < config.num_layers; ++i) {
     const std::string p = "blocks." + std::to_string(i) + ".";
-    BlockWeights b;
-    if (config.image_dim) {
-      b.image_kv = {linear(p + "attn2.add_k_proj"), linear(p + "attn2.add_v_proj"), w(p + "attn2.norm_added_k.weight")};
-    }
+    BlockWeights& b = base_layers.blocks[static_cast<size_t>(i)];
+    if (config.image_dim) b.image_kv.norm_added_k = w(p + "attn2.norm_added_k.weight");
     b.scale_shift_table = w(p + "scale_shift_table");
-    b.attn1 = attention_weights(p + "attn1");
-    b.attn2 = attention_weights(p + "attn2");
+    b.attn1.norm_q = w(p + "attn1.norm_q.weight");
+    b.attn1.norm_k = w(p + "attn1.norm_k.weight");
+    b.attn2.norm_q = w(p + "attn2.norm_q.weight");
+    b.attn2.norm_k = w(p + "attn2.norm_k.weight");
     if (config.cross_attn_norm) {
       b.norm2_weight = w(p + "norm2.weight");
       b.norm2_bias = w(p + "norm2.bias");
     }
-    b.ffn_in = linear(p + "ffn.net.0.proj");
-    b.ffn_out = linear(p + "ffn.net.2");
-    blocks.push_back(std::move(b));
   }
 }
 
@@ -644,6 +759,14 @@ SkyReelsV2Transformer::SkyReelsV2Transformer(TransformerConfig config, checkpoin
 }
 
 SkyReelsV2Transformer::~SkyReelsV2Transformer() { delete impl_; }
+
+std::vector<std::string> transformer_linear_modules(const TransformerConfig& config) {
+  Layers layers;
+  layers.blocks.resize(static_cast<size_t>(config.num_layers));
+  std::vector<std::string> names;
+  for_each_linear(layers, config, [&](const std::string& name, const Linear&) { names.push_back(name); });
+  return names;
+}
 
 const TransformerConfig& SkyReelsV2Transformer::config() const { return impl_->config; }
 c10::Device SkyReelsV2Transformer::device() const { return impl_->device; }
@@ -835,14 +958,14 @@ Tensor SkyReelsV2Transformer::Impl::block_sparse_attention(const AttentionWeight
   return a.to_out(o.reshape(g.flat()));
 }
 
-Tensor SkyReelsV2Transformer::Impl::embed_image(const Tensor& image_tokens) const {
+Tensor SkyReelsV2Transformer::Impl::embed_image(const Layers& l, const Tensor& image_tokens) const {
   // diffusers' SkyReelsV2ImageEmbedding: (+ pos_embed) -> FP32LayerNorm -> Linear -> GELU (erf) -> Linear ->
   // FP32LayerNorm; its LayerNorms keep torch's default eps 1e-5, not the config's.
   constexpr double kEps = 1e-5;
   Tensor x = image_tokens.to(device, dtype);
   if (image_pos_embed.defined()) x = x + image_pos_embed;
   const Tensor n = layer_norm_fp32(x, kEps, image_norm1_weight, image_norm1_bias).to(dtype);
-  const Tensor h = image_ff_out(at::gelu(image_ff_in(n)));
+  const Tensor h = l.image_ff_out(at::gelu(l.image_ff_in(n)));
   return layer_norm_fp32(h, kEps, image_norm2_weight, image_norm2_bias).to(dtype);
 }
 
@@ -878,10 +1001,13 @@ Tensor SkyReelsV2Transformer::Impl::feed_forward(const BlockWeights& b, const Te
   const Tensor w_out_t = b.ffn_out.weight.t();
   for (int64_t r = 0; r < tokens; r += chunk) {
     const int64_t m = std::min(chunk, tokens - r);
-    Tensor hidden = at::linear(flat.narrow(0, r, m), b.ffn_in.weight, b.ffn_in.bias);
+    const Tensor rows = flat.narrow(0, r, m);
+    Tensor hidden = at::linear(rows, b.ffn_in.weight, b.ffn_in.bias);
+    if (b.ffn_in.adapters != nullptr) b.ffn_in.adapters->add_to(hidden, rows);
     at::gelu_(hidden, "tanh");
     Tensor o = out.narrow(0, r, m);
     at::addmm_out(o, b.ffn_out.bias, hidden, w_out_t);
+    if (b.ffn_out.adapters != nullptr) b.ffn_out.adapters->add_to(o, hidden);
   }
   return out.view(n.sizes());
 }
@@ -909,7 +1035,8 @@ Tensor SkyReelsV2Transformer::Impl::block_forward(const BlockWeights& b, Tensor 
   return x;
 }
 
-Tensor SkyReelsV2Transformer::Impl::head(const Tensor& x, const Tensor& temb, const Geometry& g) const {
+Tensor SkyReelsV2Transformer::Impl::head(const Linear& proj_out, const Tensor& x, const Tensor& temb,
+                                         const Geometry& g) const {
   // shift/scale = table [1, 2, D] (fp32) + temb (compute dtype) -> fp32 [B, Fm, 1, D].
   const Tensor e = head_table.view({1, 1, 2, g.dim}) + temb.unsqueeze(2);
   const Tensor n = modulated_norm(x, e.select(2, 1).unsqueeze(2), e.select(2, 0).unsqueeze(2), g, config.eps, dtype);
@@ -1078,12 +1205,12 @@ int64_t kept_bytes_besides(const TransformerCallState::Impl& state, const PerBlo
 
 }  // namespace
 
-Tensor SkyReelsV2Transformer::Impl::per_block_layers(Tensor x, const PerBlockCache& cache,
-                                                    TransformerCallState::Impl& state, const CrossContext& context,
-                                                    const Tensor& modulation, const RopeTables& rope,
-                                                    const Geometry& g, int64_t frames_per_block,
-                                                    const std::function<void()>& after_block,
-                                                    TransformerCallStats& stats) const {
+Tensor SkyReelsV2Transformer::Impl::per_block_layers(const std::vector<BlockWeights>& blocks, Tensor x,
+                                                     const PerBlockCache& cache, TransformerCallState::Impl& state,
+                                                     const CrossContext& context, const Tensor& modulation,
+                                                     const RopeTables& rope, const Geometry& g,
+                                                     int64_t frames_per_block, const std::function<void()>& after_block,
+                                                     TransformerCallStats& stats) const {
   const int64_t layers = static_cast<int64_t>(blocks.size()), bt = frames_per_block * g.tokens_per_frame;
   const int64_t nb = g.frames / frames_per_block;
   // Blocks before the call's window never come back in this chunk (the window only moves forward).
@@ -1109,7 +1236,7 @@ Tensor SkyReelsV2Transformer::Impl::per_block_layers(Tensor x, const PerBlockCac
   }
   std::vector<std::vector<Tensor>> fresh_k(static_cast<size_t>(layers)), fresh_v(static_cast<size_t>(layers));
   if (!plan.computed.empty()) {
-    out = computed_blocks(block0_out, std::move(out), plan, context, modulation, rope, g, frames_per_block,
+    out = computed_blocks(blocks, block0_out, std::move(out), plan, context, modulation, rope, g, frames_per_block,
                           after_block, fresh_k, fresh_v, stats);
   }
 
@@ -1139,13 +1266,13 @@ Tensor SkyReelsV2Transformer::Impl::per_block_layers(Tensor x, const PerBlockCac
   return out;
 }
 
-Tensor SkyReelsV2Transformer::Impl::computed_blocks(const Tensor& block0_out, Tensor out, const BlockPlan& plan,
-                                                   const CrossContext& context, const Tensor& modulation,
-                                                   const RopeTables& rope, const Geometry& g,
-                                                   int64_t frames_per_block, const std::function<void()>& after_block,
-                                                   std::vector<std::vector<Tensor>>& fresh_k,
-                                                   std::vector<std::vector<Tensor>>& fresh_v,
-                                                   TransformerCallStats& stats) const {
+Tensor SkyReelsV2Transformer::Impl::computed_blocks(const std::vector<BlockWeights>& blocks, const Tensor& block0_out,
+                                                    Tensor out, const BlockPlan& plan, const CrossContext& context,
+                                                    const Tensor& modulation, const RopeTables& rope, const Geometry& g,
+                                                    int64_t frames_per_block, const std::function<void()>& after_block,
+                                                    std::vector<std::vector<Tensor>>& fresh_k,
+                                                    std::vector<std::vector<Tensor>>& fresh_v,
+                                                    TransformerCallStats& stats) const {
   const int64_t layers = static_cast<int64_t>(blocks.size()), bt = frames_per_block * g.tokens_per_frame;
   const size_t nc = plan.computed.size();
   const bool all = nc == plan.decisions.size();
@@ -1194,6 +1321,10 @@ at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) co
   const TransformerConfig& c = m.config;
   const Geometry g = m.check_inputs(args);
   const Savings savings = check_savings(args, c, g);
+  // The call's adapters on a copy of the layers; without any, the model's own layers (the path of no adapters).
+  std::optional<AdaptedLayers> adapted;
+  if (!args.adapters.empty()) adapted.emplace(m.base_layers, c, args.adapters);
+  const Layers& call_layers = adapted ? adapted->layers() : m.base_layers;
   c10::NoGradGuard no_grad;  // c10::, not at::: LibTorch 2.x no longer aliases it through ATen/ATen.h
 
   // Frames [reuse, F) are computed; with FirstBlockCache block 0 runs on every frame (its residual is compared
@@ -1207,18 +1338,20 @@ at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) co
   const Tensor ts = timestep.dim() == 1 ? timestep.unsqueeze(1) : timestep;  // [B, Fm]
   const int64_t fm = ts.size(1);
   const Tensor sinusoid = detail::timestep_sinusoid(ts, c.freq_dim).to(at::kFloat);
-  const Tensor temb = m.time_2(at::silu(m.time_1(sinusoid))).to(m.dtype);  // fp32 MLP, then the compute dtype
-  Tensor modulation = m.time_proj(at::silu(temb)).view({g.batch, fm, 6, g.dim});
+  const Tensor temb =
+      call_layers.time_2(at::silu(call_layers.time_1(sinusoid))).to(m.dtype);  // fp32 MLP, then the compute dtype
+  Tensor modulation = call_layers.time_proj(at::silu(temb)).view({g.batch, fm, 6, g.dim});
   if (c.inject_sample_info) {
     // Each batch item adds its own fps vector to all of its frames (diffusers only manages B = 1 in DF mode).
     const Tensor fps_emb = at::index_select(m.fps_embedding, 0, args.fps->to(m.device, at::kLong));
-    const Tensor fps_proj = m.fps_2(at::silu(m.fps_1(fps_emb)));
+    const Tensor fps_proj = call_layers.fps_2(at::silu(call_layers.fps_1(fps_emb)));
     modulation = modulation + fps_proj.view({g.batch, 1, 6, g.dim});
   }
   modulation = modulation.to(at::kFloat);
   CrossContext context;
-  context.text = m.text_2(at::gelu(m.text_1(args.encoder_hidden_states.to(m.device, m.dtype)), "tanh"));
-  if (c.image_dim) context.image = m.embed_image(args.encoder_hidden_states_image);
+  context.text =
+      call_layers.text_2(at::gelu(call_layers.text_1(args.encoder_hidden_states.to(m.device, m.dtype)), "tanh"));
+  if (c.image_dim) context.image = m.embed_image(call_layers, args.encoder_hidden_states_image);
 
   // RoPE: diffusers uses cos[..., 0::2] and sin[..., 1::2] of its tables, each angle repeated over its pair.
   const auto [cos_full, sin_full] = rope_tables(g.ppf, g.pph, g.ppw);
@@ -1243,19 +1376,19 @@ at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) co
   }
   const bool keeps = state && savings.keep > 0;
   if (keeps) {
-    state->k.resize(m.blocks.size());
-    state->v.resize(m.blocks.size());
+    state->k.resize(call_layers.blocks.size());
+    state->v.resize(call_layers.blocks.size());
   }
 
-  const int64_t layers = static_cast<int64_t>(m.blocks.size());
+  const int64_t layers = static_cast<int64_t>(call_layers.blocks.size());
   TransformerCallStats stats;
   stats.token_blocks_full = g.batch * g.tokens * layers;
   const int64_t causal_block_tokens = args.num_frame_per_block > 1 ? args.num_frame_per_block * g.tokens_per_frame : 0;
   if (args.per_block_cache != nullptr) {
-    x = m.per_block_layers(std::move(x), *args.per_block_cache, *state, context, modulation, rope, g,
-                           args.num_frame_per_block, args.after_block, stats);
+    x = m.per_block_layers(call_layers.blocks, std::move(x), *args.per_block_cache, *state, context, modulation, rope,
+                           g, args.num_frame_per_block, args.after_block, stats);
     if (args.stats) *args.stats = stats;
-    return m.head(x, temb, g);
+    return m.head(call_layers.proj_out, x, temb, g);
   }
   Tensor block0_out;
   for (int64_t l = 0; l < layers; ++l) {
@@ -1270,7 +1403,7 @@ at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) co
     // FirstBlockCache's residual needs block 0's input (block_forward never writes it in place); elsewhere the
     // input is released inside the block as usual.
     const Tensor block_in = first_block && l == 0 ? x : Tensor();
-    x = m.block_forward(m.blocks[static_cast<size_t>(l)], std::move(x), context, per_frame(modulation, first),
+    x = m.block_forward(call_layers.blocks[static_cast<size_t>(l)], std::move(x), context, per_frame(modulation, first),
                         rope_from(first), sub, causal_block_tokens, kept_layer ? &slot : nullptr);
     stats.token_blocks_computed += g.batch * sub.tokens;
     if (args.after_block) args.after_block();
@@ -1297,7 +1430,7 @@ at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) co
   if (keeps && !stats.skipped) state->kept_frames = std::max(state->kept_frames, savings.keep);
   if (args.stats) *args.stats = stats;
   const Geometry out = frames_from(g, reuse);
-  return m.head(x, per_frame(temb, reuse), out);
+  return m.head(call_layers.proj_out, x, per_frame(temb, reuse), out);
 }
 
 }  // namespace skyreels::model

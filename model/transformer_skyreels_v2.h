@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "model/active_adapter.h"
 #include "model/checkpoint.h"
 
 namespace skyreels::model {
@@ -63,6 +64,10 @@ struct TransformerConfig {
 // (diffusers' _keep_in_fp32_modules: time_embedder, scale_shift_table, norm1/2/3, which includes the image
 // embedder's norm1 / norm2).
 std::vector<checkpoint::ParamSpec> transformer_parameter_specs(const TransformerConfig& config);
+
+// The linear layers (module names, e.g. "blocks.0.attn1.to_q") that adapters per call may change: every linear layer of
+// the model except the patch embedding (a convolution).
+std::vector<std::string> transformer_linear_modules(const TransformerConfig& config);
 
 // What a denoising loop keeps between the transformer calls of one guidance context (cond / uncond) of one chunk:
 // the keys and values of the frames that are final (exact savings) and diffusers' FirstBlockCache state. Opaque and
@@ -154,6 +159,9 @@ struct TransformerForwardArgs {
   // The cache per causal block (needs `state`; excludes reuse/keep and first_block_threshold).
   const PerBlockCache* per_block_cache = nullptr;
   TransformerCallStats* stats = nullptr;
+  // Adapters of this call only, in order (their terms add up); empty: the weights alone, the path of no adapters.
+  // Checked before anything runs (std::invalid_argument naming the adapter, its key and the layer).
+  std::vector<ActiveAdapter> adapters;
 };
 
 class SkyReelsV2Transformer {
@@ -167,8 +175,8 @@ class SkyReelsV2Transformer {
   SkyReelsV2Transformer& operator=(const SkyReelsV2Transformer&) = delete;
 
   // Returns `sample` [B, out_channels, F, H, W] in the compute dtype. Thread-compatible: concurrent calls on one
-  // instance are allowed (no mutable state). Throws std::invalid_argument on bad shapes, a missing fps, or frames
-  // not divisible by num_frame_per_block.
+  // instance are allowed (no mutable state; a call's adapters live in the call). Throws std::invalid_argument on bad
+  // shapes, a missing fps, or frames not divisible by num_frame_per_block.
   at::Tensor forward(const TransformerForwardArgs& args) const;
 
   const TransformerConfig& config() const;
