@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "cli/command.h"
+#include "model/adapter_bank.h"
 #include "model/safetensors.h"
 #include "server/job/blob.h"
 #include "server/api/client.h"
@@ -24,6 +25,7 @@ using skyreels::cli::UsageError;
 using skyreels::cli::with_generation_flags;
 namespace pb = skyreels::v1;
 namespace server = skyreels::server;
+namespace model = skyreels::model;
 
 const std::string kUsage =
     std::string(
@@ -39,6 +41,9 @@ const std::string kUsage =
         "  --image PATH  --last-image PATH  --video PATH   PNG/JPEG/MP4 (sent as bytes) or safetensors with\n"
         "                            `image` / `last_image` / `video` float in [0, 1] (sent as tensors)\n"
         "  --prompt-at FRAME:TEXT    --inputs-at FRAME:FILE   the prompt from pixel frame FRAME on (repeatable)\n"
+        "adapters (a server with --lora-dir):\n"
+        "  --adapter NAME[:SCALE]    a LoRA adapter of the server's --lora-dir for this job, applied unmerged\n"
+        "                            (repeatable, in order; default SCALE 1)\n"
         "job:\n"
         "  --priority P              -10 .. 10, higher first (default 0)\n"
         "  --timeout-seconds S       deadline relative to acceptance\n"
@@ -133,7 +138,7 @@ int run_submit(const std::vector<std::string>& raw) {
   const Args args(raw, skyreels::cli::with_generation_switches({"random-embeddings", "watch", "tls", "mp4"}));
   std::vector<std::string> known =
       with_generation_flags({"inputs", "random-embeddings", "tokens", "embeddings-seed", "priority", "timeout-seconds",
-                             "idempotency-key", "wait-ready", "watch", "out", "mp4"});
+                             "idempotency-key", "wait-ready", "watch", "out", "mp4", "adapter"});
   known.insert(known.end(), server::kConnectionFlags.begin(), server::kConnectionFlags.end());
   args.reject_unknown(known);
   if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional().front() + "'");
@@ -165,6 +170,17 @@ int run_submit(const std::vector<std::string>& raw) {
     spec->mutable_text()->set_negative_prompt(args.get("negative-prompt", ""));
   }
   server::request_params_to_proto(generation_request_from_flags(args), spec->mutable_params());
+  for (const std::string& text : args.all("adapter")) {
+    model::AdapterRequest adapter;
+    try {
+      adapter = model::parse_adapter_request(text);
+    } catch (const std::invalid_argument& e) {
+      throw UsageError(std::string("--adapter: ") + e.what());
+    }
+    pb::AdapterRef* ref = spec->mutable_params()->add_loras();
+    ref->set_name(adapter.name);
+    ref->set_scale(adapter.scale);
+  }
   fill_conditioning(args, spec);
   request.set_priority(args.get_int("priority", 0));
   request.set_idempotency_key(args.get("idempotency-key", ""));

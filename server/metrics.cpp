@@ -1,5 +1,7 @@
 #include "server/metrics.h"
 
+#include "server/job/job_request.h"
+
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -196,7 +198,21 @@ Metrics::Metrics(const std::vector<std::string>& replica_names, const std::strin
                          .Name("skyreels_replica_recoveries_total")
                          .Help("Times a replica taken out passed its re-test and came back")
                          .Register(r);
+  auto& adapter_loads = BuildCounter()
+                            .Name("skyreels_adapter_loads_total")
+                            .Help("LoRA adapters (--lora-dir) read from disk onto a replica's device")
+                            .Register(r);
+  auto& adapters_resident = BuildGauge()
+                                .Name("skyreels_adapters_resident")
+                                .Help("LoRA adapters a replica keeps on its device (at most --max-resident-adapters)")
+                                .Register(r);
+  adapter_jobs_family_ = &BuildCounter()
+                              .Name("skyreels_adapter_jobs_total")
+                              .Help("Jobs accepted that use a LoRA adapter, by adapter")
+                              .Register(r);
   for (const auto& name : replica_names) {
+    adapter_loads_[name] = &adapter_loads.Add({{"replica", name}});
+    adapters_resident_[name] = &adapters_resident.Add({{"replica", name}});
     recoveries_[name] = &recoveries.Add({{"replica", name}});
     chunk_seconds_[name] = &chunk.Add({{"replica", name}}, kChunk);
     step_seconds_[name] = &step.Add({{"replica", name}}, kStep);
@@ -314,7 +330,23 @@ void Metrics::stream_rejected(const std::string& reason) {
   if (it != streams_rejected_.end()) it->second->Increment();
 }
 
-void Metrics::job_submitted(const JobSnapshot&) { submitted_->Increment(); }
+void Metrics::job_submitted(const JobSnapshot& job) {
+  submitted_->Increment();
+  if (!job.description) return;
+  std::lock_guard<std::mutex> lock(rpc_mu_);
+  for (const AdapterChoice& a : job.description->params.loras) {
+    adapter_jobs_family_->Add({{"adapter", a.name}}).Increment();  // names come from --lora-dir: a bounded set
+  }
+}
+
+void Metrics::adapters_loaded(const std::string& replica, int64_t loaded, int64_t resident) {
+  if (auto it = adapter_loads_.find(replica); it != adapter_loads_.end()) {
+    it->second->Increment(static_cast<double>(loaded));
+  }
+  if (auto it = adapters_resident_.find(replica); it != adapters_resident_.end()) {
+    it->second->Set(static_cast<double>(resident));
+  }
+}
 
 void Metrics::preview_made(int64_t bytes) {
   previews_made_->Increment();

@@ -105,6 +105,8 @@ class Metrics : public SchedulerObserver, public MediaMetrics, public WebhookMet
   // The VAE worker (server/encoders.*): one chunk's MP4 made; jobs with MP4 work left.
   // One transformer call's token-blocks (tokens x blocks): computed, saved exactly, saved by the step cache.
   void transformer_work(int64_t computed, int64_t saved_exact, int64_t saved_cache);
+  // `loaded` LoRA adapters (--lora-dir) were read onto `replica`, which now keeps `resident` of them.
+  void adapters_loaded(const std::string& replica, int64_t loaded, int64_t resident);
   void video_chunk_encoded() override;
   void video_jobs_pending(int64_t jobs) override;
   // Also sets skyreels_global_queue_depth to `queued` until set_global_queue_depth() is first called.
@@ -163,6 +165,9 @@ class Metrics : public SchedulerObserver, public MediaMetrics, public WebhookMet
   prometheus::Counter* retries_;
   prometheus::Gauge* replicas_ready_;
   std::map<std::string, prometheus::Counter*> recoveries_;
+  std::map<std::string, prometheus::Counter*> adapter_loads_;    // by replica
+  std::map<std::string, prometheus::Gauge*> adapters_resident_;  // by replica
+  prometheus::Family<prometheus::Counter>* adapter_jobs_family_;  // by adapter, under rpc_mu_
   prometheus::Counter* video_chunks_;
   prometheus::Gauge* video_jobs_;
   prometheus::Gauge* streams_open_;

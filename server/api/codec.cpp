@@ -154,6 +154,11 @@ std::string durable_request(const pb::SubmitJobRequest& request, const ModelJob&
   *kept.mutable_webhook() = request.webhook();
   pb::JobSpec& spec = *kept.mutable_spec();
   spec.mutable_params()->set_seed(job.params().seed);
+  // The adapters' files as accepted: a resume whose file changed fails naming it (never another video).
+  const auto& adapters = job.params().loras;
+  for (int i = 0; i < spec.params().loras_size() && i < static_cast<int>(adapters.size()); ++i) {
+    spec.mutable_params()->mutable_loras(i)->set_sha256(adapters[static_cast<size_t>(i)].sha256);
+  }
   text_to_embeddings(job, spec);
   std::string bytes;
   {

@@ -145,8 +145,7 @@ Status VideoServiceImpl::submit(ServerContext* ctx, const pb::SubmitJobRequest& 
       }
     }
     job = ModelJob::create(request_from_proto(request.spec()), config_.model, config_.limits, random_seed(),
-                           gated_text_encoder(), config_.vae, vae_encode_metric(config_.metrics),
-                           config_.image_encoder);
+                           job_parts(config_, gated_text_encoder()));
   } catch (const AdmissionError& e) {
     return admission_refused(ctx, e);
   } catch (const EncoderBusy& e) {

@@ -60,6 +60,19 @@ Status VideoServiceImpl::GetServerInfo(ServerContext* ctx, const pb::GetServerIn
   model->set_default_pipeline(config_.model.default_pipeline);
   model->set_image_dim(m.image_dim);
   model->set_first_last_frame(config_.model.first_last_frame);
+  if (config_.adapters) {
+    for (const auto& a : m.adapters) {
+      auto* info = model->add_adapters();
+      info->set_name(a.name);
+      info->set_sha256(a.sha256);
+      info->set_format(a.format);
+      info->set_rank(a.rank);
+      info->set_parameters(a.parameters);
+      info->set_available(a.available);
+      info->set_reason(a.reason);
+    }
+    model->set_max_resident_adapters(static_cast<int32_t>(config_.max_resident_adapters));
+  }
   for (const auto& lora : m.loras) {
     auto* l = model->add_loras();
     l->set_path(lora.path);
@@ -78,6 +91,8 @@ Status VideoServiceImpl::GetServerInfo(ServerContext* ctx, const pb::GetServerIn
     r->set_chunks_run(statuses[i].chunks_run);
     r->set_failures(statuses[i].failures);
     r->set_error(statuses[i].error);
+    for (const auto& name : statuses[i].adapters.resident) r->add_resident_adapters(name);
+    r->set_adapter_loads(statuses[i].adapters.loads);
     if (i < config_.replicas.size()) {
       r->set_device(config_.replicas[i].device);
       r->set_threads(config_.replicas[i].threads);
@@ -193,6 +208,16 @@ namespace skyreels::server {
 
 using namespace api;
 
+JobParts job_parts(const ServiceConfig& config, TextEncoderFn text_encoder) {
+  JobParts parts;
+  parts.text_encoder = std::move(text_encoder);
+  parts.vae = config.vae;
+  parts.on_vae_encode = vae_encode_metric(config.metrics);
+  parts.image_encoder = config.image_encoder;
+  parts.adapters = config.adapters;
+  return parts;
+}
+
 RestoredJob restore_job(const StoredJob& stored, std::vector<StoredChunk> chunks, const ServiceConfig& config) {
   RestoredJob r;
   r.stored = stored;
@@ -204,8 +229,7 @@ RestoredJob restore_job(const StoredJob& stored, std::vector<StoredChunk> chunks
     // Requests are stored with embeddings, never text: no text is encoded again. (Only a request stored by an older
     // server may still hold prompt changes as text; they are encoded with this server's encoder.)
     auto job = ModelJob::create(request_from_proto(request.spec()), config.model, config.limits, 0,
-                                config.text_encoder, config.vae, vae_encode_metric(config.metrics),
-                                config.image_encoder);
+                                job_parts(config, config.text_encoder));
     std::vector<std::string> bytes;
     for (auto& chunk : chunks) bytes.push_back(std::move(chunk.bytes));
     job->restore_results(bytes);  // the next chunk's tail; the results stay in the store

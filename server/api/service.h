@@ -12,6 +12,10 @@
 #include "server/metrics.h"
 #include "server/replica/model_job.h"
 
+namespace skyreels::model {
+class AdapterCatalogue;
+}  // namespace skyreels::model
+
 namespace grpc {
 class Service;
 class Server;
@@ -46,6 +50,12 @@ struct ModelSummary {
     int64_t max_rank = 0;
   };
   std::vector<Lora> loras;  // --lora adapters merged at load, in order
+  struct Adapter {  // --lora-dir: an adapter a request may choose (model::AdapterInfo)
+    std::string name, sha256, format, reason;
+    int64_t rank = 0, parameters = 0;
+    bool available = false;
+  };
+  std::vector<Adapter> adapters;
 };
 
 // Caps that keep one client from starving the others or the server (flags of the same names; defaults here only).
@@ -79,12 +89,17 @@ struct ServiceConfig {
       vae;  // encodes image / video conditioning; null: they answer FAILED_PRECONDITION
   std::shared_ptr<const ImageEncoder> image_encoder;  // the i2v pipeline's CLIP encoder; null: i2v answers
                                                       // FAILED_PRECONDITION
+  std::shared_ptr<const model::AdapterCatalogue> adapters;  // --lora-dir; null: loras answer FAILED_PRECONDITION
+  size_t max_resident_adapters = 0;                          // --max-resident-adapters (GetServerInfo)
   const ApiKeys* api_keys = nullptr;
   Metrics* metrics = nullptr;
   TransportLimits transport;
   // Why a job's webhook (URL, event names) is refused, "" when it is fine; unset: this server sends no webhooks.
   std::function<std::string(const std::string& url, const std::vector<std::string>& events)> check_webhook;
 };
+
+// What a job may use of this server's model parts, with `text_encoder` (the submit path's is gated).
+JobParts job_parts(const ServiceConfig& config, TextEncoderFn text_encoder);
 
 // The skyreels.v1.VideoService implementation, to register with a grpc::ServerBuilder. `jobs` must outlive it.
 std::unique_ptr<grpc::Service> make_video_service(JobQueue& jobs, ServiceConfig config);

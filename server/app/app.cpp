@@ -32,6 +32,7 @@
 #include <sstream>
 #include <thread>
 
+#include "model/adapter_bank.h"
 #include "model/pipeline_t2v_i2v.h"
 #include "model/runtime.h"
 #include "model/transformer_loader.h"
@@ -254,7 +255,37 @@ struct CheckedModel {
   std::string path;
   skyreels::model::MappedTransformerCheckpoint mapped;
   std::vector<skyreels::model::LoraAdapter> adapters;  // only checked here: the replicas read their own copies
+  std::shared_ptr<const skyreels::model::AdapterCatalogue> catalogue;  // --lora-dir, shared by every replica
 };
+
+// --lora-dir: every adapter file's header and SHA-256, checked against the model (not its tensors: bounded time and
+// memory for a directory of any size).
+std::shared_ptr<const skyreels::model::AdapterCatalogue> catalogue_adapters(
+    const Options& o, const skyreels::model::TransformerConfig& config) {
+  if (o.lora_dir.empty()) return nullptr;
+  const auto t0 = Clock::now();
+  skyreels::model::AdapterCatalogueOptions options;
+  options.strict = o.strict_adapters;
+  std::shared_ptr<const skyreels::model::AdapterCatalogue> catalogue;
+  try {
+    catalogue = std::make_shared<const skyreels::model::AdapterCatalogue>(o.lora_dir, config, options);
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(std::string("--lora-dir: ") + e.what());
+  }
+  int64_t available = 0;
+  for (const auto& a : catalogue->adapters()) {
+    available += a.available;
+    if (a.available) {
+      spdlog::info("event=adapter name={} sha256={} format={} rank={} parameters={}", a.name, a.sha256, a.format,
+                   a.rank, a.parameters);
+    } else {
+      spdlog::warn("event=adapter_unavailable name={} reason=\"{}\"", a.name, a.reason);
+    }
+  }
+  spdlog::info("event=adapters_catalogued dir={} adapters={} available={} seconds={:.3f}", o.lora_dir,
+               catalogue->adapters().size(), available, std::chrono::duration<double>(Clock::now() - t0).count());
+  return catalogue;
+}
 
 std::unique_ptr<CheckedModel> check_model(const Options& o) {
   auto m = std::make_unique<CheckedModel>();
@@ -286,6 +317,7 @@ std::unique_ptr<CheckedModel> check_model(const Options& o) {
     spdlog::info("event=lora path={} scale={} format={} parameters={} max_rank={} ignored_keys={}", r.path, r.scale,
                  r.format, r.parameters, r.max_rank, r.ignored);
   }
+  m->catalogue = catalogue_adapters(o, m->mapped.config);
   return m;
 }
 
@@ -298,7 +330,7 @@ struct Replicas {
   std::vector<ReplicaDescription> descriptions;
 };
 
-Replicas make_replicas(const Options& o, const std::string& model_path,
+Replicas make_replicas(const Options& o, const CheckedModel& model,
                        const std::shared_ptr<std::atomic<Metrics*>>& work_sink) {
   Replicas r;
   r.plans = plan_replicas(o.devices, skyreels::runtime::available_cores(), cuda_device_count());
@@ -310,9 +342,14 @@ Replicas make_replicas(const Options& o, const std::string& model_path,
     plan.on_loaded = [work_sink](double seconds) {
       if (Metrics* m = work_sink->load()) m->model_loaded(kComponentTransformer, seconds);
     };
+    plan.on_adapter_load = [work_sink, name = plan.name](int64_t loaded, int64_t resident) {
+      if (Metrics* m = work_sink->load()) m->adapters_loaded(name, loaded, resident);
+    };
     plan.dtype = o.dtype;
-    plan.model_path = model_path;
+    plan.model_path = model.path;
     plan.loras = o.loras;
+    plan.adapters = model.catalogue;
+    plan.max_resident_adapters = static_cast<size_t>(o.max_resident_adapters);
     plan.faults = r.faults;
     plan.step_delay = std::chrono::milliseconds(o.step_delay_ms);
     plan.block_delay = std::chrono::milliseconds(o.block_delay_ms);
@@ -372,6 +409,8 @@ ServiceConfig service_config(const Options& o, const CheckedModel& model, const 
   }
   c.model.default_pipeline = skyreels::model::pipeline_kind_name(skyreels::model::default_pipeline(config));
   c.model.first_last_frame = config.pos_embed_seq_len.has_value();
+  c.adapters = model.catalogue;
+  c.max_resident_adapters = static_cast<size_t>(o.max_resident_adapters);
   ModelSummary& summary = c.summary;
   summary.source = o.demo ? "demo" : o.model;
   summary.dtype = skyreels::runtime::resolve_dtype_name(o.dtype, replicas.plans.front().device);
@@ -390,6 +429,11 @@ ServiceConfig service_config(const Options& o, const CheckedModel& model, const 
   for (const auto& a : model.adapters) {
     const auto r = skyreels::model::lora_report(a);
     summary.loras.push_back({r.path, r.scale, r.format, r.parameters, r.max_rank});
+  }
+  if (model.catalogue) {
+    for (const auto& a : model.catalogue->adapters()) {
+      summary.adapters.push_back({a.name, a.sha256, a.format, a.reason, a.rank, a.parameters, a.available});
+    }
   }
   c.replicas = replicas.descriptions;
   c.api_keys = &keys;
@@ -585,7 +629,7 @@ int serve(const Options& o, Signals& signals) {
   std::unique_ptr<JobStore> store = open_store(o);
   const std::unique_ptr<CheckedModel> model = check_model(o);
   auto work_sink = std::make_shared<std::atomic<Metrics*>>(nullptr);
-  Replicas replicas = make_replicas(o, model->path, work_sink);
+  Replicas replicas = make_replicas(o, *model, work_sink);
 
   // ---- metrics and the optional model parts ----
   Metrics metrics(replicas.names, SKYREELS_VERSION, skyreels::model::describe_loras(o.loras));

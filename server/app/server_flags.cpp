@@ -169,6 +169,15 @@ std::vector<ServerFlag> make_flags() {
       text("dtype", &O::dtype, kModel, "auto|float32|bfloat16",
            "auto: bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16, else float32"),
       lora,
+      text("lora-dir", &O::lora_dir, kModel, "DIR",
+           "LoRA adapters chosen per request (GenerationParams.loras, `lora` on /v1/videos): every *.safetensors file "
+           "in DIR by its name without .safetensors, read from its header and hashed (SHA-256) at start, applied "
+           "unmerged (the weights never change; no reload), loaded onto a replica on first use. A damaged or unfitting "
+           "file is listed unavailable in GetServerInfo"),
+      integer("max-resident-adapters", &O::max_resident_adapters, 1, 1024, kModel, "N",
+              "adapters each replica keeps on its device, least recently used out first"),
+      toggle("strict-adapters", &O::strict_adapters, kModel,
+             "refuse to start when a file in --lora-dir is damaged or does not fit the model"),
       // network
       text("listen", &O::listen, kNetwork, "HOST:PORT", "gRPC"),
       text("metrics-listen", &O::metrics_listen, kNetwork, "HOST:PORT", "Prometheus /metrics"),

@@ -26,6 +26,9 @@ struct ServerOptions {
   std::string devices = "auto";
   std::string dtype = "auto";
   std::vector<model::LoraSpec> loras;  // --lora, in order
+  std::string lora_dir;                // adapters chosen per request
+  int64_t max_resident_adapters = 4;   // per replica (model::kDefaultMaxResident)
+  bool strict_adapters = false;
   // network
   std::string listen = "0.0.0.0:50051";
   std::string metrics_listen = "0.0.0.0:9090";

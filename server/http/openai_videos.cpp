@@ -114,6 +114,62 @@ std::optional<Response> read_params(const json& values, std::set<std::string>* u
   return std::nullopt;
 }
 
+// One adapter of `lora`: {"name", "scale"} (vLLM-Omni's "lora_name" / "lora_scale" too) or "NAME[:SCALE]".
+std::optional<std::string> add_adapter(const json& given, pb::GenerationParams* params) {
+  pb::AdapterRef ref;
+  if (given.is_object()) {
+    if (given.contains("path") || given.contains("lora_path")) {
+      return "this server serves the adapters of its --lora-dir by name; it reads no path from a request";
+    }
+    const json name = given.contains("name") ? given["name"] : given.value("lora_name", json());
+    const json scale = given.contains("scale") ? given["scale"] : given.value("lora_scale", json());
+    if (!name.is_string() || name.get<std::string>().empty()) return "each adapter needs a name";
+    ref.set_name(name.get<std::string>());
+    if (!scale.is_null()) {
+      if (!scale.is_number()) return "scale: a number";
+      ref.set_scale(scale.get<double>());
+    }
+  } else if (given.is_string()) {
+    const std::string text = given.get<std::string>();
+    const auto colon = text.rfind(':');
+    char* end = nullptr;
+    const double scale = colon == std::string::npos ? 0 : std::strtod(text.c_str() + colon + 1, &end);
+    const bool has_scale = colon != std::string::npos && end != nullptr && *end == '\0' && colon + 1 < text.size();
+    ref.set_name(has_scale ? text.substr(0, colon) : text);
+    if (has_scale) ref.set_scale(scale);
+    if (ref.name().empty()) return "each adapter needs a name";
+  } else {
+    return "an adapter is \"NAME[:SCALE]\" or {\"name\": ..., \"scale\": ...}";
+  }
+  *params->add_loras() = std::move(ref);
+  return std::nullopt;
+}
+
+// `lora`, as vLLM-Omni's videos API names it: one adapter, a list of them, or (a form value) "NAME[:SCALE],..." or
+// their JSON; after any GenerationParams.loras given.
+std::optional<Response> read_lora(const json& values, std::set<std::string>* used, pb::GenerationParams* params) {
+  auto it = values.find("lora");
+  if (it == values.end()) return std::nullopt;
+  used->insert("lora");
+  json given = *it;
+  if (given.is_string()) {
+    const std::string text = given.get<std::string>();
+    if (!text.empty() && (text.front() == '[' || text.front() == '{')) {
+      given = json::parse(text, nullptr, false);
+      if (given.is_discarded()) return error_response(400, "lora: not valid JSON", "lora");
+    } else {
+      given = json::array();
+      std::stringstream items(text);
+      for (std::string item; std::getline(items, item, ',');) given.push_back(item);
+    }
+  }
+  if (!given.is_array()) given = json::array({given});
+  for (const json& adapter : given) {
+    if (auto why = add_adapter(adapter, params)) return error_response(400, "lora: " + *why, "lora");
+  }
+  return std::nullopt;
+}
+
 std::string seconds_text(int64_t frames, int64_t fps) {
   if (fps <= 0 || frames < 1) return "0";
   const double seconds = static_cast<double>(frames - 1) / static_cast<double>(fps);
@@ -323,6 +379,7 @@ std::optional<Response> read_request(const ServiceCall& call, const json& values
     if (!values.contains("webhook_url")) return error_response(400, "webhook_events: needs webhook_url", "webhook_events");
   }
   if (auto refused = read_params(values, used, spec->mutable_params())) return *refused;
+  if (auto refused = read_lora(values, used, spec->mutable_params())) return refused;
   if (auto refused = read_shape(values, used, spec->mutable_params(), default_fps)) return refused;
   if (!spec->params().has_fps() && default_fps != kDefaultFps) spec->mutable_params()->set_fps(default_fps);
   return std::nullopt;

@@ -136,11 +136,31 @@ void write(pb::Message& root, const std::vector<const pb::FieldDescriptor*>& pat
 
 const pb::FieldDescriptor& proto_field(const GenerationParam& param) { return *field_path(param).back(); }
 
+// GenerationParams.loras: a list of records beside the table's rows.
+std::vector<AdapterChoice> adapters_from_proto(const v1::GenerationParams& proto) {
+  std::vector<AdapterChoice> adapters;
+  for (const v1::AdapterRef& ref : proto.loras()) {
+    adapters.push_back({ref.name(), ref.has_scale() ? std::optional<double>(ref.scale()) : std::nullopt, ref.sha256()});
+  }
+  return adapters;
+}
+
+void adapters_to_proto(const std::vector<AdapterChoice>& adapters, v1::GenerationParams* proto) {
+  proto->clear_loras();
+  for (const AdapterChoice& a : adapters) {
+    v1::AdapterRef* ref = proto->add_loras();
+    ref->set_name(a.name);
+    if (a.scale) ref->set_scale(*a.scale);
+    ref->set_sha256(a.sha256);
+  }
+}
+
 void request_params_from_proto(const v1::GenerationParams& proto, JobRequest& request) {
   const auto& params = generation_params();
   for (size_t i = 0; i < params.size(); ++i) {
     if (const std::optional<ParamValue> value = read(proto, field_paths()[i])) params[i].set_requested(request, *value);
   }
+  request.loras = adapters_from_proto(proto);
 }
 
 void request_params_to_proto(const JobRequest& request, v1::GenerationParams* proto) {
@@ -151,6 +171,7 @@ void request_params_to_proto(const JobRequest& request, v1::GenerationParams* pr
         value && params[i].kind == ParamKind::kIntList && std::get<std::vector<int64_t>>(*value).empty();
     if (value && !empty_list) write(*proto, field_paths()[i], *value);  // no empty scheduler message for nothing
   }
+  adapters_to_proto(request.loras, proto);
 }
 
 void resolved_params_to_proto(const ResolvedParams& resolved, v1::GenerationParams* proto) {
@@ -158,6 +179,7 @@ void resolved_params_to_proto(const ResolvedParams& resolved, v1::GenerationPara
   for (size_t i = 0; i < params.size(); ++i) {
     if (const std::optional<ParamValue> value = params[i].resolved(resolved)) write(*proto, field_paths()[i], *value);
   }
+  adapters_to_proto(resolved.loras, proto);
 }
 
 }  // namespace skyreels::server

@@ -50,6 +50,14 @@ struct PromptChangeRequest {
   std::optional<std::string> text;
 };
 
+// A LoRA adapter of the server's --lora-dir for one job (GenerationParams.loras), applied unmerged. Not a row of the
+// generation-parameter table: a list of records, checked against the server's adapter catalogue (model_job.cpp).
+struct AdapterChoice {
+  std::string name;
+  std::optional<double> scale;  // 1.0 when unset
+  std::string sha256;           // pinned by the client, or recorded when the job was accepted; "" : not yet
+};
+
 // The request, transport-neutral. Unset optionals take diffusers' defaults.
 struct JobRequest {
   std::optional<RawTensor> prompt_embeds;
@@ -61,6 +69,7 @@ struct JobRequest {
   // Image-to-video (image, optionally last_image) or video extension (video).
   std::optional<PixelRequest> image, last_image, video;
   std::vector<PromptChangeRequest> prompt_changes;
+  std::vector<AdapterChoice> loras;
   // The generation parameters as asked (generation_param_list.h).
 #define SKYREELS_REQUEST_MEMBER(member, name, request_type, ...) request_type member;
   SKYREELS_GENERATION_PARAMS(SKYREELS_REQUEST_MEMBER)
@@ -72,6 +81,7 @@ struct ResolvedParams {
 #define SKYREELS_RESOLVED_MEMBER(member, name, request_type, resolved_type, initial, ...) resolved_type member = initial;
   SKYREELS_GENERATION_PARAMS(SKYREELS_RESOLVED_MEMBER)
 #undef SKYREELS_RESOLVED_MEMBER
+  std::vector<AdapterChoice> loras;  // every scale set, every sha256 the file's (model_job.cpp)
 };
 
 struct ServerLimits {

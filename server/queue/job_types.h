@@ -128,6 +128,7 @@ struct ReplicaStatus {
   int64_t failures = 0;
   int64_t recoveries = 0;  // times a re-test brought it back
   std::string error;
+  AdapterResidency adapters;
 };
 
 // Submission refused: queue full or this client's share of it full (retry later), or draining.

@@ -301,6 +301,7 @@ ReplicaStatus ReplicaPool::status_locked(const Replica& replica) const {
   s.failures = replica.failures;
   s.recoveries = replica.recoveries;
   s.error = replica.error;
+  s.adapters = replica.exec->adapter_residency();
   return s;
 }
 

@@ -8,6 +8,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace skyreels::server {
 
@@ -72,6 +73,12 @@ struct ChunkCallbacks {
   std::function<void(ChunkPreviewImage)> on_preview;       // a preview of the running chunk (preview_every)
 };
 
+// What a replica holds of the adapters chosen per request (--lora-dir): its status, and what placement prefers.
+struct AdapterResidency {
+  std::vector<std::string> resident;  // on its device now, most recently used first
+  int64_t loads = 0;                  // adapters read from disk so far
+};
+
 // One replica: a model on one device. run() is only ever called from the replica's own worker thread.
 class ChunkExecutor {
  public:
@@ -84,6 +91,8 @@ class ChunkExecutor {
   // Re-tests a replica that was taken out (e.g. one small warm-up forward), on the worker thread. Throws when the
   // replica still does not work.
   virtual void probe() {}
+  // Cheap and thread-safe (read from any thread, never waits for a chunk or an adapter load).
+  virtual AdapterResidency adapter_residency() const { return {}; }
 };
 
 }  // namespace skyreels::server

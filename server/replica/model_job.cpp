@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "model/adapter_bank.h"
 #include "model/clip_vision.h"
 #include "model/diffusion_forcing.h"
 #include "model/image_processor.h"
@@ -225,6 +226,35 @@ at::Tensor pipeline_image(const PixelRequest& r, const std::string& field, const
   }
 }
 
+// GenerationParams.loras against the server's catalogue: names, scales and count checked, each file's SHA-256
+// recorded; a sha256 the request already carries (a client's pin, or a stored job's) must still be the file's.
+std::vector<AdapterChoice> resolve_adapters(const std::vector<AdapterChoice>& asked,
+                                            const model::AdapterCatalogue* catalogue) {
+  if (asked.empty()) return {};
+  if (catalogue == nullptr) {
+    throw PreconditionError("loras: this server has no adapters to choose from (start it with --lora-dir DIR)");
+  }
+  std::vector<model::AdapterRequest> requests;
+  for (const AdapterChoice& a : asked) requests.push_back({a.name, a.scale.value_or(1.0)});
+  std::vector<model::ResolvedAdapter> resolved;
+  try {
+    resolved = catalogue->resolve(requests);
+  } catch (const std::invalid_argument& e) {
+    const std::string message = e.what();  // names "adapters..." : the proto field is loras
+    invalid(message.rfind("adapters", 0) == 0 ? "loras" + message.substr(8) : message);
+  }
+  std::vector<AdapterChoice> out;
+  for (size_t i = 0; i < resolved.size(); ++i) {
+    if (!asked[i].sha256.empty() && asked[i].sha256 != resolved[i].sha256) {
+      throw PreconditionError("loras[" + std::to_string(i) + "]: adapter '" + resolved[i].name +
+                              "' is not the file this job was accepted with (sha256 " + asked[i].sha256 +
+                              "); the file in --lora-dir now has sha256 " + resolved[i].sha256);
+    }
+    out.push_back({resolved[i].name, resolved[i].scale, resolved[i].sha256});
+  }
+  return out;
+}
+
 // A pipeline the loaded model does not run: FAILED_PRECONDITION naming what it runs.
 void check_pipeline_served(const std::string& pipeline, const ModelDescription& model) {
   if (std::find(model.pipelines.begin(), model.pipelines.end(), pipeline) != model.pipelines.end()) return;
@@ -264,7 +294,8 @@ struct RequestFingerprint {
   std::string v2;
 };
 
-RequestFingerprint fingerprint_of(const JobRequest& r) {
+// `adapters`: the job's, resolved (their files' SHA-256); none adds nothing (older fingerprints stay valid).
+RequestFingerprint fingerprint_of(const JobRequest& r, const std::vector<AdapterChoice>& adapters) {
   RequestHasher f;
   f.tensor(r.prompt_embeds);
   f.tensor(r.negative_prompt_embeds);
@@ -289,6 +320,11 @@ RequestFingerprint fingerprint_of(const JobRequest& r) {
     f.tensor(change.negative_prompt_embeds);
     f.add(static_cast<uint8_t>(change.text.has_value()));
     if (change.text) f.str(*change.text);
+  }
+  for (const AdapterChoice& a : adapters) {
+    f.str(a.name);
+    f.add(a.scale.value_or(1.0));
+    f.str(a.sha256);
   }
   const uint64_t v1 = f.h.v1();
   return {v1, f.h.v2()};
@@ -382,7 +418,8 @@ struct ModelJob::Impl {
   std::shared_ptr<const ImageEncoder> image_encoder;
   model::VideoConditioning video;
   void encode_images_once(const model::TransformerConfig& config);
-  std::string run_whole_video(const model::SkyReelsV2Transformer& transformer, const model::StepHooks& hooks);
+  std::string run_whole_video(const model::SkyReelsV2Transformer& transformer, const model::StepHooks& hooks,
+                              const model::GenerationParams& params);
   // The job's random streams, positioned after the last chunk that succeeded (committed only on success).
   std::unique_ptr<model::NoiseSource> noise;
   std::shared_ptr<const JobDescription> description;
@@ -530,18 +567,19 @@ ModelJob::~ModelJob() = default;
 
 std::shared_ptr<ModelJob> ModelJob::create(const JobRequest& request, const ModelDescription& model,
                                            const ServerLimits& limits, uint64_t random_seed,
-                                           const TextEncoderFn& text_encoder,
-                                           std::shared_ptr<const model::WanVae> vae,
-                                           std::function<void(double seconds)> on_vae_encode,
-                                           std::shared_ptr<const ImageEncoder> image_encoder) {
+                                           const JobParts& parts) {
+  const TextEncoderFn& text_encoder = parts.text_encoder;
+  std::shared_ptr<const model::WanVae> vae = parts.vae;
+  std::shared_ptr<const ImageEncoder> image_encoder = parts.image_encoder;
   std::shared_ptr<ModelJob> job(new ModelJob());
   Impl& d = *job->impl_;
-  d.on_vae_encode = std::move(on_vae_encode);
+  d.on_vae_encode = parts.on_vae_encode;
   d.resolved = resolve_generation_params(
       request, ResolveContext{model.num_frame_per_block, random_seed, model.default_pipeline});
   validate_generation_params(d.resolved, limits);
   check_pipeline_served(d.resolved.pipeline, model);
   check_pipeline_params(request, d.resolved);
+  d.resolved.loras = resolve_adapters(request.loras, parts.adapters.get());
   d.pipeline = model::pipeline_kind_from_name(d.resolved.pipeline);
   const bool diffusion_forcing = d.pipeline == model::PipelineKind::kDiffusionForcing;
   if (!diffusion_forcing && !request.prompt_changes.empty()) {
@@ -620,7 +658,7 @@ std::shared_ptr<ModelJob> ModelJob::create(const JobRequest& request, const Mode
   }
   d.latent_channels = model.latent_channels;
   std::copy(std::begin(model.patch_size), std::end(model.patch_size), std::begin(d.patch_size));
-  RequestFingerprint fingerprint = fingerprint_of(request);
+  RequestFingerprint fingerprint = fingerprint_of(request, d.resolved.loras);
   d.fingerprint = fingerprint.v1;
   d.fingerprint_v2 = std::move(fingerprint.v2);
 
@@ -735,7 +773,7 @@ std::string chunk_result_bytes(const at::Tensor& fresh, int64_t chunk, int64_t c
 
 // The t2v / i2v call, as `skyreels generate --pipeline t2v|i2v` makes it: one video from the job's noise stream.
 std::string ModelJob::Impl::run_whole_video(const model::SkyReelsV2Transformer& transformer,
-                                            const model::StepHooks& hooks) {
+                                            const model::StepHooks& hooks, const model::GenerationParams& params) {
   encode_images_once(transformer.config());
   if (!noise) noise = model::make_seeded_noise(resolved.seed);
   std::unique_ptr<model::NoiseSource> draws = noise->clone();
@@ -745,16 +783,18 @@ std::string ModelJob::Impl::run_whole_video(const model::SkyReelsV2Transformer& 
     if (hooks.on_step) hooks.on_step(0, step, steps);
   };
   const at::Tensor latents =
-      model::generate_video(transformer, pipeline, generation, video, *draws, 1, video_hooks).contiguous();
+      model::generate_video(transformer, pipeline, params, video, *draws, 1, video_hooks).contiguous();
   std::string bytes = chunk_result_bytes(latents, 0, 1, plan.chunks.front(), resolved.seed);
   noise = std::move(draws);
   return bytes;
 }
 
 std::string ModelJob::run_chunk(const model::SkyReelsV2Transformer& transformer, int64_t chunk,
-                                const model::StepHooks& hooks) {
+                                const model::StepHooks& hooks, const std::vector<model::ActiveAdapter>& adapters) {
   Impl& d = *impl_;
-  if (d.pipeline != model::PipelineKind::kDiffusionForcing) return d.run_whole_video(transformer, hooks);
+  model::GenerationParams params = d.generation;  // the job's, with this replica's copy of its adapters
+  params.adapters = adapters;
+  if (d.pipeline != model::PipelineKind::kDiffusionForcing) return d.run_whole_video(transformer, hooks, params);
   const model::ChunkSpec& spec = d.plan.chunks.at(static_cast<size_t>(chunk));
   // Chunk k's noise depends on (seed, k) only, never on where chunk k-1 ran. The chunk draws from a copy of the
   // job's committed streams (O(chunk) draws, not O(all chunks so far)); a failed chunk leaves them untouched, so its
@@ -763,7 +803,7 @@ std::string ModelJob::run_chunk(const model::SkyReelsV2Transformer& transformer,
   if (!d.noise) d.noise = model::make_seeded_noise(d.resolved.seed);
   std::unique_ptr<model::NoiseSource> noise = d.noise->clone();
   const at::Tensor latents =
-      model::run_chunk(transformer, d.generation, d.plan, chunk, d.conditioning, d.tail, *noise, hooks);
+      model::run_chunk(transformer, params, d.plan, chunk, d.conditioning, d.tail, *noise, hooks);
 
   // The video's tail for the next chunk, on this replica's device, as diffusers' accumulated video would end.
   const int64_t overlap = d.plan.overlap_latent_frames;

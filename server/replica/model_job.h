@@ -19,9 +19,11 @@
 #include "server/replica/chunk_executor.h"
 
 namespace skyreels::model {
+class AdapterCatalogue;
 class ClipVisionEncoder;
 class SkyReelsV2Transformer;
 class WanVae;
+struct ActiveAdapter;
 struct ClipImageProcessorConfig;
 struct StepHooks;
 }  // namespace skyreels::model
@@ -40,6 +42,15 @@ struct ImageEncoder {
   std::shared_ptr<const model::ClipImageProcessorConfig> processor;
 };
 
+// The server's optional model parts a job may use; a request that needs a missing one is FAILED_PRECONDITION naming it.
+struct JobParts {
+  TextEncoderFn text_encoder;                         // text prompts
+  std::shared_ptr<const model::WanVae> vae;           // image / video conditioning, the i2v condition video
+  std::function<void(double seconds)> on_vae_encode;  // metrics
+  std::shared_ptr<const ImageEncoder> image_encoder;  // the i2v pipeline's CLIP tokens
+  std::shared_ptr<const model::AdapterCatalogue> adapters;  // --lora-dir: what GenerationParams.loras may name
+};
+
 // A job runs one of three pipelines (GenerationParams.pipeline). Diffusion forcing ("df") runs as planned chunks;
 // text-to-video and image-to-video ("t2v", "i2v") denoise the whole video at once, so their plan is one chunk: the
 // whole video is one unit of work for the scheduler, retried and resumed like a chunk (from its seed, bit-identical).
@@ -47,14 +58,11 @@ class ModelJob : public JobPayload {
  public:
   // Validates every field (ValidationError / PreconditionError) and plans the chunks. `random_seed` is used when
   // the request has no seed. Images and videos are decoded here (bounded by the request's size and --max-frames);
-  // `vae` (and for i2v `image_encoder`) encode them later, once, when the job's first chunk runs (after admission);
-  // null: they are refused.
+  // parts.vae (and for i2v parts.image_encoder) encode them later, once, when the job's first chunk runs (after
+  // admission). Adapters are checked against parts.adapters and their files' SHA-256 recorded (params().loras).
   static std::shared_ptr<ModelJob> create(const JobRequest& request, const ModelDescription& model,
                                           const ServerLimits& limits, uint64_t random_seed,
-                                          const TextEncoderFn& text_encoder = {},
-                                          std::shared_ptr<const model::WanVae> vae = nullptr,
-                                          std::function<void(double seconds)> on_vae_encode = {},
-                                          std::shared_ptr<const ImageEncoder> image_encoder = nullptr);
+                                          const JobParts& parts = {});
   ~ModelJob() override;
 
   const ResolvedParams& params() const;
@@ -80,7 +88,9 @@ class ModelJob : public JobPayload {
   // it is; leaves the new tail on this device. Returns the chunk's result (safetensors: `latents` fp32
   // [1, C, frames, h, w], the chunk's new frames), which the scheduler commits to the job store: results are read
   // from there, the job does not keep them. Throws model::GenerationCancelled when hooks.cancelled() turns true.
-  std::string run_chunk(const model::SkyReelsV2Transformer& model, int64_t chunk, const model::StepHooks& hooks);
+  // `adapters`: params().loras placed on the replica's device (its AdapterBank), applied unmerged.
+  std::string run_chunk(const model::SkyReelsV2Transformer& model, int64_t chunk, const model::StepHooks& hooks,
+                        const std::vector<model::ActiveAdapter>& adapters = {});
 
   // After a restart: continues after the chunks that were committed (chunk 0, 1, ... in order, safetensors bytes as
   // run_chunk made them), taking the next chunk's tail from them. Its noise is re-derived from the seed (a fresh

@@ -21,6 +21,7 @@
 #endif
 #include <torch/version.h>
 
+#include "model/adapter_bank.h"
 #include "model/diffusion_forcing.h"
 #include "model/runtime.h"
 #include "model/transformer_loader.h"
@@ -173,6 +174,10 @@ void ModelReplica::start() {
   model::LoadedTransformer loaded = model::load_transformer(options_.model_path, load);
   model_ = std::move(loaded.model);
   if (options_.on_loaded) options_.on_loaded(loaded.report.seconds);
+  if (options_.adapters) {
+    bank_ = std::make_unique<model::AdapterBank>(options_.adapters, model_->device(), model_->compute_dtype(),
+                                                 options_.max_resident_adapters);
+  }
   const auto t0 = std::chrono::steady_clock::now();
   warm_up();
   spdlog::info("replica={} event=ready load_seconds={:.3f} warmup_seconds={:.3f} parameters={}", options_.name,
@@ -205,6 +210,32 @@ void ModelReplica::warm_up() const {
                                                  at::TensorOptions().device(device).dtype(model_->compute_dtype()));
   }
   model_->forward(args);
+}
+
+AdapterResidency ModelReplica::adapter_residency() const {
+  std::lock_guard<std::mutex> lock(residency_mu_);
+  return residency_;
+}
+
+std::vector<model::ActiveAdapter> ModelReplica::activate_adapters(const std::vector<AdapterChoice>& loras) {
+  std::vector<model::ActiveAdapter> active;
+  if (loras.empty()) return active;
+  if (!bank_) throw std::invalid_argument("loras: replica " + options_.name + " has no adapters (--lora-dir)");
+  const int64_t loads_before = bank_->loads();
+  for (const AdapterChoice& a : loras) active.push_back({bank_->acquire(a.name), a.scale.value_or(1.0)});
+  AdapterResidency now{bank_->resident(), bank_->loads()};
+  {
+    std::lock_guard<std::mutex> lock(residency_mu_);
+    residency_ = now;
+  }
+  if (now.loads > loads_before) {
+    spdlog::info("replica={} event=adapters_loaded loads={} resident={}", options_.name, now.loads,
+                 now.resident.size());
+    if (options_.on_adapter_load) {
+      options_.on_adapter_load(now.loads - loads_before, static_cast<int64_t>(now.resident.size()));
+    }
+  }
+  return active;
 }
 
 const FaultRule* ModelReplica::fault_due(int64_t run) const {
@@ -265,8 +296,15 @@ ChunkResult ModelReplica::run(const ChunkWork& work, const ChunkCallbacks& callb
     }
   };
   std::string bytes;  // the chunk's result, for the job store
+  std::vector<model::ActiveAdapter> adapters;
   try {
-    bytes = job->run_chunk(*model_, work.chunk_index, hooks);
+    adapters = activate_adapters(job->params().loras);
+  } catch (const std::exception& e) {
+    // An adapter file replaced (or unreadable) since the start: the job's fault, not the replica's; never another video.
+    return {ChunkOutcome::Rejected, e.what(), 0, {}, {}};
+  }
+  try {
+    bytes = job->run_chunk(*model_, work.chunk_index, hooks, adapters);
     spdlog::info("replica={} event=chunk_work chunk={} token_blocks_full={} computed={} saved_exact={} saved_cache={}",
                  options_.name, work.chunk_index, work_done.full, work_done.computed, work_done.exact,
                  work_done.cache);

@@ -5,14 +5,19 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <functional>
 #include <string>
 #include <vector>
 
 #include "model/lora.h"
+#include "server/job/job_request.h"
 #include "server/replica/chunk_executor.h"
 
 namespace skyreels::model {
+class AdapterBank;
+class AdapterCatalogue;
+struct ActiveAdapter;
 class SkyReelsV2Transformer;
 }
 
@@ -52,6 +57,12 @@ struct ReplicaOptions {
   std::function<void(int64_t computed, int64_t saved_exact, int64_t saved_cache)> on_transformer_work;
   // Once the weights are loaded (and merged with any LoRA), with the seconds it took; warm-up not included.
   std::function<void(double seconds)> on_loaded;
+  // Adapters chosen per request (--lora-dir): the catalogue every replica shares, and how many this replica keeps on
+  // its device (its own AdapterBank). Null: requests with loras are refused.
+  std::shared_ptr<const model::AdapterCatalogue> adapters;
+  size_t max_resident_adapters = 4;
+  // After a chunk's adapters were read from disk onto this replica: how many were read, how many are resident now.
+  std::function<void(int64_t loaded, int64_t resident)> on_adapter_load;
 };
 
 struct ReplicaInfo {
@@ -69,14 +80,20 @@ class ModelReplica : public ChunkExecutor {
   ChunkResult run(const ChunkWork& work, const ChunkCallbacks& callbacks) override;
   void probe() override;  // the warm-up forward again (a replica taken out comes back when it passes)
   const ReplicaOptions& options() const { return options_; }
+  AdapterResidency adapter_residency() const override;
 
  private:
+  // The job's adapters on this replica's device (loaded into its bank when not resident).
+  std::vector<model::ActiveAdapter> activate_adapters(const std::vector<AdapterChoice>& loras);
   const FaultRule* fault_due(int64_t run) const;
   void warm_up() const;
   [[noreturn]] void throw_fault(const FaultRule& rule, int64_t run_number);
   bool dead_ = false;  // a "dead" fault fired: re-tests fail too
   ReplicaOptions options_;
   std::unique_ptr<model::SkyReelsV2Transformer> model_;
+  std::unique_ptr<model::AdapterBank> bank_;  // with options_.adapters, once the model is loaded
+  mutable std::mutex residency_mu_;           // guards residency_, a copy the status reads without the bank's lock
+  AdapterResidency residency_;
   int64_t runs_ = 0;
 };
 

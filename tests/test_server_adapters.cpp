@@ -1,0 +1,276 @@
+// Issue 33, served: LoRA adapters chosen per request from --lora-dir, applied unmerged on a two-replica server. Jobs
+// with different adapters (and one with none) at once each equal `skyreels generate --lora-dir --adapter` bit for
+// bit, with no restart and the loads counted; a job killed mid-run resumes bit-identical; a resumed job whose adapter
+// file changed fails naming the adapter; bad choices are refused naming the field.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "model/safetensors.h"
+#include "server/replica/demo_model.h"
+#include "tests/test_server_harness.h"
+#include "tests/test_util.h"
+
+namespace skyreels::test {
+namespace {
+
+namespace pb = skyreels::v1;
+using namespace std::chrono_literals;
+
+// A rank-4 adapter (diffusers / PEFT keys) on the demo model's attention and feed-forward layers, random from `seed`.
+void write_adapter(const std::string& path, uint64_t seed) {
+  at::manual_seed(static_cast<int64_t>(seed));
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  constexpr int64_t kInner = 24, kFfn = 48, kRank = 4;  // the demo model: 2 heads x 12, ffn 48
+  for (int block = 0; block < 2; ++block) {
+    const std::string p = "transformer.blocks." + std::to_string(block) + ".";
+    for (const char* layer : {"attn1.to_q", "attn1.to_v", "attn2.to_k", "attn1.to_out.0"}) {
+      tensors.emplace_back(p + layer + ".lora_A.weight", at::randn({kRank, kInner}) * 0.3);
+      tensors.emplace_back(p + layer + ".lora_B.weight", at::randn({kInner, kRank}) * 0.3);
+    }
+    tensors.emplace_back(p + "ffn.net.0.proj.lora_A.weight", at::randn({kRank, kInner}) * 0.3);
+    tensors.emplace_back(p + "ffn.net.0.proj.lora_B.weight", at::randn({kFfn, kRank}) * 0.3);
+  }
+  safetensors::save(path, tensors);
+}
+
+struct Setup {
+  std::string dir, lora_dir, model_dir;
+};
+
+const Setup& setup() {
+  static const Setup s = [] {
+    Setup made;
+    made.dir = temp_dir("adapters");
+    made.lora_dir = made.dir + "/loras";
+    std::filesystem::create_directories(made.lora_dir);
+    write_adapter(made.lora_dir + "/style.safetensors", 11);
+    write_adapter(made.lora_dir + "/subject.safetensors", 12);
+    std::ofstream(made.lora_dir + "/broken.safetensors") << "not a safetensors file";
+    made.model_dir = made.dir + "/model";
+    server::write_tiny_model(made.model_dir);  // the --demo model: same seed, same bytes
+    return made;
+  }();
+  return s;
+}
+
+pb::SubmitJobRequest with_adapters(uint64_t seed, const std::vector<std::pair<std::string, double>>& adapters) {
+  pb::SubmitJobRequest request = long_video_request(seed);  // 4 chunks of 5 latent frames, 3 steps, guidance 5
+  for (const auto& [name, scale] : adapters) {
+    pb::AdapterRef* ref = request.mutable_spec()->mutable_params()->add_loras();
+    ref->set_name(name);
+    ref->set_scale(scale);
+  }
+  return request;
+}
+
+// `skyreels generate` for the same request in one process, the adapters from the same directory.
+at::Tensor generate_reference(const pb::SubmitJobRequest& request, const std::string& lora_dir) {
+  const std::string dir = temp_dir("adapters-reference");
+  const auto [prompt, negative] = request_embeddings(request);
+  safetensors::save(dir + "/inputs.safetensors", {{"prompt_embeds", prompt}, {"negative_prompt_embeds", negative}});
+  const auto& p = request.spec().params();
+  std::ostringstream command;
+  command << bin_path("skyreels") << " generate --model " << setup().model_dir << " --inputs " << dir
+          << "/inputs.safetensors --num-frames " << p.num_frames() << " --height " << p.height() << " --width "
+          << p.width() << " --num-inference-steps " << p.num_inference_steps() << " --guidance-scale "
+          << p.guidance_scale() << " --base-num-frames " << p.base_num_frames() << " --overlap-history "
+          << p.overlap_history() << " --seed " << p.seed() << " --dtype float32";
+  if (p.loras_size() > 0) command << " --lora-dir " << lora_dir;
+  for (const auto& ref : p.loras()) command << " --adapter " << ref.name() << ":" << ref.scale();
+  command << " --out " << dir << "/out.safetensors 2>&1";
+  std::string log;
+  EXPECT_EQ(run_command(command.str(), &log), 0) << log;
+  return load_tensors(dir + "/out.safetensors").at("latents");
+}
+
+class ServedAdapters : public SharedServerSuite<ServedAdapters> {
+ public:
+  static std::unique_ptr<ServerProcess> start() {
+    http_port_ = free_port();
+    return std::make_unique<ServerProcess>(std::vector<std::string>{
+        "--demo", "--devices", "cpu,cpu", "--dtype", "float32", "--lora-dir", setup().lora_dir,
+        "--max-resident-adapters", "1", "--step-delay-ms", "20", "--http-listen",
+        "127.0.0.1:" + std::to_string(http_port_)});
+  }
+  static inline int http_port_ = 0;
+};
+
+TEST_F(ServedAdapters, GetServerInfoListsTheAdaptersWithTheirDigestsAndTheDamagedOneAsUnavailable) {
+  auto ctx = server_->client().context(10);
+  pb::ServerInfo info;
+  ASSERT_TRUE(server_->client().stub().GetServerInfo(ctx.get(), pb::GetServerInfoRequest(), &info).ok());
+  std::map<std::string, pb::AvailableAdapter> adapters;
+  for (const auto& a : info.model().adapters()) adapters[a.name()] = a;
+  ASSERT_EQ(adapters.size(), 3u);
+  for (const char* name : {"style", "subject"}) {
+    EXPECT_TRUE(adapters[name].available()) << adapters[name].reason();
+    EXPECT_EQ(adapters[name].sha256().size(), 64u);
+    EXPECT_EQ(adapters[name].format(), "diffusers");
+    EXPECT_EQ(adapters[name].rank(), 4);
+  }
+  EXPECT_FALSE(adapters["broken"].available());
+  EXPECT_FALSE(adapters["broken"].reason().empty());
+  EXPECT_EQ(info.model().max_resident_adapters(), 1);
+}
+
+TEST_F(ServedAdapters, JobsWithDifferentAdaptersAtOnceEachEqualGenerateWithTheirAdapters) {
+  const std::vector<pb::SubmitJobRequest> requests = {with_adapters(3301, {{"style", 0.8}}),
+                                                      with_adapters(3302, {{"subject", 1.0}, {"style", -0.5}}),
+                                                      with_adapters(3303, {})};
+  std::vector<std::string> ids;
+  for (const auto& r : requests) ids.push_back(submit(server_->client(), r).job_id());
+  std::vector<at::Tensor> served;
+  for (const auto& id : ids) {
+    const pb::Job job = wait_job(server_->client(), id, 180s);
+    ASSERT_EQ(job.state(), pb::JOB_STATE_SUCCEEDED) << job.error().message();
+    served.push_back(download_latents(server_->client(), id));
+  }
+  const pb::Job first = get_job(server_->client(), ids[0]);
+  ASSERT_EQ(first.params().loras_size(), 1);
+  EXPECT_EQ(first.params().loras(0).sha256().size(), 64u) << "the job records the file it was accepted with";
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const at::Tensor expected = generate_reference(requests[i], setup().lora_dir);
+    EXPECT_TRUE(at::equal(served[i], expected))
+        << "job " << i << ": max |served - generate| = " << max_abs_diff(served[i], expected);
+  }
+  EXPECT_FALSE(at::equal(served[0], served[2])) << "an adapter changes the video";
+
+  // Loads are counted; with one resident adapter per replica, the two adapters' jobs made the replicas load.
+  auto ctx = server_->client().context(10);
+  pb::ServerInfo info;
+  ASSERT_TRUE(server_->client().stub().GetServerInfo(ctx.get(), pb::GetServerInfoRequest(), &info).ok());
+  int64_t loads = 0;
+  for (const auto& r : info.replicas()) {
+    loads += r.adapter_loads();
+    EXPECT_LE(r.resident_adapters_size(), 1);
+  }
+  EXPECT_GE(loads, 2);
+  const std::string metrics = http_get(server_->metrics_port(), "/metrics");
+  double counted = 0;
+  for (const char* replica : {"cpu:0", "cpu:1"}) {
+    const double v = metric_value(metrics, std::string("skyreels_adapter_loads_total{replica=\"") + replica + "\"}");
+    if (!std::isnan(v)) counted += v;
+  }
+  EXPECT_EQ(counted, static_cast<double>(loads));
+  EXPECT_GE(metric_value(metrics, "skyreels_adapter_jobs_total{adapter=\"style\"}"), 2.0);
+}
+
+TEST_F(ServedAdapters, BadAdapterChoicesAreRefusedNamingTheFieldAndTheServerKeepsServing) {
+  struct Bad {
+    std::string what;
+    std::vector<std::pair<std::string, double>> adapters;
+    grpc::StatusCode code;
+    std::string message;
+  };
+  const std::vector<Bad> cases = {
+      {"an unknown name", {{"nosuch", 1.0}}, grpc::StatusCode::INVALID_ARGUMENT, "loras[0].name: unknown adapter 'nosuch'"},
+      {"a damaged file", {{"broken", 1.0}}, grpc::StatusCode::INVALID_ARGUMENT, "loras[0].name: adapter 'broken' is unavailable"},
+      {"a scale out of range", {{"style", 1e6}}, grpc::StatusCode::INVALID_ARGUMENT, "loras[0].scale"},
+      {"a scale that is not finite", {{"style", std::nan("")}}, grpc::StatusCode::INVALID_ARGUMENT, "loras[0].scale"},
+      {"one adapter twice", {{"style", 1.0}, {"style", 0.5}}, grpc::StatusCode::INVALID_ARGUMENT, "given twice"},
+      {"nine adapters", std::vector<std::pair<std::string, double>>(9, {"style", 1.0}),
+       grpc::StatusCode::INVALID_ARGUMENT, "loras: 9 given, at most 8"},
+  };
+  for (const Bad& bad : cases) {
+    const grpc::Status status = submit_status(server_->client(), with_adapters(1, bad.adapters));
+    EXPECT_EQ(status.error_code(), bad.code) << bad.what << ": " << status.error_message();
+    EXPECT_NE(status.error_message().find(bad.message), std::string::npos) << bad.what << ": " << status.error_message();
+  }
+  // A client may pin the file's version: another digest is refused naming the adapter.
+  pb::SubmitJobRequest pinned = with_adapters(1, {{"style", 1.0}});
+  pinned.mutable_spec()->mutable_params()->mutable_loras(0)->set_sha256(std::string(64, '0'));
+  const grpc::Status status = submit_status(server_->client(), pinned);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << status.error_message();
+  EXPECT_NE(status.error_message().find("adapter 'style' is not the file"), std::string::npos) << status.error_message();
+
+  // POST /v1/videos takes `lora` as vLLM-Omni names it, and reads no path from a request.
+  for (const auto& [body, expected] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"prompt": "a cat", "size": "48x32", "lora": "nosuch:0.5"})", "unknown adapter 'nosuch'"},
+           {R"({"prompt": "a cat", "size": "48x32", "lora": {"name": "x", "path": "/etc/passwd"}})", "reads no path"}}) {
+    const RawExchange http = send_raw_http(
+        http_port_,
+        "POST /v1/videos HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Type: application/json\r\n"
+        "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body,
+        30);
+    EXPECT_EQ(http.bytes.rfind("HTTP/1.1 400", 0), 0u) << http.bytes;
+    EXPECT_NE(http.bytes.find(expected), std::string::npos) << http.bytes;
+  }
+  const pb::Job job = wait_job(server_->client(), submit(server_->client(), with_adapters(9, {{"subject", 1}})).job_id(),
+                               180s);
+  EXPECT_EQ(job.state(), pb::JOB_STATE_SUCCEEDED) << "the server still serves: " << job.error().message();
+}
+
+// A job with adapters on a store that survives a SIGKILL: it resumes bit-identical; with its adapter file changed
+// meanwhile, the resumed job fails naming the adapter instead of making another video.
+std::vector<std::string> durable_args(const std::string& store, const std::string& lora_dir) {
+  return {"--demo", "--devices", "cpu", "--dtype", "float32", "--lora-dir", lora_dir, "--step-delay-ms", "60",
+          "--job-store", "sqlite:" + store};
+}
+
+// Submits, waits for chunk 0 to finish, SIGKILLs the server; returns the job id.
+std::string submit_and_kill_after_chunk_0(const std::vector<std::string>& args, const pb::SubmitJobRequest& request) {
+  ServerProcess server(args);
+  const std::string id = submit(server.client(), request).job_id();
+  const auto events = watch_until(server.client(), id, 0, [](const pb::JobEvent& e) {
+    return e.has_chunk_finished() && e.chunk_finished().chunk_index() == 0;
+  });
+  EXPECT_TRUE(!events.empty() && events.back().has_chunk_finished()) << "the job ended before chunk 0 finished";
+  server.signal(SIGKILL);
+  EXPECT_NE(server.wait_exit(10s), -1) << "the server did not die";
+  return id;
+}
+
+TEST(ServedAdaptersDurable, AKilledJobResumesBitIdenticalAndAChangedAdapterFailsItByName) {
+  // Their own directory: the second half rewrites a file.
+  const std::string lora_dir = temp_dir("adapters-durable");
+  std::filesystem::copy_file(setup().lora_dir + "/style.safetensors", lora_dir + "/style.safetensors");
+  const pb::SubmitJobRequest request = with_adapters(3311, {{"style", 0.7}});
+  {
+    const std::string store = temp_dir("adapters-store") + "/jobs.sqlite";
+    const std::string id = submit_and_kill_after_chunk_0(durable_args(store, lora_dir), request);
+    ServerProcess restarted(durable_args(store, lora_dir));
+    const pb::Job done = wait_job(restarted.client(), id, 180s);
+    ASSERT_EQ(done.state(), pb::JOB_STATE_SUCCEEDED) << done.error().message();
+    const at::Tensor served = download_latents(restarted.client(), id);
+    const at::Tensor expected = generate_reference(request, lora_dir);
+    EXPECT_TRUE(at::equal(served, expected)) << "max |resumed - generate| = " << max_abs_diff(served, expected);
+  }
+  {
+    const std::string store = temp_dir("adapters-store") + "/jobs.sqlite";
+    const std::string id = submit_and_kill_after_chunk_0(durable_args(store, lora_dir), request);
+    write_adapter(lora_dir + "/style.safetensors", 99);  // the same name, other weights
+    ServerProcess restarted(durable_args(store, lora_dir));
+    const pb::Job done = wait_job(restarted.client(), id, 180s);
+    EXPECT_EQ(done.state(), pb::JOB_STATE_FAILED);
+    EXPECT_NE(done.error().message().find("adapter 'style' is not the file this job was accepted with"),
+              std::string::npos)
+        << done.error().message();
+  }
+}
+
+TEST(ServedAdaptersStart, AServerWithoutLoraDirRefusesAdaptersAndStrictRefusesADamagedFile) {
+  {
+    ServerProcess server({"--demo", "--devices", "cpu", "--dtype", "float32"});
+    const grpc::Status status = submit_status(server.client(), with_adapters(1, {{"style", 1.0}}));
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << status.error_message();
+    EXPECT_NE(status.error_message().find("start it with --lora-dir"), std::string::npos) << status.error_message();
+  }
+  ServerProcess strict({"--demo", "--devices", "cpu", "--lora-dir", setup().lora_dir, "--strict-adapters"}, false);
+  EXPECT_EQ(strict.wait_exit(60s), 2) << strict.log();
+  EXPECT_NE(strict.log().find("broken"), std::string::npos) << strict.log();
+}
+
+}  // namespace
+}  // namespace skyreels::test
