@@ -41,6 +41,33 @@ TEST(DispatchPolicy, AHandoffPrefersAReplicaNoOtherJobIsAttachedTo) {
   EXPECT_EQ(choose_replica({-1, -1}, {held, held}, 0.25, true), 0);  // all held: any idle one
 }
 
+// Issue 33: an adapter load is a cost, like a handoff.
+ReplicaView idle_with(int missing, int resident) {
+  ReplicaView v = idle();
+  v.missing_adapters = missing;
+  v.resident_adapters = resident;
+  return v;
+}
+
+TEST(DispatchPolicy, AJobWithAdaptersGoesWhereTheyAreResidentThenWhereFewestOthersWouldBeEvicted) {
+  const JobPlacement with_adapters{-1, -1, true};
+  EXPECT_EQ(choose_replica(with_adapters, {idle_with(1, 1), idle_with(0, 1)}, 0.25, true), 1);
+  EXPECT_EQ(choose_replica(with_adapters, {idle_with(2, 0), idle_with(1, 3)}, 0.25, true), 1);  // fewer to load
+  EXPECT_EQ(choose_replica(with_adapters, {idle_with(1, 1), idle_with(1, 0)}, 0.25, true), 1);  // keep the others
+  // Another job's affinity still comes first, and a job without adapters ignores them.
+  ReplicaView held = idle_with(0, 1);
+  held.held_by_other_job = true;
+  EXPECT_EQ(choose_replica(with_adapters, {held, idle_with(1, 1)}, 0.25, true), 1);
+  EXPECT_EQ(choose_replica({-1, -1}, {idle_with(1, 1), idle_with(0, 1)}, 0.25, true), 0);
+}
+
+TEST(DispatchPolicy, ABusyHolderIsWaitedForWhileMovingWouldCostTheAdaptersLoadsAsWell) {
+  // The holder needs 0.6 s more; a handoff costs 0.25 s, loading one adapter kAdapterLoadSeconds (0.5 s).
+  EXPECT_EQ(choose_replica({0, -1, true}, {busy(0.6), idle_with(1, 0)}, 0.25, true), -1);
+  EXPECT_EQ(choose_replica({0, -1, true}, {busy(0.6), idle_with(0, 1)}, 0.25, true), 1);  // resident there: move
+  EXPECT_EQ(choose_replica({0, -1, false}, {busy(0.6), idle()}, 0.25, true), 1);
+}
+
 TEST(DispatchPolicy, AFailedReplicaIsRetriedOnlyWhenItIsTheLastHealthyOne) {
   EXPECT_EQ(choose_replica({0, 0}, {idle(), idle()}, 0.25, true), 1);
   EXPECT_EQ(choose_replica({0, 0}, {idle(), busy(3)}, 0.25, true), -1);  // wait for the other healthy replica

@@ -212,6 +212,40 @@ TEST_F(ServedAdapters, BadAdapterChoicesAreRefusedNamingTheFieldAndTheServerKeep
   EXPECT_EQ(job.state(), pb::JOB_STATE_SUCCEEDED) << "the server still serves: " << job.error().message();
 }
 
+std::set<std::string> replicas_of(const pb::Job& job) {
+  return std::set<std::string>(job.chunk_replicas().begin(), job.chunk_replicas().end());
+}
+
+// Placement knows adapters: with one resident adapter per replica, a job goes where its adapter already is, and a job
+// with another adapter goes to the replica whose adapter it would not push out.
+TEST(ServedAdaptersPlacement, AJobRunsWhereItsAdapterIsResidentAndAnotherAdapterDoesNotEvictIt) {
+  ServerProcess server({"--demo", "--devices", "cpu,cpu", "--dtype", "float32", "--lora-dir", setup().lora_dir,
+                        "--max-resident-adapters", "1"});
+  auto run = [&](uint64_t seed, const std::string& adapter) {
+    const pb::Job job =
+        wait_job(server.client(), submit(server.client(), with_adapters(seed, {{adapter, 1.0}})).job_id(), 180s);
+    EXPECT_EQ(job.state(), pb::JOB_STATE_SUCCEEDED) << job.error().message();
+    EXPECT_EQ(replicas_of(job).size(), 1u) << "its chunks stay where its adapter is";
+    return job;
+  };
+  auto loads = [&] {
+    auto ctx = server.client().context(10);
+    pb::ServerInfo info;
+    EXPECT_TRUE(server.client().stub().GetServerInfo(ctx.get(), pb::GetServerInfoRequest(), &info).ok());
+    int64_t total = 0;
+    for (const auto& r : info.replicas()) total += r.adapter_loads();
+    return total;
+  };
+  const pb::Job first = run(3321, "style");
+  const pb::Job other = run(3322, "subject");
+  EXPECT_NE(replicas_of(other), replicas_of(first)) << "subject would have pushed style out of its replica";
+  const int64_t loads_before = loads();
+  EXPECT_EQ(loads_before, 2);
+  const pb::Job again = run(3323, "style");
+  EXPECT_EQ(replicas_of(again), replicas_of(first)) << "style is resident there";
+  EXPECT_EQ(loads(), loads_before) << "no adapter was read again";
+}
+
 // A job with adapters on a store that survives a SIGKILL: it resumes bit-identical; with its adapter file changed
 // meanwhile, the resumed job fails naming the adapter instead of making another video.
 std::vector<std::string> durable_args(const std::string& store, const std::string& lora_dir) {

@@ -1,6 +1,7 @@
 #include "server/policy/dispatch_policy.h"
 
 #include <algorithm>
+#include <tuple>
 
 namespace skyreels::server::policy {
 
@@ -42,14 +43,22 @@ int choose_replica(const JobPlacement& job, const std::vector<ReplicaView>& repl
     }
     return job.avoid;
   }
+  // The best idle replica: no other job's affinity first; for a job with adapters, the fewest to load, then the
+  // fewest resident ones disturbed; the lowest index on ties.
+  auto cost = [&](int r) {
+    const ReplicaView& v = replicas[static_cast<size_t>(r)];
+    return std::make_tuple(v.held_by_other_job, job.adapters ? v.missing_adapters : 0,
+                           job.adapters ? v.resident_adapters : 0);
+  };
+  const int best = *std::min_element(candidates.begin(), candidates.end(),
+                                     [&](int a, int b) { return cost(a) < cost(b); });
   if (valid(job.holder) && job.holder != job.avoid && have_estimate) {
     const ReplicaView& holder = replicas[static_cast<size_t>(job.holder)];
-    if (holder.healthy && !holder.idle && holder.remaining_seconds < handoff_cost_seconds) return -1;
+    const double moving = handoff_cost_seconds +
+                          kAdapterLoadSeconds * (job.adapters ? replicas[static_cast<size_t>(best)].missing_adapters : 0);
+    if (holder.healthy && !holder.idle && holder.remaining_seconds < moving) return -1;
   }
-  for (int r : candidates) {
-    if (!replicas[static_cast<size_t>(r)].held_by_other_job) return r;
-  }
-  return candidates.front();
+  return best;
 }
 
 bool should_retry(int failed_attempts, int chunk_retries, bool any_healthy_replica) {

@@ -44,17 +44,26 @@ struct ReplicaView {
   bool idle = false;               // loaded, healthy and not busy
   double remaining_seconds = 0;    // busy: expected time until its chunk ends (0 when unknown)
   bool held_by_other_job = false;  // another waiting job ran its previous chunk here (affinity to keep)
+  int missing_adapters = 0;        // of the job's adapters, those this replica would have to load first
+  int resident_adapters = 0;       // adapters it keeps now (a job's loads may push them out)
 };
 
 struct JobPlacement {
-  int holder = -1;  // replica that ran the job's previous chunk
-  int avoid = -1;   // replica that just failed the job's current chunk
+  int holder = -1;        // replica that ran the job's previous chunk
+  int avoid = -1;         // replica that just failed the job's current chunk
+  bool adapters = false;  // the job applies adapters (--lora-dir): where they are resident matters
 };
+
+// What loading one adapter onto a replica is assumed to cost, like a handoff: about a rank-128 adapter at DF-1.3B
+// width read and placed (bench_adapters: 0.48 s); a model reload is minutes.
+inline constexpr double kAdapterLoadSeconds = 0.5;
 
 // The replica for the job's next chunk, or -1 to wait:
 //  1. the holder when it is idle (and not the one to avoid): no handoff;
-//  2. none when the holder is busy but will be free sooner than `handoff_cost_seconds` (only with an estimate);
-//  3. an idle replica no other waiting job has affinity to, else any idle replica (a handoff);
+//  2. none when the holder is busy but will be free sooner than what moving costs: `handoff_cost_seconds`, plus
+//     kAdapterLoadSeconds for each adapter the best idle replica would load (only with an estimate);
+//  3. an idle replica no other waiting job has affinity to, else any idle replica (a handoff); a job with adapters
+//     prefers the one missing the fewest of them, then the one keeping the fewest others (their loads evict);
 //  4. the replica that just failed only when no other healthy replica exists at all.
 int choose_replica(const JobPlacement& job, const std::vector<ReplicaView>& replicas, double handoff_cost_seconds,
                    bool have_estimate);

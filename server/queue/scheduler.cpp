@@ -10,6 +10,7 @@
 
 #include "server/policy/dispatch_policy.h"
 #include "server/job/fingerprint.h"
+#include "server/job/job_request.h"
 #include "server/store/job_lease_local.h"
 
 namespace skyreels::server {
@@ -188,10 +189,12 @@ double Scheduler::remaining_locked(const Running& run, Clock::time_point now) co
 // finishes what it admitted. abort_all and the destructor stop claiming everywhere.
 bool Scheduler::claiming_locked() const { return !hard_stop_ && (!draining_ || !leases_.shared()); }
 
-std::vector<std::string> Scheduler::pass_over_locked(size_t replica, const std::vector<bool>& healthy) const {
+std::vector<std::string> Scheduler::pass_over_locked(size_t replica, const std::vector<bool>& healthy,
+                                                     const std::vector<std::vector<std::string>>& resident) const {
   struct Waiting {
     std::string id;
     policy::JobPlacement placement;
+    std::vector<std::string> adapters;  // the job's (--lora-dir), when this server holds its payload
   };
   std::set<std::string> running;
   for (const auto& [r, run] : running_) running.insert(run->job.id);
@@ -206,12 +209,18 @@ std::vector<std::string> Scheduler::pass_over_locked(size_t replica, const std::
   // Every job whose payload this server holds (a first chunk too: it goes to the first idle replica, as a scheduler
   // that pushes would place it); jobs this server knows nothing of are the store's order alone.
   for (const auto& [id, cached] : cache_) {
-    if (!running.count(id)) waiting.push_back({id, {cached->holder, -1}});
+    if (running.count(id)) continue;
+    Waiting w{id, {cached->holder, -1}, {}};
+    if (cached->description) {
+      for (const AdapterChoice& a : cached->description->params.loras) w.adapters.push_back(a.name);
+    }
+    w.placement.adapters = !w.adapters.empty();
+    waiting.push_back(std::move(w));
   }
   for (const auto& [id, avoid] : avoid_) {
     if (running.count(id)) continue;
     auto it = std::find_if(waiting.begin(), waiting.end(), [&](const Waiting& w) { return w.id == id; });
-    if (it == waiting.end()) it = waiting.insert(waiting.end(), {id, {-1, -1}});
+    if (it == waiting.end()) it = waiting.insert(waiting.end(), {id, {-1, -1}, {}});
     it->placement.avoid = static_cast<int>(avoid);
   }
   if (waiting.empty()) return pass_over;
@@ -222,7 +231,17 @@ std::vector<std::string> Scheduler::pass_over_locked(size_t replica, const std::
     views[i].healthy = healthy[i];
     views[i].idle = healthy[i] && run == running_.end();
     if (run != running_.end()) views[i].remaining_seconds = remaining_locked(*run->second, now);
+    if (i < resident.size()) views[i].resident_adapters = static_cast<int>(resident[i].size());
   }
+  // Of the job's adapters, how many each replica would load first.
+  auto with_adapters = [&](const Waiting& w, std::vector<policy::ReplicaView> seen) {
+    for (size_t i = 0; i < seen.size() && i < resident.size(); ++i) {
+      seen[i].missing_adapters = static_cast<int>(std::count_if(w.adapters.begin(), w.adapters.end(), [&](const auto& a) {
+        return std::find(resident[i].begin(), resident[i].end(), a) == resident[i].end();
+      }));
+    }
+    return seen;
+  };
   // Jobs no replica holds yet go to the idle replicas in order, as a scheduler that pushes would place them: those no
   // waiting job has affinity to first, by index. This replica takes one only when that many jobs wait for it.
   size_t fresh = 0;
@@ -239,11 +258,11 @@ std::vector<std::string> Scheduler::pass_over_locked(size_t replica, const std::
   for (size_t i = 0; i < views.size(); ++i) rank += i != replica && views[i].idle && ranks_before(i) ? 1 : 0;
   const bool take_fresh = rank < fresh;
   for (const Waiting& w : waiting) {
-    if (w.placement.holder < 0 && w.placement.avoid < 0) {
+    if (w.placement.holder < 0 && w.placement.avoid < 0 && !w.placement.adapters) {
       if (!take_fresh) pass_over.push_back(w.id);
       continue;
     }
-    std::vector<policy::ReplicaView> seen = views;
+    std::vector<policy::ReplicaView> seen = with_adapters(w, views);
     for (const Waiting& other : waiting) {
       if (other.id != w.id && other.placement.holder >= 0) {
         seen[static_cast<size_t>(other.placement.holder)].held_by_other_job = true;
@@ -261,13 +280,16 @@ std::optional<ChunkAssignment> Scheduler::next_chunk(size_t replica) {
     uint64_t seen = 0;
     std::vector<bool> healthy(pool_.size());
     for (size_t i = 0; i < healthy.size(); ++i) healthy[i] = pool_.healthy(i);
+    // Read before the scheduler's lock, as health is (the pool has its own).
+    std::vector<std::vector<std::string>> resident(pool_.size());
+    for (size_t i = 0; i < resident.size(); ++i) resident[i] = pool_.status(i).adapters.resident;
     std::vector<std::string> pass_over;
     {
       std::unique_lock<std::mutex> lock(mu_);
       work_.wait(lock, [&] { return interrupted_ || claiming_locked(); });
       if (interrupted_) return std::nullopt;
       seen = change_count_;
-      pass_over = pass_over_locked(replica, healthy);
+      pass_over = pass_over_locked(replica, healthy, resident);
     }
     std::optional<ChunkLease> lease;
     try {

@@ -126,7 +126,9 @@ class Scheduler final : public JobQueue, private ChunkSource {
   bool claiming_locked() const;
   // Jobs `replica` leaves to another replica of this server (policy::choose_replica over what this server knows:
   // where each job's payload is, which replica just failed its chunk, how long busy replicas still need).
-  std::vector<std::string> pass_over_locked(size_t replica, const std::vector<bool>& healthy) const;
+  // `resident`: each replica's adapters now (a job with adapters prefers the replica holding them).
+  std::vector<std::string> pass_over_locked(size_t replica, const std::vector<bool>& healthy,
+                                            const std::vector<std::vector<std::string>>& resident) const;
   void place_in_queue(JobSnapshot& s) const;  // queue position and ETA of a waiting job
   double retry_after() const;                 // the hint of a refused submission
   std::string settle(size_t replica, ChunkResult result, double seconds);  // returns the job's id
