@@ -1,5 +1,7 @@
 // SkyReelsV2Transformer3DModel (Wan 2.1 DiT with per-frame timesteps, fps embedding and a block-causal mask), as
-// diffusers implements it. One model, one file (transformer_skyreels_v2.cpp) holding its own layers.
+// diffusers implements it. One model holding its own layers: transformer_skyreels_v2.cpp (construction) and the
+// files beside it (config, attention kernels, forward, cache per causal block; internal headers transformer_impl.h and
+// transformer_layers.h).
 //
 // Internal parameter names are diffusers' names. Checkpoint layouts (original SkyReels/Wan, PR #11850's
 // norm_out.linear, sharded) are mapped onto them by the loader (transformer_loader.h), never here.
