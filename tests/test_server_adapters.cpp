@@ -199,11 +199,7 @@ TEST_F(ServedAdapters, BadAdapterChoicesAreRefusedNamingTheFieldAndTheServerKeep
   for (const auto& [body, expected] : std::vector<std::pair<std::string, std::string>>{
            {R"({"prompt": "a cat", "size": "48x32", "lora": "nosuch:0.5"})", "unknown adapter 'nosuch'"},
            {R"({"prompt": "a cat", "size": "48x32", "lora": {"name": "x", "path": "/etc/passwd"}})", "reads no path"}}) {
-    const RawExchange http = send_raw_http(
-        http_port_,
-        "POST /v1/videos HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Type: application/json\r\n"
-        "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body,
-        30);
+    const RawExchange http = post_json(http_port_, "/v1/videos", body);
     EXPECT_EQ(http.bytes.rfind("HTTP/1.1 400", 0), 0u) << http.bytes;
     EXPECT_NE(http.bytes.find(expected), std::string::npos) << http.bytes;
   }

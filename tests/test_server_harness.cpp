@@ -185,6 +185,13 @@ int connect_loopback(int port) {
   return fd;
 }
 
+RawExchange post_json(int port, const std::string& path, const std::string& body, double seconds) {
+  return send_raw_http(port,
+                       "POST " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Type: "
+                       "application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body,
+                       seconds);
+}
+
 RawExchange send_raw_http(int port, const std::string& raw, double seconds) {
   RawExchange out;
   const int fd = connect_loopback(port);

@@ -85,6 +85,8 @@ struct RawExchange {
 // Sends `raw` on a fresh connection to 127.0.0.1:port (our side stays open) and reads until the server closes it or
 // `seconds` pass.
 RawExchange send_raw_http(int port, const std::string& raw, double seconds);
+// POST http://127.0.0.1:port/path with a JSON body (no key); the raw answer.
+RawExchange post_json(int port, const std::string& path, const std::string& body, double seconds = 30);
 // GET http://127.0.0.1:port/path; returns the body ("" on failure), status code into *status.
 std::string http_get(int port, const std::string& path, int* status = nullptr);
 // The value of one sample line "name{labels} value" of a Prometheus exposition (NaN when absent).

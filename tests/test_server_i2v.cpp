@@ -399,11 +399,7 @@ TEST_F(ServedT2v, AT2vJobOnTheDfModelEqualsSkyreelsGenerateAndI2vIsRefused) {
 
   // The HTTP doors take `pipeline` by its name, like every generation parameter.
   const std::string body = R"({"prompt": "a cat", "size": "48x32", "pipeline": "i2v"})";
-  const RawExchange http = send_raw_http(
-      http_port_,
-      "POST /v1/videos HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Type: application/json\r\n"
-      "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body,
-      30);
+  const RawExchange http = post_json(http_port_, "/v1/videos", body);
   EXPECT_EQ(http.bytes.rfind("HTTP/1.1 4", 0), 0u) << http.bytes;
   EXPECT_NE(http.bytes.find("pipeline: i2v needs an image-to-video (I2V) checkpoint"), std::string::npos) << http.bytes;
 }
