@@ -290,6 +290,28 @@ TEST(ServedAdaptersDurable, AKilledJobResumesBitIdenticalAndAChangedAdapterFails
   }
 }
 
+// An adapter file replaced after the start, before a replica first loads it: the job that uses it fails naming the
+// adapter (never a video with other weights), the replica is not blamed, and a job without adapters still succeeds.
+TEST(ServedAdaptersDurable, AnAdapterFileReplacedWhileTheServerRunsFailsItsJobByNameAndNoOtherJob) {
+  const std::string lora_dir = temp_dir("adapters-replaced");
+  std::filesystem::copy_file(setup().lora_dir + "/style.safetensors", lora_dir + "/style.safetensors");
+  ServerProcess server({"--demo", "--devices", "cpu", "--dtype", "float32", "--lora-dir", lora_dir});
+  write_adapter(lora_dir + "/style.safetensors", 98);  // catalogued at start, replaced before any load
+  const pb::Job failed =
+      wait_job(server.client(), submit(server.client(), with_adapters(3331, {{"style", 1.0}})).job_id(), 180s);
+  EXPECT_EQ(failed.state(), pb::JOB_STATE_FAILED);
+  EXPECT_NE(failed.error().message().find("style"), std::string::npos) << failed.error().message();
+  EXPECT_EQ(failed.retries(), 0) << "the job's fault, not the replica's: " << failed.error().message();
+  const pb::Job plain = wait_job(server.client(), submit(server.client(), with_adapters(3332, {})).job_id(), 180s);
+  EXPECT_EQ(plain.state(), pb::JOB_STATE_SUCCEEDED) << plain.error().message();
+  auto ctx = server.client().context(10);
+  pb::ServerInfo info;
+  ASSERT_TRUE(server.client().stub().GetServerInfo(ctx.get(), pb::GetServerInfoRequest(), &info).ok());
+  ASSERT_EQ(info.replicas_size(), 1);
+  EXPECT_TRUE(info.replicas(0).healthy());
+  EXPECT_EQ(info.replicas(0).failures(), 0);
+}
+
 TEST(ServedAdaptersStart, AServerWithoutLoraDirRefusesAdaptersAndStrictRefusesADamagedFile) {
   {
     ServerProcess server({"--demo", "--devices", "cpu", "--dtype", "float32"});
