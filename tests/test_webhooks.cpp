@@ -202,6 +202,7 @@ struct TwoPods {
     };
     pod0 = pod("pod-0");
     if (!pod1_faketime.empty()) {
+      faked_ = true;
       ::setenv("LD_PRELOAD", kLibFaketime, 1);
       ::setenv("FAKETIME", pod1_faketime.c_str(), 1);
       ::setenv("FAKETIME_DONT_FAKE_MONOTONIC", "1", 1);
@@ -211,7 +212,19 @@ struct TwoPods {
       ::unsetenv(name);
     }
   }
+  // libfaketime removes its shared memory and semaphore (named by the process id) only when the process exits
+  // normally; a pod stopped by SIGKILL leaves them in /dev/shm.
+  ~TwoPods() {
+    if (!faked_ || !pod1) return;
+    const std::string pid = std::to_string(pod1->pid());
+    pod1.reset();
+    std::error_code ec;
+    for (const std::string& name : {"faketime_shm_" + pid, "sem.faketime_sem_" + pid}) {
+      std::filesystem::remove("/dev/shm/" + name, ec);
+    }
+  }
   static constexpr const char* kLibFaketime = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
+  bool faked_ = false;
 };
 
 // Deliveries that pod `log` made, by job id.
