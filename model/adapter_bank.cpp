@@ -115,16 +115,21 @@ void AdapterCatalogue::check_fits(const std::string& path, const LoraLayout& lay
   }
 }
 
-std::vector<ResolvedAdapter> AdapterCatalogue::resolve(const std::vector<AdapterRequest>& request) const {
+std::vector<ResolvedAdapter> AdapterCatalogue::resolve(const std::vector<AdapterRequest>& request,
+                                                       const std::string& list) const {
   if (request.size() > kMaxAdaptersPerRequest) {
-    throw std::invalid_argument("adapters: " + std::to_string(request.size()) + " given, at most " +
+    throw std::invalid_argument(list + ": " + std::to_string(request.size()) + " given, at most " +
                                 std::to_string(kMaxAdaptersPerRequest) + " per request");
   }
   std::map<std::string, size_t> seen;
   std::vector<ResolvedAdapter> out;
   for (size_t i = 0; i < request.size(); ++i) {
     const AdapterRequest& r = request[i];
-    const std::string field = "adapters[" + std::to_string(i) + "]";
+    const std::string field = list + "[" + std::to_string(i) + "]";
+    if (r.name.size() > kMaxAdapterNameBytes) {
+      throw std::invalid_argument(field + ".name: " + std::to_string(r.name.size()) + " bytes, longer than any " +
+                                  "adapter's name (at most " + std::to_string(kMaxAdapterNameBytes) + ")");
+    }
     const AdapterInfo* info = find(r.name);
     if (info == nullptr) {
       throw std::invalid_argument(field + ".name: unknown adapter '" + r.name + "' (no " + r.name + kExtension +
@@ -138,7 +143,7 @@ std::vector<ResolvedAdapter> AdapterCatalogue::resolve(const std::vector<Adapter
                                   "; it must be a finite number within +-" + number_text(kMaxAdapterScale));
     }
     if (auto [it, fresh] = seen.emplace(r.name, i); !fresh) {
-      throw std::invalid_argument(field + ".name: adapter '" + r.name + "' is given twice (also adapters[" +
+      throw std::invalid_argument(field + ".name: adapter '" + r.name + "' is given twice (also " + list + "[" +
                                   std::to_string(it->second) + "])");
     }
     out.push_back({r.name, r.scale, info->sha256});

@@ -25,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include "model/adapter_limits.h"
 #include "model/checkpoint.h"
 #include "model/lora.h"
 #include "model/transformer_skyreels_v2.h"
@@ -40,11 +41,6 @@ struct AdapterRequest {
 // std::invalid_argument on an empty name or a scale that is not a number.
 AdapterRequest parse_adapter_request(const std::string& text);
 
-// Bounds of a request's adapter list (AdapterCatalogue::resolve).
-inline constexpr size_t kMaxAdaptersPerRequest = 8;
-// |scale| <= 100: published adapters use scales within about [-2, 2]; 100 leaves room for unusual ones while a typo
-// such as 1e6 (which drives the activations to inf) is refused before it costs a generation.
-inline constexpr double kMaxAdapterScale = 100.0;
 // Adapters a bank keeps on its device by default (a rank-64 adapter of every DF-1.3B linear is ~130 MB in bf16).
 inline constexpr size_t kDefaultMaxResident = 4;
 
@@ -84,10 +80,12 @@ class AdapterCatalogue {
   const AdapterInfo* find(const std::string& name) const;                 // nullptr when there is none
   const std::vector<checkpoint::ParamSpec>& specs() const { return specs_; }
 
-  // Validates a request's adapters, in order. Throws std::invalid_argument naming the field ("adapters",
-  // "adapters[i].name", "adapters[i].scale") and the adapter: more than kMaxAdaptersPerRequest, an unknown or
-  // unavailable name, a scale that is not finite or beyond +-kMaxAdapterScale, a name given twice.
-  std::vector<ResolvedAdapter> resolve(const std::vector<AdapterRequest>& request) const;
+  // Validates a request's adapters, in order. Throws std::invalid_argument naming the field as the caller names the
+  // list (`field`, `field`[i].name, `field`[i].scale) and the adapter: more than kMaxAdaptersPerRequest, an unknown
+  // or unavailable name, a name longer than kMaxAdapterNameBytes (not echoed), a scale that is not finite or beyond
+  // +-kMaxAdapterScale, a name given twice.
+  std::vector<ResolvedAdapter> resolve(const std::vector<AdapterRequest>& request,
+                                       const std::string& field = "adapters") const;
 
   // What the file holds now fits the model as an adapter per call (also checked at load: the file may have changed):
   // every update targets a linear layer's weight or bias with the implied shape. Throws std::invalid_argument.

@@ -182,11 +182,17 @@ TEST_F(ServedAdapters, BadAdapterChoicesAreRefusedNamingTheFieldAndTheServerKeep
       {"one adapter twice", {{"style", 1.0}, {"style", 0.5}}, grpc::StatusCode::INVALID_ARGUMENT, "given twice"},
       {"nine adapters", std::vector<std::pair<std::string, double>>(9, {"style", 1.0}),
        grpc::StatusCode::INVALID_ARGUMENT, "loras: 9 given, at most 8"},
+      {"a million adapters (refused at the door, before any is copied)",
+       std::vector<std::pair<std::string, double>>(1000000, {"s", 1.0}), grpc::StatusCode::INVALID_ARGUMENT,
+       "loras: 1000000 given, at most 8"},
+      {"a name longer than any file name (not echoed)", {{std::string(4096, 'x'), 1.0}},
+       grpc::StatusCode::INVALID_ARGUMENT, "loras[0].name: 4096 bytes, longer than any adapter's name"},
   };
   for (const Bad& bad : cases) {
     const grpc::Status status = submit_status(server_->client(), with_adapters(1, bad.adapters));
     EXPECT_EQ(status.error_code(), bad.code) << bad.what << ": " << status.error_message();
     EXPECT_NE(status.error_message().find(bad.message), std::string::npos) << bad.what << ": " << status.error_message();
+    EXPECT_LT(status.error_message().size(), 1024u) << bad.what << ": the message never echoes what it refuses";
   }
   // A client may pin the file's version: another digest is refused naming the adapter.
   pb::SubmitJobRequest pinned = with_adapters(1, {{"style", 1.0}});
@@ -195,10 +201,14 @@ TEST_F(ServedAdapters, BadAdapterChoicesAreRefusedNamingTheFieldAndTheServerKeep
   EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << status.error_message();
   EXPECT_NE(status.error_message().find("adapter 'style' is not the file"), std::string::npos) << status.error_message();
 
-  // POST /v1/videos takes `lora` as vLLM-Omni names it, and reads no path from a request.
+  // POST /v1/videos takes `lora` as vLLM-Omni names it, and reads no path from a request; a list of 10,000 names
+  // is refused before any is copied.
+  std::string many_names = "style";
+  for (int i = 1; i < 10000; ++i) many_names += ",style";
   for (const auto& [body, expected] : std::vector<std::pair<std::string, std::string>>{
            {R"({"prompt": "a cat", "size": "48x32", "lora": "nosuch:0.5"})", "unknown adapter 'nosuch'"},
-           {R"({"prompt": "a cat", "size": "48x32", "lora": {"name": "x", "path": "/etc/passwd"}})", "reads no path"}}) {
+           {R"({"prompt": "a cat", "size": "48x32", "lora": {"name": "x", "path": "/etc/passwd"}})", "reads no path"},
+           {R"({"prompt": "a cat", "size": "48x32", "lora": ")" + many_names + "\"}", "at most 8 adapters per request"}}) {
     const RawExchange http = post_json(http_port_, "/v1/videos", body);
     EXPECT_EQ(http.bytes.rfind("HTTP/1.1 400", 0), 0u) << http.bytes;
     EXPECT_NE(http.bytes.find(expected), std::string::npos) << http.bytes;

@@ -12,6 +12,7 @@
 #include <set>
 #include <sstream>
 
+#include "model/adapter_limits.h"
 #include "server/http/routes.h"
 #include "server/job/base64.h"
 #include "server/http/stills.h"
@@ -160,10 +161,16 @@ std::optional<Response> read_lora(const json& values, std::set<std::string>* use
     } else {
       given = json::array();
       std::stringstream items(text);
-      for (std::string item; std::getline(items, item, ',');) given.push_back(item);
+      for (std::string item; given.size() <= model::kMaxAdaptersPerRequest && std::getline(items, item, ',');) {
+        given.push_back(item);
+      }
     }
   }
   if (!given.is_array()) given = json::array({given});
+  if (given.size() > model::kMaxAdaptersPerRequest) {  // before any is copied
+    return error_response(400, "lora: at most " + std::to_string(model::kMaxAdaptersPerRequest) +
+                                   " adapters per request", "lora");
+  }
   for (const json& adapter : given) {
     if (auto why = add_adapter(adapter, params)) return error_response(400, "lora: " + *why, "lora");
   }

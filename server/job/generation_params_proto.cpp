@@ -6,6 +6,8 @@
 #include <stdexcept>
 #include <type_traits>
 
+#include "model/adapter_limits.h"
+
 namespace skyreels::server {
 
 namespace {
@@ -136,10 +138,22 @@ void write(pb::Message& root, const std::vector<const pb::FieldDescriptor*>& pat
 
 const pb::FieldDescriptor& proto_field(const GenerationParam& param) { return *field_path(param).back(); }
 
-// GenerationParams.loras: a list of records beside the table's rows.
+// GenerationParams.loras: a list of records beside the table's rows. Its bounds are checked here, before anything
+// is copied (a 64 MB message could carry millions of entries); the catalogue checks the rest when the job is made.
 std::vector<AdapterChoice> adapters_from_proto(const v1::GenerationParams& proto) {
+  const auto count = static_cast<size_t>(proto.loras_size());
+  if (count > model::kMaxAdaptersPerRequest) {
+    throw ValidationError("loras: " + std::to_string(count) + " given, at most " +
+                          std::to_string(model::kMaxAdaptersPerRequest) + " per request");
+  }
   std::vector<AdapterChoice> adapters;
-  for (const v1::AdapterRef& ref : proto.loras()) {
+  for (size_t i = 0; i < count; ++i) {
+    const v1::AdapterRef& ref = proto.loras(static_cast<int>(i));
+    if (ref.name().size() > model::kMaxAdapterNameBytes) {  // never echoed: it is no adapter's name
+      throw ValidationError("loras[" + std::to_string(i) + "].name: " + std::to_string(ref.name().size()) +
+                            " bytes, longer than any adapter's name (at most " +
+                            std::to_string(model::kMaxAdapterNameBytes) + ")");
+    }
     adapters.push_back({ref.name(), ref.has_scale() ? std::optional<double>(ref.scale()) : std::nullopt, ref.sha256()});
   }
   return adapters;

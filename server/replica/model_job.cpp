@@ -238,10 +238,9 @@ std::vector<AdapterChoice> resolve_adapters(const std::vector<AdapterChoice>& as
   for (const AdapterChoice& a : asked) requests.push_back({a.name, a.scale.value_or(1.0)});
   std::vector<model::ResolvedAdapter> resolved;
   try {
-    resolved = catalogue->resolve(requests);
+    resolved = catalogue->resolve(requests, "loras");
   } catch (const std::invalid_argument& e) {
-    const std::string message = e.what();  // names "adapters..." : the proto field is loras
-    invalid(message.rfind("adapters", 0) == 0 ? "loras" + message.substr(8) : message);
+    invalid(e.what());
   }
   std::vector<AdapterChoice> out;
   for (size_t i = 0; i < resolved.size(); ++i) {
