@@ -24,6 +24,9 @@ namespace skyreels::test {
 namespace {
 
 using server::ChunkLease;
+using server::kLeaveToOtherPodFor;
+using server::leave_to_other_pod;
+using server::ReplicaReport;
 using server::PostgresJobStore;
 using server::StoredChunk;
 using server::StoredEvent;
@@ -99,6 +102,7 @@ TEST_F(PostgresStore, EveryFieldRoundTripsAndUpdateLeavesChunksDoneAlone) {
   j.fingerprint = 0xfedcba9876543210ULL;  // above INT64_MAX
   j.fingerprint_v2 = "sha256:00ff";
   j.request = binary_bytes(4096);
+  j.adapters = {"style", "subject-2"};
   store->insert_job(j);
 
   j.state = "failed";
@@ -136,6 +140,7 @@ TEST_F(PostgresStore, EveryFieldRoundTripsAndUpdateLeavesChunksDoneAlone) {
   EXPECT_EQ(got.retries, 2);
   EXPECT_EQ(got.handoffs, 1);
   EXPECT_EQ(got.request, j.request);
+  EXPECT_EQ(got.adapters, j.adapters);
   EXPECT_FALSE(store->load_jobs().empty());
   EXPECT_EQ(store->load_job("j-1")->request, j.request);
   EXPECT_FALSE(store->load_job("j-none").has_value());
@@ -482,6 +487,63 @@ TEST_F(PostgresStore, AffinityPrefersTheReplicaThatRanThePreviousChunk) {
   store->commit_chunk("z", {0, "r2", 1, "z0"});
   ASSERT_TRUE(store->commit(*r1, {1, "r1", 1, "y1"}, {}).committed);
   EXPECT_EQ(store->claim("r1", kLongTtl)->job_id, "z");
+}
+
+// Placement across pods (issue 33): the pure rule a claim applies to a job with adapters.
+TEST(LeaveToOtherPod, AJobWithAdaptersIsLeftOnlyToAnIdleReplicaThePolicyPrefers) {
+  const std::vector<std::string> none;
+  const std::vector<std::string> style = {"style"};
+  const std::vector<ReplicaReport> holder_idle = {{"b/r0", true, {"style"}}};
+  const std::vector<ReplicaReport> holder_busy = {{"b/r0", false, {"style"}}};
+  EXPECT_TRUE(leave_to_other_pod(style, "", "a/r0", none, holder_idle)) << "it holds the adapter, the claimant not";
+  EXPECT_FALSE(leave_to_other_pod(style, "", "a/r0", none, holder_busy)) << "a busy holder is not waited for";
+  EXPECT_FALSE(leave_to_other_pod(style, "", "a/r0", style, holder_idle)) << "a tie stays with the claimant";
+  EXPECT_FALSE(leave_to_other_pod(none, "", "a/r0", none, holder_idle)) << "a job without adapters: the order decides";
+  EXPECT_FALSE(leave_to_other_pod(style, "", "a/r0", none, {})) << "nobody else reported";
+  // Another pod's idle replica that ran the job's previous chunk keeps it, adapters or not.
+  EXPECT_TRUE(leave_to_other_pod(style, "b/r0", "a/r0", style, {{"b/r0", true, {}}}));
+  EXPECT_FALSE(leave_to_other_pod(style, "a/r0", "a/r0", none, holder_idle)) << "the claimant ran it: it keeps it";
+  // Of two candidates that both miss it, the one that would evict fewer of its own adapters.
+  EXPECT_TRUE(leave_to_other_pod(style, "", "a/r0", {"subject"}, {{"b/r0", true, {}}}));
+  EXPECT_FALSE(leave_to_other_pod(style, "", "a/r0", none, {{"b/r0", true, {"subject"}}}));
+}
+
+TEST_F(PostgresStore, AJobWithAdaptersWaitsBrieflyForAnIdleReplicaOfAnotherPodThatHoldsThem) {
+  auto pod_a = open();
+  auto pod_b = open();
+  const std::vector<std::string> none, style = {"style"};
+  // b/r0 holds "style" and is idle: its claim finds nothing yet, and reports it.
+  EXPECT_FALSE(pod_b->claim("b/r0", kLongTtl, {}, &style).has_value());
+  StoredJob styled = make_job("styled", 1);
+  styled.adapters = style;
+  pod_a->insert_job(styled);
+  pod_a->insert_job(make_job("plain", 2));
+  // a/r0 serves adapters but holds none: it takes the plain job, although the styled one is first in order.
+  auto a0 = pod_a->claim("a/r0", kLongTtl, {}, &none);
+  ASSERT_TRUE(a0.has_value());
+  EXPECT_EQ(a0->job_id, "plain");
+  auto b0 = pod_b->claim("b/r0", kLongTtl, {}, &style);
+  ASSERT_TRUE(b0.has_value());
+  EXPECT_EQ(b0->job_id, "styled") << "the replica that holds its adapter runs it";
+
+  // The holder is busy now: a styled job is not kept waiting for it.
+  StoredJob busy = make_job("styled-while-busy", 3);
+  busy.adapters = style;
+  pod_a->insert_job(busy);
+  auto a1 = pod_a->claim("a/r1", kLongTtl, {}, &none);
+  ASSERT_TRUE(a1.has_value());
+  EXPECT_EQ(a1->job_id, "styled-while-busy");
+
+  // A report that turns out wrong (the idle holder never takes the job) costs kLeaveToOtherPodFor once, no more.
+  EXPECT_FALSE(pod_b->claim("b/r1", kLongTtl, {}, &style).has_value());
+  StoredJob left = make_job("left", 4);
+  left.adapters = style;
+  pod_a->insert_job(left);
+  EXPECT_FALSE(pod_a->claim("a/r2", kLongTtl, {}, &none).has_value());
+  std::this_thread::sleep_for(kLeaveToOtherPodFor + std::chrono::milliseconds(200));
+  auto a2 = pod_a->claim("a/r2", kLongTtl, {}, &none);
+  ASSERT_TRUE(a2.has_value());
+  EXPECT_EQ(a2->job_id, "left");
 }
 
 TEST_F(PostgresStore, ConcurrentClaimsFromManyPodsGetDistinctJobs) {

@@ -282,7 +282,12 @@ std::optional<ChunkAssignment> Scheduler::next_chunk(size_t replica) {
     for (size_t i = 0; i < healthy.size(); ++i) healthy[i] = pool_.healthy(i);
     // Read before the scheduler's lock, as health is (the pool has its own).
     std::vector<std::vector<std::string>> resident(pool_.size());
-    for (size_t i = 0; i < resident.size(); ++i) resident[i] = pool_.status(i).adapters.resident;
+    bool serves_adapters = false;
+    for (size_t i = 0; i < resident.size(); ++i) {
+      AdapterResidency adapters = pool_.status(i).adapters;
+      resident[i] = std::move(adapters.resident);
+      if (i == replica) serves_adapters = adapters.serves;
+    }
     std::vector<std::string> pass_over;
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -293,7 +298,8 @@ std::optional<ChunkAssignment> Scheduler::next_chunk(size_t replica) {
     }
     std::optional<ChunkLease> lease;
     try {
-      lease = leases_.claim(lease_name(replica), options_.lease_ttl, pass_over);
+      lease = leases_.claim(lease_name(replica), options_.lease_ttl, pass_over,
+                            serves_adapters ? &resident[replica] : nullptr);
     } catch (const StoreError& e) {
       spdlog::warn("replica={} event=claim_failed error=\"{}\"", lease_name(replica), e.what());
     }
@@ -1044,6 +1050,9 @@ SubmitResult Scheduler::submit(JobSpec spec) {
   job.idempotency_key = spec.idempotency_key;
   job.fingerprint = spec.fingerprint;
   job.fingerprint_v2 = spec.fingerprint_v2;
+  if (spec.description) {
+    for (const AdapterChoice& a : spec.description->params.loras) job.adapters.push_back(a.name);
+  }
   job.state = job_state_name(JobState::Queued);
   job.created_ms = leases_.now_ms();
   job.chunk_count = static_cast<int64_t>(spec.chunk_work.size());

@@ -77,6 +77,7 @@ struct ChunkCallbacks {
 struct AdapterResidency {
   std::vector<std::string> resident;  // on its device now, most recently used first
   int64_t loads = 0;                  // adapters read from disk so far
+  bool serves = false;                // it has an adapter bank (--lora-dir)
 };
 
 // One replica: a model on one device. run() is only ever called from the replica's own worker thread.

@@ -177,6 +177,8 @@ void ModelReplica::start() {
   if (options_.adapters) {
     bank_ = std::make_unique<model::AdapterBank>(options_.adapters, model_->device(), model_->compute_dtype(),
                                                  options_.max_resident_adapters);
+    std::lock_guard<std::mutex> lock(residency_mu_);
+    residency_.serves = true;
   }
   const auto t0 = std::chrono::steady_clock::now();
   warm_up();
@@ -223,7 +225,7 @@ std::vector<model::ActiveAdapter> ModelReplica::activate_adapters(const std::vec
   if (!bank_) throw std::invalid_argument("loras: replica " + options_.name + " has no adapters (--lora-dir)");
   const int64_t loads_before = bank_->loads();
   for (const AdapterChoice& a : loras) active.push_back({bank_->acquire(a.name), a.scale.value_or(1.0)});
-  AdapterResidency now{bank_->resident(), bank_->loads()};
+  AdapterResidency now{bank_->resident(), bank_->loads(), true};
   {
     std::lock_guard<std::mutex> lock(residency_mu_);
     residency_ = now;

@@ -16,7 +16,10 @@
 //               else the first in order. Affinity never overrides the order itself, so jobs still interleave at chunk
 //               boundaries (a long video cannot starve short ones). See claim_preference().
 //   pass over = jobs the claiming server's placement rule (policy::choose_replica: the holder is idle, or busy for
-//               less than a handoff costs; a chunk that just failed here) sends elsewhere.
+//               less than a handoff costs; a chunk that just failed here) sends elsewhere;
+//   adapters  = a shared store (PostgreSQL) also leaves a job with adapters, for a few seconds at most, to an idle
+//               replica of ANOTHER pod that the same policy prefers (it holds more of the job's adapters, or ran the
+//               job's previous chunk): each claim reports the adapters its replica holds (see leave_to_other_pod).
 #pragma once
 
 #include <chrono>
@@ -106,8 +109,11 @@ class LeaseStore {
   // The best ready chunk for `replica` (see the order above) among jobs not in `pass_over`, leased for `ttl`, in one
   // transaction; nullopt when no chunk is ready. Marks the job running (started_ms on its first chunk) and counts a
   // takeover as a retry and a handoff as a handoff in the stored job. Concurrent claims never get the same job.
+  // `resident`: the adapters the claiming replica holds, null when it serves none (its report to other pods'
+  // claims; a store one process holds ignores it: that server's own placement sees all of its replicas).
   virtual std::optional<ChunkLease> claim(const std::string& replica, std::chrono::milliseconds ttl,
-                                          const std::vector<std::string>& pass_over = {}) = 0;
+                                          const std::vector<std::string>& pass_over = {},
+                                          const std::vector<std::string>* resident = nullptr) = 0;
   // Heartbeat: extends the lease to now + ttl while it is still the job's current one.
   virtual LeaseRenewal renew(const ChunkLease& lease, std::chrono::milliseconds ttl) = 0;
   // The chunk's result (chunk.index must be lease.chunk_index), chunks_done = index + 1 and `events` (stored with
@@ -188,6 +194,23 @@ struct ClaimCandidate {
   int64_t client_service = 0;  // the job's client's (policy::JobKey::client_service)
 };
 std::vector<size_t> claim_preference(const std::vector<ClaimCandidate>& candidates, const std::string& replica);
+
+// A replica of another pod as its last claim reported it (within the lease ttl): idle, and the adapters it holds.
+struct ReplicaReport {
+  std::string name;
+  bool idle = false;
+  std::vector<std::string> adapters;
+};
+// Whether `replica` (idle, holding `resident`) leaves a ready job that applies `job_adapters` to a replica of another
+// pod: policy::choose_replica over the claimant and `others`, the job's holder being the one named
+// `previous_replica`, picks one of `others`. A job without adapters is never left (the order decides it).
+bool leave_to_other_pod(const std::vector<std::string>& job_adapters, const std::string& previous_replica,
+                        const std::string& replica, const std::vector<std::string>& resident,
+                        const std::vector<ReplicaReport>& others);
+// How long a claim leaves one ready chunk to another pod's replica at most: several of that replica's claim polls
+// (1 s), so it takes the chunk if it still can, and short against a chunk, so a report that is wrong (the replica
+// passes the job over for its own reasons) costs this much once.
+inline constexpr std::chrono::milliseconds kLeaveToOtherPodFor{3000};
 
 // Inserts `job` under fresh ids from `new_id` until one is not taken (at most kIdAttempts; 128 random bits make a
 // second attempt already astronomically rare). Returns the last outcome; job.id is the id it was tried under.

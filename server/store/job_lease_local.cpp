@@ -238,7 +238,8 @@ std::optional<std::string> LocalLeaseStore::load_blob_range(const std::string& j
 // ---- LeaseStore -----------------------------------------------------------------------------------------------
 
 std::optional<ChunkLease> LocalLeaseStore::claim(const std::string& replica, std::chrono::milliseconds ttl,
-                                                 const std::vector<std::string>& pass_over) {
+                                                 const std::vector<std::string>& pass_over,
+                                                 const std::vector<std::string>* /*resident*/) {
   std::lock_guard<std::mutex> lock(mu_);
   const int64_t now = now_ms();
   std::vector<const Entry*> ready = ready_in_order_locked(now);

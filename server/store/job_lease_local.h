@@ -57,7 +57,8 @@ class LocalLeaseStore final : public JobStore, public LeaseStore {
 
   // LeaseStore
   std::optional<ChunkLease> claim(const std::string& replica, std::chrono::milliseconds ttl,
-                                  const std::vector<std::string>& pass_over = {}) override;
+                                  const std::vector<std::string>& pass_over = {},
+                                  const std::vector<std::string>* resident = nullptr) override;
   LeaseRenewal renew(const ChunkLease& lease, std::chrono::milliseconds ttl) override;
   LeaseCommit commit(const ChunkLease& lease, const StoredChunk& chunk,
                      const std::vector<std::string>& events) override;

@@ -85,4 +85,20 @@ std::unique_ptr<JobStore> open_job_store(const std::string& spec) {
                    "' is neither memory, sqlite:PATH nor postgresql://[USER[:PASSWORD]@]HOST[:PORT]/DB");
 }
 
+std::string join_adapter_names(const std::vector<std::string>& names) {
+  std::string joined;
+  for (const std::string& name : names) joined += (joined.empty() ? "" : "/") + name;
+  return joined;
+}
+
+std::vector<std::string> split_adapter_names(const std::string& joined) {
+  std::vector<std::string> names;
+  for (size_t start = 0; start < joined.size();) {
+    const size_t slash = std::min(joined.find('/', start), joined.size());
+    names.push_back(joined.substr(start, slash - start));
+    start = slash + 1;
+  }
+  return names;
+}
+
 }  // namespace skyreels::server

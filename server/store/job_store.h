@@ -43,7 +43,13 @@ struct StoredJob {
   std::string request;  // the canonical request with the conditioning actually used (the service's encoding)
   // Not a column of the job: the client's share weight at this submission (LeaseStore::insert_job_once records it).
   int client_weight = 1;
+  // The names of the adapters the job applies (GenerationParams.loras), for placement across pods.
+  std::vector<std::string> adapters;
 };
+
+// StoredJob::adapters as one column: names joined by '/', which no file name (so no adapter's name) contains.
+std::string join_adapter_names(const std::vector<std::string>& names);
+std::vector<std::string> split_adapter_names(const std::string& joined);
 
 struct StoredChunk {
   int64_t index = 0;

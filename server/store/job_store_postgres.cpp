@@ -54,6 +54,11 @@ const std::vector<std::string>& migrations() {
       "INSERT INTO clients(client) SELECT DISTINCT client FROM jobs;"
       // ... and SHA-256 idempotency fingerprints ('' for jobs stored before: their 64-bit one decides)
       "ALTER TABLE jobs ADD COLUMN fingerprint_v2 text NOT NULL DEFAULT '';",
+      // 2 -> 3: placement that knows adapters across pods: each job's adapter names, and the adapters each idle
+      // replica holds (reported by its claims)
+      "ALTER TABLE jobs ADD COLUMN adapters text NOT NULL DEFAULT '';"
+      "CREATE TABLE replicas(name text PRIMARY KEY, idle boolean NOT NULL, adapters text NOT NULL,"
+      " seen_ms bigint NOT NULL);",
   };
   return list;
 }
@@ -66,7 +71,8 @@ constexpr int64_t kAdmissionLockKey = 0x736b7972;  // pg_advisory_xact_lock key 
 constexpr int64_t kMaxClaimCandidates = 4096;
 constexpr const char* kJobColumns =
     "id, ord, vbase, owner, client, priority, deadline_ms, idempotency_key, fingerprint, state, error_kind, error,"
-    " created_ms, started_ms, finished_ms, chunk_count, chunks_done, retries, handoffs, request, fingerprint_v2";
+    " created_ms, started_ms, finished_ms, chunk_count, chunks_done, retries, handoffs, request, fingerprint_v2,"
+    " adapters";
 
 // Claimable now: the job runs on, nobody cancelled it, a chunk is left and no lease is live.
 std::string ready_condition() {
@@ -116,10 +122,11 @@ StoredJob job_from_row(const pg::Result& r, int i) {
   j.handoffs = static_cast<int>(r.int64(i, 18));
   j.request = r.text(i, 19);
   j.fingerprint_v2 = r.text(i, 20);
+  j.adapters = split_adapter_names(r.text(i, 21));
   return j;
 }
 
-// Parameters $1..$20 of an insert (ord is the caller's).
+// Parameters $1..$21 of an insert (ord is the caller's).
 std::vector<Param> job_params(const StoredJob& j) {
   return {j.id,
           j.vbase,
@@ -140,15 +147,16 @@ std::vector<Param> job_params(const StoredJob& j) {
           j.retries,
           j.handoffs,
           Param::bytes(j.request),
-          j.fingerprint_v2};
+          j.fingerprint_v2,
+          join_adapter_names(j.adapters)};
 }
 
 // `ord` and `vbase`: SQL for them ($21 / $2: the caller's values).
 std::string insert_job_sql(const std::string& ord, const std::string& vbase) {
   return "INSERT INTO jobs(id, vbase, owner, client, priority, deadline_ms, idempotency_key, fingerprint, state,"
          " error_kind, error, created_ms, started_ms, finished_ms, chunk_count, chunks_done, retries, handoffs,"
-         " request, fingerprint_v2, ord) VALUES($1," +
-         vbase + ",$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13,$14,$15,$16,$17,$18,$19,$20," + ord + ")";
+         " request, fingerprint_v2, adapters, ord) VALUES($1," +
+         vbase + ",$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13,$14,$15,$16,$17,$18,$19,$20,$21," + ord + ")";
 }
 
 // The fair-share start of a new job within its client ($4), as the in-memory scheduler sets it: the least attained
@@ -280,7 +288,7 @@ void PostgresJobStore::insert_job(StoredJob j) {
   auto c = pool_->acquire();
   std::vector<Param> params = job_params(j);
   params.emplace_back(static_cast<int64_t>(j.order));
-  c->exec("WITH i AS (" + insert_job_sql("$21", "$2") + " RETURNING id) SELECT " + notify_change_sql("id") + " FROM i",
+  c->exec("WITH i AS (" + insert_job_sql("$22", "$2") + " RETURNING id) SELECT " + notify_change_sql("id") + " FROM i",
           params);
 }
 
@@ -428,12 +436,51 @@ std::optional<std::string> PostgresJobStore::load_blob_range(const std::string& 
 // ---- leases ----
 
 std::optional<ChunkLease> PostgresJobStore::claim(const std::string& replica, std::chrono::milliseconds ttl,
-                                                  const std::vector<std::string>& pass_over) {
+                                                  const std::vector<std::string>& pass_over,
+                                                  const std::vector<std::string>* resident) {
   auto c = pool_->acquire();
   pg::Transaction tx(*c);
-  std::optional<ChunkLease> lease = lease_locked_candidate(*c, replica, ttl, pass_over);
+  report_replica(*c, replica, resident);
+  std::optional<ChunkLease> lease = lease_locked_candidate(*c, replica, ttl, pass_over, resident);
+  if (lease && resident) c->exec("UPDATE replicas SET idle = false WHERE name = $1", {replica});
   tx.commit();
   return lease;
+}
+
+void PostgresJobStore::report_replica(pg::Connection& c, const std::string& replica,
+                                      const std::vector<std::string>* resident) {
+  if (!resident) return;
+  c.exec(std::string("INSERT INTO replicas(name, idle, adapters, seen_ms) VALUES($1, true, $2, ") + kNowMs +
+             ") ON CONFLICT (name) DO UPDATE SET idle = true, adapters = $2, seen_ms = EXCLUDED.seen_ms",
+         {replica, join_adapter_names(*resident)});
+  // Pods come and go under new names (a Deployment's pods): a report a day old is nobody's.
+  c.exec(std::string("DELETE FROM replicas WHERE seen_ms < ") + kNowMs + " - 86400000");
+}
+
+// The replicas of other pods that reported within `ttl` (a replica's name is "<pod>/<replica>"; this pod's own
+// replicas are its scheduler's to place).
+std::vector<ReplicaReport> PostgresJobStore::other_pods_replicas(pg::Connection& c, const std::string& replica,
+                                                                 std::chrono::milliseconds ttl) const {
+  const auto pod_of = [](const std::string& name) { return name.substr(0, name.find('/')); };
+  const pg::Result r = c.exec(std::string("SELECT name, idle, adapters FROM replicas WHERE seen_ms > ") + kNowMs +
+                                  " - $1 ORDER BY name",
+                              {static_cast<int64_t>(ttl.count())});
+  std::vector<ReplicaReport> others;
+  for (int i = 0; i < r.rows(); ++i) {
+    if (pod_of(r.text(i, 0)) == pod_of(replica)) continue;
+    others.push_back({r.text(i, 0), r.boolean(i, 1), split_adapter_names(r.text(i, 2))});
+  }
+  return others;
+}
+
+bool PostgresJobStore::still_leaving(const std::string& key) {
+  std::lock_guard<std::mutex> lock(placement_mu_);
+  const int64_t now = now_ms();
+  for (auto it = left_since_ms_.begin(); it != left_since_ms_.end();) {  // forget chunks long since claimed
+    it = now - it->second > 60000 ? left_since_ms_.erase(it) : std::next(it);
+  }
+  const int64_t since = left_since_ms_.emplace(key, now).first->second;
+  return now - since < kLeaveToOtherPodFor.count();
 }
 
 namespace {
@@ -443,13 +490,16 @@ struct ReadyJob {
   policy::JobKey key;
   std::string last_replica;
   int weight = 1;
+  std::vector<std::string> adapters;
+  int64_t chunks_done = 0;
 };
 
 // The ready jobs (without locks) in the policy's order: dispatch_before over every pod's jobs.
 std::vector<ReadyJob> ready_in_order(pg::Connection& c) {
   const pg::Result rows =
       c.exec("SELECT id, priority, vbase + chunks_done, ord, last_replica, COALESCE(cl.service, 0),"
-             " COALESCE(cl.weight, 1) FROM jobs LEFT JOIN clients cl ON cl.client = jobs.client WHERE " +
+             " COALESCE(cl.weight, 1), adapters, chunks_done FROM jobs LEFT JOIN clients cl ON cl.client = jobs.client"
+             " WHERE " +
                  ready_condition() + " ORDER BY priority DESC, ord LIMIT $1",
              {kMaxClaimCandidates});
   std::vector<ReadyJob> ready;
@@ -458,7 +508,9 @@ std::vector<ReadyJob> ready_in_order(pg::Connection& c) {
                      {static_cast<int>(rows.int64(i, 1)), rows.int64(i, 2), static_cast<uint64_t>(rows.int64(i, 3)),
                       rows.int64(i, 5)},
                      rows.text(i, 4),
-                     static_cast<int>(rows.int64(i, 6))});
+                     static_cast<int>(rows.int64(i, 6)),
+                     split_adapter_names(rows.text(i, 7)),
+                     rows.int64(i, 8)});
   }
   std::stable_sort(ready.begin(), ready.end(),
                    [](const ReadyJob& a, const ReadyJob& b) { return policy::dispatch_before(a.key, b.key); });
@@ -472,7 +524,8 @@ std::vector<ReadyJob> ready_in_order(pg::Connection& c) {
 // job claimed meanwhile drops out. The claim charges the job's client its chunk.
 std::optional<ChunkLease> PostgresJobStore::lease_locked_candidate(pg::Connection& c, const std::string& replica,
                                                                    std::chrono::milliseconds ttl,
-                                                                   const std::vector<std::string>& pass_over) {
+                                                                   const std::vector<std::string>& pass_over,
+                                                                   const std::vector<std::string>* resident) {
   const std::string ready = ready_condition();
   std::vector<ReadyJob> jobs = ready_in_order(c);
   jobs.erase(std::remove_if(jobs.begin(), jobs.end(),
@@ -480,6 +533,18 @@ std::optional<ChunkLease> PostgresJobStore::lease_locked_candidate(pg::Connectio
                               return std::find(pass_over.begin(), pass_over.end(), j.id) != pass_over.end();
                             }),
              jobs.end());
+  const bool with_adapters =
+      std::any_of(jobs.begin(), jobs.end(), [](const ReadyJob& j) { return !j.adapters.empty(); });
+  if (with_adapters) {
+    const std::vector<ReplicaReport> others = other_pods_replicas(c, replica, ttl);
+    jobs.erase(std::remove_if(jobs.begin(), jobs.end(),
+                              [&](const ReadyJob& j) {
+                                return leave_to_other_pod(j.adapters, j.last_replica, replica,
+                                                          resident ? *resident : std::vector<std::string>(), others) &&
+                                       still_leaving(j.id + "#" + std::to_string(j.chunks_done));
+                              }),
+               jobs.end());
+  }
   if (jobs.empty()) return std::nullopt;
   std::vector<ClaimCandidate> candidates;
   for (const ReadyJob& j : jobs) {

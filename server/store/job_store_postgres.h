@@ -6,7 +6,10 @@
 #pragma once
 
 #include <atomic>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <set>
 
 #include "server/store/job_lease.h"
 #include "server/store/job_store.h"
@@ -20,7 +23,7 @@ class Connection;
 
 class PostgresJobStore final : public JobStore, public LeaseStore {
  public:
-  static constexpr int kSchemaVersion = 2;
+  static constexpr int kSchemaVersion = 3;
   static constexpr int kConnections = 4;
   explicit PostgresJobStore(const std::string& url);  // connects and migrates; throws StoreError
   ~PostgresJobStore() override;
@@ -47,7 +50,8 @@ class PostgresJobStore final : public JobStore, public LeaseStore {
 
   // LeaseStore
   std::optional<ChunkLease> claim(const std::string& replica, std::chrono::milliseconds ttl,
-                                  const std::vector<std::string>& pass_over = {}) override;
+                                  const std::vector<std::string>& pass_over = {},
+                                  const std::vector<std::string>* resident = nullptr) override;
   LeaseRenewal renew(const ChunkLease& lease, std::chrono::milliseconds ttl) override;
   LeaseCommit commit(const ChunkLease& lease, const StoredChunk& chunk,
                      const std::vector<std::string>& events) override;
@@ -75,12 +79,22 @@ class PostgresJobStore final : public JobStore, public LeaseStore {
   void migrate();
   std::optional<ChunkLease> lease_locked_candidate(pg::Connection& c, const std::string& replica,
                                                    std::chrono::milliseconds ttl,
-                                                   const std::vector<std::string>& pass_over);
+                                                   const std::vector<std::string>& pass_over,
+                                                   const std::vector<std::string>* resident);
+  // The claimant's report for other pods' claims: a row while it serves adapters (null: it serves none).
+  void report_replica(pg::Connection& c, const std::string& replica, const std::vector<std::string>* resident);
+  std::vector<ReplicaReport> other_pods_replicas(pg::Connection& c, const std::string& replica,
+                                                 std::chrono::milliseconds ttl) const;
+  // Whether the chunk `key` (job id and chunk) may still be left to another pod (kLeaveToOtherPodFor from the first
+  // time this pod left it).
+  bool still_leaving(const std::string& key);
   std::string notify_change_sql(const std::string& job_id) const;  // SQL announcing a change of `job_id` (an expression)
   std::string url_;
   std::string origin_;  // tags the changes this store announces (its own listener skips them)
   std::unique_ptr<pg::Pool> pool_;
   mutable std::atomic<int64_t> clock_offset_ms_{0};  // PostgreSQL's clock minus this pod's
+  std::mutex placement_mu_;
+  std::map<std::string, int64_t> left_since_ms_;  // chunks left to another pod: since when
 };
 
 }  // namespace skyreels::server

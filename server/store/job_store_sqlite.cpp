@@ -35,13 +35,16 @@ const std::vector<std::string>& migrations() {
       " PRIMARY KEY(job_id, idx));",
       // 3 -> 4: SHA-256 idempotency fingerprints ('' for jobs stored before: their 64-bit one decides)
       "ALTER TABLE jobs ADD COLUMN fingerprint_v2 TEXT NOT NULL DEFAULT '';",
+      // 4 -> 5: the names of the adapters each job applies (StoredJob::adapters)
+      "ALTER TABLE jobs ADD COLUMN adapters TEXT NOT NULL DEFAULT '';",
   };
   return list;
 }
 
 constexpr const char* kJobColumns =
     "id, ord, vbase, owner, client, priority, deadline_ms, idempotency_key, fingerprint, state, error_kind, error,"
-    " created_ms, started_ms, finished_ms, chunk_count, chunks_done, retries, handoffs, request, fingerprint_v2";
+    " created_ms, started_ms, finished_ms, chunk_count, chunks_done, retries, handoffs, request, fingerprint_v2,"
+    " adapters";
 
 }  // namespace
 
@@ -129,13 +132,13 @@ void SqliteJobStore::migrate() {
 void SqliteJobStore::insert_job(StoredJob j) {
   std::lock_guard<std::mutex> lock(mu_);
   sqlite::Statement s(
-      *db_, std::string("INSERT INTO jobs(") + kJobColumns + ") VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)");
+      *db_, std::string("INSERT INTO jobs(") + kJobColumns + ") VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)");
   s.bind(1, j.id).bind(2, static_cast<int64_t>(j.order)).bind(3, j.vbase).bind(4, j.owner).bind(5, j.client);
   s.bind(6, int64_t{j.priority}).bind(7, j.deadline_ms).bind(8, j.idempotency_key);
   s.bind(9, static_cast<int64_t>(j.fingerprint)).bind(10, j.state).bind(11, j.error_kind).bind(12, j.error);
   s.bind(13, j.created_ms).bind(14, j.started_ms).bind(15, j.finished_ms).bind(16, j.chunk_count);
   s.bind(17, j.chunks_done).bind(18, int64_t{j.retries}).bind(19, int64_t{j.handoffs}).bind_blob(20, j.request);
-  s.bind(21, j.fingerprint_v2);
+  s.bind(21, j.fingerprint_v2).bind(22, join_adapter_names(j.adapters));
   s.run();  // one statement: its own transaction
 }
 
@@ -232,6 +235,7 @@ std::vector<StoredJob> SqliteJobStore::load_jobs() const {
     j.handoffs = static_cast<int>(s.int64(18));
     j.request = s.text(19);
     j.fingerprint_v2 = s.text(20);
+    j.adapters = split_adapter_names(s.text(21));
     out.push_back(std::move(j));
   }
   return out;

@@ -17,7 +17,7 @@ class Database;
 
 class SqliteJobStore final : public JobStore {
  public:
-  static constexpr int kSchemaVersion = 4;
+  static constexpr int kSchemaVersion = 5;
   // Throws StoreError naming the file. `synchronous_full`: an fsync per commit (see above).
   explicit SqliteJobStore(const std::string& path, bool synchronous_full = false);
   ~SqliteJobStore() override;
