@@ -807,6 +807,31 @@ TEST(Scheduler, AWatcherIsToldAboutItsOwnJobOnlyAndWhenTheJobIsDropped) {
   h.scheduler->unsubscribe("j-unknown", unknown);
 }
 
+// The one feed of job changes (JobQueue::changes()): a follower hears every job's changes until it unfollows.
+TEST(Scheduler, TheFeedTellsItsFollowersOfEveryJobUntilTheyUnfollow) {
+  Harness h({steps(1ms)});
+  std::mutex mu;
+  std::condition_variable cv;
+  std::multiset<std::string> heard;
+  const uint64_t token = h.scheduler->changes().follow([&](const JobChange& change) {
+    std::lock_guard<std::mutex> lock(mu);
+    heard.insert(change.job_id);
+    cv.notify_all();
+  });
+  const std::string first = h.submit(2);
+  h.wait(first);
+  {
+    // Queued, two chunks started and committed, and the end: each is a change (the end may land after wait()).
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return heard.count(first) >= 5; });
+  }
+  h.scheduler->changes().unfollow(token);
+  const std::string second = h.submit(1);
+  h.wait(second);
+  std::lock_guard<std::mutex> lock(mu);
+  EXPECT_EQ(heard.count(second), 0u) << "no call once unfollow() returned";
+}
+
 }  // namespace
 }  // namespace skyreels::server
 

@@ -362,7 +362,10 @@ void ChunkRunner::drop_removed() {
   for (const std::string& id : ids) {
     const std::optional<StoredJob> job = leases_.load_job(id, false);
     if (job && !is_terminal(parse_job_state(job->state))) continue;
-    if (job) store_.drop_job(id, "deleted by its client");
+    if (job) {
+      store_.drop_job(id, "deleted by its client");
+      hub_.changed(id);  // watchers and the feed's followers find it gone
+    }
     std::lock_guard<std::mutex> lock(mu_);
     removed_.erase(id);
   }
