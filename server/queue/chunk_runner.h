@@ -2,6 +2,8 @@
 // chunk leases (the placement rule passes over jobs it sends to another replica here), a heartbeat renews the leases
 // while the chunks run, and each chunk's outcome is committed under its lease, retried, or ends the job. It keeps
 // the payloads of jobs whose last chunk ran here, and the housekeeping every pod shares (deadlines, retention).
+// Idle replicas wait for the hub's changes, and look again every PodOptions::poll without one: a lease that expires
+// (its holder died or paused) makes a chunk claimable and notifies nobody.
 #pragma once
 
 #include <atomic>
