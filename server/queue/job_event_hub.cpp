@@ -71,7 +71,7 @@ const JobEvent* JobEventHub::latest_step_locked(const std::string& job_id) const
 void JobEventHub::keep_preview(const std::string& job_id, ChunkPreviewImage image, size_t max_jobs) {
   auto shared = std::make_shared<const ChunkPreviewImage>(std::move(image));
   {
-    std::lock_guard<std::mutex> lock(shared_.mu);
+    std::lock_guard<std::mutex> lock(previews_mu_);
     auto it = previews_.find(job_id);
     if (it == previews_.end()) {
       if (previews_.size() >= max_jobs) {
@@ -89,12 +89,12 @@ void JobEventHub::keep_preview(const std::string& job_id, ChunkPreviewImage imag
 }
 
 void JobEventHub::drop_preview(const std::string& job_id) {
-  std::lock_guard<std::mutex> lock(shared_.mu);
+  std::lock_guard<std::mutex> lock(previews_mu_);
   previews_.erase(job_id);
 }
 
 std::optional<LatestPreview> JobEventHub::latest_preview(const std::string& id, uint64_t after_serial) const {
-  std::lock_guard<std::mutex> lock(shared_.mu);
+  std::lock_guard<std::mutex> lock(previews_mu_);
   const auto it = previews_.find(id);
   if (it == previews_.end() || !it->second.image || it->second.serial <= after_serial) return std::nullopt;
   return it->second;

@@ -9,6 +9,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -74,12 +75,14 @@ class JobEventHub final : public JobFeed {
   ForeignChange foreign_change_;
   // Under shared_.mu:
   std::map<std::string, std::deque<JobEvent>> steps_;  // step events of chunks run here or elsewhere (bounded)
-  std::map<std::string, LatestPreview> previews_;      // the latest preview of jobs running here (bounded)
-  uint64_t preview_serial_ = 0;
   std::map<std::string, std::map<uint64_t, std::function<void()>>> subscribers_;
   std::map<uint64_t, Follower> followers_;
   uint64_t next_token_ = 1;
   std::thread listener_;
+  // Previews have a lock of their own: nothing else is read with them.
+  mutable std::mutex previews_mu_;
+  std::map<std::string, LatestPreview> previews_;  // the latest preview of jobs running here (bounded)
+  uint64_t preview_serial_ = 0;
 };
 
 }  // namespace skyreels::server
