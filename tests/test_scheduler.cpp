@@ -73,9 +73,18 @@ struct Gate {
   std::mutex mu;
   std::condition_variable cv;
   bool open = false;
+  int waiting = 0;  // runs held at the gate now
   void wait() {
     std::unique_lock<std::mutex> lock(mu);
+    ++waiting;
+    cv.notify_all();
     cv.wait(lock, [&] { return open; });
+    --waiting;
+  }
+  // Until `runs` runs are held at the gate (their chunks claimed and started).
+  void wait_for_waiting(int runs) {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return waiting >= runs; });
   }
   void release() {
     std::lock_guard<std::mutex> lock(mu);
@@ -383,9 +392,12 @@ TEST(Scheduler, LongVideoDoesNotStarveAShortOneSubmittedLater) {
 }
 
 TEST(Scheduler, JobsInterleaveAtChunkBoundaries) {
-  Harness h({steps(2ms)});
+  FakeBehaviour held = steps(2ms);
+  held.gate = std::make_shared<Gate>();
+  Harness h({held});
   const auto a = h.submit(3);
   const auto b = h.submit(3);
+  held.gate->release();  // both jobs are queued before a's first chunk ends, however slowly the store took b
   h.wait(a);
   h.wait(b);
   const auto log = h.log->snapshot();
@@ -709,6 +721,7 @@ TEST(Scheduler, QueuedJobsKnowTheirPositionAndAnEstimate) {
   h.wait(h.submit(1));  // one measurement for the estimate
   held.gate->close();   // the next job holds the only replica: the later ones stay queued while the test looks
   const auto busy = h.submit(1);
+  held.gate->wait_for_waiting(1);  // it holds it now: no claim moves the queue while the test reads it
   std::vector<std::string> queued;
   for (int i = 0; i < 3; ++i) queued.push_back(h.submit(1));
   int64_t previous_position = 0;
@@ -792,6 +805,31 @@ TEST(Scheduler, AWatcherIsToldAboutItsOwnJobOnlyAndWhenTheJobIsDropped) {
   h.scheduler->unsubscribe(queued, token);  // a dropped job: nothing to do, no error
   EXPECT_EQ(told_unknown.load(), 0);
   h.scheduler->unsubscribe("j-unknown", unknown);
+}
+
+// The one feed of job changes (JobQueue::changes()): a follower hears every job's changes until it unfollows.
+TEST(Scheduler, TheFeedTellsItsFollowersOfEveryJobUntilTheyUnfollow) {
+  Harness h({steps(1ms)});
+  std::mutex mu;
+  std::condition_variable cv;
+  std::multiset<std::string> heard;
+  const uint64_t token = h.scheduler->changes().follow([&](const JobChange& change) {
+    std::lock_guard<std::mutex> lock(mu);
+    heard.insert(change.job_id);
+    cv.notify_all();
+  });
+  const std::string first = h.submit(2);
+  h.wait(first);
+  {
+    // Queued, two chunks started and committed, and the end: each is a change (the end may land after wait()).
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return heard.count(first) >= 5; });
+  }
+  h.scheduler->changes().unfollow(token);
+  const std::string second = h.submit(1);
+  h.wait(second);
+  std::lock_guard<std::mutex> lock(mu);
+  EXPECT_EQ(heard.count(second), 0u) << "no call once unfollow() returned";
 }
 
 }  // namespace

@@ -684,15 +684,20 @@ int serve(const Options& o, Signals& signals) {
   // The service and the drain see only the JobQueue seam.
   std::unique_ptr<JobQueue> jobs = make_queue(o, replicas, *store, config, observers);
   // MP4s follow every commit the queue sees, also those of chunks another pod ran.
-  if (video) video->follow_with([&jobs](const std::string& id, const std::string& owner) { return jobs->get(id, owner); });
+  if (video) {
+    video->follow_with([&jobs](const std::string& id, const std::string& owner) { return jobs->get(id, owner); },
+                       &jobs->changes());
+  }
   struct StopFollowing {  // destroyed before `jobs`, however serve() ends
     VideoEncoder* video;
+    WebhookSender* webhooks;
     ~StopFollowing() {
-      if (video) video->follow_with({});
+      if (video) video->follow_with({}, nullptr);
+      if (webhooks) webhooks->stop_following();
     }
-  } stop_following{video.get()};
+  } stop_following{video.get(), webhooks.get()};
   jobs->start();
-  if (webhooks) webhooks->start();
+  if (webhooks) webhooks->start(&jobs->changes());
   auto service = make_video_service(*jobs, config);
   int port = 0;
   const std::unique_ptr<grpc::Server> server = start_grpc(o, *service, config.max_request_bytes, metrics, &port);

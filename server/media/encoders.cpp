@@ -169,6 +169,7 @@ void VideoEncoder::want(const JobSnapshot& job) {
       entry.job = job.description;
       entry.available = job.chunks_done;
       wanted_.emplace(job.id, std::move(entry));
+      stale_.insert(job.id);  // read once more: a chunk may have committed since `job` was read
       spdlog::info("job={} event=video_wanted chunks_available={}", job.id, job.chunks_done);
       publish_locked();
     }
@@ -226,34 +227,77 @@ void VideoEncoder::drop_locked(const std::string& id, JobState state) {
   publish_locked();
 }
 
-void VideoEncoder::follow_with(JobLookup lookup) {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] { return !catching_up_; });
-  lookup_ = std::move(lookup);
+void VideoEncoder::follow_with(JobLookup lookup, JobFeed* feed) {
+  if (feed_ != nullptr) {  // outside mu_: followers run under the queue's lock, and heard() takes mu_
+    feed_->unfollow(feed_token_);
+    feed_ = nullptr;
+  }
+  const bool following = static_cast<bool>(lookup);
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return !catching_up_; });
+    lookup_ = std::move(lookup);
+    stale_.clear();
+    stale_all_ = false;
+  }
+  if (!following) return;
+  if (feed != nullptr) {
+    feed_ = feed;
+    feed_token_ = feed->follow([this](const JobChange& change) { heard(change); });
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stale_all_ = true;  // after follow(): a change from here on is heard, one before it is read now
+  }
+  cv_.notify_all();
 }
 
-// Entries waiting for a chunk read their job again (without the lock: a store read per job).
-void VideoEncoder::catch_up(std::unique_lock<std::mutex>& lock) {
-  last_catch_up_ = Clock::now();
-  if (!lookup_) return;
-  std::vector<std::pair<std::string, std::string>> waiting;  // (id, owner)
-  for (const auto& [id, entry] : wanted_) {
-    if (entry.next_chunk >= entry.available) waiting.emplace_back(id, entry.owner);
+void VideoEncoder::heard(const JobChange& change) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (change.missed) {
+      stale_all_ = true;
+    } else if (wanted_.count(change.job_id)) {
+      stale_.insert(change.job_id);
+    } else {
+      return;  // not a job whose MP4 is being made
+    }
   }
-  if (waiting.empty()) return;
+  cv_.notify_all();
+}
+
+bool VideoEncoder::catch_up_pending_locked() const {
+  return lookup_ && !catching_up_ && (stale_all_ || !stale_.empty());
+}
+
+bool VideoEncoder::catch_up_due_locked() const { return catch_up_pending_locked() && Clock::now() >= retry_at_; }
+
+// Wanted jobs the feed named (or all of them) read their job again, without the lock: a store read per job.
+void VideoEncoder::catch_up(std::unique_lock<std::mutex>& lock) {
+  std::vector<std::pair<std::string, std::string>> reads;  // (id, owner)
+  for (const auto& [id, entry] : wanted_) {
+    if (stale_all_ || stale_.count(id)) reads.emplace_back(id, entry.owner);
+  }
+  stale_.clear();
+  stale_all_ = false;
+  if (reads.empty()) return;
   const JobLookup lookup = lookup_;
   catching_up_ = true;
   lock.unlock();
   std::vector<std::pair<std::string, std::optional<JobSnapshot>>> seen;
-  for (const auto& [id, owner] : waiting) {
+  std::vector<std::string> failed;
+  for (const auto& [id, owner] : reads) {
     try {
       seen.emplace_back(id, lookup(id, owner));
-    } catch (const std::exception& e) {  // the store is away: look again next time
+    } catch (const std::exception& e) {  // the store is away: look again after kCatchUpRetry
       spdlog::warn("job={} event=video_catch_up_failed error=\"{}\"", id, e.what());
+      failed.push_back(id);
     }
   }
   lock.lock();
   catching_up_ = false;
+  stale_.insert(failed.begin(), failed.end());
+  if (!failed.empty()) retry_at_ = Clock::now() + kCatchUpRetry;
   for (const auto& [id, job] : seen) {
     auto it = wanted_.find(id);
     if (it == wanted_.end()) continue;
@@ -293,14 +337,18 @@ void VideoEncoder::loop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     Entry* entry = nullptr;
-    const bool woken = cv_.wait_until(lock, last_catch_up_ + kCatchUpPeriod,
-                                      [&] { return stopping_ || (entry = next_work_locked()) != nullptr; });
+    auto ready = [&] { return stopping_ || catch_up_due_locked() || (entry = next_work_locked()) != nullptr; };
+    if (catch_up_pending_locked()) {
+      cv_.wait_until(lock, retry_at_, ready);  // a lookup failed: the retry is due then
+    } else {
+      cv_.wait(lock, ready);  // the feed, an observer call or want() wakes it
+    }
     if (stopping_) return;
-    if (Clock::now() >= last_catch_up_ + kCatchUpPeriod) {
+    if (catch_up_due_locked()) {
       catch_up(lock);  // also between chunks of busy work: a job waiting on another pod is not starved
       continue;
     }
-    if (!woken) continue;
+    if (entry == nullptr) continue;
     // Copies: the entry may be dropped (its job cancelled) while the chunk is encoded.
     const std::string id = entry->id;
     const std::shared_ptr<const JobDescription> job = entry->job;

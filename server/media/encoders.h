@@ -12,9 +12,11 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 
+#include "server/queue/job_feed.h"
 #include "server/queue/job_types.h"
 #include "server/media/media_metrics.h"
 #include "server/replica/model_job.h"
@@ -72,12 +74,13 @@ class VideoEncoder : public SchedulerObserver {
   void job_finished(const JobSnapshot& job) override;
   // Blocks until no wanted chunk is left to encode, or `until`; true when idle (used by the drain).
   bool wait_idle(Clock::time_point until);
-  // How the encoder reads a job's committed state (JobQueue::get): chunks committed where it never hears of them (by
-  // another pod) and jobs that ended there are caught up from it every kCatchUpPeriod. follow_with({}) before the
-  // queue goes: it returns once no lookup is running.
+  // How the encoder reads a job's committed state (JobQueue::get), and the queue's feed of job changes (JobQueue::
+  // changes()): a wanted job the feed names is read again, so chunks committed where the observer calls never come
+  // (another pod) and jobs that ended there are caught up; every wanted job is read again at start and after the
+  // feed missed changes. follow_with({}, nullptr) before the queue goes: it returns once no lookup is running.
   using JobLookup = std::function<std::optional<JobSnapshot>(const std::string& id, const std::string& owner)>;
-  static constexpr std::chrono::milliseconds kCatchUpPeriod{500};
-  void follow_with(JobLookup lookup);
+  static constexpr std::chrono::milliseconds kCatchUpRetry{500};  // after a lookup failed (the store is away)
+  void follow_with(JobLookup lookup, JobFeed* feed);
   // The loaded VAE, shared with jobs that encode image / video conditioning (its encode and decode may run
   // concurrently).
   std::shared_ptr<const model::WanVae> vae() const { return vae_; }
@@ -94,6 +97,9 @@ class VideoEncoder : public SchedulerObserver {
     std::shared_ptr<VideoState> state;
   };
   void loop();
+  void heard(const JobChange& change);  // a feed follower: notes the change, the worker reads the job
+  bool catch_up_pending_locked() const;
+  bool catch_up_due_locked() const;
   void catch_up(std::unique_lock<std::mutex>& lock);
   void drop_locked(const std::string& id, JobState state);
   // Decodes chunk `chunk` of job `id` (its latents read from the store); returns its MP4 segment.
@@ -124,7 +130,11 @@ class VideoEncoder : public SchedulerObserver {
   int64_t encodes_ = 0;  // chunk encodes started, for faults_
   JobLookup lookup_;
   bool catching_up_ = false;  // a lookup runs without the lock
-  Clock::time_point last_catch_up_{};
+  std::set<std::string> stale_;  // wanted jobs the feed named since they were last read
+  bool stale_all_ = false;       // every wanted job: at start, and after the feed missed changes
+  Clock::time_point retry_at_{};  // a lookup failed: the next one waits until then
+  JobFeed* feed_ = nullptr;       // followed under feed_token_ (set and read by follow_with's caller only)
+  uint64_t feed_token_ = 0;
   std::thread thread_;
 };
 

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "server/queue/job_feed.h"
 #include "server/queue/job_types.h"
 
 namespace skyreels::server {
@@ -91,6 +92,8 @@ class JobQueue {
   // Blocks until the job has more than `chunks_seen` chunks done, ended, or `until`; returns the snapshot.
   virtual std::optional<JobSnapshot> wait_chunks(const std::string& id, const std::string& owner, int64_t chunks_seen,
                                                  Clock::time_point until) const = 0;
+  // The one feed of every job's changes, this pod's and other pods' (job_feed.h), for followers outside the queue.
+  virtual JobFeed& changes() = 0;
 
   // Draining: new submissions are refused (AdmissionError::Draining); queued and running jobs continue (on a shared
   // store, on the other pods).

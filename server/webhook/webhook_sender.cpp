@@ -164,7 +164,12 @@ WebhookSender::~WebhookSender() {
   for (auto& t : threads_) t.join();
 }
 
-void WebhookSender::start() {
+void WebhookSender::start(JobFeed* feed) {
+  if (feed != nullptr) {  // before the jobs are read: a change after the read is heard
+    feed_ = feed;
+    following_ = true;
+    feed_token_ = feed->follow([this](const JobChange& change) { heard(change); });
+  }
   std::vector<StoredJob> jobs;
   try {
     jobs = store_.load_jobs();
@@ -188,18 +193,44 @@ void WebhookSender::look_at(const std::string& job_id, bool accepted_here) {
   scan_cv_.notify_all();
 }
 
+void WebhookSender::stop_following() {
+  if (feed_ != nullptr) feed_->unfollow(feed_token_);  // outside mu_: followers run under the queue's lock
+  feed_ = nullptr;
+}
+
+void WebhookSender::heard(const JobChange& change) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (change.missed) {
+    for (auto& [id, f] : followed_) f.next_check = Clock::time_point::min();
+  } else if (auto it = followed_.find(change.job_id); it != followed_.end()) {
+    it->second.next_check = Clock::time_point::min();
+  } else {
+    return;  // not followed: a job without deliveries left (or one this pod never followed)
+  }
+  scan_cv_.notify_all();
+}
+
+Clock::time_point WebhookSender::recheck(Clock::time_point now, Clock::duration period) const {
+  return following_ ? Clock::time_point::max() : now + period;
+}
+
+// Reads the followed jobs that are due: changed (look_at, the feed), a retry or a takeover due, a failed read.
 void WebhookSender::scan_loop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (!stopping_) {
     const auto now = Clock::now();
     std::vector<std::string> due;
-    auto next = now + options_.poll;
+    auto next = recheck(now, options_.poll);
     for (const auto& [id, f] : followed_) {
       if (f.next_check <= now) due.push_back(id);
       else next = std::min(next, f.next_check);
     }
     if (due.empty()) {
-      scan_cv_.wait_until(lock, next);
+      if (next == Clock::time_point::max()) {
+        scan_cv_.wait(lock);  // nothing due: the next change, observer call or delivery's end wakes it
+      } else {
+        scan_cv_.wait_until(lock, next);
+      }
       continue;
     }
     lock.unlock();
@@ -249,8 +280,9 @@ void WebhookSender::scan(const std::string& job_id, Clock::time_point now) {
     if (!job || is_terminal(state)) {
       followed_.erase(job_id);  // gone or ended
     } else {
-      // No webhook: its next event looks again, or a slow re-check drops it once it ended (maybe on another pod).
-      followed_[job_id].next_check = now + std::chrono::minutes(1);
+      // No webhook: its next change looks again and drops it once it ended (maybe on another pod; without a feed, a
+      // slow re-check does).
+      followed_[job_id].next_check = recheck(now, std::chrono::minutes(1));
     }
     return;
   }
@@ -280,7 +312,7 @@ void WebhookSender::scan(const std::string& job_id, Clock::time_point now) {
   // In order, one at a time per job: the first event not delivered yet goes when it is due, the later ones wait
   // for it (so a receiver sees started, the chunks, then the end, and a hanging one holds one sender thread at most).
   bool open = !is_terminal(state);
-  auto next_check = now + options_.poll;
+  auto next_check = recheck(now, options_.poll);  // a retry or takeover due sooner brings it forward
   bool mine = true;
   std::map<uint64_t, Followed::Pending> pending;
   {

@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "server/queue/job_feed.h"
 #include "server/queue/job_types.h"
 #include "server/store/job_store.h"
 #include "server/webhook/webhook_metrics.h"
@@ -38,7 +39,9 @@ struct WebhookOptions {
   std::chrono::milliseconds first_retry{1000};  // then twice as long each time, up to max_retry
   std::chrono::milliseconds max_retry{60000};
   std::chrono::milliseconds timeout{10000};     // one attempt, connection included
-  std::chrono::milliseconds poll{1000};         // how often due retries are looked for
+  // After a store read failed, the job is read again this much later. Changes wake the sender through the queue's
+  // feed (start()); without one (no queue), followed jobs are also read again this often.
+  std::chrono::milliseconds poll{1000};
   // Shared store (pods on PostgreSQL): a job's deliveries are the pod's that accepted it; another pod makes an
   // attempt only this long after it was due (the accepting pod stopped, or is gone).
   std::chrono::milliseconds takeover_grace{30000};
@@ -67,8 +70,11 @@ class WebhookSender : public SchedulerObserver {
   // `store` (with leases) must outlive the sender; `metrics` may be null.
   WebhookSender(JobStore& store, WebhookOptions options, WebhookMetrics* metrics = nullptr);
   ~WebhookSender() override;
-  // Reads every stored job with a webhook (deliveries a restart interrupted), then follows new events.
-  void start();
+  // Reads every stored job with a webhook (deliveries a restart interrupted), then follows new events: those the
+  // observer calls report, and every change `feed` (JobQueue::changes(), may be null) reports of a followed job,
+  // other pods' too; a `missed` reads every followed job again. stop_following() before the feed goes.
+  void start(JobFeed* feed = nullptr);
+  void stop_following();
 
   void job_submitted(const JobSnapshot& job) override { look_at(job.id, true); }
   void chunk_started(const JobSnapshot& job, const std::string&, int64_t) override { look_at(job.id); }
@@ -110,6 +116,9 @@ class WebhookSender : public SchedulerObserver {
   std::shared_ptr<const Webhook> webhook_of(const std::string& job_id);
 
   void look_at(const std::string& job_id, bool accepted_here = false);
+  void heard(const JobChange& change);  // a feed follower: followed jobs are read again now
+  // When a followed job with nothing due is read again: never with a feed (its next change wakes it), else `period`.
+  Clock::time_point recheck(Clock::time_point now, Clock::duration period) const;
   void scan_loop();
   void scan(const std::string& job_id, Clock::time_point now);
   void work_loop();
@@ -127,6 +136,9 @@ class WebhookSender : public SchedulerObserver {
   bool stopping_ = false;
   bool started_ = false;
   std::vector<std::thread> threads_;
+  JobFeed* feed_ = nullptr;  // followed under feed_token_ (start() and stop_following(), on the caller's thread)
+  uint64_t feed_token_ = 0;
+  bool following_ = false;  // set by start(), before its threads: the feed wakes followed jobs
 };
 
 }  // namespace skyreels::server
