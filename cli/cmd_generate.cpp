@@ -19,6 +19,7 @@
 #include "model/checkpoint.h"
 #include "model/clip_vision.h"
 #include "model/diffusion_forcing.h"
+#include "model/guidance.h"
 #include "model/host_syncs.h"
 #include "model/image_processor.h"
 #include "model/pipeline_t2v_i2v.h"
@@ -144,10 +145,11 @@ model::Conditioning conditioning_from_text(model::TextEncoder& encoder, const Ar
   model::Conditioning c;
   // Prompt and negative prompt in one call: the encoder batches them where that is faster (TextEncoder::choose_batches).
   std::vector<std::string> texts{prompt};
-  if (params.guidance_scale > 1.0) texts.push_back(args.get("negative-prompt", ""));
+  const bool guidance = model::guided(params.guidance_scale);
+  if (guidance) texts.push_back(args.get("negative-prompt", ""));
   const at::Tensor embeds = encoder.encode(texts, max_len).to(at::kFloat);
   c.prompt_embeds = embeds.narrow(0, 0, 1);
-  if (params.guidance_scale > 1.0) c.negative_prompt_embeds = embeds.narrow(0, 1, 1);
+  if (guidance) c.negative_prompt_embeds = embeds.narrow(0, 1, 1);
   return c;
 }
 
