@@ -300,12 +300,15 @@ model::PipelineKind pipeline_from_flags(const Args& args, const std::string& mod
   return model::PipelineKind::kDiffusionForcing;
 }
 
-// Flags that belong to diffusion forcing only.
+// Flags that belong to diffusion forcing only: this command's own, then the generation parameters the table marks
+// diffusion_forcing_only (a new such parameter is refused here without an edit).
 void refuse_df_flags(const Args& args, model::PipelineKind kind) {
-  for (const char* flag : {"video", "prompt-at", "inputs-at", "overlap-history", "ar-step", "causal-block-size",
-                           "base-num-frames", "addnoise-condition", "pin-image-prefix", "cache-log", "kv-cache-bytes",
-                           "cache", "cache-threshold", "cache-scope", "cache-max-skips", "count-host-syncs", "previews",
-                           "preview-every"}) {
+  std::vector<std::string> flags{"video",          "prompt-at",        "inputs-at", "pin-image-prefix", "cache-log",
+                                 "kv-cache-bytes", "count-host-syncs", "previews"};
+  for (const auto& param : skyreels::server::generation_params()) {
+    if (param.diffusion_forcing_only) flags.push_back(param.flag);
+  }
+  for (const std::string& flag : flags) {
     if (args.has(flag)) {
       throw UsageError(std::string("--") + flag + " is a diffusion-forcing flag; --pipeline " +
                        model::pipeline_kind_name(kind) + " does not take it");
