@@ -167,7 +167,7 @@ Status VideoServiceImpl::submit(ServerContext* ctx, const pb::SubmitJobRequest& 
   spec.fingerprint_v2 = submission_fingerprint_v2(*job, request);
   spec.payload = job;
   spec.description = job->description();
-  spec.durable_request = durable_request(request, *job);
+  spec.durable_request = durable_request(request, resolved_inputs(*job));
   try {
     *result = scheduler_.submit(std::move(spec));
   } catch (const AdmissionError& e) {
