@@ -93,7 +93,7 @@ int run_decode(const std::vector<std::string>& raw) {
   const std::string ext = out.extension().string();
   if (ext != ".mp4" && ext != ".safetensors") throw UsageError("--out must end in .mp4 or .safetensors");
   skyreels::video::Mp4Options mp4;
-  mp4.fps = args.get_int("fps", 24);
+  mp4.fps = args.get_int("fps", mp4.fps);
   mp4.crf = args.get_int("crf", 10);
   if (mp4.fps <= 0) throw UsageError("--fps must be > 0");
 

@@ -19,6 +19,7 @@
 #include "model/checkpoint.h"
 #include "model/clip_vision.h"
 #include "model/diffusion_forcing.h"
+#include "model/guidance.h"
 #include "model/host_syncs.h"
 #include "model/image_processor.h"
 #include "model/pipeline_t2v_i2v.h"
@@ -144,10 +145,11 @@ model::Conditioning conditioning_from_text(model::TextEncoder& encoder, const Ar
   model::Conditioning c;
   // Prompt and negative prompt in one call: the encoder batches them where that is faster (TextEncoder::choose_batches).
   std::vector<std::string> texts{prompt};
-  if (params.guidance_scale > 1.0) texts.push_back(args.get("negative-prompt", ""));
+  const bool guidance = model::guided(params.guidance_scale);
+  if (guidance) texts.push_back(args.get("negative-prompt", ""));
   const at::Tensor embeds = encoder.encode(texts, max_len).to(at::kFloat);
   c.prompt_embeds = embeds.narrow(0, 0, 1);
-  if (params.guidance_scale > 1.0) c.negative_prompt_embeds = embeds.narrow(0, 1, 1);
+  if (guidance) c.negative_prompt_embeds = embeds.narrow(0, 1, 1);
   return c;
 }
 
@@ -298,12 +300,15 @@ model::PipelineKind pipeline_from_flags(const Args& args, const std::string& mod
   return model::PipelineKind::kDiffusionForcing;
 }
 
-// Flags that belong to diffusion forcing only.
+// Flags that belong to diffusion forcing only: this command's own, then the generation parameters the table marks
+// diffusion_forcing_only (a new such parameter is refused here without an edit).
 void refuse_df_flags(const Args& args, model::PipelineKind kind) {
-  for (const char* flag : {"video", "prompt-at", "inputs-at", "overlap-history", "ar-step", "causal-block-size",
-                           "base-num-frames", "addnoise-condition", "pin-image-prefix", "cache-log", "kv-cache-bytes",
-                           "cache", "cache-threshold", "cache-scope", "cache-max-skips", "count-host-syncs", "previews",
-                           "preview-every"}) {
+  std::vector<std::string> flags{"video",          "prompt-at",        "inputs-at", "pin-image-prefix", "cache-log",
+                                 "kv-cache-bytes", "count-host-syncs", "previews"};
+  for (const auto& param : skyreels::server::generation_params()) {
+    if (param.diffusion_forcing_only) flags.push_back(param.flag);
+  }
+  for (const std::string& flag : flags) {
     if (args.has(flag)) {
       throw UsageError(std::string("--") + flag + " is a diffusion-forcing flag; --pipeline " +
                        model::pipeline_kind_name(kind) + " does not take it");

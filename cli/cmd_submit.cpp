@@ -45,7 +45,9 @@ const std::string kUsage =
         "  --adapter NAME[:SCALE]    a LoRA adapter of the server's --lora-dir for this job, applied unmerged\n"
         "                            (repeatable, in order; default SCALE 1)\n"
         "job:\n"
-        "  --priority P              -10 .. 10, higher first (default 0)\n"
+        "  --priority P              ") +
+    std::to_string(server::kMinPriority) + " .. " + std::to_string(server::kMaxPriority) +
+    std::string(", higher first (default 0)\n"
         "  --timeout-seconds S       deadline relative to acceptance\n"
         "  --idempotency-key KEY     resubmitting the same request with the same key returns the same job\n"
         "  --mp4                     decode the MP4 as the chunks finish (needs a server with --vae); without it\n"

@@ -12,18 +12,13 @@
 #include <string>
 #include <vector>
 
-#include "model/df_detail.h"
 #include "model/diffusion_forcing.h"
 #include "model/sampler_flow_euler.h"
+#include "model/video_shape.h"
 
 namespace skyreels::model {
 
 namespace {
-
-using df_detail::kSpatialFactor;
-using df_detail::kTemporalFactor;
-
-int64_t latent_frames_of(int64_t pixel_frames) { return (pixel_frames - 1) / kTemporalFactor + 1; }
 
 std::string join(const std::vector<int64_t>& values) {
   std::ostringstream os;
@@ -79,7 +74,7 @@ bool aligned(const Geometry& g, int64_t block) {
 }
 
 bool valid_candidate(int64_t n, const GenerationParams& p, int64_t block) {
-  if ((n - 1) % kTemporalFactor != 0) return false;
+  if (!is_4k_plus_1(n)) return false;
   if (n > p.base_num_frames && !p.overlap_history) return false;  // would need overlap_history
   const Geometry g = geometry_of(n, p);
   if (g.long_video && g.overlap >= g.base) return false;
@@ -89,7 +84,7 @@ bool valid_candidate(int64_t n, const GenerationParams& p, int64_t block) {
 // Pixel frame counts 4k+1 near `num_frames` (two below, two above) whose every chunk is a multiple of `block`.
 std::vector<int64_t> valid_num_frames_near(int64_t num_frames, const GenerationParams& p, int64_t block) {
   std::vector<int64_t> below, above;
-  const int64_t reach = kTemporalFactor * block * (latent_frames_of(std::max(p.base_num_frames, int64_t{1})) + 2);
+  const int64_t reach = kVaeTemporalFactor * block * (latent_frames_of(std::max(p.base_num_frames, int64_t{1})) + 2);
   for (int64_t n = num_frames - 1; n >= 1 && n >= num_frames - reach && below.size() < 2; --n) {
     if (valid_candidate(n, p, block)) {
       below.push_back(n);
@@ -111,9 +106,10 @@ void require(bool ok, const std::string& message) {
 
 void validate_basic(const GenerationParams& p, int64_t block) {
   require(p.num_frames >= 1, "num_frames: must be >= 1, got " + std::to_string(p.num_frames));
-  require(p.height > 0 && p.height % 16 == 0,
-          "height: must be a positive multiple of 16, got " + std::to_string(p.height));
-  require(p.width > 0 && p.width % 16 == 0, "width: must be a positive multiple of 16, got " + std::to_string(p.width));
+  const std::string multiple = "a positive multiple of " + std::to_string(kPixelMultiple);
+  require(p.height > 0 && p.height % kPixelMultiple == 0,
+          "height: must be " + multiple + ", got " + std::to_string(p.height));
+  require(p.width > 0 && p.width % kPixelMultiple == 0, "width: must be " + multiple + ", got " + std::to_string(p.width));
   require(p.num_inference_steps >= 1,
           "num_inference_steps: must be >= 1, got " + std::to_string(p.num_inference_steps));
   require(std::isfinite(p.guidance_scale), "guidance_scale: must be a finite number");
@@ -169,7 +165,7 @@ void refuse_unaligned(const GenerationParams& p, int64_t num_frames, const Geome
   if (g.long_video && g.base % block != 0) {
     std::vector<int64_t> valid;
     for (int64_t m = 1; valid.size() < 4 && m <= 1024; ++m) {
-      const int64_t frames = (m * block - 1) * kTemporalFactor + 1;
+      const int64_t frames = pixel_frames_of(m * block);
       if (m * block > g.overlap) valid.push_back(frames);  // a chunk must be longer than its overlap
     }
     throw std::invalid_argument(
@@ -246,8 +242,8 @@ ChunkPlan plan_chunks(const GenerationParams& params, int64_t model_num_frame_pe
 
   ChunkPlan plan;
   int64_t num_frames = params.num_frames;
-  if ((num_frames - 1) % kTemporalFactor != 0) {
-    num_frames = (num_frames - 1) / kTemporalFactor * kTemporalFactor + 1;
+  if (!is_4k_plus_1(num_frames)) {
+    num_frames = four_k_plus_one_below(num_frames);
     plan.warnings.push_back("num_frames: " + std::to_string(params.num_frames) + " is not 4k+1; rounded down to " +
                             std::to_string(num_frames) + " as diffusers does");
   }
@@ -264,8 +260,8 @@ ChunkPlan plan_chunks(const GenerationParams& params, int64_t model_num_frame_pe
   plan.total_latent_frames = g.total;
   plan.base_latent_frames = g.base;
   plan.overlap_latent_frames = g.overlap;
-  plan.latent_height = params.height / kSpatialFactor;
-  plan.latent_width = params.width / kSpatialFactor;
+  plan.latent_height = latent_size_of(params.height);
+  plan.latent_width = latent_size_of(params.width);
   plan.causal_block_size = block;
 
   // Prefixes are cut at their end to a multiple of the block; the accumulation still cuts at O (diffusers).

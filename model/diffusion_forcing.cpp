@@ -15,12 +15,11 @@
 #include <string>
 #include <vector>
 
-#include "model/df_detail.h"
+#include "model/guidance.h"
 #include "model/shape_text.h"
+#include "model/video_shape.h"
 
 namespace skyreels::model {
-
-using df_detail::kSpatialFactor;
 
 // ---- the denoising loop of one chunk ---------------------------------------------------------------------------
 
@@ -38,7 +37,7 @@ ChunkInputs prepare_conditioning(const Conditioning& c, const GenerationParams& 
                                 (c.prompt_embeds.defined() ? shape_text(c.prompt_embeds.sizes()) : "nothing"));
   }
   ChunkInputs in;
-  in.guidance = p.guidance_scale > 1.0;  // diffusers' do_classifier_free_guidance
+  in.guidance = guided(p.guidance_scale);
   in.prompt = c.prompt_embeds.to(info.device, info.dtype);
   if (in.guidance) {
     if (!c.negative_prompt_embeds || !c.negative_prompt_embeds->defined()) {
@@ -220,7 +219,7 @@ void check_plan(const ChunkPlan& plan, int64_t chunk_index, const GenerationPara
     throw std::invalid_argument("chunk_index: " + std::to_string(chunk_index) + " outside the plan's " +
                                 std::to_string(plan.chunks.size()) + " chunks");
   }
-  if (plan.latent_height != p.height / kSpatialFactor || plan.latent_width != p.width / kSpatialFactor) {
+  if (plan.latent_height != latent_size_of(p.height) || plan.latent_width != latent_size_of(p.width)) {
     throw std::invalid_argument("plan: latent size " + std::to_string(plan.latent_height) + "x" +
                                 std::to_string(plan.latent_width) + " does not match height/width of the params");
   }

@@ -17,6 +17,7 @@
 #include "model/active_adapter.h"
 #include "model/preview.h"
 #include "model/sampler_flow_unipc.h"
+#include "model/video_shape.h"
 
 namespace skyreels::model {
 
@@ -60,7 +61,7 @@ struct GenerationParams {
   int64_t ar_step = 0;
   std::optional<int64_t> causal_block_size;  // unset: the model config's num_frame_per_block
   double addnoise_condition = 0.0;
-  int64_t fps = 24;
+  int64_t fps = kDefaultFps;
   std::optional<uint64_t> seed;
   // The other settings of a diffusers scheduler_config.json (solver order/type, lower_order_final, ...).
   // Its flow_shift is ignored here: `flow_shift` above is the one used. The Euler sampler reads its
@@ -132,7 +133,7 @@ struct ChunkSpec {
                                   // updated, part of the output)
   bool pin_prefix = false;        // prefix frames pinned like the suffix (GenerationParams::pin_image_prefix)
   // The first pixel frame of the output video this chunk generates (0 for chunk 0): where its prompt is looked up.
-  int64_t first_new_pixel_frame() const { return output_begin == 0 ? 0 : 1 + 4 * (output_begin - 1); }
+  int64_t first_new_pixel_frame() const { return pixel_frames_of(output_begin); }  // those before it
 };
 
 struct ChunkPlan {

@@ -7,6 +7,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "model/guidance.h"
 #include "model/shape_text.h"
 #include "model/transformer_skyreels_v2.h"
 #include "model/vae_wan.h"
@@ -20,8 +21,6 @@ void require(bool ok, const std::string& message) {
 }
 
 constexpr int64_t kLatentChannels = 16;
-constexpr int64_t kSpatialFactor = 8;
-constexpr int64_t kTemporalFactor = 4;
 
 }  // namespace
 
@@ -105,7 +104,7 @@ I2vCondition prepare_i2v_condition(const WanVae& vae, const at::Tensor& image, c
     require(last_image.size(2) == height && last_image.size(3) == width,
             "last_image: " + shape_text(last_image.sizes()) + " differs from the image's size");
   }
-  require(num_frames >= (last_image.defined() ? 2 : 1) && num_frames % kTemporalFactor == 1,
+  require(num_frames >= (last_image.defined() ? 2 : 1) && is_4k_plus_1(num_frames),
           "num_frames: " + std::to_string(num_frames) + " must be 4k + 1 (and at least 2 with a last image)");
   // [image, zeros, ..., (last_image)] in [-1, 1]: the zeros are mid-grey frames, encoded like the rest.
   at::Tensor video = at::zeros({1, 3, num_frames, height, width}, at::kFloat);
@@ -161,16 +160,16 @@ VideoGeometry check_request(const SkyReelsV2Transformer& model, PipelineKind kin
                             const VideoConditioning& c, int64_t videos_per_prompt) {
   require(kind != PipelineKind::kDiffusionForcing, "pipeline: generate_video runs t2v or i2v (df: run_chunk)");
   check_pipeline_fits(kind, model.config());
-  require(p.height > 0 && p.width > 0 && p.height % 16 == 0 && p.width % 16 == 0,
+  require(p.height > 0 && p.width > 0 && p.height % kPixelMultiple == 0 && p.width % kPixelMultiple == 0,
           "height/width: " + std::to_string(p.height) + "x" + std::to_string(p.width) +
-              " must be positive multiples of 16");
+              " must be positive multiples of " + std::to_string(kPixelMultiple));
   require(p.num_frames >= 1, "num_frames: must be >= 1");
   require(p.num_inference_steps >= 1, "num_inference_steps: must be >= 1");
   require(videos_per_prompt >= 1, "num_videos_per_prompt: must be >= 1");
   require(c.prompt_embeds.defined() && c.prompt_embeds.dim() == 3 && c.prompt_embeds.size(0) >= 1,
           "prompt_embeds: expected [B, T, text_dim]");
   const int64_t prompts = c.prompt_embeds.size(0);
-  if (p.guidance_scale > 1.0) {
+  if (guided(p.guidance_scale)) {
     require(c.negative_prompt_embeds.has_value() && c.negative_prompt_embeds->defined(),
             "negative_prompt_embeds: required when guidance_scale > 1 (classifier-free guidance)");
     require(c.negative_prompt_embeds->size(0) == prompts, "negative_prompt_embeds: batch " +
@@ -179,10 +178,10 @@ VideoGeometry check_request(const SkyReelsV2Transformer& model, PipelineKind kin
   }
   VideoGeometry g;
   g.batch = prompts * videos_per_prompt;
-  g.frames = round_num_frames(p.num_frames, kTemporalFactor);
-  g.latent_frames = (g.frames - 1) / kTemporalFactor + 1;
-  g.latent_height = p.height / kSpatialFactor;
-  g.latent_width = p.width / kSpatialFactor;
+  g.frames = round_num_frames(p.num_frames);
+  g.latent_frames = latent_frames_of(g.frames);
+  g.latent_height = latent_size_of(p.height);
+  g.latent_width = latent_size_of(p.width);
   if (kind == PipelineKind::kImageToVideo) {
     require(c.image_tokens.defined(), "image: the i2v pipeline needs an image (its CLIP tokens)");
     require(c.condition.defined() && c.condition.dim() == 5,
@@ -213,7 +212,7 @@ at::Tensor generate_video(const SkyReelsV2Transformer& model, PipelineKind kind,
     return per_video(t, prompts, num_videos_per_prompt, field).to(device, dtype);
   };
   const at::Tensor prompt = text(conditioning.prompt_embeds, "prompt_embeds");
-  const bool guidance = params.guidance_scale > 1.0;
+  const bool guidance = guided(params.guidance_scale);
   const at::Tensor negative =
       guidance ? text(*conditioning.negative_prompt_embeds, "negative_prompt_embeds") : at::Tensor();
   at::Tensor image_tokens, condition;

@@ -18,6 +18,7 @@
 #include <string>
 
 #include "model/diffusion_forcing.h"
+#include "model/video_shape.h"
 
 namespace skyreels::model {
 
@@ -43,12 +44,12 @@ void check_pipeline_fits(PipelineKind kind, const TransformerConfig& config);
 
 // diffusers' num_frames of the non-DF pipelines: when (num_frames - 1) is not a multiple of the VAE's temporal
 // factor it is rounded down to num_frames // 4 * 4 + 1 (with a warning there); at least 1.
-int64_t round_num_frames(int64_t num_frames, int64_t temporal_factor = 4);
+int64_t round_num_frames(int64_t num_frames, int64_t temporal_factor = kVaeTemporalFactor);
 
 // The I2V pipeline's frame mask [1, 4, f, h, w] fp32 for num_frames pixel frames: 1 on pixel frame 0 (and on the
 // last with a last image), frame 0 repeated 4 times so that each latent frame has 4 mask channels.
 at::Tensor i2v_frame_mask(int64_t num_frames, int64_t latent_height, int64_t latent_width, bool last_image,
-                          int64_t temporal_factor = 4);
+                          int64_t temporal_factor = kVaeTemporalFactor);
 
 struct I2vCondition {
   at::Tensor condition;       // [1, 4 + z_dim, f, h, w] fp32 on the CPU: the frame mask, then the normalised latent

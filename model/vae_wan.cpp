@@ -14,6 +14,8 @@
 #include <utility>
 #include <variant>
 
+#include "model/video_shape.h"
+
 namespace skyreels::model {
 namespace {
 
@@ -758,10 +760,10 @@ WanVae::Posterior WanVae::encode(const at::Tensor& video, int64_t chunks_per_cal
   check_input(video, c.in_channels, "video", "[B, C, T, H, W]");
   const at::Tensor x = impl_->prepare(video);
   const int64_t frames = x.size(2);
-  const int64_t chunks = 1 + (frames - 1) / 4;
-  if ((frames - 1) % 4 != 0) {
+  const int64_t chunks = latent_frames_of(frames);
+  if (!is_4k_plus_1(frames)) {
     spdlog::warn("Wan VAE encode: {} frames is not 1 + 4k; the last {} frame(s) are dropped (as diffusers does)",
-                 frames, (frames - 1) % 4);
+                 frames, frames - four_k_plus_one_below(frames));
   }
   if (chunks_per_call <= 0) chunks_per_call = encode_chunks_per_call(x.size(0), x.size(3), x.size(4));
   // The first frame alone (its downsamplers keep it whole), then chunks_per_call chunks of 4 per call: the strided
@@ -770,7 +772,7 @@ WanVae::Posterior WanVae::encode(const at::Tensor& video, int64_t chunks_per_cal
   std::vector<at::Tensor> outs{impl_->model.encoder.forward(x.narrow(2, 0, 1), cache)};
   for (int64_t i = 1; i < chunks; i += chunks_per_call) {
     const int64_t n = std::min(chunks_per_call, chunks - i);
-    outs.push_back(impl_->model.encoder.forward(x.narrow(2, 1 + 4 * (i - 1), 4 * n), cache));
+    outs.push_back(impl_->model.encoder.forward(x.narrow(2, pixel_frames_of(i), kVaeTemporalFactor * n), cache));
   }
   const at::Tensor h = impl_->model.quant_conv.forward(outs.size() == 1 ? outs[0] : at::cat(outs, 2));
   Posterior p;

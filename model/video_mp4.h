@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "model/video_shape.h"
+
 namespace skyreels::video {
 
 class VideoError : public std::runtime_error {
@@ -29,7 +31,7 @@ at::Tensor to_rgb_uint8(const at::Tensor& video);
 at::Tensor from_rgb_uint8(const at::Tensor& frames);
 
 struct Mp4Options {
-  int fps = 24;
+  int fps = static_cast<int>(model::kDefaultFps);
   int crf = 10;                   // libx264 constant rate factor, 0 (lossless) .. 51
   std::string preset = "medium";  // libx264 preset
   // Fragmented MP4 (an init segment, then one moof+mdat per end_segment()). Writers to a ByteSink always are.

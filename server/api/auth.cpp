@@ -7,6 +7,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "server/job/limits.h"
 #include "server/policy/dispatch_policy.h"
 
 namespace skyreels::server {
@@ -63,7 +64,7 @@ std::shared_ptr<const ApiKeys::Table> ApiKeys::read(const std::string& path) {
     Entry entry{key, {}};
     while (words >> word) {
       ClientLimits& l = entry.client.limits;
-      if (take_limit(word, "max_priority", -10, 10, &l.max_priority, where) ||
+      if (take_limit(word, "max_priority", kMinPriority, kMaxPriority, &l.max_priority, where) ||
           take_limit(word, "max_jobs", 1, 1000000, &l.max_jobs, where) ||
           take_limit(word, "max_streams", 1, 1000000, &l.max_streams, where) ||
           take_limit(word, "weight", 1, policy::kMaxClientWeight, &l.weight, where)) {

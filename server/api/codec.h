@@ -1,6 +1,6 @@
-// The gRPC transport's message mapping and request codec: proto <-> job types (requests, jobs, events, tensors),
-// the checks a request's fields get before anything runs, the durable form of a submission, and the small helpers
-// every RPC family uses (deadlines, page tokens, seeds). Internal to api/.
+// The gRPC transport's message mapping: job types -> proto (jobs, events), the checks a request's fields get before
+// anything runs, and the small helpers every RPC family uses (deadlines, page tokens, seeds). The request codec and
+// the durable form of a submission are job/'s (job/durable_request.h). Internal to api/.
 #pragma once
 
 #include <google/protobuf/io/coded_stream.h>
@@ -20,6 +20,7 @@
 #include <set>
 #include <thread>
 
+#include "server/job/durable_request.h"
 #include "server/job/generation_params_proto.h"
 #include "server/job/fingerprint.h"
 #include "server/api/guards.h"
@@ -52,25 +53,8 @@ pb::JobState to_proto(JobState s);
 
 StatusCode to_code(ErrorKind kind);
 
-std::optional<RawTensor> raw_tensor(const pb::Tensor& t, bool present);
-
-std::optional<PixelRequest> pixel_request(const pb::PixelInput& input, bool present);
-
-// Image / video conditioning and prompt changes (image-to-video, video extension, a prompt per chunk).
-void conditioning_from_proto(const pb::JobSpec& spec, JobRequest& r);
-
-JobRequest request_from_proto(const pb::JobSpec& spec);
-
-void f32_to_proto(const RawTensor& raw, pb::Tensor* out);
-
-// Text in a stored request is replaced by the embeddings it was encoded to at submit (setting the embeddings clears
-// the text: they are one oneof), so that a resume never encodes text, nor needs a text encoder.
-void text_to_embeddings(const ModelJob& job, pb::JobSpec& spec);
-
-// What the job store keeps of a request: the request with the values actually used filled in (the resolved seed; the
-// embeddings of every text), serialised deterministically. Deadlines are not part of it: the store keeps the
-// absolute deadline of the job.
-std::string durable_request(const pb::SubmitJobRequest& request, const ModelJob& job);
+// What `job` resolved of its request, for its durable request (job/durable_request.h). Holds `job` by reference.
+ResolvedInputs resolved_inputs(const ModelJob& job);
 
 // Ids are checked against kMaxJobIdBytes before any lookup, and echoed escaped.
 Status not_found(const std::string& id);

@@ -1,5 +1,5 @@
 // What keeps one client from taking the server down: caps on open streams (in total and per client), a gate that
-// bounds concurrent text encodes, and escaping of client text before it reaches a log line. No gRPC, no LibTorch.
+// bounds concurrent text encodes, and escaping of client text before it reaches a log line (job/log_escape.h). No gRPC, no LibTorch.
 #pragma once
 
 #include <cstdint>
@@ -10,6 +10,8 @@
 #include <optional>
 #include <string>
 #include <string_view>
+
+#include "server/job/log_escape.h"  // log_escape, for every RPC family
 
 namespace skyreels::server {
 
@@ -78,10 +80,6 @@ class ConcurrencyGate::Pass {
  private:
   ConcurrencyGate* gate_;
 };
-
-// Client text made safe for one log line: control characters, quotes, backslashes and bytes >= 0x80 are escaped
-// (\n, \", \xNN), and the result is cut at `max_bytes` input bytes with "...(N bytes)" appended.
-std::string log_escape(std::string_view text, size_t max_bytes = 200);
 
 // The address part of a gRPC peer string ("ipv4:127.0.0.1:5000" -> "ipv4:127.0.0.1", "ipv6:[::1]:5000" ->
 // "ipv6:[::1]"): the identity of a client that presents no API key.

@@ -45,10 +45,10 @@ Status VideoServiceImpl::ListJobs(ServerContext* ctx, const pb::ListJobsRequest*
   const StoreCallDeadline store_deadline(rpc_deadline(*ctx));
   Caller caller;
   if (Status s = authenticate(ctx, &caller, false); !s.ok()) return s;
-  if (request->page_size() < 0 || request->page_size() > 1000) {
-    return Status(StatusCode::INVALID_ARGUMENT, "page_size: must be in [0, 1000]");
+  if (request->page_size() < 0 || request->page_size() > kMaxPageSize) {
+    return Status(StatusCode::INVALID_ARGUMENT, "page_size: must be in [0, " + std::to_string(kMaxPageSize) + "]");
   }
-  const size_t page_size = request->page_size() == 0 ? 100 : static_cast<size_t>(request->page_size());
+  const auto page_size = static_cast<size_t>(request->page_size() == 0 ? kDefaultPageSize : request->page_size());
   size_t offset = 0;
   if (!request->page_token().empty() && !parse_page_token(request->page_token(), &offset)) {
     return Status(StatusCode::INVALID_ARGUMENT, "page_token: not a token returned by ListJobs");

@@ -62,9 +62,10 @@ Status VideoServiceImpl::Generate(ServerContext* ctx, const pb::GenerateRequest*
 }
 
 Status VideoServiceImpl::check_submission(const pb::SubmitJobRequest& request, const Caller& caller) {
-  if (request.priority() < -10 || request.priority() > 10) {
+  if (request.priority() < kMinPriority || request.priority() > kMaxPriority) {
     return reject(kRejectInvalidArgument, StatusCode::INVALID_ARGUMENT,
-                  "priority: " + std::to_string(request.priority()) + " is outside [-10, 10]");
+                  "priority: " + std::to_string(request.priority()) + " is outside [" + std::to_string(kMinPriority) +
+                      ", " + std::to_string(kMaxPriority) + "]");
   }
   if (request.produce_mp4()) {
     if (Status s = check_format(pb::RESULT_FORMAT_MP4, config_.vae_available); !s.ok()) return s;
@@ -166,7 +167,7 @@ Status VideoServiceImpl::submit(ServerContext* ctx, const pb::SubmitJobRequest& 
   spec.fingerprint_v2 = submission_fingerprint_v2(*job, request);
   spec.payload = job;
   spec.description = job->description();
-  spec.durable_request = durable_request(request, *job);
+  spec.durable_request = durable_request(request, resolved_inputs(*job));
   try {
     *result = scheduler_.submit(std::move(spec));
   } catch (const AdmissionError& e) {

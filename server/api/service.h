@@ -104,9 +104,4 @@ JobParts job_parts(const ServiceConfig& config, TextEncoderFn text_encoder);
 // The skyreels.v1.VideoService implementation, to register with a grpc::ServerBuilder. `jobs` must outlive it.
 std::unique_ptr<grpc::Service> make_video_service(JobQueue& jobs, ServiceConfig config);
 
-// One job's payload re-created from its stored request and committed chunks (the scheduler's JobLoader: a chunk of a
-// job whose payload is not on this server: after a restart, another pod's, or evicted). RestoredJob::payload null: RestoredJob::error says why.
-RestoredJob restore_job(const StoredJob& stored, std::vector<StoredChunk> chunks, const ServiceConfig& config);
-
-
 }  // namespace skyreels::server

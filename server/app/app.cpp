@@ -45,6 +45,7 @@
 #include "server/job/limits.h"
 #include "server/metrics.h"
 #include "server/replica/replica.h"
+#include "server/queue/restore_job.h"
 #include "server/queue/scheduler.h"
 #include "server/api/interceptors.h"
 #include "server/api/probes.h"
@@ -460,7 +461,8 @@ std::unique_ptr<JobQueue> make_queue(const Options& o, Replicas& replicas, JobSt
   pod.pod = o.pod_name;
   pod.lease_ttl = to_millis(o.lease_seconds);
   auto loader = [&service_config](const StoredJob& job, std::vector<StoredChunk> chunks) {
-    return restore_job(job, std::move(chunks), service_config);
+    return restore_job(job, std::move(chunks), service_config.model, service_config.limits,
+                       job_parts(service_config, service_config.text_encoder));
   };
   auto jobs = std::make_unique<Scheduler>(std::move(replicas.executors), pod, store, loader, &observers);
   spdlog::info("event=scheduler store={} shared={} pod={} lease_seconds={}", store.describe(),

@@ -16,6 +16,8 @@
 #include "server/http/routes.h"
 #include "server/job/base64.h"
 #include "server/http/stills.h"
+#include "server/job/limits.h"
+#include "server/job/video_shape.h"
 
 namespace skyreels::server::http {
 
@@ -23,8 +25,6 @@ namespace {
 
 using nlohmann::json;
 namespace protobuf = google::protobuf;
-
-constexpr int64_t kDefaultFps = 24;  // GenerationParams.fps' default
 
 // What a create request carries, from multipart/form-data or JSON alike: values (strings from a form) and files.
 struct Fields {
@@ -179,7 +179,7 @@ std::optional<Response> read_lora(const json& values, std::set<std::string>* use
 
 std::string seconds_text(int64_t frames, int64_t fps) {
   if (fps <= 0 || frames < 1) return "0";
-  const double seconds = static_cast<double>(frames - 1) / static_cast<double>(fps);
+  const double seconds = seconds_of_frames(frames, fps);
   char text[32];
   if (std::fabs(seconds - std::round(seconds)) < 1e-9) {
     std::snprintf(text, sizeof text, "%lld", static_cast<long long>(std::llround(seconds)));
@@ -219,8 +219,7 @@ std::optional<Response> read_shape(const json& values, std::set<std::string>* us
       return error_response(400, "seconds: give seconds or num_frames, not both", "seconds");
     }
     const int64_t fps = params->has_fps() ? params->fps() : default_fps;
-    // 4k+1 frames, as the model needs: 4 s at 24 fps = 97.
-    params->set_num_frames(4 * std::llround(seconds * static_cast<double>(fps) / 4.0) + 1);
+    params->set_num_frames(frames_for_seconds(seconds, fps));
   }
   return std::nullopt;
 }
@@ -361,8 +360,9 @@ std::optional<Response> read_request(const ServiceCall& call, const json& values
     const std::string text = text_of(values["priority"]).value_or("");
     char* end = nullptr;
     const long priority = std::strtol(text.c_str(), &end, 10);
-    if (text.empty() || *end != '\0' || priority < -10 || priority > 10) {
-      return error_response(400, "priority: an integer in [-10, 10]", "priority");
+    if (text.empty() || *end != '\0' || priority < kMinPriority || priority > kMaxPriority) {
+      return error_response(400, "priority: an integer in [" + std::to_string(kMinPriority) + ", " +
+                                     std::to_string(kMaxPriority) + "]", "priority");
     }
     submit->set_priority(static_cast<int32_t>(priority));
   }
@@ -491,7 +491,7 @@ Response list_videos(const ServiceCall& call) {
   }
   std::vector<pb::Job> jobs;  // oldest first, every page
   pb::ListJobsRequest request;
-  request.set_page_size(1000);
+  request.set_page_size(kMaxPageSize);
   do {
     auto context = call.context();
     pb::ListJobsResponse page;

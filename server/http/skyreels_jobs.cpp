@@ -9,6 +9,7 @@
 
 #include "server/http/routes.h"
 #include "server/job/base64.h"
+#include "server/job/limits.h"
 
 namespace skyreels::server::http {
 
@@ -163,7 +164,9 @@ Response list_jobs(const ServiceCall& call) {
   pb::ListJobsRequest request;
   if (auto size = call.request.query_value("page_size")) {
     const auto n = unsigned_value(size);
-    if (!n || *n > 1000) return error_response(400, "page_size: an integer in [0, 1000]", "page_size");
+    if (!n || *n > kMaxPageSize) {
+      return error_response(400, "page_size: an integer in [0, " + std::to_string(kMaxPageSize) + "]", "page_size");
+    }
     request.set_page_size(static_cast<int32_t>(*n));
   }
   request.set_page_token(call.request.query_value("page_token").value_or(""));

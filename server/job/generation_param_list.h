@@ -10,6 +10,8 @@
 // Comments inside the list are /* */: a // comment would swallow the line continuation.
 #pragma once
 
+#include "model/video_shape.h"  // the fps default
+
 // clang-format off
 #define SKYREELS_GENERATION_PARAMS(PARAM) \
   PARAM(num_frames, "num_frames", std::optional<int64_t>, int64_t, 0, \
@@ -54,7 +56,7 @@
         .diffusion_forcing_only() \
         .flag("causal-block-size", "latent frames per causal block")) \
   PARAM(fps, "fps", std::optional<int64_t>, int64_t, 0, \
-        .defaults(int64_t{24}) \
+        .defaults(model::kDefaultFps) \
         .within(1, 240) \
         .flag("fps", "the fps the model is told")) \
   PARAM(guidance_scale, "guidance_scale", std::optional<double>, double, 0, \

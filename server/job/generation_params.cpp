@@ -6,12 +6,14 @@
 #include <type_traits>
 #include <utility>
 
+#include "model/video_shape.h"
+
 namespace skyreels::server {
 
 namespace {
 
-constexpr int64_t kTemporal = 4;  // VAE: 4 pixel frames per latent frame (after the first)
-constexpr int64_t kPixelMultiple = 16;
+using model::kPixelMultiple;
+using model::kVaeTemporalFactor;
 
 [[noreturn]] void invalid(const std::string& message) { throw ValidationError(message); }
 
@@ -49,16 +51,19 @@ void check_allowed(const std::string& name, const ParamValue& value, const std::
 
 void four_k_plus_one(const std::string& name, const ParamValue& value, const CheckContext&) {
   const int64_t frames = std::get<int64_t>(value);
-  if ((frames - 1) % kTemporal != 0) {
-    const int64_t below = (frames - 1) / kTemporal * kTemporal + 1;
-    invalid(name + ": " + std::to_string(frames) + " is not of the form 4k+1 (the VAE packs 4 frames per latent " +
-            "frame after the first); use " + std::to_string(below) + " or " + std::to_string(below + kTemporal));
+  if (!model::is_4k_plus_1(frames)) {
+    const int64_t below = model::four_k_plus_one_below(frames);
+    invalid(name + ": " + std::to_string(frames) + " is not of the form 4k+1 (the VAE packs " +
+            std::to_string(kVaeTemporalFactor) + " frames per latent frame after the first); use " +
+            std::to_string(below) + " or " + std::to_string(below + kVaeTemporalFactor));
   }
 }
 
 void multiple_of_16(const std::string& name, const ParamValue& value, const CheckContext&) {
   const int64_t pixels = std::get<int64_t>(value);
-  if (pixels % kPixelMultiple != 0) invalid(name + ": " + std::to_string(pixels) + " is not a multiple of 16");
+  if (pixels % kPixelMultiple != 0) {
+    invalid(name + ": " + std::to_string(pixels) + " is not a multiple of " + std::to_string(kPixelMultiple));
+  }
 }
 
 void at_most_one_entry_per_step(const std::string& name, const ParamValue& value, const CheckContext& context) {

@@ -17,6 +17,13 @@ constexpr int64_t kReferenceChunksPerJob = 24;
 // Chunks per job (--max-chunks): each chunk re-runs the overlap frames and costs a handoff; more only adds cost.
 constexpr int64_t kDefaultMaxChunks = 64;
 
+// A job's priority, higher first: SubmitJob, the HTTP door and API keys' max_priority all keep to [min, max].
+constexpr int kMinPriority = -10;
+constexpr int kMaxPriority = 10;
+// ListJobs' pages: at most kMaxPageSize jobs; kDefaultPageSize when the request leaves page_size 0.
+constexpr int kMaxPageSize = 1000;
+constexpr int kDefaultPageSize = 100;
+
 // What the memory estimate needs to know about the model (docs/OPERATIONS.md §3).
 struct ModelFootprint {
   int64_t dim = 0;               // inner dim D

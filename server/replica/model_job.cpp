@@ -21,6 +21,8 @@
 #include "model/transformer_skyreels_v2.h"
 #include "model/vae_wan.h"
 #include "model/safetensors_limits.h"
+#include "model/guidance.h"
+#include "model/video_shape.h"
 #include "server/job/blob.h"
 #include "server/job/fingerprint.h"
 #include "server/job/generation_params.h"
@@ -30,8 +32,6 @@ namespace skyreels::server {
 
 namespace {
 
-constexpr int64_t kTemporal = 4;  // VAE: 4 pixel frames per latent frame (after the first)
-constexpr int64_t kSpatial = 8;   // VAE: 8 pixels per latent position
 constexpr int64_t kMaxTensorElements = int64_t{1} << 28;
 constexpr size_t kMaxPromptBytes = 16384;  // the tokenizer keeps 512 tokens anyway
 // An i2v image is resized by the pipeline (any size goes in); its side is bounded on the file's header, before
@@ -467,10 +467,10 @@ namespace {
 // A t2v / i2v video denoises every frame at once: its plan is one chunk holding the whole video, one row per step.
 model::ChunkPlan whole_video_plan(const model::GenerationParams& p) {
   model::ChunkPlan plan;
-  plan.total_latent_frames = (p.num_frames - 1) / kTemporal + 1;
+  plan.total_latent_frames = model::latent_frames_of(p.num_frames);
   plan.base_latent_frames = plan.total_latent_frames;
-  plan.latent_height = p.height / kSpatial;
-  plan.latent_width = p.width / kSpatial;
+  plan.latent_height = model::latent_size_of(p.height);
+  plan.latent_width = model::latent_size_of(p.width);
   model::ChunkSpec chunk;
   chunk.num_latent_frames = plan.total_latent_frames;
   chunk.output_end = plan.total_latent_frames;
@@ -600,7 +600,8 @@ std::shared_ptr<ModelJob> ModelJob::create(const JobRequest& request, const Mode
   std::optional<RawTensor> negative = request.negative_prompt_embeds;
   if (request.embeddings_safetensors) parse_embeddings_file(*request.embeddings_safetensors, prompt, negative);
   // Every text of the request in one encoder call (prompt-change texts included).
-  const std::vector<std::string> texts = request_texts(request, p.guidance_scale > 1.0, text_encoder);
+  const bool guidance = model::guided(p.guidance_scale);
+  const std::vector<std::string> texts = request_texts(request, guidance, text_encoder);
   std::vector<RawTensor> encoded_texts;
   if (!texts.empty()) {
     encoded_texts = text_encoder(texts);
@@ -613,10 +614,10 @@ std::shared_ptr<ModelJob> ModelJob::create(const JobRequest& request, const Mode
   };
   if (request.prompt) {
     prompt = encoded(*request.prompt);
-    if (p.guidance_scale > 1.0) negative = encoded(request.negative_prompt.value_or(""));
+    if (guidance) negative = encoded(request.negative_prompt.value_or(""));
   }
   d.conditioning.prompt_embeds = embeddings(*prompt, "prompt_embeds", model, limits);
-  if (p.guidance_scale > 1.0) {
+  if (guidance) {
     if (!negative) {
       invalid("negative_prompt_embeds: required when guidance_scale > 1 (classifier-free guidance), got " +
               std::to_string(p.guidance_scale));
@@ -696,7 +697,7 @@ RawTensor ModelJob::prompt_change_embeddings(size_t index) const {
 
 std::vector<double> ModelJob::chunk_work() const {
   const auto& plan = impl_->plan;
-  const double passes = impl_->generation.guidance_scale > 1.0 ? 2.0 : 1.0;
+  const auto passes = static_cast<double>(model::passes_per_row(impl_->generation.guidance_scale));
   std::vector<double> work;
   for (const auto& c : plan.chunks) {
     work.push_back(static_cast<double>(c.num_latent_frames * plan.latent_height * plan.latent_width) *
@@ -718,7 +719,7 @@ int64_t ModelJob::max_chunk_tokens() const {
 }
 
 int64_t ModelJob::total_work() const {
-  const int64_t passes = impl_->generation.guidance_scale > 1.0 ? 2 : 1;
+  const int64_t passes = model::passes_per_row(impl_->generation.guidance_scale);
   int64_t work = 0;
   for (const auto& c : impl_->plan.chunks) {
     work += chunk_tokens(impl_->plan, c, impl_->patch_size) * c.timestep_rows * passes;
@@ -748,8 +749,8 @@ int64_t ModelJob::chunk_suffix_frames(int64_t chunk) const {
 
 int64_t ModelJob::chunk_pixel_frames(int64_t chunk) const {
   const auto [begin, end] = chunk_latent_range(chunk);
-  const int64_t latent = end - begin - chunk_suffix_frames(chunk);
-  return begin == 0 ? (latent - 1) * kTemporal + 1 : latent * kTemporal;
+  // The frames its latents decode to less those before it (the first latent frame is a single pixel frame).
+  return model::pixel_frames_of(end - chunk_suffix_frames(chunk)) - model::pixel_frames_of(begin);
 }
 
 namespace {
