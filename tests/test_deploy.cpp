@@ -1123,9 +1123,12 @@ TEST(MetricTable, EveryFamilyIsAContractRowWithItsTypeLabelsAndValues) {
   }
 }
 
-TEST(MetricTable, AFreshExpositionDeclaresEveryFamilyWithItsType) {
+// prometheus-cpp leaves out a family without series: those made on demand (RPCs, routes, adapters) appear once
+// reported.
+TEST(MetricTable, AFreshExpositionDeclaresEveryFamilyMadeAtStartWithItsType) {
   const Exposition fresh = parse_exposition(server::Metrics({"cpu:0"}, "test").render());
   for (const server::MetricFamily& family : server::metric_families()) {
+    if (family.series == server::Series::OnDemand && family.id != server::MetricId::BuildInfo) continue;
     const auto type = fresh.types.find(family.name);
     ASSERT_NE(type, fresh.types.end()) << family.name;
     EXPECT_EQ(type->second, server::metric_type_name(family.type)) << family.name;
