@@ -15,7 +15,8 @@
 
 #include "server/store/job_store_memory.h"
 #include "server/store/job_store_timed.h"
-#include "server/metrics.h"
+#include "server/metrics/metric_families.h"
+#include "server/metrics/metrics.h"
 #include "tests/deploy_support.h"
 #include "tests/test_util.h"
 
@@ -1090,6 +1091,48 @@ TEST(StoreMetrics, ContractListsEveryStoreOperationAsTheOpLabel) {
   EXPECT_EQ(spec.type, "histogram");
   EXPECT_EQ(spec.label, "op");
   EXPECT_EQ(spec.label_values, std::set<std::string>(std::begin(server::kJobStoreOps), std::end(server::kJobStoreOps)));
+}
+
+// --- the metric family table (server/metrics/metric_families.*) against the contract --------------------------------
+
+// A contract row's enumerated values without their notes ("failed (retried later)" is "failed").
+std::set<std::string> contract_values(const MetricSpec& spec) {
+  std::set<std::string> values;
+  for (const std::string& v : spec.label_values) values.insert(v.substr(0, v.find(" (")));
+  return values;
+}
+
+TEST(MetricTable, EveryFamilyIsAContractRowWithItsTypeLabelsAndValues) {
+  std::set<std::string> in_table;
+  for (const server::MetricFamily& family : server::metric_families()) {
+    in_table.insert(family.name);
+    const auto row = contract().metrics.find(family.name);
+    ASSERT_NE(row, contract().metrics.end()) << family.name << " is exported but not in docs/ARCHITECTURE.md";
+    const MetricSpec& spec = row->second;
+    EXPECT_EQ(spec.type, server::metric_type_name(family.type)) << family.name;
+    EXPECT_EQ(spec.labels, std::set<std::string>(family.labels.begin(), family.labels.end())) << family.name;
+    if (!family.labels.empty()) EXPECT_EQ(spec.label, family.labels.front()) << family.name;
+    if (family.series == server::Series::Values) {
+      EXPECT_EQ(contract_values(spec), std::set<std::string>(family.values.begin(), family.values.end()))
+          << family.name << ": the values created at start are the contract's";
+    }
+    EXPECT_EQ(family.type == server::MetricType::Histogram, !family.buckets.empty()) << family.name;
+  }
+  for (const auto& [name, spec] : contract().metrics) {
+    EXPECT_EQ(in_table.count(name), 1u) << name << " is in the contract but not in the metric table";
+  }
+}
+
+// prometheus-cpp leaves out a family without series: those made on demand (RPCs, routes, adapters) appear once
+// reported.
+TEST(MetricTable, AFreshExpositionDeclaresEveryFamilyMadeAtStartWithItsType) {
+  const Exposition fresh = parse_exposition(server::Metrics({"cpu:0"}, "test").render());
+  for (const server::MetricFamily& family : server::metric_families()) {
+    if (family.series == server::Series::OnDemand && family.id != server::MetricId::BuildInfo) continue;
+    const auto type = fresh.types.find(family.name);
+    ASSERT_NE(type, fresh.types.end()) << family.name;
+    EXPECT_EQ(type->second, server::metric_type_name(family.type)) << family.name;
+  }
 }
 
 // The value of the sample whose line starts with `series` (name and labels as exported), NaN when none does.

@@ -19,8 +19,8 @@ namespace {
 namespace fs = std::filesystem;
 
 // server/README.md's order, top first. A folder may include its own files and those of any folder after it.
-const std::vector<std::string> kServerLayers = {"server/main.cpp", "server/app",     "server/http",  "server/api",
-                                                "server/metrics",  "server/media",   "server/webhook", "server/queue",
+const std::vector<std::string> kServerLayers = {"server/main.cpp", "server/app",     "server/http",  "server/metrics",
+                                                "server/api",      "server/media",   "server/webhook", "server/queue",
                                                 "server/store",    "server/replica", "server/policy",  "server/job"};
 // Folders on one rank: neither includes the other.
 const std::map<std::string, std::string> kSameRank = {{"server/webhook", "server/media"}};
@@ -53,10 +53,9 @@ std::vector<Include> includes_under(const std::string& folder) {
   return found;
 }
 
-// The layer a server/ path belongs to: its folder, or server/main.cpp and server/metrics.* at the top level.
+// The layer a server/ path belongs to: its folder, or server/main.cpp at the top level.
 std::string layer_of(const std::string& path) {
   if (path == "server/main.cpp") return path;
-  if (path.rfind("server/metrics.", 0) == 0) return "server/metrics";
   const auto second = path.find('/', std::string("server/").size());
   return second == std::string::npos ? path : path.substr(0, second);
 }
@@ -134,6 +133,10 @@ TEST(Layers, TheCheckSeesTheIncludesItJudges) {
   EXPECT_LT(rank_of("server/queue"), rank_of("server/replica")) << "a queue file may include the replicas' seam";
   EXPECT_GT(rank_of("server/replica"), rank_of("server/api")) << "a replica file may not include the transport";
   EXPECT_EQ(rank_of("server/webhook"), rank_of("server/media")) << "webhook and media are one rank: neither includes the other";
+  // Metrics implements the sinks the layers below it declare (api/'s ApiMetrics included) and never the listener
+  // that serves it: the assembly hands the HTTP listener a function that renders it.
+  EXPECT_LT(rank_of("server/metrics"), rank_of("server/api")) << "metrics implements api/'s sink";
+  EXPECT_GT(rank_of("server/metrics"), rank_of("server/http")) << "metrics may not include the HTTP listener";
 }
 
 }  // namespace

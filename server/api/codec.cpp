@@ -137,7 +137,7 @@ std::string submission_fingerprint_v2(const ModelJob& job, const pb::SubmitJobRe
   return h.v2();
 }
 
-std::function<void(double)> vae_encode_metric(Metrics* metrics) {
+std::function<void(double)> vae_encode_metric(ApiMetrics* metrics) {
   if (metrics == nullptr) return {};
   return [metrics](double seconds) { metrics->vae_call("encode", seconds); };
 }

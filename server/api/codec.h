@@ -74,7 +74,7 @@ uint64_t deadline_fingerprint(const pb::SubmitJobRequest& request);
 // The request's SHA-256 fingerprint with what the submission adds to it (priority, deadline or timeout).
 std::string submission_fingerprint_v2(const ModelJob& job, const pb::SubmitJobRequest& request);
 
-std::function<void(double)> vae_encode_metric(Metrics* metrics);
+std::function<void(double)> vae_encode_metric(ApiMetrics* metrics);
 
 void work_to_proto(const TransformerWork& w, pb::TransformerWork* out);
 

@@ -8,7 +8,7 @@
 #include <memory>
 #include <string>
 
-#include "server/metrics.h"
+#include "server/api/api_metrics.h"
 #include "skyreels/v1/video_service.grpc.pb.h"
 
 namespace skyreels::server {
@@ -47,7 +47,7 @@ class MalformedRequestInterceptorFactory final : public grpc::experimental::Serv
 // sending a status (the client went away) counts as Canceled.
 class RpcMetricsInterceptor final : public grpc::experimental::Interceptor {
  public:
-  RpcMetricsInterceptor(Metrics& metrics, std::string type, std::string service, std::string method)
+  RpcMetricsInterceptor(ApiMetrics& metrics, std::string type, std::string service, std::string method)
       : metrics_(metrics), type_(std::move(type)), service_(std::move(service)), method_(std::move(method)) {
     metrics_.rpc_started(type_, service_, method_);
   }
@@ -67,7 +67,7 @@ class RpcMetricsInterceptor final : public grpc::experimental::Interceptor {
     metrics_.rpc_handled(type_, service_, method_, code,
                          std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count());
   }
-  Metrics& metrics_;
+  ApiMetrics& metrics_;
   std::string type_, service_, method_;
   std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
   bool handled_ = false;
@@ -75,7 +75,7 @@ class RpcMetricsInterceptor final : public grpc::experimental::Interceptor {
 
 class RpcMetricsInterceptorFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
-  explicit RpcMetricsInterceptorFactory(Metrics& metrics) : metrics_(metrics) {}
+  explicit RpcMetricsInterceptorFactory(ApiMetrics& metrics) : metrics_(metrics) {}
   grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override {
     using Type = grpc::experimental::ServerRpcInfo::Type;
     const char* type = "unary";
@@ -102,7 +102,7 @@ class RpcMetricsInterceptorFactory final : public grpc::experimental::ServerInte
   }
 
  private:
-  Metrics& metrics_;
+  ApiMetrics& metrics_;
 };
 
 }  // namespace
@@ -111,7 +111,8 @@ std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> make_malf
   return std::make_unique<MalformedRequestInterceptorFactory>();
 }
 
-std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> make_rpc_metrics_interceptor(Metrics& metrics) {
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> make_rpc_metrics_interceptor(
+    ApiMetrics& metrics) {
   return std::make_unique<RpcMetricsInterceptorFactory>(metrics);
 }
 

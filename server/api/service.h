@@ -9,7 +9,7 @@
 
 #include "server/api/auth.h"
 #include "server/queue/job_queue.h"
-#include "server/metrics.h"
+#include "server/api/api_metrics.h"
 #include "server/replica/model_job.h"
 
 namespace skyreels::model {
@@ -92,7 +92,7 @@ struct ServiceConfig {
   std::shared_ptr<const model::AdapterCatalogue> adapters;  // --lora-dir; null: loras answer FAILED_PRECONDITION
   size_t max_resident_adapters = 0;                          // --max-resident-adapters (GetServerInfo)
   const ApiKeys* api_keys = nullptr;
-  Metrics* metrics = nullptr;
+  ApiMetrics* metrics = nullptr;
   TransportLimits transport;
   // Why a job's webhook (URL, event names) is refused, "" when it is fine; unset: this server sends no webhooks.
   std::function<std::string(const std::string& url, const std::vector<std::string>& events)> check_webhook;

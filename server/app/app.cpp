@@ -38,12 +38,13 @@
 #include "model/transformer_loader.h"
 #include "server/api/auth.h"
 #include "server/app/app.h"
+#include "server/app/host_port.h"
 #include "server/app/server_flags.h"
 #include "server/replica/demo_model.h"
 #include "server/media/encoders.h"
 #include "server/store/job_store_timed.h"
 #include "server/job/limits.h"
-#include "server/metrics.h"
+#include "server/metrics/metrics.h"
 #include "server/replica/replica.h"
 #include "server/queue/restore_job.h"
 #include "server/queue/scheduler.h"
@@ -52,6 +53,7 @@
 #include "server/api/service.h"
 #include "server/http/http_api.h"
 #include "server/http/http_server.h"
+#include "server/http/metrics_port.h"
 #include "server/webhook/webhook_sender.h"
 
 #ifndef SKYREELS_VERSION
@@ -661,7 +663,8 @@ int serve(const Options& o, Signals& signals) {
     metrics.model_loaded(kComponentImageEncoder, std::chrono::duration<double>(Clock::now() - t0).count());
   }
   std::unique_ptr<WebhookSender> webhooks = make_webhooks(o, *store, metrics);
-  metrics.serve(o.metrics_listen);
+  const std::unique_ptr<http::HttpServer> metrics_port =
+      http::serve_metrics(o.metrics_listen, [&metrics] { return metrics.render(); });
   ObserverList observers;
   if (webhooks) observers.add(webhooks.get());
   observers.add(&metrics);
@@ -727,7 +730,6 @@ int serve(const Options& o, Signals& signals) {
   http_server.reset();  // its calls go through the gRPC server
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   server->Wait();
-  metrics.stop();
   return 0;
 }
 

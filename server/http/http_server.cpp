@@ -9,11 +9,15 @@
 
 #include <algorithm>
 #include <cctype>
+#include <chrono>
+#include <condition_variable>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <stdexcept>
+#include <thread>
 
 namespace skyreels::server::http {
 
@@ -135,17 +139,17 @@ std::string peer_of(MHD_Connection* connection) {
   return host;
 }
 
-// HOST:PORT ("[::1]:8080", "0.0.0.0:8080", "localhost:0") into a socket address.
-sockaddr_storage resolve(const std::string& listen, bool* ipv6) {
+// HOST:PORT ("[::1]:8080", "0.0.0.0:8080", "localhost:0") of `flag` into a socket address.
+sockaddr_storage resolve(const std::string& listen, const std::string& flag, bool* ipv6) {
   const size_t colon = listen.rfind(':');
-  if (colon == std::string::npos) throw std::runtime_error("--http-listen: expected HOST:PORT, got '" + listen + "'");
+  if (colon == std::string::npos) throw std::runtime_error(flag + ": expected HOST:PORT, got '" + listen + "'");
   std::string host = listen.substr(0, colon);
   const std::string port = listen.substr(colon + 1);
   if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
   char* end = nullptr;
   const long number = std::strtol(port.c_str(), &end, 10);
   if (port.empty() || *end != '\0' || number < 0 || number > 65535) {
-    throw std::runtime_error("--http-listen: bad port in '" + listen + "'");
+    throw std::runtime_error(flag + ": bad port in '" + listen + "'");
   }
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -153,13 +157,84 @@ sockaddr_storage resolve(const std::string& listen, bool* ipv6) {
   hints.ai_flags = AI_PASSIVE;
   addrinfo* found = nullptr;
   if (getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &found) != 0 || found == nullptr) {
-    throw std::runtime_error("--http-listen: cannot resolve '" + host + "'");
+    throw std::runtime_error(flag + ": cannot resolve '" + host + "'");
   }
   sockaddr_storage address{};
   std::memcpy(&address, found->ai_addr, found->ai_addrlen);
   *ipv6 = found->ai_family == AF_INET6;
   freeaddrinfo(found);
   return address;
+}
+
+// Closes every connection `deadline` after it was accepted, whatever its client sends or reads. libmicrohttpd's own
+// timeout is an idle one; here shutdown() of the socket makes the connection's thread see the end of it at once (a
+// read of nothing, a failed write), and libmicrohttpd closes it then. Only libmicrohttpd ever closes the socket: it
+// reports the connection closed (closed()) before it does, so a number reused by a later socket is never shut here.
+class ConnectionDeadlines {
+ public:
+  explicit ConnectionDeadlines(std::chrono::seconds deadline) : deadline_(deadline), thread_([this] { run(); }) {}
+  ~ConnectionDeadlines() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+  }
+  ConnectionDeadlines(const ConnectionDeadlines&) = delete;
+  ConnectionDeadlines& operator=(const ConnectionDeadlines&) = delete;
+
+  void opened(const void* connection, int fd) {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_[connection] = {fd, Clock::now() + deadline_};  // never sooner than the one run() waits for: no wake-up
+  }
+
+  void closed(const void* connection) {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_.erase(connection);
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  struct Open {
+    int fd;
+    Clock::time_point deadline;
+  };
+
+  void run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stopping_) {
+      const auto now = Clock::now();
+      auto next = now + deadline_;
+      for (auto it = open_.begin(); it != open_.end();) {
+        if (it->second.deadline > now) {
+          next = std::min(next, it->second.deadline);
+          ++it;
+          continue;
+        }
+        ::shutdown(it->second.fd, SHUT_RDWR);
+        it = open_.erase(it);
+      }
+      wake_.wait_until(lock, next);
+    }
+  }
+
+  const std::chrono::seconds deadline_;
+  std::mutex mu_;
+  std::condition_variable wake_;
+  std::map<const void*, Open> open_;
+  bool stopping_ = false;
+  std::thread thread_;  // last: it starts once the rest is made
+};
+
+void on_connection(void* cls, MHD_Connection* connection, void**, MHD_ConnectionNotificationCode code) {
+  auto* deadlines = static_cast<ConnectionDeadlines*>(cls);
+  if (code == MHD_CONNECTION_NOTIFY_CLOSED) {
+    deadlines->closed(connection);
+    return;
+  }
+  const MHD_ConnectionInfo* info = MHD_get_connection_info(connection, MHD_CONNECTION_INFO_CONNECTION_FD);
+  if (info != nullptr) deadlines->opened(connection, info->connect_fd);
 }
 
 }  // namespace
@@ -218,6 +293,7 @@ std::optional<std::string> Request::query_value(const std::string& name) const {
 struct HttpServer::Impl {
   HttpOptions options;
   Handler handler;
+  std::unique_ptr<ConnectionDeadlines> deadlines;  // with connection_deadline_seconds; outlives the daemon
   MHD_Daemon* daemon = nullptr;
   int port = 0;
 
@@ -358,13 +434,13 @@ HttpServer::HttpServer(HttpOptions options, Handler handler, Refuser refuse) : i
   impl_->refuse = std::move(refuse);
   const HttpOptions& o = impl_->options;
   bool ipv6 = false;
-  sockaddr_storage address = resolve(o.listen, &ipv6);
+  sockaddr_storage address = resolve(o.listen, o.flag, &ipv6);
   unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION | MHD_USE_ERROR_LOG;
   if (ipv6) flags |= MHD_USE_IPv6;
   const bool tls = !o.tls_cert.empty();
   if (tls) {
     if (MHD_is_feature_supported(MHD_FEATURE_TLS) != MHD_YES) {
-      throw std::runtime_error("--http-listen: this libmicrohttpd has no TLS");
+      throw std::runtime_error(o.flag + ": this libmicrohttpd has no TLS");
     }
     flags |= MHD_USE_TLS;
   }
@@ -378,6 +454,10 @@ HttpServer::HttpServer(HttpOptions options, Handler handler, Refuser refuse) : i
       {MHD_OPTION_NOTIFY_COMPLETED, reinterpret_cast<intptr_t>(&on_completed), nullptr},
       {MHD_OPTION_EXTERNAL_LOGGER, reinterpret_cast<intptr_t>(&on_log), nullptr},
   };
+  if (o.connection_deadline_seconds > 0) {
+    impl_->deadlines = std::make_unique<ConnectionDeadlines>(std::chrono::seconds(o.connection_deadline_seconds));
+    items.push_back({MHD_OPTION_NOTIFY_CONNECTION, reinterpret_cast<intptr_t>(&on_connection), impl_->deadlines.get()});
+  }
   if (tls) {
     items.push_back({MHD_OPTION_HTTPS_MEM_CERT, 0, const_cast<char*>(o.tls_cert.c_str())});
     items.push_back({MHD_OPTION_HTTPS_MEM_KEY, 0, const_cast<char*>(o.tls_key.c_str())});
@@ -385,7 +465,7 @@ HttpServer::HttpServer(HttpOptions options, Handler handler, Refuser refuse) : i
   items.push_back({MHD_OPTION_END, 0, nullptr});
   impl_->daemon = MHD_start_daemon(flags, 0, nullptr, nullptr, &on_request, impl_.get(), MHD_OPTION_ARRAY,
                                    items.data(), MHD_OPTION_END);
-  if (impl_->daemon == nullptr) throw std::runtime_error("--http-listen: cannot listen on " + o.listen);
+  if (impl_->daemon == nullptr) throw std::runtime_error(o.flag + ": cannot listen on " + o.listen);
   const MHD_DaemonInfo* info = MHD_get_daemon_info(impl_->daemon, MHD_DAEMON_INFO_BIND_PORT);
   impl_->port = info != nullptr ? info->port : 0;
 }

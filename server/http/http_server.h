@@ -1,7 +1,8 @@
-// The HTTP/1.1 listener (--http-listen): libmicrohttpd with a thread per connection, bounded in number (in all and
-// per client address), in header memory, in body size, in multipart parts and in idle time. Every request is read
-// whole (up to the limit) and handed to one handler function; the handler's answer goes back as one response. No
-// routing or API here (server/http/http_api.* holds that): this file is the socket side only.
+// The HTTP/1.1 listener (--http-listen, and --metrics-listen with other bounds): libmicrohttpd with a thread per
+// connection, bounded in number (in all and per client address), in header memory, in body size, in multipart parts,
+// in idle time and optionally in total time. Every request is read whole (up to the limit) and handed to one handler
+// function; the handler's answer goes back as one response. No routing or API here (server/http/http_api.* and
+// metrics_port.* hold that): this file is the socket side only.
 #pragma once
 
 #include <cstdint>
@@ -61,6 +62,7 @@ using Refuser = std::function<Response(int status, const std::string& message)>;
 
 struct HttpOptions {
   std::string listen;    // HOST:PORT (port 0: a free one)
+  std::string flag = "--http-listen";  // the flag `listen` came from, named in errors
   std::string tls_cert;  // PEM contents (not paths); both or neither
   std::string tls_key;
   int64_t max_body_bytes = 64 << 20;
@@ -69,6 +71,10 @@ struct HttpOptions {
   unsigned idle_timeout_seconds = 30;  // a connection that sends nothing for this long is closed (slowloris)
   size_t header_memory_bytes = 64 << 10;  // request line + headers of one connection (a header bomb gets 431/413)
   size_t max_form_parts = 64;
+  // Every connection is closed this long after it was accepted, whatever its client sends or reads (a client sending
+  // a byte a second never reaches the idle timeout); 0: never (the HTTP port's downloads and event streams last as
+  // long as their job).
+  unsigned connection_deadline_seconds = 0;
 };
 
 class HttpServer {
