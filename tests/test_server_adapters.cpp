@@ -12,6 +12,8 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <cstdlib>
+#include <memory>
 #include <set>
 #include <sstream>
 #include <string>
@@ -19,6 +21,7 @@
 
 #include "model/safetensors.h"
 #include "server/replica/demo_model.h"
+#include "tests/pg_fixture.h"
 #include "tests/test_server_harness.h"
 #include "tests/test_util.h"
 
@@ -250,6 +253,45 @@ TEST(ServedAdaptersPlacement, AJobRunsWhereItsAdapterIsResidentAndAnotherAdapter
   const pb::Job again = run(3323, "style");
   EXPECT_EQ(replicas_of(again), replicas_of(first)) << "style is resident there";
   EXPECT_EQ(loads(), loads_before) << "no adapter was read again";
+}
+
+// The same across pods: two servers of one replica each on one PostgreSQL. A claim leaves a job to the other pod's
+// idle replica that holds its adapter (or would evict less), and a job's next chunk to the replica that ran the last.
+TEST(ServedAdaptersPlacement, AcrossPodsAJobRunsWhereItsAdapterIsResident) {
+  PgServer pg;
+  ::setenv("SKYREELS_JOB_STORE", pg.url().c_str(), 1);
+  std::vector<std::unique_ptr<ServerProcess>> pods;
+  for (const char* name : {"pod-a", "pod-b"}) {
+    pods.push_back(std::make_unique<ServerProcess>(std::vector<std::string>{
+        "--demo", "--devices", "cpu", "--dtype", "float32", "--pod-name", name, "--lora-dir", setup().lora_dir,
+        "--max-resident-adapters", "1"}));
+  }
+  ::unsetenv("SKYREELS_JOB_STORE");
+  auto run = [&](uint64_t seed, const std::string& adapter) {
+    ServerProcess& entry = *pods[seed % 2];  // submitted to either pod: the store is the queue
+    const pb::Job job = wait_job(entry.client(), submit(entry.client(), with_adapters(seed, {{adapter, 1.0}})).job_id(),
+                                 180s);
+    EXPECT_EQ(job.state(), pb::JOB_STATE_SUCCEEDED) << job.error().message();
+    EXPECT_EQ(replicas_of(job).size(), 1u) << "its chunks stay where its adapter is";
+    return job;
+  };
+  auto loads = [&] {
+    int64_t total = 0;
+    for (auto& pod : pods) {
+      auto ctx = pod->client().context(10);
+      pb::ServerInfo info;
+      EXPECT_TRUE(pod->client().stub().GetServerInfo(ctx.get(), pb::GetServerInfoRequest(), &info).ok());
+      for (const auto& r : info.replicas()) total += r.adapter_loads();
+    }
+    return total;
+  };
+  const pb::Job first = run(4321, "style");
+  const pb::Job other = run(4322, "subject");
+  EXPECT_NE(replicas_of(other), replicas_of(first)) << "subject would have pushed style out of its replica";
+  EXPECT_EQ(loads(), 2);
+  const pb::Job again = run(4323, "style");
+  EXPECT_EQ(replicas_of(again), replicas_of(first)) << "style is resident on the other pod";
+  EXPECT_EQ(loads(), 2) << "no adapter was read again";
 }
 
 // A job with adapters on a store that survives a SIGKILL: it resumes bit-identical; with its adapter file changed

@@ -732,7 +732,9 @@ TEST_P(JobStoreBlobRanges, PiecesOfResultsAndSegmentsReadBackExactly) {
 INSTANTIATE_TEST_SUITE_P(EveryStore, JobStoreBlobRanges, ::testing::Values("memory", "sqlite", "postgresql"),
                          [](const ::testing::TestParamInfo<std::string>& backend) { return backend.param; });
 
-TEST(SqliteJobStore, BothFingerprintVersionsRoundTrip) {
+std::vector<std::string> j_adapters() { return {"style", "subject-2"}; }
+
+TEST(SqliteJobStore, BothFingerprintVersionsAndTheAdapterNamesRoundTrip) {
   const std::string path = test::temp_dir("store-fingerprints") + "/jobs.sqlite";
   {
     SqliteJobStore store(path);
@@ -742,12 +744,14 @@ TEST(SqliteJobStore, BothFingerprintVersionsRoundTrip) {
     j.error_kind = "none";
     j.fingerprint = 0xfedcba9876543210ULL;
     j.fingerprint_v2 = "sha256:0123456789abcdef";
+    j.adapters = j_adapters();
     store.insert_job(j);
   }
   const auto jobs = SqliteJobStore(path).load_jobs();
   ASSERT_EQ(jobs.size(), 1u);
   EXPECT_EQ(jobs[0].fingerprint, 0xfedcba9876543210ULL);
   EXPECT_EQ(jobs[0].fingerprint_v2, "sha256:0123456789abcdef");
+  EXPECT_EQ(jobs[0].adapters, j_adapters());
 }
 
 TEST(SqliteJobStore, SynchronousFullIsAnOptionOfTheSpecAndIsReadBackFromSqlite) {
@@ -796,12 +800,13 @@ TEST(SqliteJobStore, AVersionTwoFileIsMigratedToTheCurrentVersionAndKeepsItsResu
     const auto jobs = store.load_jobs();
     ASSERT_EQ(jobs.size(), 1u);
     EXPECT_EQ(jobs[0].fingerprint_v2, "") << "a job stored before SHA-256 fingerprints keeps its 64-bit one only";
+    EXPECT_TRUE(jobs[0].adapters.empty()) << "a job stored before adapters per request applies none";
   }
   sqlite::Database db(path, false);
   sqlite::Statement version(db, "SELECT version FROM schema_version");
   ASSERT_TRUE(version.step());
   EXPECT_EQ(version.int64(0), SqliteJobStore::kSchemaVersion);
-  EXPECT_EQ(SqliteJobStore::kSchemaVersion, 4);
+  EXPECT_EQ(SqliteJobStore::kSchemaVersion, 5);
 }
 
 }  // namespace

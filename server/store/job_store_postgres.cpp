@@ -622,6 +622,9 @@ LeaseCommit PostgresJobStore::commit(const ChunkLease& lease, const StoredChunk&
     c->exec("INSERT INTO events(job_id, seq, data) VALUES($1, $2, $3)",
             {lease.job_id, static_cast<int64_t>(seq), Param::bytes(data)});
   }
+  // The replica is idle again as its chunk commits (when it reports at all): another pod's claim that comes before
+  // its own next one leaves the job's next chunk to it, where the job's state and adapters are.
+  c->exec(std::string("UPDATE replicas SET idle = true, seen_ms = ") + kNowMs + " WHERE name = $1", {chunk.replica});
   c->exec("SELECT " + notify_change_sql("$1"), {lease.job_id});
   tx.commit();
   return out;

@@ -189,6 +189,7 @@ void WebhookSender::look_at(const std::string& job_id, bool accepted_here) {
   std::lock_guard<std::mutex> lock(mu_);
   Followed& f = followed_[job_id];
   f.next_check = Clock::time_point::min();
+  ++f.wakes;
   f.accepted_here = f.accepted_here || accepted_here;
   scan_cv_.notify_all();
 }
@@ -201,9 +202,13 @@ void WebhookSender::stop_following() {
 void WebhookSender::heard(const JobChange& change) {
   std::lock_guard<std::mutex> lock(mu_);
   if (change.missed) {
-    for (auto& [id, f] : followed_) f.next_check = Clock::time_point::min();
+    for (auto& [id, f] : followed_) {
+      f.next_check = Clock::time_point::min();
+      ++f.wakes;
+    }
   } else if (auto it = followed_.find(change.job_id); it != followed_.end()) {
     it->second.next_check = Clock::time_point::min();
+    ++it->second.wakes;
   } else {
     return;  // not followed: a job without deliveries left (or one this pod never followed)
   }
@@ -261,6 +266,15 @@ std::shared_ptr<const WebhookSender::Webhook> WebhookSender::webhook_of(const st
 
 // Reads one job's log: queues each delivery that is due, and stops following the job once every one has ended.
 void WebhookSender::scan(const std::string& job_id, Clock::time_point now) {
+  uint64_t wakes = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    wakes = followed_[job_id].wakes;
+  }
+  // The next check this scan asks for, unless a wake came while it read: then at once.
+  const auto after_scan = [&](Followed& f, Clock::time_point next) {
+    f.next_check = f.wakes != wakes ? Clock::time_point::min() : next;
+  };
   std::optional<StoredJob> job;
   std::shared_ptr<const Webhook> webhook;
   std::vector<StoredEvent> stored;
@@ -271,7 +285,7 @@ void WebhookSender::scan(const std::string& job_id, Clock::time_point now) {
   } catch (const StoreError& e) {
     spdlog::warn("job={} event=webhook_read_failed error=\"{}\"", job_id, e.what());
     std::lock_guard<std::mutex> lock(mu_);
-    followed_[job_id].next_check = now + options_.poll;
+    after_scan(followed_[job_id], now + options_.poll);
     return;
   }
   const JobState state = job ? parse_job_state(job->state) : JobState::Failed;
@@ -282,7 +296,7 @@ void WebhookSender::scan(const std::string& job_id, Clock::time_point now) {
     } else {
       // No webhook: its next change looks again and drops it once it ended (maybe on another pod; without a feed, a
       // slow re-check does).
-      followed_[job_id].next_check = recheck(now, std::chrono::minutes(1));
+      after_scan(followed_[job_id], recheck(now, std::chrono::minutes(1)));
     }
     return;
   }
@@ -350,7 +364,7 @@ void WebhookSender::scan(const std::string& job_id, Clock::time_point now) {
   std::lock_guard<std::mutex> lock(mu_);
   if (open) {
     Followed& f = followed_[job_id];
-    f.next_check = next_check;
+    after_scan(f, next_check);
     f.pending.swap(still_pending);
   } else {
     followed_.erase(job_id);
@@ -368,7 +382,9 @@ void WebhookSender::work_loop() {
     deliver(d);
     lock.lock();
     busy_.erase(d.job_id);
-    followed_[d.job_id].next_check = Clock::time_point::min();  // look again: the next retry, or the end
+    Followed& f = followed_[d.job_id];
+    f.next_check = Clock::time_point::min();  // look again: the next retry, or the end
+    ++f.wakes;
     scan_cv_.notify_all();
   }
 }

@@ -98,6 +98,9 @@ class WebhookSender : public SchedulerObserver {
   };
   struct Followed {
     Clock::time_point next_check;
+    // Counts the calls that asked for a look (a change, a delivery's end): a scan that ran meanwhile read too early,
+    // so it leaves the job due instead of writing its own next check over the request.
+    uint64_t wakes = 0;
     bool accepted_here = false;
     // The job's webhook, read once from its stored request (which may be megabytes of embeddings); `read` with a
     // null `webhook`: the job has none (kept until the job ends, so that its events read no request again).
