@@ -1111,7 +1111,9 @@ TEST(MetricTable, EveryFamilyIsAContractRowWithItsTypeLabelsAndValues) {
     const MetricSpec& spec = row->second;
     EXPECT_EQ(spec.type, server::metric_type_name(family.type)) << family.name;
     EXPECT_EQ(spec.labels, std::set<std::string>(family.labels.begin(), family.labels.end())) << family.name;
-    if (!family.labels.empty()) EXPECT_EQ(spec.label, family.labels.front()) << family.name;
+    if (!family.labels.empty()) {
+      EXPECT_EQ(spec.label, family.labels.front()) << family.name;
+    }
     if (family.series == server::Series::Values) {
       EXPECT_EQ(contract_values(spec), std::set<std::string>(family.values.begin(), family.values.end()))
           << family.name << ": the values created at start are the contract's";

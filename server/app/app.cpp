@@ -629,6 +629,40 @@ void drain(const Options& o, Signals& signals, JobQueue& jobs, grpc::Server& ser
   }
 }
 
+// The model's parts besides the transformer, each loaded once when its flag names it, its load time reported.
+struct ModelParts {
+  TextEncoderFn text_encoder;
+  std::unique_ptr<VideoEncoder> video;
+  std::shared_ptr<const ImageEncoder> image_encoder;
+};
+
+ModelParts load_model_parts(const Options& o, const CheckedModel& model, const Replicas& replicas, JobStore& store,
+                            Metrics& metrics) {
+  ModelParts parts;
+  const std::string encoders_device = o.vae_device.empty() ? replicas.plans.front().device : o.vae_device;
+  const auto seconds_since = [](Clock::time_point t0) {
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+  };
+  if (!o.text_encoder.empty()) {
+    const auto t0 = Clock::now();
+    parts.text_encoder = load_text_encoder(o.text_encoder, o.tokenizer, replicas.plans.front().device, o.dtype,
+                                           model.mapped.config.text_dim, &metrics);
+    metrics.model_loaded(kComponentTextEncoder, seconds_since(t0));
+  }
+  if (!o.vae.empty()) {
+    const auto t0 = Clock::now();
+    parts.video = std::make_unique<VideoEncoder>(o.vae, encoders_device, store, &metrics, 1024, replicas.faults);
+    metrics.model_loaded(kComponentVae, seconds_since(t0));
+  }
+  if (!o.image_encoder.empty()) {
+    const auto t0 = Clock::now();
+    parts.image_encoder = load_image_encoder(o.image_encoder, o.image_processor, encoders_device, o.dtype,
+                                             model.mapped.config.image_dim.value_or(0));
+    metrics.model_loaded(kComponentImageEncoder, seconds_since(t0));
+  }
+  return parts;
+}
+
 int serve(const Options& o, Signals& signals) {
   std::unique_ptr<JobStore> store = open_store(o);
   const std::unique_ptr<CheckedModel> model = check_model(o);
@@ -639,29 +673,11 @@ int serve(const Options& o, Signals& signals) {
   Metrics metrics(replicas.names, SKYREELS_VERSION, skyreels::model::describe_loras(o.loras));
   work_sink->store(&metrics);
   const std::shared_ptr<void> unsink(nullptr, [work_sink](void*) { work_sink->store(nullptr); });
-  TextEncoderFn text_encoder;
-  if (!o.text_encoder.empty()) {
-    const auto t0 = Clock::now();
-    text_encoder = load_text_encoder(o.text_encoder, o.tokenizer, replicas.plans.front().device, o.dtype,
-                                     model->mapped.config.text_dim, &metrics);
-    metrics.model_loaded(kComponentTextEncoder, std::chrono::duration<double>(Clock::now() - t0).count());
-  }
   store = std::make_unique<TimedJobStore>(std::move(store), metrics.store_call_report());  // before its first use
-  std::unique_ptr<VideoEncoder> video;
-  if (!o.vae.empty()) {
-    const auto t0 = Clock::now();
-    video = std::make_unique<VideoEncoder>(o.vae, o.vae_device.empty() ? replicas.plans.front().device : o.vae_device,
-                                           *store, &metrics, 1024, replicas.faults);
-    metrics.model_loaded(kComponentVae, std::chrono::duration<double>(Clock::now() - t0).count());
-  }
-  std::shared_ptr<const ImageEncoder> image_encoder;
-  if (!o.image_encoder.empty()) {
-    const auto t0 = Clock::now();
-    image_encoder = load_image_encoder(o.image_encoder, o.image_processor,
-                                       o.vae_device.empty() ? replicas.plans.front().device : o.vae_device, o.dtype,
-                                       model->mapped.config.image_dim.value_or(0));
-    metrics.model_loaded(kComponentImageEncoder, std::chrono::duration<double>(Clock::now() - t0).count());
-  }
+  ModelParts parts = load_model_parts(o, *model, replicas, *store, metrics);
+  const TextEncoderFn& text_encoder = parts.text_encoder;
+  const std::unique_ptr<VideoEncoder>& video = parts.video;
+  const std::shared_ptr<const ImageEncoder>& image_encoder = parts.image_encoder;
   std::unique_ptr<WebhookSender> webhooks = make_webhooks(o, *store, metrics);
   const std::unique_ptr<http::HttpServer> metrics_port =
       http::serve_metrics(o.metrics_listen, [&metrics] { return metrics.render(); });

@@ -265,16 +265,17 @@ std::shared_ptr<const WebhookSender::Webhook> WebhookSender::webhook_of(const st
 }
 
 // Reads one job's log: queues each delivery that is due, and stops following the job once every one has ended.
+uint64_t WebhookSender::wakes_of(const std::string& job_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return followed_[job_id].wakes;
+}
+
+void WebhookSender::set_next_check(Followed& f, uint64_t wakes, Clock::time_point next) {
+  f.next_check = f.wakes != wakes ? Clock::time_point::min() : next;
+}
+
 void WebhookSender::scan(const std::string& job_id, Clock::time_point now) {
-  uint64_t wakes = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    wakes = followed_[job_id].wakes;
-  }
-  // The next check this scan asks for, unless a wake came while it read: then at once.
-  const auto after_scan = [&](Followed& f, Clock::time_point next) {
-    f.next_check = f.wakes != wakes ? Clock::time_point::min() : next;
-  };
+  const uint64_t wakes = wakes_of(job_id);
   std::optional<StoredJob> job;
   std::shared_ptr<const Webhook> webhook;
   std::vector<StoredEvent> stored;
@@ -285,7 +286,7 @@ void WebhookSender::scan(const std::string& job_id, Clock::time_point now) {
   } catch (const StoreError& e) {
     spdlog::warn("job={} event=webhook_read_failed error=\"{}\"", job_id, e.what());
     std::lock_guard<std::mutex> lock(mu_);
-    after_scan(followed_[job_id], now + options_.poll);
+    set_next_check(followed_[job_id], wakes, now + options_.poll);
     return;
   }
   const JobState state = job ? parse_job_state(job->state) : JobState::Failed;
@@ -296,7 +297,7 @@ void WebhookSender::scan(const std::string& job_id, Clock::time_point now) {
     } else {
       // No webhook: its next change looks again and drops it once it ended (maybe on another pod; without a feed, a
       // slow re-check does).
-      after_scan(followed_[job_id], recheck(now, std::chrono::minutes(1)));
+      set_next_check(followed_[job_id], wakes, recheck(now, std::chrono::minutes(1)));
     }
     return;
   }
@@ -364,7 +365,7 @@ void WebhookSender::scan(const std::string& job_id, Clock::time_point now) {
   std::lock_guard<std::mutex> lock(mu_);
   if (open) {
     Followed& f = followed_[job_id];
-    after_scan(f, next_check);
+    set_next_check(f, wakes, next_check);
     f.pending.swap(still_pending);
   } else {
     followed_.erase(job_id);

@@ -124,6 +124,9 @@ class WebhookSender : public SchedulerObserver {
   Clock::time_point recheck(Clock::time_point now, Clock::duration period) const;
   void scan_loop();
   void scan(const std::string& job_id, Clock::time_point now);
+  uint64_t wakes_of(const std::string& job_id);
+  // The next check a scan asks for, unless a wake came while it read (f.wakes moved on from `wakes`): then at once.
+  static void set_next_check(Followed& f, uint64_t wakes, Clock::time_point next);
   void work_loop();
   void deliver(const Delivery& delivery);
   void record(const Delivery& delivery, const std::string& outcome, int status);
