@@ -117,18 +117,14 @@ void AdapterCatalogue::check_fits(const std::string& path, const LoraLayout& lay
 
 std::vector<ResolvedAdapter> AdapterCatalogue::resolve(const std::vector<AdapterRequest>& request,
                                                        const std::string& list) const {
-  if (request.size() > kMaxAdaptersPerRequest) {
-    throw std::invalid_argument(list + ": " + std::to_string(request.size()) + " given, at most " +
-                                std::to_string(kMaxAdaptersPerRequest) + " per request");
-  }
+  if (std::string why = adapter_count_problem(request.size(), list); !why.empty()) throw std::invalid_argument(why);
   std::map<std::string, size_t> seen;
   std::vector<ResolvedAdapter> out;
   for (size_t i = 0; i < request.size(); ++i) {
     const AdapterRequest& r = request[i];
     const std::string field = list + "[" + std::to_string(i) + "]";
-    if (r.name.size() > kMaxAdapterNameBytes) {
-      throw std::invalid_argument(field + ".name: " + std::to_string(r.name.size()) + " bytes, longer than any " +
-                                  "adapter's name (at most " + std::to_string(kMaxAdapterNameBytes) + ")");
+    if (std::string why = adapter_name_problem(r.name.size(), field + ".name"); !why.empty()) {
+      throw std::invalid_argument(why);
     }
     const AdapterInfo* info = find(r.name);
     if (info == nullptr) {

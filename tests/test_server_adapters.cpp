@@ -206,12 +206,17 @@ TEST_F(ServedAdapters, BadAdapterChoicesAreRefusedNamingTheFieldAndTheServerKeep
 
   // POST /v1/videos takes `lora` as vLLM-Omni names it, and reads no path from a request; a list of 10,000 names
   // is refused before any is copied.
-  std::string many_names = "style";
-  for (int i = 1; i < 10000; ++i) many_names += ",style";
+  std::string many_names = "style", many_objects = R"([{"name": "style"})";
+  for (int i = 1; i < 10000; ++i) {
+    many_names += ",style";
+    many_objects += R"(,{"name": "style"})";
+  }
+  many_objects += "]";
   for (const auto& [body, expected] : std::vector<std::pair<std::string, std::string>>{
            {R"({"prompt": "a cat", "size": "48x32", "lora": "nosuch:0.5"})", "unknown adapter 'nosuch'"},
            {R"({"prompt": "a cat", "size": "48x32", "lora": {"name": "x", "path": "/etc/passwd"}})", "reads no path"},
-           {R"({"prompt": "a cat", "size": "48x32", "lora": ")" + many_names + "\"}", "at most 8 adapters per request"}}) {
+           {R"({"prompt": "a cat", "size": "48x32", "lora": ")" + many_names + "\"}", "at most 8 adapters per request"},
+           {R"({"prompt": "a cat", "size": "48x32", "lora": )" + many_objects + "}", "at most 8 adapters per request"}}) {
     const RawExchange http = post_json(http_port_, "/v1/videos", body);
     EXPECT_EQ(http.bytes.rfind("HTTP/1.1 400", 0), 0u) << http.bytes;
     EXPECT_NE(http.bytes.find(expected), std::string::npos) << http.bytes;

@@ -142,17 +142,13 @@ const pb::FieldDescriptor& proto_field(const GenerationParam& param) { return *f
 // is copied (a 64 MB message could carry millions of entries); the catalogue checks the rest when the job is made.
 std::vector<AdapterChoice> adapters_from_proto(const v1::GenerationParams& proto) {
   const auto count = static_cast<size_t>(proto.loras_size());
-  if (count > model::kMaxAdaptersPerRequest) {
-    throw ValidationError("loras: " + std::to_string(count) + " given, at most " +
-                          std::to_string(model::kMaxAdaptersPerRequest) + " per request");
-  }
+  if (std::string why = model::adapter_count_problem(count, "loras"); !why.empty()) throw ValidationError(why);
   std::vector<AdapterChoice> adapters;
   for (size_t i = 0; i < count; ++i) {
     const v1::AdapterRef& ref = proto.loras(static_cast<int>(i));
-    if (ref.name().size() > model::kMaxAdapterNameBytes) {  // never echoed: it is no adapter's name
-      throw ValidationError("loras[" + std::to_string(i) + "].name: " + std::to_string(ref.name().size()) +
-                            " bytes, longer than any adapter's name (at most " +
-                            std::to_string(model::kMaxAdapterNameBytes) + ")");
+    const std::string field = "loras[" + std::to_string(i) + "].name";
+    if (std::string why = model::adapter_name_problem(ref.name().size(), field); !why.empty()) {
+      throw ValidationError(why);
     }
     adapters.push_back({ref.name(), ref.has_scale() ? std::optional<double>(ref.scale()) : std::nullopt, ref.sha256()});
   }

@@ -453,8 +453,14 @@ void PostgresJobStore::report_replica(pg::Connection& c, const std::string& repl
   c.exec(std::string("INSERT INTO replicas(name, idle, adapters, seen_ms) VALUES($1, true, $2, ") + kNowMs +
              ") ON CONFLICT (name) DO UPDATE SET idle = true, adapters = $2, seen_ms = EXCLUDED.seen_ms",
          {replica, join_adapter_names(*resident)});
-  // Pods come and go under new names (a Deployment's pods): a report a day old is nobody's.
-  c.exec(std::string("DELETE FROM replicas WHERE seen_ms < ") + kNowMs + " - 86400000");
+  // Pods come and go under new names (a Deployment's pods): a report a day old is nobody's. Cleared as each replica
+  // first reports, not at every claim.
+  bool first = false;
+  {
+    std::lock_guard<std::mutex> lock(placement_mu_);
+    first = reported_.insert(replica).second;
+  }
+  if (first) c.exec(std::string("DELETE FROM replicas WHERE seen_ms < ") + kNowMs + " - 86400000");
 }
 
 // The replicas of other pods that reported within `ttl` (a replica's name is "<pod>/<replica>"; this pod's own

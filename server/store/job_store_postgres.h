@@ -94,6 +94,7 @@ class PostgresJobStore final : public JobStore, public LeaseStore {
   std::unique_ptr<pg::Pool> pool_;
   mutable std::atomic<int64_t> clock_offset_ms_{0};  // PostgreSQL's clock minus this pod's
   std::mutex placement_mu_;
+  std::set<std::string> reported_;                // this pod's replicas that have reported
   std::map<std::string, int64_t> left_since_ms_;  // chunks left to another pod: since when
 };
 
