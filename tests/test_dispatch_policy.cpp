@@ -1,9 +1,14 @@
-// The scheduler's decisions as plain functions (server/dispatch_policy.h): no threads, no clocks, no executors.
+// The scheduler's decisions as plain functions (server/policy/: dispatch order, placement, fair share, the claim
+// order over what a store reports, admission): no threads, no clocks, no executors, no store.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <vector>
 
+#include <string>
+
+#include "server/policy/admission.h"
+#include "server/policy/claim_order.h"
 #include "server/policy/dispatch_policy.h"
 
 namespace skyreels::server::policy {
@@ -160,6 +165,129 @@ TEST(DispatchPolicy, AClientStartsFromTheActiveClientsLeastServiceUnlessItWasAhe
   EXPECT_EQ(client_share_start(2, {7, 4, 9}), 4) << "time away is not banked";
   EXPECT_EQ(client_share_start(8, {7, 4, 9}), 8) << "a client that was ahead stays ahead";
   EXPECT_EQ(client_share_start(5, {}), 5);
+}
+
+// A ready job as a store reports it: priority, attained service within the client, the replica of its last chunk.
+ReadyJob ready(const std::string& id, int priority, int64_t service, const std::string& previous = "",
+               uint64_t order = 0) {
+  ReadyJob j;
+  j.id = id;
+  j.key = {priority, service, order, 0};
+  j.previous_replica = previous;
+  return j;
+}
+
+TEST(ClaimPreference, TheReplicasOwnJobFirstOnlyAmongJobsTiedWithTheFirst) {
+  const std::vector<ReadyJob> tied = {ready("a", 5, 2, "r2"), ready("b", 5, 2, "r1"), ready("c", 5, 2),
+                                      ready("d", 5, 3, "r1")};
+  EXPECT_EQ(claim_preference(tied, "r1"), (std::vector<size_t>{1, 0, 2, 3}));
+  EXPECT_EQ(claim_preference(tied, "r3"), (std::vector<size_t>{0, 1, 2, 3}));
+  // Affinity never overrides priority or attained service.
+  EXPECT_EQ(claim_preference({ready("a", 5, 2, "r2"), ready("b", 3, 2, "r1")}, "r1"), (std::vector<size_t>{0, 1}));
+  EXPECT_EQ(claim_preference({ready("a", 5, 2, "r2"), ready("b", 5, 3, "r1")}, "r1"), (std::vector<size_t>{0, 1}));
+  std::vector<ReadyJob> wide(6, ready("x", 0, 0, "r2"));
+  wide[5].previous_replica = "r1";  // beyond the affinity window
+  EXPECT_EQ(claim_preference(wide, "r1")[0], 0u);
+  EXPECT_EQ(claim_preference({ready("a", 0, 0)}, ""), (std::vector<size_t>{0}));
+}
+
+TEST(LeaveToOtherPod, AJobWithAdaptersIsLeftOnlyToAnIdleReplicaThePolicyPrefers) {
+  const std::vector<std::string> none;
+  const std::vector<std::string> style = {"style"};
+  const std::vector<ReplicaReport> holder_idle = {{"b/r0", true, {"style"}}};
+  const std::vector<ReplicaReport> holder_busy = {{"b/r0", false, {"style"}}};
+  EXPECT_TRUE(leave_to_other_pod(style, "", "a/r0", none, holder_idle)) << "it holds the adapter, the claimant not";
+  EXPECT_FALSE(leave_to_other_pod(style, "", "a/r0", none, holder_busy)) << "a busy holder is not waited for";
+  EXPECT_FALSE(leave_to_other_pod(style, "", "a/r0", style, holder_idle)) << "a tie stays with the claimant";
+  EXPECT_FALSE(leave_to_other_pod(none, "", "a/r0", none, holder_idle)) << "a job without adapters: the order decides";
+  EXPECT_FALSE(leave_to_other_pod(style, "", "a/r0", none, {})) << "nobody else reported";
+  // Another pod's idle replica that ran the job's previous chunk keeps it, adapters or not.
+  EXPECT_TRUE(leave_to_other_pod(style, "b/r0", "a/r0", style, {{"b/r0", true, {}}}));
+  EXPECT_FALSE(leave_to_other_pod(style, "a/r0", "a/r0", none, holder_idle)) << "the claimant ran it: it keeps it";
+  // Of two candidates that both miss it, the one that would evict fewer of its own adapters.
+  EXPECT_TRUE(leave_to_other_pod(style, "", "a/r0", {"subject"}, {{"b/r0", true, {}}}));
+  EXPECT_FALSE(leave_to_other_pod(style, "", "a/r0", none, {{"b/r0", true, {"subject"}}}));
+}
+
+TEST(ClaimOrder, SortsTheReportedJobsThenSkipsThosePassedOverAndThoseLeftBrieflyToAnotherPod) {
+  std::vector<ReadyJob> reported = {ready("low", 0, 0, "", 1), ready("high", 1, 9, "", 2), ready("styled", 1, 9, "", 3),
+                                    ready("passed", 1, 0, "", 4)};
+  reported[2].adapters = {"style"};
+  Claimant claimant;
+  claimant.replica = "a/r0";
+  const std::vector<std::string> none;
+  claimant.resident = &none;
+  claimant.pass_over = {"passed"};
+  claimant.others = {{"b/r0", true, {"style"}}};
+  LeftChunks left;
+  std::vector<ReadyJob> jobs = reported;
+  std::vector<size_t> order = claim_order(jobs, claimant, left, 1000);
+  std::vector<std::string> ids;
+  for (size_t i : order) ids.push_back(jobs[i].id);
+  EXPECT_EQ(ids, (std::vector<std::string>{"high", "low"})) << "passed over, and left to b/r0 which holds its adapter";
+
+  // Left for kLeaveToOtherPodFor from the first claim that left it, then tried like any other job.
+  jobs = reported;
+  order = claim_order(jobs, claimant, left, 1000 + kLeaveToOtherPodFor.count());
+  ids.clear();
+  for (size_t i : order) ids.push_back(jobs[i].id);
+  EXPECT_EQ(ids, (std::vector<std::string>{"high", "styled", "low"}));
+}
+
+TEST(ClaimOrder, AWaitingJobsPositionIsItsPlaceInDispatchOrder) {
+  const std::vector<ReadyJob> reported = {ready("a", 0, 5, "", 1), ready("b", 0, 1, "", 2), ready("c", 2, 9, "", 3)};
+  EXPECT_EQ(dispatch_position(reported, "c"), 0);
+  EXPECT_EQ(dispatch_position(reported, "b"), 1);
+  EXPECT_EQ(dispatch_position(reported, "a"), 2);
+  EXPECT_EQ(dispatch_position(reported, "running"), -1);
+}
+
+TEST(ClaimOrder, OnlyReportsOfOtherPodsCount) {
+  const auto others = other_pods("a/r0", {{"a/r1", true, {}}, {"b/r0", false, {}}, {"c/r3", true, {"x"}}});
+  ASSERT_EQ(others.size(), 2u);
+  EXPECT_EQ(others[0].name, "b/r0");
+  EXPECT_EQ(others[1].name, "c/r3");
+}
+
+TEST(Admission, TheQueueLimitIsCheckedFirstThenTheClientsThenATakenId) {
+  AdmissionFacts facts;
+  facts.unfinished = 7;
+  facts.unfinished_for_client = 3;
+  facts.id_taken = true;
+  AdmissionLimits limits{7, 3};
+  Admission a = admit(facts, limits, 1);
+  EXPECT_EQ(a.refused, Refusal::QueueFull);
+  EXPECT_EQ(a.count_at_limit, 7);
+  limits.max_unfinished = 0;
+  a = admit(facts, limits, 1);
+  EXPECT_EQ(a.refused, Refusal::ClientQueueFull);
+  EXPECT_EQ(a.count_at_limit, 3);
+  limits.max_for_client = 4;
+  EXPECT_EQ(admit(facts, limits, 1).refused, Refusal::IdTaken);
+  facts.id_taken = false;
+  EXPECT_EQ(admit(facts, limits, 1).refused, Refusal::None);
+}
+
+TEST(Admission, AClientThatBecomesActiveStartsAtTheLeastActiveShareAndAnActiveOneKeepsItsOwn) {
+  AdmissionFacts returning;
+  returning.client_service = 10;
+  returning.least_active_service = 50;
+  Admission a = admit(returning, {}, 1);
+  EXPECT_EQ(a.client_service, 50) << "no banked time for a client that was away";
+  EXPECT_EQ(a.vbase, 0) << "its first job starts its own share at 0";
+  returning.client_service = 80;
+  EXPECT_EQ(admit(returning, {}, 1).client_service, 80) << "one that was ahead stays ahead";
+  AdmissionFacts newcomer;
+  EXPECT_EQ(admit(newcomer, {}, 1).client_service, 0);
+  AdmissionFacts active;
+  active.client_service = 10;
+  active.least_active_service = 50;
+  active.least_client_fair_key = 4;
+  a = admit(active, {}, 1);
+  EXPECT_EQ(a.client_service, 10) << "an active client keeps its service";
+  EXPECT_EQ(a.vbase, 4) << "a new job starts at the least attained service of the client's unfinished ones";
+  EXPECT_EQ(admit(active, {}, 0).client_weight, 1);
+  EXPECT_EQ(admit(active, {}, 1000).client_weight, kMaxClientWeight);
 }
 
 }  // namespace

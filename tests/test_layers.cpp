@@ -126,7 +126,7 @@ TEST(Layers, TheCheckSeesTheIncludesItJudges) {
   bool queue_includes_replica_seam = false, store_includes_policy = false;
   for (const Include& inc : server) {
     queue_includes_replica_seam |= layer_of(inc.file) == "server/queue" && inc.target == "server/replica/chunk_executor.h";
-    store_includes_policy |= layer_of(inc.file) == "server/store" && inc.target == "server/policy/dispatch_policy.h";
+    store_includes_policy |= layer_of(inc.file) == "server/store" && inc.target == "server/policy/claim_order.h";
   }
   EXPECT_TRUE(queue_includes_replica_seam);
   EXPECT_TRUE(store_includes_policy);

@@ -4,46 +4,37 @@
 
 #include <algorithm>
 
-#include "server/policy/dispatch_policy.h"
-
 namespace skyreels::server {
 
-std::vector<size_t> claim_preference(const std::vector<ClaimCandidate>& candidates, const std::string& replica) {
+std::optional<ChunkLease> LeaseStore::claim(const std::string& replica, std::chrono::milliseconds ttl,
+                                            const std::vector<std::string>& pass_over,
+                                            const std::vector<std::string>* resident) {
+  if (resident) report_replica(replica, *resident, true);
+  std::vector<policy::ReadyJob> ready = candidates(policy::kClaimWindow);
+  policy::Claimant claimant{replica, resident, pass_over, {}};
+  // Other pods' reports matter only to a job with adapters (policy::leave_to_other_pod).
+  if (std::any_of(ready.begin(), ready.end(), [](const policy::ReadyJob& j) { return !j.adapters.empty(); })) {
+    claimant.others = policy::other_pods(replica, replica_reports(ttl));
+  }
   std::vector<size_t> order;
-  const size_t window = std::min(candidates.size(), static_cast<size_t>(LeaseStore::kAffinityWindow));
-  const auto ties_first = [&](const ClaimCandidate& c) {
-    return c.priority == candidates[0].priority && c.service == candidates[0].service &&
-           c.client_service == candidates[0].client_service;
-  };
-  for (size_t i = 0; i < window && ties_first(candidates[i]); ++i) {
-    if (!replica.empty() && candidates[i].previous_replica == replica) order.push_back(i);
+  {
+    std::lock_guard<std::mutex> lock(left_mu_);
+    order = policy::claim_order(ready, claimant, left_, now_ms());
   }
-  for (size_t i = 0; i < candidates.size(); ++i) {
-    if (std::find(order.begin(), order.end(), i) == order.end()) order.push_back(i);
+  for (size_t i : order) {
+    const policy::ReadyJob& job = ready[i];
+    std::optional<ChunkLease> lease = try_lease(job.id, replica, ttl, policy::charge_chunk(job.client_weight));
+    if (!lease) continue;  // claimed by another replica meanwhile
+    if (resident) report_replica(replica, *resident, false);
+    return lease;
   }
-  return order;
+  return std::nullopt;
 }
 
-bool leave_to_other_pod(const std::vector<std::string>& job_adapters, const std::string& previous_replica,
-                        const std::string& replica, const std::vector<std::string>& resident,
-                        const std::vector<ReplicaReport>& others) {
-  if (job_adapters.empty() || others.empty()) return false;
-  const auto missing = [&](const std::vector<std::string>& held) {
-    return static_cast<int>(std::count_if(job_adapters.begin(), job_adapters.end(), [&](const std::string& a) {
-      return std::find(held.begin(), held.end(), a) == held.end();
-    }));
-  };
-  // The claimant is view 0: among equals the policy keeps the first, so a tie never leaves a job.
-  std::vector<policy::ReplicaView> views;
-  policy::JobPlacement job;
-  job.adapters = true;
-  views.push_back({true, true, 0, false, missing(resident), static_cast<int>(resident.size())});
-  if (previous_replica == replica) job.holder = 0;
-  for (const ReplicaReport& r : others) {
-    if (r.name == previous_replica) job.holder = static_cast<int>(views.size());
-    views.push_back({true, r.idle, 0, false, missing(r.adapters), static_cast<int>(r.adapters.size())});
-  }
-  return policy::choose_replica(job, views, 0.0, false) > 0;
+LeaseStore::QueuePlace LeaseStore::queue_place(const std::string& job_id) const {
+  const int64_t ahead = policy::dispatch_position(candidates(policy::kClaimWindow), job_id);
+  if (ahead < 0) return {};
+  return {ahead + 1, ahead};
 }
 
 InsertOutcome insert_with_fresh_ids(LeaseStore& store, StoredJob& job, const AdmissionLimits& limits,

@@ -6,31 +6,24 @@
 // clock decides expiry, so pods' clocks never matter) and by LocalLeaseStore (job_lease_local.h: memory and SQLite,
 // one process), so a single server runs the very scheduler a fleet runs.
 //
-// Claim order (the pure functions of dispatch_policy.h, over the whole store):
-//   ready     = unfinished job (queued or running), cancel not requested, chunks_done < chunk_count, and no live lease
-//               (none, released, or expired);
-//   order     = policy::dispatch_before: priority desc, then the client's attained service asc (the store keeps it
-//               per client, charged at each claim), then the job's (vbase + chunks_done) asc, then submission order;
-//   affinity  = among the first kAffinityWindow ready jobs that tie with the first on priority AND attained service,
-//               the first whose previous chunk ran on the claiming replica is taken (its state is already there);
-//               else the first in order. Affinity never overrides the order itself, so jobs still interleave at chunk
-//               boundaries (a long video cannot starve short ones). See claim_preference().
-//   pass over = jobs the claiming server's placement rule (policy::choose_replica: the holder is idle, or busy for
-//               less than a handoff costs; a chunk that just failed here) sends elsewhere;
-//   adapters  = a shared store (PostgreSQL) also leaves a job with adapters, for a few seconds at most, to an idle
-//               replica of ANOTHER pod that the same policy prefers (it holds more of the job's adapters, or ran the
-//               job's previous chunk): each claim reports the adapters its replica holds (see leave_to_other_pod).
+// The claim (LeaseStore::claim): the store reports its ready jobs (candidates) and the replicas of other pods
+// (replica_reports); the pure functions of policy/claim_order.h decide the order to try them in (dispatch order,
+// affinity, placement across pods); the store leases the first that is still ready, atomically (try_lease). Every
+// store runs the same claim; each only says what is there and leases.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "server/policy/admission.h"
+#include "server/policy/claim_order.h"
 #include "server/store/job_store.h"
 
 namespace skyreels::server {
@@ -60,14 +53,11 @@ struct LeaseCommit {
 // no live lease (and none can be claimed any more): the caller ends the job (update_job).
 enum class CancelState { Unknown, AlreadyFinished, Running, Idle };
 
-// The queue limits an insert checks, atomically with it across every pod (0: no limit).
-struct AdmissionLimits {
-  int64_t max_unfinished = 0;   // queued or running jobs in the whole store
-  int64_t max_for_client = 0;   // of those, StoredJob::client's
-};
+// The queue limits an insert checks, atomically with it across every pod (policy::admit decides).
+using AdmissionLimits = policy::AdmissionLimits;
 
 struct InsertOutcome {
-  enum class Refusal { None, QueueFull, ClientQueueFull, IdTaken };
+  using Refusal = policy::Refusal;
   std::string job_id;  // the job now stored under (owner, idempotency_key): the new one or the one already there
   bool inserted = false;
   uint64_t fingerprint = 0;  // of the stored job's request (differs from the caller's: the key was reused)
@@ -101,19 +91,32 @@ class ChangeListener {
 
 class LeaseStore {
  public:
-  static constexpr int kAffinityWindow = 4;
   static constexpr const char* kChangesChannel = "skyreels_jobs";  // NOTIFY payload: the job id
 
   virtual ~LeaseStore() = default;
 
-  // The best ready chunk for `replica` (see the order above) among jobs not in `pass_over`, leased for `ttl`, in one
-  // transaction; nullopt when no chunk is ready. Marks the job running (started_ms on its first chunk) and counts a
-  // takeover as a retry and a handoff as a handoff in the stored job. Concurrent claims never get the same job.
-  // `resident`: the adapters the claiming replica holds, null when it serves none (its report to other pods'
-  // claims; a store one process holds ignores it: that server's own placement sees all of its replicas).
-  virtual std::optional<ChunkLease> claim(const std::string& replica, std::chrono::milliseconds ttl,
-                                          const std::vector<std::string>& pass_over = {},
-                                          const std::vector<std::string>* resident = nullptr) = 0;
+  // The best ready chunk for `replica` among jobs not in `pass_over` (policy::claim_order over candidates() and the
+  // other pods' replica_reports()), leased for `ttl` by try_lease; nullopt when no chunk is ready. `resident`: the
+  // adapters the claiming replica holds, null when it serves none (reported for other pods' claims; a store one
+  // process holds keeps no reports: that server's own placement sees all of its replicas).
+  std::optional<ChunkLease> claim(const std::string& replica, std::chrono::milliseconds ttl,
+                                  const std::vector<std::string>& pass_over = {},
+                                  const std::vector<std::string>* resident = nullptr);
+  // The ready jobs (unfinished, cancel not requested, chunks_done < chunk_count, no live lease: none, released or
+  // expired), at most `limit`, highest priority first, then by submission order; the client's attained service and
+  // weight as they are now.
+  virtual std::vector<policy::ReadyJob> candidates(int64_t limit) const = 0;
+  // Leases the job's next chunk for `ttl` if it is still ready, atomically: marks the job running (started_ms on its
+  // first chunk), counts a takeover (its previous lease expired unreleased) as a retry and a handoff (its previous
+  // chunk ran on another replica) as a handoff in the stored job, and adds `charge` to its client's attained service.
+  // Concurrent calls never lease the same chunk twice; nullopt when the job is no longer ready.
+  virtual std::optional<ChunkLease> try_lease(const std::string& job_id, const std::string& replica,
+                                              std::chrono::milliseconds ttl, int64_t charge) = 0;
+  // A replica's report for other pods' claims: idle or not, and the adapters it holds. Kept by a shared store only.
+  virtual void report_replica(const std::string& /*replica*/, const std::vector<std::string>& /*resident*/,
+                              bool /*idle*/) {}
+  // The reports made within `within`, every pod's (policy::other_pods picks the other pods').
+  virtual std::vector<policy::ReplicaReport> replica_reports(std::chrono::milliseconds /*within*/) const { return {}; }
   // Heartbeat: extends the lease to now + ttl while it is still the job's current one.
   virtual LeaseRenewal renew(const ChunkLease& lease, std::chrono::milliseconds ttl) = 0;
   // The chunk's result (chunk.index must be lease.chunk_index), chunks_done = index + 1 and `events` (stored with
@@ -147,13 +150,13 @@ class LeaseStore {
   virtual AdmissionCounts admission_counts(const std::string& client) const = 0;
   // Unfinished jobs without a live lease (waiting for a replica), all pods.
   virtual int64_t queue_depth() const = 0;
-  // Where a waiting job stands in the claim order: `ahead` ready jobs go before it; position 0: it is not waiting
-  // (running, finished, unknown).
+  // Where a waiting job stands in the claim order (policy::dispatch_position over candidates()): `ahead` ready jobs
+  // go before it; position 0: it is not waiting (running, finished, unknown, or beyond the claim window).
   struct QueuePlace {
     int64_t position = 0;  // 1-based
     int64_t ahead = 0;
   };
-  virtual QueuePlace queue_place(const std::string& job_id) const = 0;
+  QueuePlace queue_place(const std::string& job_id) const;
   // The owner's jobs without their requests, in submission order.
   virtual std::vector<StoredJob> jobs_of(const std::string& owner) const = 0;
   // True when other servers share the store (PostgreSQL): a draining server stops claiming and leaves queued jobs to
@@ -182,35 +185,11 @@ class LeaseStore {
     return std::chrono::duration_cast<std::chrono::milliseconds>(
                std::chrono::system_clock::now().time_since_epoch()).count();
   }
-};
 
-// The affinity rule as a pure function. `candidates` are the first ready jobs in claim order; returns the indices to
-// try, best first: within the leading run of jobs that tie with candidates[0] on priority and attained service (at
-// most kAffinityWindow), the ones whose previous chunk ran on `replica`, then every candidate in order.
-struct ClaimCandidate {
-  int priority = 0;
-  int64_t service = 0;  // vbase + chunks_done
-  std::string previous_replica;
-  int64_t client_service = 0;  // the job's client's (policy::JobKey::client_service)
+ private:
+  std::mutex left_mu_;
+  policy::LeftChunks left_;  // chunks this process's claims left to other pods
 };
-std::vector<size_t> claim_preference(const std::vector<ClaimCandidate>& candidates, const std::string& replica);
-
-// A replica of another pod as its last claim reported it (within the lease ttl): idle, and the adapters it holds.
-struct ReplicaReport {
-  std::string name;
-  bool idle = false;
-  std::vector<std::string> adapters;
-};
-// Whether `replica` (idle, holding `resident`) leaves a ready job that applies `job_adapters` to a replica of another
-// pod: policy::choose_replica over the claimant and `others`, the job's holder being the one named
-// `previous_replica`, picks one of `others`. A job without adapters is never left (the order decides it).
-bool leave_to_other_pod(const std::vector<std::string>& job_adapters, const std::string& previous_replica,
-                        const std::string& replica, const std::vector<std::string>& resident,
-                        const std::vector<ReplicaReport>& others);
-// How long a claim leaves one ready chunk to another pod's replica at most: several of that replica's claim polls
-// (1 s), so it takes the chunk if it still can, and short against a chunk, so a report that is wrong (the replica
-// passes the job over for its own reasons) costs this much once.
-inline constexpr std::chrono::milliseconds kLeaveToOtherPodFor{3000};
 
 // Inserts `job` under fresh ids from `new_id` until one is not taken (at most kIdAttempts; 128 random bits make a
 // second attempt already astronomically rare). Returns the last outcome; job.id is the id it was tried under.

@@ -7,7 +7,6 @@
 #include <functional>
 #include <thread>
 
-#include "server/policy/dispatch_policy.h"
 
 namespace skyreels::server {
 
@@ -78,23 +77,24 @@ bool LocalLeaseStore::ready_locked(const Entry& e, int64_t now) const {
          (!e.leased || (!e.committing && e.expires_ms <= now));
 }
 
-std::vector<const LocalLeaseStore::Entry*> LocalLeaseStore::ready_in_order_locked(int64_t now) const {
-  std::vector<const Entry*> ready;
-  for (const auto& [id, e] : jobs_) {
-    if (ready_locked(e, now)) ready.push_back(&e);
+// Jobs being inserted count too: they are admitted.
+policy::AdmissionFacts LocalLeaseStore::admission_facts_locked(const std::string& client, const std::string& id) const {
+  policy::AdmissionFacts facts;
+  const auto least = [](std::optional<int64_t>& so_far, int64_t v) { so_far = so_far ? std::min(*so_far, v) : v; };
+  for (const auto& [job_id, e] : jobs_) {
+    if (!unfinished(e.job)) continue;
+    ++facts.unfinished;
+    if (e.job.client == client) {
+      ++facts.unfinished_for_client;
+      least(facts.least_client_fair_key, e.job.vbase + e.job.chunks_done);
+    }
+    auto c = clients_.find(e.job.client);
+    if (c != clients_.end()) least(facts.least_active_service, c->second.service);
   }
-  auto key = [&](const Entry* e) {
-    return policy::JobKey{e->job.priority, e->job.vbase + e->job.chunks_done, e->job.order,
-                          client_service_locked(e->job.client)};
-  };
-  std::stable_sort(ready.begin(), ready.end(),
-                   [&](const Entry* a, const Entry* b) { return policy::dispatch_before(key(a), key(b)); });
-  return ready;
-}
-
-int64_t LocalLeaseStore::client_service_locked(const std::string& client) const {
-  auto it = clients_.find(client);
-  return it == clients_.end() ? 0 : it->second.service;
+  facts.id_taken = jobs_.count(id) > 0 || dropped_.count(id) > 0;
+  auto own = clients_.find(client);
+  if (own != clients_.end()) facts.client_service = own->second.service;
+  return facts;
 }
 
 AdmissionCounts LocalLeaseStore::counts_locked(const std::string& client) const {
@@ -105,11 +105,6 @@ AdmissionCounts LocalLeaseStore::counts_locked(const std::string& client) const 
     if (e.job.client == client) ++counts.unfinished_for_client;
   }
   return counts;
-}
-
-bool LocalLeaseStore::client_active_locked(const std::string& client) const {
-  return std::any_of(jobs_.begin(), jobs_.end(),
-                     [&](const auto& j) { return j.second.job.client == client && unfinished(j.second.job); });
 }
 
 // Kept here first: a write that fails (a full disk) is the caller's StoreError, but this server's watchers still hear
@@ -237,24 +232,40 @@ std::optional<std::string> LocalLeaseStore::load_blob_range(const std::string& j
 
 // ---- LeaseStore -----------------------------------------------------------------------------------------------
 
-std::optional<ChunkLease> LocalLeaseStore::claim(const std::string& replica, std::chrono::milliseconds ttl,
-                                                 const std::vector<std::string>& pass_over,
-                                                 const std::vector<std::string>* /*resident*/) {
+std::vector<policy::ReadyJob> LocalLeaseStore::candidates(int64_t limit) const {
   std::lock_guard<std::mutex> lock(mu_);
   const int64_t now = now_ms();
-  std::vector<const Entry*> ready = ready_in_order_locked(now);
-  ready.erase(std::remove_if(ready.begin(), ready.end(),
-                             [&](const Entry* e) {
-                               return std::find(pass_over.begin(), pass_over.end(), e->job.id) != pass_over.end();
-                             }),
-              ready.end());
-  if (ready.empty()) return std::nullopt;
-  std::vector<ClaimCandidate> candidates;
-  for (const Entry* e : ready) {
-    candidates.push_back({e->job.priority, e->job.vbase + e->job.chunks_done, e->last_replica,
-                          client_service_locked(e->job.client)});
+  std::vector<const Entry*> ready;
+  for (const auto& [id, e] : jobs_) {
+    if (ready_locked(e, now)) ready.push_back(&e);
   }
-  Entry& e = jobs_.at(ready[claim_preference(candidates, replica).front()]->job.id);
+  std::sort(ready.begin(), ready.end(), [](const Entry* a, const Entry* b) {
+    return a->job.priority != b->job.priority ? a->job.priority > b->job.priority : a->job.order < b->job.order;
+  });
+  if (static_cast<int64_t>(ready.size()) > limit) ready.resize(static_cast<size_t>(std::max<int64_t>(limit, 0)));
+  std::vector<policy::ReadyJob> out;
+  for (const Entry* e : ready) {
+    auto client = clients_.find(e->job.client);
+    policy::ReadyJob j;
+    j.id = e->job.id;
+    j.key = {e->job.priority, e->job.vbase + e->job.chunks_done, e->job.order,
+             client == clients_.end() ? 0 : client->second.service};
+    j.client_weight = client == clients_.end() ? 1 : client->second.weight;
+    j.previous_replica = e->last_replica;
+    j.adapters = e->job.adapters;
+    j.chunks_done = e->job.chunks_done;
+    out.push_back(std::move(j));
+  }
+  return out;
+}
+
+std::optional<ChunkLease> LocalLeaseStore::try_lease(const std::string& job_id, const std::string& replica,
+                                                     std::chrono::milliseconds ttl, int64_t charge) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t now = now_ms();
+  Entry* ready = visible_locked(job_id);
+  if (ready == nullptr || !ready_locked(*ready, now)) return std::nullopt;
+  Entry& e = *ready;
 
   ChunkLease lease;
   lease.job_id = e.job.id;
@@ -273,8 +284,7 @@ std::optional<ChunkLease> LocalLeaseStore::claim(const std::string& replica, std
   e.token += 1;
   e.lease_replica = replica;
   e.expires_ms = now + ttl.count();
-  Client& client = clients_[e.job.client];
-  client.service += policy::charge_chunk(client.weight);
+  clients_[e.job.client].service += charge;
 
   lease.chunk_index = e.job.chunks_done;
   lease.chunk_count = e.job.chunk_count;
@@ -423,42 +433,21 @@ InsertOutcome LocalLeaseStore::insert_job_once(const StoredJob& job, AdmissionLi
     found.vbase = existing.job.vbase;
     return found;
   }
-  const AdmissionCounts counts = counts_locked(job.client);
-  InsertOutcome refused;
-  if (limits.max_unfinished > 0 && counts.unfinished >= limits.max_unfinished) {
-    refused.refused = InsertOutcome::Refusal::QueueFull;
-    refused.unfinished = counts.unfinished;
+  const policy::Admission admission =
+      policy::admit(admission_facts_locked(job.client, job.id), limits, job.client_weight);
+  if (admission.refused != policy::Refusal::None) {
+    InsertOutcome refused;
+    refused.refused = admission.refused;
+    refused.unfinished = admission.count_at_limit;
     return refused;
   }
-  if (limits.max_for_client > 0 && counts.unfinished_for_client >= limits.max_for_client) {
-    refused.refused = InsertOutcome::Refusal::ClientQueueFull;
-    refused.unfinished = counts.unfinished_for_client;
-    return refused;
-  }
-  if (jobs_.count(job.id) || dropped_.count(job.id)) {
-    refused.refused = InsertOutcome::Refusal::IdTaken;
-    return refused;
-  }
-
-  // The client's share when it becomes active, and the job's start within it (as PostgreSQL computes them).
-  std::vector<int64_t> active_services, client_keys;
-  for (const auto& [id, e] : jobs_) {
-    if (!unfinished(e.job)) continue;
-    if (e.job.client == job.client) client_keys.push_back(e.job.vbase + e.job.chunks_done);
-    auto c = clients_.find(e.job.client);
-    if (c != clients_.end()) active_services.push_back(c->second.service);
-  }
-  auto known = clients_.find(job.client);
   Client& client = clients_[job.client];
-  if (client_keys.empty()) {
-    const int64_t own = known == clients_.end() ? -1 : client.service;
-    client.service = std::max<int64_t>(policy::client_share_start(own, active_services), 0);
-  }
-  client.weight = std::clamp(job.client_weight, 1, policy::kMaxClientWeight);
+  client.service = admission.client_service;
+  client.weight = admission.client_weight;
 
   StoredJob stored = job;
   stored.order = next_order_++;
-  stored.vbase = policy::fair_share_start(client_keys);
+  stored.vbase = admission.vbase;
   Entry& e = jobs_[job.id];
   e.job = stored;
   e.job.request = std::string();
@@ -499,15 +488,6 @@ int64_t LocalLeaseStore::queue_depth() const {
   std::lock_guard<std::mutex> lock(mu_);
   const int64_t now = now_ms();
   return std::count_if(jobs_.begin(), jobs_.end(), [&](const auto& j) { return ready_locked(j.second, now); });
-}
-
-LeaseStore::QueuePlace LocalLeaseStore::queue_place(const std::string& job_id) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  const std::vector<const Entry*> ready = ready_in_order_locked(now_ms());
-  for (size_t i = 0; i < ready.size(); ++i) {
-    if (ready[i]->job.id == job_id) return {static_cast<int64_t>(i) + 1, static_cast<int64_t>(i)};
-  }
-  return {};
 }
 
 std::vector<StoredJob> LocalLeaseStore::jobs_of(const std::string& owner) const {

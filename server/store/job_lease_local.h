@@ -56,9 +56,9 @@ class LocalLeaseStore final : public JobStore, public LeaseStore {
                                              int64_t length) const override;
 
   // LeaseStore
-  std::optional<ChunkLease> claim(const std::string& replica, std::chrono::milliseconds ttl,
-                                  const std::vector<std::string>& pass_over = {},
-                                  const std::vector<std::string>* resident = nullptr) override;
+  std::vector<policy::ReadyJob> candidates(int64_t limit) const override;
+  std::optional<ChunkLease> try_lease(const std::string& job_id, const std::string& replica,
+                                      std::chrono::milliseconds ttl, int64_t charge) override;
   LeaseRenewal renew(const ChunkLease& lease, std::chrono::milliseconds ttl) override;
   LeaseCommit commit(const ChunkLease& lease, const StoredChunk& chunk,
                      const std::vector<std::string>& events) override;
@@ -69,7 +69,6 @@ class LocalLeaseStore final : public JobStore, public LeaseStore {
   InsertOutcome insert_job_once(const StoredJob& job, AdmissionLimits limits = {}) override;
   AdmissionCounts admission_counts(const std::string& client) const override;
   int64_t queue_depth() const override;
-  QueuePlace queue_place(const std::string& job_id) const override;
   std::vector<StoredJob> jobs_of(const std::string& owner) const override;
   bool shared() const override { return false; }
   std::optional<StoredJob> load_job(const std::string& job_id, bool with_request = true) const override;
@@ -102,9 +101,7 @@ class LocalLeaseStore final : public JobStore, public LeaseStore {
   Entry* visible_locked(const std::string& job_id);
   const Entry* visible_locked(const std::string& job_id) const;
   bool ready_locked(const Entry& e, int64_t now) const;
-  std::vector<const Entry*> ready_in_order_locked(int64_t now) const;
-  bool client_active_locked(const std::string& client) const;
-  int64_t client_service_locked(const std::string& client) const;  // 0 for a client never charged
+  policy::AdmissionFacts admission_facts_locked(const std::string& client, const std::string& id) const;
   AdmissionCounts counts_locked(const std::string& client) const;  // unfinished jobs (being inserted too)
   uint64_t append_locked(Entry& e, const std::string& data);  // stored at once; returns its number
 

@@ -49,9 +49,11 @@ class PostgresJobStore final : public JobStore, public LeaseStore {
                                              int64_t length) const override;
 
   // LeaseStore
-  std::optional<ChunkLease> claim(const std::string& replica, std::chrono::milliseconds ttl,
-                                  const std::vector<std::string>& pass_over = {},
-                                  const std::vector<std::string>* resident = nullptr) override;
+  std::vector<policy::ReadyJob> candidates(int64_t limit) const override;
+  std::optional<ChunkLease> try_lease(const std::string& job_id, const std::string& replica,
+                                      std::chrono::milliseconds ttl, int64_t charge) override;
+  void report_replica(const std::string& replica, const std::vector<std::string>& resident, bool idle) override;
+  std::vector<policy::ReplicaReport> replica_reports(std::chrono::milliseconds within) const override;
   LeaseRenewal renew(const ChunkLease& lease, std::chrono::milliseconds ttl) override;
   LeaseCommit commit(const ChunkLease& lease, const StoredChunk& chunk,
                      const std::vector<std::string>& events) override;
@@ -62,7 +64,6 @@ class PostgresJobStore final : public JobStore, public LeaseStore {
   InsertOutcome insert_job_once(const StoredJob& job, AdmissionLimits limits = {}) override;
   AdmissionCounts admission_counts(const std::string& client) const override;
   int64_t queue_depth() const override;
-  QueuePlace queue_place(const std::string& job_id) const override;
   std::vector<StoredJob> jobs_of(const std::string& owner) const override;
   bool shared() const override { return true; }
   std::optional<StoredJob> load_job(const std::string& job_id, bool with_request = true) const override;
@@ -77,25 +78,13 @@ class PostgresJobStore final : public JobStore, public LeaseStore {
 
  private:
   void migrate();
-  std::optional<ChunkLease> lease_locked_candidate(pg::Connection& c, const std::string& replica,
-                                                   std::chrono::milliseconds ttl,
-                                                   const std::vector<std::string>& pass_over,
-                                                   const std::vector<std::string>* resident);
-  // The claimant's report for other pods' claims: a row while it serves adapters (null: it serves none).
-  void report_replica(pg::Connection& c, const std::string& replica, const std::vector<std::string>* resident);
-  std::vector<ReplicaReport> other_pods_replicas(pg::Connection& c, const std::string& replica,
-                                                 std::chrono::milliseconds ttl) const;
-  // Whether the chunk `key` (job id and chunk) may still be left to another pod (kLeaveToOtherPodFor from the first
-  // time this pod left it).
-  bool still_leaving(const std::string& key);
   std::string notify_change_sql(const std::string& job_id) const;  // SQL announcing a change of `job_id` (an expression)
   std::string url_;
   std::string origin_;  // tags the changes this store announces (its own listener skips them)
   std::unique_ptr<pg::Pool> pool_;
   mutable std::atomic<int64_t> clock_offset_ms_{0};  // PostgreSQL's clock minus this pod's
-  std::mutex placement_mu_;
-  std::set<std::string> reported_;                // this pod's replicas that have reported
-  std::map<std::string, int64_t> left_since_ms_;  // chunks left to another pod: since when
+  std::mutex reported_mu_;
+  std::set<std::string> reported_;  // this pod's replicas that have reported
 };
 
 }  // namespace skyreels::server
