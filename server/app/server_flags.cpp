@@ -124,7 +124,8 @@ const char* const kDurable = "jobs that survive a restart";
 const char* const kHooks = "test hooks";
 const char* const kOther = "other";
 
-std::vector<ServerFlag> make_flags() {
+// The `lora` row: repeatable, each value read by model::parse_lora_spec; its current value lists them all.
+ServerFlag lora_flag() {
   ServerFlag lora = row("lora", kModel, "FILE[:SCALE]",
                   "a LoRA adapter (diffusers/PEFT, original/kohya or musubi keys, as diffusers reads them) merged "
                   "into the weights at load: W + SCALE * (alpha / r) * B @ A in float32, then cast (default SCALE "
@@ -142,9 +143,14 @@ std::vector<ServerFlag> make_flags() {
     for (const auto& l : o.loras) all += (all.empty() ? "" : ",") + l.path + ":" + format_number(l.scale);
     return all;
   };
+  return lora;
+}
 
-  return {
-      // model
+// ---- the flag table: one function per group, in the table's order (usage, --print-flags); each appends its rows ----
+
+// model
+void add_model_flags(std::vector<ServerFlag>& flags) {
+  flags.insert(flags.end(), {
       text("model", &O::model, kModel, "DIR", "transformer checkpoint (diffusers or original layout, single or sharded)"),
       toggle("demo", &O::demo, kModel,
              "a tiny random-weight model written to a temp dir and loaded as usual (tests, demos)"),
@@ -168,7 +174,7 @@ std::vector<ServerFlag> make_flags() {
            "replicas; CPU replicas split the cores evenly"),
       text("dtype", &O::dtype, kModel, "auto|float32|bfloat16",
            "auto: bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16, else float32"),
-      lora,
+      lora_flag(),
       text("lora-dir", &O::lora_dir, kModel, "DIR",
            "LoRA adapters chosen per request (GenerationParams.loras, `lora` on /v1/videos): every *.safetensors file "
            "in DIR by its name without .safetensors, read from its header and hashed (SHA-256) at start, applied "
@@ -178,7 +184,12 @@ std::vector<ServerFlag> make_flags() {
               "adapters each replica keeps on its device, least recently used out first"),
       toggle("strict-adapters", &O::strict_adapters, kModel,
              "refuse to start when a file in --lora-dir is damaged or does not fit the model"),
-      // network
+  });
+}
+
+// network
+void add_network_flags(std::vector<ServerFlag>& flags) {
+  flags.insert(flags.end(), {
       text("listen", &O::listen, kNetwork, "HOST:PORT", "gRPC"),
       text("metrics-listen", &O::metrics_listen, kNetwork, "HOST:PORT", "Prometheus /metrics"),
       with_default(
@@ -206,7 +217,12 @@ std::vector<ServerFlag> make_flags() {
            "require a key per call: lines 'KEY [CLIENT_NAME] [max_priority=N] [max_jobs=N] [max_streams=N]' (keys >= "
            "32 characters); each client sees only its own jobs; SIGHUP reloads the file (TLS certificate and key: "
            "re-read every 10 s)"),
-      // limits
+  });
+}
+
+// limits
+void add_limit_flags(std::vector<ServerFlag>& flags) {
+  flags.insert(flags.end(), {
       integer("max-queue", &O::max_queue, 1, 1000000, kLimits, "N",
               "jobs admitted and not finished; more: RESOURCE_EXHAUSTED + retry-after-ms"),
       transport("max-jobs-per-client", &TransportLimits::max_jobs_per_client, 1, 1000000, kLimits,
@@ -254,7 +270,12 @@ std::vector<ServerFlag> make_flags() {
               "how long finished jobs and their results are kept"),
       integer("max-retained-jobs", &O::max_retained_jobs, 0, 1000000, kLimits, "N",
               "finished jobs kept at most, oldest dropped first"),
-      // jobs that survive a restart
+  });
+}
+
+// jobs that survive a restart
+void add_durable_flags(std::vector<ServerFlag>& flags) {
+  flags.insert(flags.end(), {
       text("data-dir", &O::data_dir, kDurable, "DIR",
            "where the server keeps its state (the container uses /var/lib/skyreels)"),
       secret(with_default(
@@ -273,7 +294,12 @@ std::vector<ServerFlag> make_flags() {
       real("lease-seconds", &O::lease_seconds, 0.2, 604800, kDurable, "S",
            "a chunk lease's time to live, renewed every S/3 while the chunk runs; a pod that stops renewing loses the "
            "chunk to another pod after S seconds"),
-      // test hooks
+  });
+}
+
+// test hooks
+void add_test_hook_flags(std::vector<ServerFlag>& flags) {
+  flags.insert(flags.end(), {
       text("fault-inject", &O::fault_inject, kHooks, "SPEC",
            "REPLICA@N[+][:KIND],...: the N-th chunk run on REPLICA (e.g. cpu:1@2) fails after its first step ('+': "
            "and every later run); KIND error (default), oom (an out-of-memory error: the job fails "
@@ -284,9 +310,25 @@ std::vector<ServerFlag> make_flags() {
       integer("block-delay-ms", &O::block_delay_ms, 0, 600000, kHooks, "N",
               "sleep N ms at every stop check, i.e. after every transformer block and before every step (a long "
               "forward, for tests)"),
-      // other
+  });
+}
+
+// other
+void add_other_flags(std::vector<ServerFlag>& flags) {
+  flags.insert(flags.end(), {
       text("log-level", &O::log_level, kOther, "LEVEL", "trace, debug, info, warn, error"),
-  };
+  });
+}
+
+std::vector<ServerFlag> make_flags() {
+  std::vector<ServerFlag> flags;
+  add_model_flags(flags);
+  add_network_flags(flags);
+  add_limit_flags(flags);
+  add_durable_flags(flags);
+  add_test_hook_flags(flags);
+  add_other_flags(flags);
+  return flags;
 }
 
 // `text` wrapped to `width` columns for a line whose text starts at column `indent`; later lines are indented so.
