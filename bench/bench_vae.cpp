@@ -128,7 +128,7 @@ WanVae random_vae(const WanVaeConfig& config, at::ScalarType dtype,
   return WanVae(config, std::move(weights), device, dtype);
 }
 
-// ---- FLOPs of the layers, walked as the model is built (vae_wan.cpp) ----------------------------------------------
+// ---- FLOPs of the layers, walked as the model is built (vae_wan_encoder_decoder.cpp) ------------------------------
 struct Flops {
   double total = 0;
   void conv(double cin, double cout, double k, double positions) { total += 2 * cin * cout * k * positions; }

@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Generates model/prompt_clean_tables.inc: the Unicode and ftfy data that model/prompt_clean.cpp needs.
+"""Generates model/prompt_clean_tables.inc: the Unicode and ftfy data that model/prompt_clean*.cpp need.
 
     python3 model/prompt_clean_tables.py PATH_TO_FTFY_6_3_1_SOURCE > model/prompt_clean_tables.inc
 
 Everything comes from Python 3.11's unicodedata (Unicode 14.0, the version the golden fixtures were produced with),
 Python's html module and ftfy 6.3.1's own tables (the folder holding the `ftfy` package of tag v6.3.1), so the C++
-cleaner sees exactly the characters the reference sees. Only data is emitted; the algorithms live in prompt_clean.cpp.
+cleaner sees exactly the characters the reference sees. Only data is emitted; the algorithms live in prompt_clean*.cpp
+(prompt_clean_detail.h: which file holds what).
 """
 import codecs
 import html

@@ -125,33 +125,89 @@ void erase_tensor(TransformerCheckpointAnalysis& a, const std::string& name) {
   a.origins.source_key.erase(name);
 }
 
-}  // namespace
+// The checkpoint's own key of a tensor (its name where the layout renamed none).
+std::string source_key(const TransformerCheckpointAnalysis& a, const std::string& name) {
+  auto it = a.origins.source_key.find(name);
+  return it == a.origins.source_key.end() ? name : it->second;
+}
 
-void collect_decodings(const checkpoint::Source& src, TransformerCheckpointAnalysis& a) {
-  auto key_of = [&](const std::string& name) {
-    auto it = a.origins.source_key.find(name);
-    return it == a.origins.source_key.end() ? name : it->second;
-  };
+// Every tensor stored as F8_E4M3 / F8_E5M2 is decoded from its codes.
+void mark_fp8_tensors(const checkpoint::Source& src, TransformerCheckpointAnalysis& a) {
   for (const auto& [name, key] : a.origins.source_key) {
     const safetensors::DType dtype = src.info(key).dtype;
     if (safetensors::is_fp8(dtype)) {
       a.decodings[name].format = dtype == safetensors::DType::F8_E4M3 ? fp8::Format::E4M3FN : fp8::Format::E5M2;
     }
   }
-  if (a.tensors.count(kScaledFp8Marker)) {
-    a.report.notes.push_back(std::string("'") + key_of(kScaledFp8Marker) + "': ComfyUI scaled-fp8 marker (" +
-                             safetensors::dtype_name(src.info(key_of(kScaledFp8Marker)).dtype) + "), dropped");
-    a.decodings.erase(kScaledFp8Marker);
-    erase_tensor(a, kScaledFp8Marker);
+}
+
+void drop_scaled_fp8_marker(const checkpoint::Source& src, TransformerCheckpointAnalysis& a) {
+  if (!a.tensors.count(kScaledFp8Marker)) return;
+  a.report.notes.push_back(std::string("'") + source_key(a, kScaledFp8Marker) + "': ComfyUI scaled-fp8 marker (" +
+                           safetensors::dtype_name(src.info(source_key(a, kScaledFp8Marker)).dtype) + "), dropped");
+  a.decodings.erase(kScaledFp8Marker);
+  erase_tensor(a, kScaledFp8Marker);
+}
+
+// The scale tensors taken, for the load report.
+struct ScaleCounts {
+  int64_t dropped_inputs = 0;                   // activation scales
+  std::map<std::string, int64_t> weight_kinds;  // weight scales applied, by last name part
+};
+
+// `scale` (stored as `key`, already out of the tensors) scales '<module>.weight' of the scale's name `name` (last
+// part `part`): checked (a float, one value or one per output row, finite and positive) and set on that weight's
+// decoding; false with a problem recorded otherwise.
+bool attach_weight_scale(TransformerCheckpointAnalysis& a, const std::string& name, const std::string& part,
+                         const std::string& key, const at::Tensor& scale, bool scale_is_fp8) {
+  const std::string target = name.substr(0, name.size() - part.size()) + "weight";
+  auto w = a.tensors.find(target);
+  if (w == a.tensors.end()) {
+    a.problems.push_back("'" + key + "': a weight scale, but the checkpoint has no '" +
+                         key.substr(0, key.size() - part.size()) + "weight' to scale");
+    return false;
   }
+  if (scale_is_fp8 || !at::isFloatingType(scale.scalar_type())) {
+    a.problems.push_back("'" + key + "': a weight scale must be stored as F32, BF16 or F16");
+    return false;
+  }
+  const int64_t rows = w->second.dim() > 0 ? w->second.size(0) : 1;
+  const bool per_tensor = scale.numel() == 1;
+  const bool per_row = scale.numel() == rows && (scale.dim() == 1 || (scale.dim() == 2 && scale.size(1) == 1));
+  if (!per_tensor && !per_row) {
+    a.problems.push_back("'" + key + "': scale of shape " + shape_of(scale) + " for '" + source_key(a, target) + "' " +
+                         shape_of(w->second) + "; expected one value, or one per output row [" + std::to_string(rows) +
+                         "]");
+    return false;
+  }
+  at::Tensor s = scale.to(at::kFloat).reshape({per_tensor ? 1 : rows});
+  if (!(at::isfinite(s).all().item<bool>() && (s > 0).all().item<bool>())) {
+    a.problems.push_back("'" + key + "': scale is not a finite positive number (" +
+                         std::to_string(s.min().item<double>()) + " ... " + std::to_string(s.max().item<double>()) +
+                         ")");
+    return false;
+  }
+  if (!per_tensor) {
+    std::vector<int64_t> shape(static_cast<size_t>(w->second.dim()), 1);
+    shape[0] = rows;
+    s = s.view(shape);
+  }
+  StoredDecoding& d = a.decodings[target];
+  d.scale = s;
+  d.scale_key = key;
+  return true;
+}
+
+// Every tensor whose last name part mentions "scale" (scale_shift_table aside) leaves the tensors: a weight scale is
+// attached to its weight, an activation scale dropped, any other refused by name (kScaleConventions).
+ScaleCounts take_scale_tensors(TransformerCheckpointAnalysis& a) {
   std::vector<std::string> names;
   for (const auto& [name, t] : a.tensors) names.push_back(name);
-  int64_t dropped_inputs = 0;
-  std::map<std::string, int64_t> scale_kinds;
+  ScaleCounts counts;
   for (const auto& name : names) {
     const std::string part = last_component(name);
     if (part.find("scale") == std::string::npos || part == "scale_shift_table") continue;
-    const std::string key = key_of(name);
+    const std::string key = source_key(a, name);
     const ScaleConvention* convention = nullptr;
     for (const auto& c : kScaleConventions) {
       if (part == c.suffix) convention = &c;
@@ -167,46 +223,16 @@ void collect_decodings(const checkpoint::Source& src, TransformerCheckpointAnaly
     a.decodings.erase(name);
     erase_tensor(a, name);
     if (!convention->weight_scale) {
-      ++dropped_inputs;
+      ++counts.dropped_inputs;
       continue;
     }
-    const std::string target = name.substr(0, name.size() - part.size()) + "weight";
-    auto w = a.tensors.find(target);
-    if (w == a.tensors.end()) {
-      a.problems.push_back("'" + key + "': a weight scale, but the checkpoint has no '" +
-                           key.substr(0, key.size() - part.size()) + "weight' to scale");
-      continue;
-    }
-    if (scale_is_fp8 || !at::isFloatingType(scale.scalar_type())) {
-      a.problems.push_back("'" + key + "': a weight scale must be stored as F32, BF16 or F16");
-      continue;
-    }
-    const int64_t rows = w->second.dim() > 0 ? w->second.size(0) : 1;
-    const bool per_tensor = scale.numel() == 1;
-    const bool per_row = scale.numel() == rows && (scale.dim() == 1 || (scale.dim() == 2 && scale.size(1) == 1));
-    if (!per_tensor && !per_row) {
-      a.problems.push_back("'" + key + "': scale of shape " + shape_of(scale) + " for '" + key_of(target) + "' " +
-                           shape_of(w->second) + "; expected one value, or one per output row [" +
-                           std::to_string(rows) + "]");
-      continue;
-    }
-    at::Tensor s = scale.to(at::kFloat).reshape({per_tensor ? 1 : rows});
-    if (!(at::isfinite(s).all().item<bool>() && (s > 0).all().item<bool>())) {
-      a.problems.push_back("'" + key + "': scale is not a finite positive number (" +
-                           std::to_string(s.min().item<double>()) + " ... " + std::to_string(s.max().item<double>()) +
-                           ")");
-      continue;
-    }
-    if (!per_tensor) {
-      std::vector<int64_t> shape(static_cast<size_t>(w->second.dim()), 1);
-      shape[0] = rows;
-      s = s.view(shape);
-    }
-    StoredDecoding& d = a.decodings[target];
-    d.scale = s;
-    d.scale_key = key;
-    ++scale_kinds[part];
+    if (attach_weight_scale(a, name, part, key, scale, scale_is_fp8)) ++counts.weight_kinds[part];
   }
+  return counts;
+}
+
+// The load report's counts and notes: fp8 tensors by format, weight scales by convention, activation scales dropped.
+void report_decodings(TransformerCheckpointAnalysis& a, const ScaleCounts& counts) {
   for (const auto& [name, d] : a.decodings) {
     a.report.fp8_tensors += d.format ? 1 : 0;
     a.report.scaled_tensors += d.scale.defined() ? 1 : 0;
@@ -221,14 +247,22 @@ void collect_decodings(const checkpoint::Source& src, TransformerCheckpointAnaly
     a.report.notes.push_back("fp8: " + list + " tensors, decoded exactly (256-entry table) to the compute dtype at "
                              "load, tensor by tensor");
   }
-  for (const auto& [kind, n] : scale_kinds) {
+  for (const auto& [kind, n] : counts.weight_kinds) {
     a.report.notes.push_back("scales: " + std::to_string(n) + " '<module>." + kind +
                              "' tensors applied in float32 (value = stored value x scale) before the cast");
   }
-  if (dropped_inputs > 0) {
-    a.report.notes.push_back("dropped " + std::to_string(dropped_inputs) +
+  if (counts.dropped_inputs > 0) {
+    a.report.notes.push_back("dropped " + std::to_string(counts.dropped_inputs) +
                              " activation scales (scale_input / input_scale): weights are upcast, no fp8 matmul");
   }
+}
+
+}  // namespace
+
+void collect_decodings(const checkpoint::Source& src, TransformerCheckpointAnalysis& a) {
+  mark_fp8_tensors(src, a);
+  drop_scaled_fp8_marker(src, a);
+  report_decodings(a, take_scale_tensors(a));
 }
 
 }  // namespace loader_detail

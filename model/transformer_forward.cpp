@@ -282,6 +282,28 @@ Tensor SkyReelsV2Transformer::Impl::patchify(const Tensor& hidden_states, const 
   return patch_embedding(x);
 }
 
+CallConditioning SkyReelsV2Transformer::Impl::condition(const Layers& l, const TransformerForwardArgs& args,
+                                                        const Geometry& g) const {
+  const auto& c = config;
+  CallConditioning cond;
+  const Tensor timestep = args.timestep.to(device);
+  const Tensor ts = timestep.dim() == 1 ? timestep.unsqueeze(1) : timestep;  // [B, Fm]
+  cond.fm = ts.size(1);
+  const Tensor sinusoid = detail::timestep_sinusoid(ts, c.freq_dim).to(at::kFloat);
+  cond.temb = l.time_2(at::silu(l.time_1(sinusoid))).to(dtype);  // fp32 MLP, then the compute dtype
+  Tensor modulation = l.time_proj(at::silu(cond.temb)).view({g.batch, cond.fm, 6, g.dim});
+  if (c.inject_sample_info) {
+    // Each batch item adds its own fps vector to all of its frames (diffusers only manages B = 1 in DF mode).
+    const Tensor fps_emb = at::index_select(fps_embedding, 0, args.fps->to(device, at::kLong));
+    const Tensor fps_proj = l.fps_2(at::silu(l.fps_1(fps_emb)));
+    modulation = modulation + fps_proj.view({g.batch, 1, 6, g.dim});
+  }
+  cond.modulation = modulation.to(at::kFloat);
+  cond.context.text = l.text_2(at::gelu(l.text_1(args.encoder_hidden_states.to(device, dtype)), "tanh"));
+  if (c.image_dim) cond.context.image = embed_image(l, args.encoder_hidden_states_image);
+  return cond;
+}
+
 namespace {
 
 // What a call may skip (TransformerForwardArgs' exact savings and FirstBlockCache), checked against the call.
@@ -346,6 +368,31 @@ std::optional<double> first_block_rel(const Tensor& residual, const Tensor& prev
   return relative_change(residual, previous).item<double>();
 }
 
+// Exact savings: a call that keeps frames and reuses none starts a fresh set of kept keys / values, for its
+// geometry. True when the call keeps any (one slot per layer then).
+bool prepare_kept_kv(const Savings& savings, const Geometry& g, size_t layers) {
+  TransformerCallState::Impl* state = savings.state;
+  if (state && savings.keep > 0 && savings.reuse == 0) {
+    state->reset_kv();
+    state->tokens_per_frame = g.tokens_per_frame;
+    state->batch = g.batch;
+  }
+  const bool keeps = state && savings.keep > 0;
+  if (keeps) {
+    state->k.resize(layers);
+    state->v.resize(layers);
+  }
+  return keeps;
+}
+
+// The call's RoPE tables as apply_rope takes them: diffusers uses cos[..., 0::2] and sin[..., 1::2] of its tables,
+// each angle repeated over its pair.
+RopeTables signed_rope(const std::pair<Tensor, Tensor>& tables, int64_t head_dim) {
+  const auto& [cos_full, sin_full] = tables;
+  const Tensor sin_half = sin_full.slice(-1, 1, head_dim, 2);
+  return RopeTables{cos_full, at::stack({sin_half.neg(), sin_half}, -1).view(cos_full.sizes())};
+}
+
 }  // namespace
 
 at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) const {
@@ -365,30 +412,13 @@ at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) co
   const bool first_block = savings.threshold.has_value();
   Tensor x = m.patchify(args.hidden_states, g, first_block ? 0 : reuse);
 
-  // Conditioning. Fm = F for per-frame timesteps [B, F] (diffusion forcing), else 1.
-  const Tensor timestep = args.timestep.to(m.device);
-  const Tensor ts = timestep.dim() == 1 ? timestep.unsqueeze(1) : timestep;  // [B, Fm]
-  const int64_t fm = ts.size(1);
-  const Tensor sinusoid = detail::timestep_sinusoid(ts, c.freq_dim).to(at::kFloat);
-  const Tensor temb =
-      call_layers.time_2(at::silu(call_layers.time_1(sinusoid))).to(m.dtype);  // fp32 MLP, then the compute dtype
-  Tensor modulation = call_layers.time_proj(at::silu(temb)).view({g.batch, fm, 6, g.dim});
-  if (c.inject_sample_info) {
-    // Each batch item adds its own fps vector to all of its frames (diffusers only manages B = 1 in DF mode).
-    const Tensor fps_emb = at::index_select(m.fps_embedding, 0, args.fps->to(m.device, at::kLong));
-    const Tensor fps_proj = call_layers.fps_2(at::silu(call_layers.fps_1(fps_emb)));
-    modulation = modulation + fps_proj.view({g.batch, 1, 6, g.dim});
-  }
-  modulation = modulation.to(at::kFloat);
-  CrossContext context;
-  context.text =
-      call_layers.text_2(at::gelu(call_layers.text_1(args.encoder_hidden_states.to(m.device, m.dtype)), "tanh"));
-  if (c.image_dim) context.image = m.embed_image(call_layers, args.encoder_hidden_states_image);
-
-  // RoPE: diffusers uses cos[..., 0::2] and sin[..., 1::2] of its tables, each angle repeated over its pair.
-  const auto [cos_full, sin_full] = rope_tables(g.ppf, g.pph, g.ppw);
-  const Tensor sin_half = sin_full.slice(-1, 1, c.attention_head_dim, 2);
-  const RopeTables rope{cos_full, at::stack({sin_half.neg(), sin_half}, -1).view(cos_full.sizes())};
+  // The timestep (and fps) modulation, the text / image context, the RoPE tables.
+  const CallConditioning cond = m.condition(call_layers, args, g);
+  const Tensor& temb = cond.temb;
+  const Tensor& modulation = cond.modulation;
+  const CrossContext& context = cond.context;
+  const int64_t fm = cond.fm;
+  const RopeTables rope = signed_rope(rope_tables(g.ppf, g.pph, g.ppw), c.attention_head_dim);
 
   // The call's tensors restricted to frames [first, F).
   auto per_frame = [&](const Tensor& t, int64_t first) { return fm == 1 ? t : t.narrow(1, first, fm - first); };
@@ -401,16 +431,7 @@ at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) co
   };
 
   TransformerCallState::Impl* state = savings.state;
-  if (state && savings.keep > 0 && reuse == 0) {  // a fresh set of kept keys, for this call's geometry
-    state->reset_kv();
-    state->tokens_per_frame = g.tokens_per_frame;
-    state->batch = g.batch;
-  }
-  const bool keeps = state && savings.keep > 0;
-  if (keeps) {
-    state->k.resize(call_layers.blocks.size());
-    state->v.resize(call_layers.blocks.size());
-  }
+  const bool keeps = prepare_kept_kv(savings, g, call_layers.blocks.size());
 
   const int64_t layers = static_cast<int64_t>(call_layers.blocks.size());
   TransformerCallStats stats;

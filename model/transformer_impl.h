@@ -42,6 +42,15 @@ struct CrossContext {
   Tensor image;  // [B, N, D]
 };
 
+// A call's conditioning: the timestep embedding [B, Fm, D] in the compute dtype (the head's modulation), every
+// block's modulation [B, Fm, 6, D] in fp32 and the cross-attention context. Fm = F for per-frame timesteps [B, F]
+// (diffusion forcing), else 1.
+struct CallConditioning {
+  Tensor temb, modulation;
+  int64_t fm = 1;
+  CrossContext context;
+};
+
 // LayerNorm over the last dim computed in fp32 (diffusers' FP32LayerNorm); returns fp32.
 inline Tensor layer_norm_fp32(const Tensor& x, double eps, const Tensor& weight = {}, const Tensor& bias = {}) {
   return at::layer_norm(x.to(at::kFloat), {x.size(-1)}, weight, bias, eps);
@@ -210,6 +219,7 @@ struct SkyReelsV2Transformer::Impl {
   void build_rope();
 
   Geometry check_inputs(const TransformerForwardArgs& args) const;
+  CallConditioning condition(const Layers& l, const TransformerForwardArgs& args, const Geometry& g) const;
   Tensor self_attention(const AttentionWeights& a, const Tensor& n, const RopeTables& rope, const Geometry& g,
                         int64_t causal_block_tokens, const KvSlot* kv, const BlockSparseAttention* sparse) const;
   Tensor block_sparse_attention(const AttentionWeights& a, const Tensor& n, const RopeTables& rope, const Geometry& g,

@@ -1,4 +1,6 @@
-// The Wan 2.1 causal 3-D VAE (diffusers' AutoencoderKLWan), one file holding its own layers (vae_wan.cpp).
+// The Wan 2.1 causal 3-D VAE (diffusers' AutoencoderKLWan), with layers of its own (vae_wan_layers.h: the blocks in
+// vae_wan_layers.cpp, the encoder and decoder in vae_wan_encoder_decoder.cpp; the config in vae_wan_config.cpp; the
+// weights, loading, decode and encode in vae_wan.cpp).
 //
 // Decoding runs through a per-convolution feature cache (the last CACHE_T = 2 frames each causal convolution saw), as
 // diffusers does; a DecodeSession keeps that cache between calls, so a long video can be decoded chunk by chunk (and
