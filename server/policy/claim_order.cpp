@@ -9,20 +9,38 @@ void sort_in_dispatch_order(std::vector<ReadyJob>& ready) {
                    [](const ReadyJob& a, const ReadyJob& b) { return dispatch_before(a.key, b.key); });
 }
 
-std::vector<size_t> claim_preference(const std::vector<ReadyJob>& in_order, const std::string& replica) {
+namespace {
+
+// claim_preference over the jobs `eligible` names (indices into `jobs`, in dispatch order); returns indices into jobs.
+std::vector<size_t> preference_among(const std::vector<ReadyJob>& jobs, const std::vector<size_t>& eligible,
+                                     const std::string& replica) {
   std::vector<size_t> order;
-  const size_t window = std::min(in_order.size(), static_cast<size_t>(kAffinityWindow));
+  if (eligible.empty()) return order;
+  const JobKey& first = jobs[eligible[0]].key;
   const auto ties_first = [&](const ReadyJob& j) {
-    return j.key.priority == in_order[0].key.priority && j.key.fair_key == in_order[0].key.fair_key &&
-           j.key.client_service == in_order[0].key.client_service;
+    return j.key.priority == first.priority && j.key.fair_key == first.fair_key &&
+           j.key.client_service == first.client_service;
   };
-  for (size_t i = 0; i < window && ties_first(in_order[i]); ++i) {
-    if (!replica.empty() && in_order[i].previous_replica == replica) order.push_back(i);
+  const size_t window = std::min(eligible.size(), static_cast<size_t>(kAffinityWindow));
+  std::vector<bool> taken(eligible.size(), false);
+  for (size_t e = 0; e < window && ties_first(jobs[eligible[e]]); ++e) {
+    if (!replica.empty() && jobs[eligible[e]].previous_replica == replica) {
+      order.push_back(eligible[e]);
+      taken[e] = true;
+    }
   }
-  for (size_t i = 0; i < in_order.size(); ++i) {
-    if (std::find(order.begin(), order.end(), i) == order.end()) order.push_back(i);
+  for (size_t e = 0; e < eligible.size(); ++e) {
+    if (!taken[e]) order.push_back(eligible[e]);
   }
   return order;
+}
+
+}  // namespace
+
+std::vector<size_t> claim_preference(const std::vector<ReadyJob>& in_order, const std::string& replica) {
+  std::vector<size_t> all(in_order.size());
+  for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+  return preference_among(in_order, all, replica);
 }
 
 std::vector<ReplicaReport> other_pods(const std::string& replica, const std::vector<ReplicaReport>& reports) {
@@ -69,8 +87,7 @@ std::vector<size_t> claim_order(std::vector<ReadyJob>& ready, const Claimant& cl
   sort_in_dispatch_order(ready);
   const std::vector<std::string> none;
   const std::vector<std::string>& resident = claimant.resident ? *claimant.resident : none;
-  std::vector<ReadyJob> tried;  // the jobs this claim may take, in order
-  std::vector<size_t> index;    // their places in `ready`
+  std::vector<size_t> eligible;  // the jobs this claim may take, in order
   for (size_t i = 0; i < ready.size(); ++i) {
     const ReadyJob& j = ready[i];
     const auto& pass = claimant.pass_over;
@@ -79,12 +96,9 @@ std::vector<size_t> claim_order(std::vector<ReadyJob>& ready, const Claimant& cl
         left.still_leaving(j.id + "#" + std::to_string(j.chunks_done), now_ms)) {
       continue;
     }
-    tried.push_back(j);
-    index.push_back(i);
+    eligible.push_back(i);
   }
-  std::vector<size_t> order;
-  for (size_t t : claim_preference(tried, claimant.replica)) order.push_back(index[t]);
-  return order;
+  return preference_among(ready, eligible, claimant.replica);
 }
 
 int64_t dispatch_position(std::vector<ReadyJob> ready, const std::string& job_id) {
