@@ -20,6 +20,7 @@
 #include "server/store/job_store_postgres.h"
 #include "server/store/pg_db.h"
 #include "tests/pg_fixture.h"
+#include "tests/stored_jobs.h"
 
 namespace skyreels::test {
 namespace {
@@ -32,25 +33,6 @@ using server::StoredEvent;
 using server::StoredJob;
 using server::StoreError;
 using namespace std::chrono_literals;
-
-constexpr auto kLongTtl = std::chrono::milliseconds(600000);  // never expires within a test
-constexpr auto kExpired = std::chrono::milliseconds(0);       // expired as soon as it is granted
-
-StoredJob make_job(const std::string& id, uint64_t order, int priority = 0, int64_t vbase = 0, int64_t chunks = 3) {
-  StoredJob j;
-  j.id = id;
-  j.order = order;
-  j.vbase = vbase;
-  j.owner = "alice";
-  j.client = "alice";
-  j.priority = priority;
-  j.state = "queued";
-  j.error_kind = "none";
-  j.created_ms = 1000 + static_cast<int64_t>(order);
-  j.chunk_count = chunks;
-  j.request = "request of " + id;
-  return j;
-}
 
 // Every byte value, repeated: NULs and invalid UTF-8 included.
 std::string binary_bytes(size_t n) {

@@ -27,6 +27,7 @@
 #include "server/store/job_store_postgres.h"
 #include "server/store/job_store_sqlite.h"
 #include "tests/pg_fixture.h"
+#include "tests/stored_jobs.h"
 
 namespace skyreels::test {
 namespace {
@@ -35,25 +36,6 @@ using server::ChunkLease;
 using server::LeaseStore;
 using server::StoredJob;
 using namespace std::chrono_literals;
-
-constexpr auto kLongTtl = std::chrono::milliseconds(600000);  // never expires within a test
-constexpr auto kExpired = std::chrono::milliseconds(0);       // expired as soon as it is granted
-
-StoredJob make_job(const std::string& id, uint64_t order, int priority = 0, int64_t vbase = 0, int64_t chunks = 3) {
-  StoredJob j;
-  j.id = id;
-  j.order = order;
-  j.vbase = vbase;
-  j.owner = "alice";
-  j.client = "alice";
-  j.priority = priority;
-  j.state = "queued";
-  j.error_kind = "none";
-  j.created_ms = 1000 + static_cast<int64_t>(order);
-  j.chunk_count = chunks;
-  j.request = "request of " + id;
-  return j;
-}
 
 // One pod's view of a store: its job records and its leases (both seams of LocalLeaseStore and PostgresJobStore).
 class Pod {
