@@ -2,6 +2,7 @@
 // writes), the consistency checks, and the parameter specs a config implies (names, shapes, fp32 islands), which the
 // loader places and the model checks. Separate from the model because it needs no tensors of the model: the loader,
 // `inspect` and `convert` use it without building one.
+#include "model/transformer_config.h"
 #include "model/transformer_skyreels_v2.h"
 
 #include <nlohmann/json.hpp>

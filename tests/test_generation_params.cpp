@@ -332,7 +332,7 @@ TEST(GenerationParams, ATimestepListIsTheEulerSamplersAndDefinesTheSteps) {
   // What the table cannot see, the plan refuses at submission (INVALID_ARGUMENT, the field first): a list whose first
   // timestep is not an integer after the shift (diffusers' pipelines fail on it).
   ModelDescription model;
-  model.text_dim = 32;
+  model.config.text_dim = 32;
   JobRequest not_integer = test_requests::long_video();
   not_integer.sampler = "euler";
   not_integer.timesteps = {999, 500};
@@ -403,7 +403,7 @@ using test_requests::long_video;
 // must still match. The values were computed by the code before the table.
 TEST(GenerationParams, TheFingerprintOfAStoredJobNeverChanges) {
   ModelDescription model;
-  model.text_dim = 32;
+  model.config.text_dim = 32;
   JobRequest every = long_video();
   every.guidance_scale = 5.0;
   every.flow_shift = 3.0;

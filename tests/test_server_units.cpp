@@ -273,7 +273,7 @@ using test_requests::long_video;
 
 ModelDescription tiny_model() {
   ModelDescription m;
-  m.text_dim = 32;
+  m.config.text_dim = 32;
   return m;
 }
 

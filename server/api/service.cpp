@@ -42,23 +42,24 @@ Status VideoServiceImpl::GetServerInfo(ServerContext* ctx, const pb::GetServerIn
   if (Status s = authenticate(ctx, &caller, false); !s.ok()) return s;
   response->set_version(config_.version);
   const ModelSummary& m = config_.summary;
+  const model::TransformerConfig& transformer = config_.model.config;
   auto* model = response->mutable_model();
   model->set_source(m.source);
   model->set_dtype(m.dtype);
   model->set_parameter_count(m.parameter_count);
-  model->set_num_layers(m.num_layers);
-  model->set_num_attention_heads(m.num_attention_heads);
-  model->set_attention_head_dim(m.attention_head_dim);
-  model->set_text_dim(m.text_dim);
-  model->set_ffn_dim(m.ffn_dim);
-  model->set_in_channels(m.in_channels);
-  model->set_out_channels(m.out_channels);
-  for (int64_t p : m.patch_size) model->add_patch_size(p);
-  model->set_inject_sample_info(m.inject_sample_info);
-  model->set_num_frame_per_block(m.num_frame_per_block);
+  model->set_num_layers(transformer.num_layers);
+  model->set_num_attention_heads(transformer.num_attention_heads);
+  model->set_attention_head_dim(transformer.attention_head_dim);
+  model->set_text_dim(transformer.text_dim);
+  model->set_ffn_dim(transformer.ffn_dim);
+  model->set_in_channels(transformer.in_channels);
+  model->set_out_channels(transformer.out_channels);
+  for (int64_t p : transformer.patch_size) model->add_patch_size(p);
+  model->set_inject_sample_info(transformer.inject_sample_info);
+  model->set_num_frame_per_block(transformer.num_frame_per_block);
   for (const std::string& pipeline : config_.model.pipelines) model->add_pipelines(pipeline);
   model->set_default_pipeline(config_.model.default_pipeline);
-  model->set_image_dim(m.image_dim);
+  model->set_image_dim(transformer.image_dim.value_or(0));
   model->set_first_last_frame(config_.model.first_last_frame);
   if (config_.adapters) {
     for (const auto& a : m.adapters) {

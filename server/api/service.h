@@ -32,16 +32,11 @@ struct ReplicaDescription {
   int threads = 0;
 };
 
+// The model as GetServerInfo describes it, beside its transformer config (ServiceConfig::model).
 struct ModelSummary {
   std::string source;  // path or "demo"
   std::string dtype;
   int64_t parameter_count = 0;
-  int64_t num_layers = 0, num_attention_heads = 0, attention_head_dim = 0, text_dim = 0, ffn_dim = 0;
-  int64_t in_channels = 16, out_channels = 16;
-  std::vector<int64_t> patch_size{1, 2, 2};
-  bool inject_sample_info = false;
-  int64_t num_frame_per_block = 1;
-  int64_t image_dim = 0;  // I2V models: the image tokens' width
   struct Lora {
     std::string path;
     double scale = 1.0;

@@ -166,10 +166,7 @@ ServiceConfig service_config(const Options& o, const CheckedModel& model, const 
   c.limits.max_width = o.max_width;
   c.limits.max_steps = o.max_steps;
   set_work_limits(o, config, replicas.plans, model.mapped.report.parameter_count, c.limits);
-  for (int i = 0; i < 3; ++i) c.model.patch_size[i] = config.patch_size[static_cast<size_t>(i)];
-  c.model.text_dim = config.text_dim;
-  c.model.num_frame_per_block = config.num_frame_per_block;
-  c.model.latent_channels = config.out_channels;
+  c.model.config = config;
   c.model.pipelines.clear();
   for (const auto kind : {skyreels::model::PipelineKind::kDiffusionForcing, skyreels::model::PipelineKind::kTextToVideo,
                           skyreels::model::PipelineKind::kImageToVideo}) {
@@ -187,17 +184,6 @@ ServiceConfig service_config(const Options& o, const CheckedModel& model, const 
   summary.source = o.demo ? "demo" : o.model;
   summary.dtype = skyreels::runtime::resolve_dtype_name(o.dtype, replicas.plans.front().device);
   summary.parameter_count = model.mapped.report.parameter_count;
-  summary.num_layers = config.num_layers;
-  summary.num_attention_heads = config.num_attention_heads;
-  summary.attention_head_dim = config.attention_head_dim;
-  summary.text_dim = config.text_dim;
-  summary.ffn_dim = config.ffn_dim;
-  summary.in_channels = config.in_channels;
-  summary.out_channels = config.out_channels;
-  summary.patch_size = {config.patch_size[0], config.patch_size[1], config.patch_size[2]};
-  summary.inject_sample_info = config.inject_sample_info;
-  summary.num_frame_per_block = config.num_frame_per_block;
-  summary.image_dim = config.image_dim.value_or(0);
   for (const auto& a : model.adapters) {
     const auto r = skyreels::model::lora_report(a);
     summary.loras.push_back({r.path, r.scale, r.format, r.parameters, r.max_rank});

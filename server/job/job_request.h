@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "model/transformer_config.h"
 #include "server/job/generation_param_list.h"
 #include "server/job/limits.h"
 
@@ -103,10 +104,9 @@ struct ServerLimits {
 
 // What validation needs to know about the loaded model.
 struct ModelDescription {
-  int64_t text_dim = 4096;
-  int64_t num_frame_per_block = 1;
-  int64_t latent_channels = 16;
-  int64_t patch_size[3] = {1, 2, 2};  // latent positions per transformer token (frames, height, width)
+  // Its transformer's config (text_dim, num_frame_per_block, out_channels: the latent channels, patch_size: latent
+  // positions per token), as the loader read it.
+  model::TransformerConfig config;
   // The pipelines it runs (model::check_pipeline_fits): "df" and "t2v" (DF and T2V checkpoints share the
   // architecture), or "i2v" (an I2V checkpoint); and what a request that names none runs.
   std::vector<std::string> pipelines = {"df", "t2v"};

@@ -109,7 +109,7 @@ std::shared_ptr<ModelJob> ModelJob::create(const JobRequest& request, const Mode
   Impl& d = *job->impl_;
   d.on_vae_encode = parts.on_vae_encode;
   d.resolved = resolve_generation_params(
-      request, ResolveContext{model.num_frame_per_block, random_seed, model.default_pipeline});
+      request, ResolveContext{model.config.num_frame_per_block, random_seed, model.default_pipeline});
   validate_generation_params(d.resolved, limits);
   check_pipeline_served(d.resolved.pipeline, model);
   check_pipeline_params(request, d.resolved);
@@ -152,12 +152,12 @@ std::shared_ptr<ModelJob> ModelJob::create(const JobRequest& request, const Mode
   }
 
   try {
-    d.plan = diffusion_forcing ? model::plan_chunks(p, model.num_frame_per_block) : whole_video_plan(p);
+    d.plan = diffusion_forcing ? model::plan_chunks(p, model.config.num_frame_per_block) : whole_video_plan(p);
   } catch (const std::invalid_argument& e) {
     invalid(e.what());  // plan_chunks names the field first
   }
-  d.latent_channels = model.latent_channels;
-  std::copy(std::begin(model.patch_size), std::end(model.patch_size), std::begin(d.patch_size));
+  d.latent_channels = model.config.out_channels;
+  std::copy(model.config.patch_size.begin(), model.config.patch_size.end(), std::begin(d.patch_size));
   RequestFingerprint fingerprint = fingerprint_of(request, d.resolved.loras);
   d.fingerprint = fingerprint.v1;
   d.fingerprint_v2 = std::move(fingerprint.v2);

@@ -79,14 +79,14 @@ at::Tensor to_tensor(const RawTensor& raw, const std::string& field) {
 at::Tensor embeddings(const RawTensor& raw, const std::string& field, const ModelDescription& model,
                       const ServerLimits& limits) {
   if (raw.shape.size() != 3) {
-    invalid(field + ": expected [1, T, text_dim] = [1, T, " + std::to_string(model.text_dim) + "], got shape " +
+    invalid(field + ": expected [1, T, text_dim] = [1, T, " + std::to_string(model.config.text_dim) + "], got shape " +
             shape_text(raw.shape));
   }
   if (raw.shape[0] != 1) invalid(field + ": batch must be 1, got shape " + shape_text(raw.shape));
   check_range(field + " tokens (shape[1])", raw.shape[1], 1, limits.max_text_tokens);
-  if (raw.shape[2] != model.text_dim) {
+  if (raw.shape[2] != model.config.text_dim) {
     invalid(field + ": last dimension " + std::to_string(raw.shape[2]) + " does not match the model's text_dim " +
-            std::to_string(model.text_dim));
+            std::to_string(model.config.text_dim));
   }
   at::Tensor t = to_tensor(raw, field);
   if (!at::isfinite(t).all().item<bool>()) invalid(field + ": contains NaN or infinite values");
