@@ -317,7 +317,7 @@ TEST(ModelJob, LimitsAndTheModelBoundTheRequest) {
     EXPECT_EQ(std::string(e.what()).rfind("num_frames: 57 is outside [1, 33]", 0), 0u) << e.what();
   }
   ModelDescription other = tiny_model();
-  other.text_dim = 64;
+  other.config.text_dim = 64;
   EXPECT_THROW(ModelJob::create(long_video(), other, ServerLimits{}, 1), ValidationError);
   JobRequest text = long_video();
   text.prompt_embeds.reset();
