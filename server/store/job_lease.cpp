@@ -9,7 +9,6 @@ namespace skyreels::server {
 std::optional<ChunkLease> LeaseStore::claim(const std::string& replica, std::chrono::milliseconds ttl,
                                             const std::vector<std::string>& pass_over,
                                             const std::vector<std::string>* resident) {
-  if (resident) report_replica(replica, *resident, true);
   std::vector<policy::ReadyJob> ready = candidates(policy::kClaimWindow);
   policy::Claimant claimant{replica, resident, pass_over, {}};
   // Other pods' reports matter only to a job with adapters (policy::leave_to_other_pod).
@@ -21,14 +20,14 @@ std::optional<ChunkLease> LeaseStore::claim(const std::string& replica, std::chr
     std::lock_guard<std::mutex> lock(left_mu_);
     order = policy::claim_order(ready, claimant, left_, now_ms());
   }
-  for (size_t i : order) {
-    const policy::ReadyJob& job = ready[i];
-    std::optional<ChunkLease> lease = try_lease(job.id, replica, ttl, policy::charge_chunk(job.client_weight));
-    if (!lease) continue;  // claimed by another replica meanwhile
-    if (resident) report_replica(replica, *resident, false);
-    return lease;
+  std::optional<ChunkLease> lease;
+  for (size_t i = 0; i < order.size() && !lease; ++i) {  // a job claimed by another replica meanwhile: the next
+    const policy::ReadyJob& job = ready[order[i]];
+    lease = try_lease(job.id, replica, ttl, policy::charge_chunk(job.client_weight));
   }
-  return std::nullopt;
+  // One report per claim, as it ended: idle when it leased nothing.
+  if (resident) report_replica(replica, *resident, !lease.has_value());
+  return lease;
 }
 
 LeaseStore::QueuePlace LeaseStore::queue_place(const std::string& job_id) const {
