@@ -1146,20 +1146,29 @@ double sample_value(const std::string& exposition, const std::string& series) {
   return std::nan("");
 }
 
+server::SchedulerEvent queue_changed(int64_t queued, int64_t running) {
+  server::SchedulerEvent event(server::SchedulerEventKind::QueueChanged);
+  event.queued = queued;
+  event.running = running;
+  return event;
+}
+
 TEST(StoreMetrics, GlobalQueueDepthFollowsThePodQueueUntilTheStoreReportsIt) {
   server::Metrics metrics({"cpu:0"}, "test");
-  metrics.queue_changed(3, 1);
+  metrics.consume(queue_changed(3, 1));
   EXPECT_EQ(sample_value(metrics.render(), "skyreels_global_queue_depth"), 3) << "single pod: its own queue";
   metrics.set_global_queue_depth(7);
-  metrics.queue_changed(2, 1);
+  metrics.consume(queue_changed(2, 1));
   EXPECT_EQ(sample_value(metrics.render(), "skyreels_global_queue_depth"), 7) << "shared store: the store's count";
   EXPECT_EQ(sample_value(metrics.render(), "skyreels_queue_depth"), 2);
 }
 
 TEST(StoreMetrics, TakeoversAndStoreCallsAreCounted) {
   server::Metrics metrics({"cpu:0"}, "test");
-  metrics.lease_takeover("pod-1/cpu:0");
-  metrics.lease_takeover("pod-1/cpu:0");
+  server::SchedulerEvent takeover(server::SchedulerEventKind::LeaseTakeover);
+  takeover.replica = "pod-1/cpu:0";
+  metrics.consume(takeover);
+  metrics.consume(takeover);
   const auto report = metrics.store_call_report();
   report("commit_chunk", 0.2);
   report("no_such_op", 1.0);  // ignored rather than a series the contract does not list

@@ -207,6 +207,7 @@ TEST_F(HttpServerTest, ProbesAndMetricsAnswerWithoutAKey) {
   EXPECT_NE(body_of(metrics).find("skyreels_replicas"), std::string::npos) << body_of(metrics).substr(0, 500);
   // Requests are counted by route template and status.
   EXPECT_GE(metric_value(body_of(metrics), "skyreels_http_requests_total{code=\"200\",route=\"/readyz\"}"), 1);
+  EXPECT_GE(metric_value(body_of(metrics), "skyreels_http_request_duration_seconds_count{route=\"/readyz\"}"), 1);
 }
 
 TEST_F(HttpServerTest, ErrorsComeInOpenAisShapeWithTheRightStatus) {

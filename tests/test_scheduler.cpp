@@ -807,15 +807,17 @@ TEST(Scheduler, AWatcherIsToldAboutItsOwnJobOnlyAndWhenTheJobIsDropped) {
   h.scheduler->unsubscribe("j-unknown", unknown);
 }
 
-// The one feed of job changes (JobQueue::changes()): a follower hears every job's changes until it unfollows.
-TEST(Scheduler, TheFeedTellsItsFollowersOfEveryJobUntilTheyUnfollow) {
+// The one stream of scheduler events (JobQueue::events()): a consumer hears every job's changes until it
+// unsubscribes.
+TEST(Scheduler, TheEventStreamTellsItsConsumersOfEveryJobUntilTheyUnsubscribe) {
   Harness h({steps(1ms)});
   std::mutex mu;
   std::condition_variable cv;
   std::multiset<std::string> heard;
-  const uint64_t token = h.scheduler->changes().follow([&](const JobChange& change) {
+  const uint64_t token = h.scheduler->events().subscribe([&](const SchedulerEvent& event) {
+    if (event.kind != SchedulerEventKind::JobChanged) return;
     std::lock_guard<std::mutex> lock(mu);
-    heard.insert(change.job_id);
+    heard.insert(event.job_id);
     cv.notify_all();
   });
   const std::string first = h.submit(2);
@@ -825,11 +827,11 @@ TEST(Scheduler, TheFeedTellsItsFollowersOfEveryJobUntilTheyUnfollow) {
     std::unique_lock<std::mutex> lock(mu);
     cv.wait(lock, [&] { return heard.count(first) >= 5; });
   }
-  h.scheduler->changes().unfollow(token);
+  h.scheduler->events().unsubscribe(token);
   const std::string second = h.submit(1);
   h.wait(second);
   std::lock_guard<std::mutex> lock(mu);
-  EXPECT_EQ(heard.count(second), 0u) << "no call once unfollow() returned";
+  EXPECT_EQ(heard.count(second), 0u) << "no call once unsubscribe() returned";
 }
 
 }  // namespace

@@ -412,6 +412,18 @@ TEST_F(ServerTest, MetricsExposeEveryContractMetric) {
   }
   EXPECT_GE(metric_value(text, "skyreels_jobs_submitted_total"), 1);
   EXPECT_GE(metric_value(text, "skyreels_frames_generated_total"), 37);
+  // What a finished job moves (besides the counts above).
+  EXPECT_GE(metric_value(text, "skyreels_job_duration_seconds_count{outcome=\"succeeded\"}"), 1);
+  EXPECT_GE(metric_value(text, "skyreels_time_to_first_chunk_seconds_count"), 1);
+  EXPECT_GE(metric_value(text, "skyreels_queue_wait_seconds_count"), 1);
+  EXPECT_GE(metric_value(text, "skyreels_model_load_seconds_count{component=\"transformer\"}"), 2) << "each replica";
+  const std::string submit_rpc =
+      "{grpc_method=\"SubmitJob\",grpc_service=\"skyreels.v1.VideoService\",grpc_type=\"unary\"}";
+  EXPECT_GE(metric_value(text, "grpc_server_started_total" + submit_rpc), 1);
+  EXPECT_GE(metric_value(text, "grpc_server_handling_seconds_count" + submit_rpc), 1);
+  EXPECT_GE(metric_value(text, "grpc_server_handled_total{grpc_code=\"OK\",grpc_method=\"SubmitJob\","
+                               "grpc_service=\"skyreels.v1.VideoService\",grpc_type=\"unary\"}"),
+            1);
   EXPECT_EQ(metric_value(text, "skyreels_replicas_ready"), 2);
   EXPECT_EQ(metric_value(text, "skyreels_replica_healthy{replica=\"cpu:0\"}"), 1);
   http_get(server_->metrics_port(), "/other", &status);
@@ -469,6 +481,7 @@ TEST_F(SlowServerTest, FullQueueAnswersResourceExhaustedWithARetryHint) {
   const std::string text = http_get(server_->metrics_port(), "/metrics");
   EXPECT_GE(metric_value(text, "skyreels_jobs_rejected_total{reason=\"queue_full\"}"), 1);
   EXPECT_GE(metric_value(text, "skyreels_queue_depth") + metric_value(text, "skyreels_jobs_running"), 3);
+  EXPECT_GE(metric_value(text, "skyreels_global_queue_depth"), 1) << "3 admitted, 2 replicas: one job waits";
   for (const auto& id : admitted) {
     pb::CancelJobRequest cancel;
     cancel.set_job_id(id);
@@ -511,6 +524,22 @@ TEST(FaultServerTest, ChunksFailingOnAReplicaAreRetriedElsewhereWithAnUnchangedR
   EXPECT_EQ(metric_value(text, "skyreels_chunk_retries_total"), 2);
   EXPECT_EQ(health_status(server.address(), ""), grpc::health::v1::HealthCheckResponse::SERVING)
       << "one healthy replica still serves";
+}
+
+// Each replica's second chunk fails: the job's chunk 1 fails where chunk 0 ran (its payload keeps it there), and its
+// retry runs on the other replica, whose previous chunk for this job ran elsewhere: a handoff; chunk 2 the same way
+// back. The video is unchanged.
+TEST(FaultServerTest, AChunkRetriedOnTheOtherReplicaCountsAHandoff) {
+  ServerProcess server({"--demo", "--devices", "cpu,cpu", "--dtype", "float32", "--fault-inject", "cpu:0@2,cpu:1@2",
+                        "--replica-failure-limit", "3", "--chunk-retries", "2"});
+  const pb::SubmitJobRequest request = long_video_request(311);
+  const pb::Job job = wait_job(server.client(), submit(server.client(), request).job_id());
+  ASSERT_EQ(job.state(), pb::JOB_STATE_SUCCEEDED) << job.error().message();
+  EXPECT_EQ(job.retries(), 2);
+  EXPECT_TRUE(all_close(download_latents(server.client(), job.job_id()), reference_latents(request), kAtol));
+  const std::string text = http_get(server.metrics_port(), "/metrics");
+  EXPECT_EQ(metric_value(text, "skyreels_chunk_handoffs_total"), 2) << "each retry moved the job";
+  EXPECT_EQ(metric_value(text, "skyreels_chunk_retries_total"), 2);
 }
 
 // ---- LoRA adapters (issue 23) -----------------------------------------------------------------------------------

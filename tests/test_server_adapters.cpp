@@ -167,6 +167,12 @@ TEST_F(ServedAdapters, JobsWithDifferentAdaptersAtOnceEachEqualGenerateWithTheir
     if (!std::isnan(v)) counted += v;
   }
   EXPECT_EQ(counted, static_cast<double>(loads));
+  double resident = 0;
+  for (const char* replica : {"cpu:0", "cpu:1"}) {
+    const double v = metric_value(metrics, std::string("skyreels_adapters_resident{replica=\"") + replica + "\"}");
+    if (!std::isnan(v)) resident += v;
+  }
+  EXPECT_GE(resident, 1.0) << "the replicas keep what they loaded";
   EXPECT_GE(metric_value(metrics, "skyreels_adapter_jobs_total{adapter=\"style\"}"), 2.0);
 }
 

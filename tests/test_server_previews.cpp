@@ -7,7 +7,9 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <cmath>
 #include <map>
+#include <numeric>
 #include <set>
 #include <string>
 #include <thread>
@@ -38,20 +40,44 @@ pb::SubmitJobRequest with_previews(uint64_t seed, int64_t every, int64_t steps =
   return request;
 }
 
-TEST_F(ServedPreviews, EveryChunkShowsPreviewsBeforeItsFramesAndTheVideoIsTheSameWithout) {
-  const pb::Job job = submit(server_->client(), with_previews(3501, 1));
-  // A watch subscribes before it replays: the chunks that had not started when its first event came are checked.
+// The previews each chunk of `job` showed before its frames, for the chunks that had not started when the watch's
+// first event came (its events are left in `events`); the chunks checked are [first_checked, 4).
+struct WatchedPreviews {
   std::vector<pb::JobEvent> events;
+  int first_checked = 4;
+};
+
+WatchedPreviews watch_previews(server::Client& client, const std::string& job_id) {
+  WatchedPreviews watched;
   std::atomic<bool> attached{false};
   std::thread watcher([&] {
-    events = watch_until(server_->client(), job.job_id(), 0, [&](const pb::JobEvent& e) {
+    watched.events = watch_until(client, job_id, 0, [&](const pb::JobEvent& e) {
       attached = true;
       return finished(e);
     }, 120);
   });
-  while (!attached) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  const int first_checked = get_job(server_->client(), job.job_id()).chunks_done() + 1;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!attached && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  if (attached) watched.first_checked = static_cast<int>(get_job(client, job_id).chunks_done()) + 1;
   watcher.join();
+  return watched;
+}
+
+// Bounded retries until a watch attaches while at least one chunk is still to start (as test_server_peers does), so
+// that a chunk is really checked.
+TEST_F(ServedPreviews, EveryChunkShowsPreviewsBeforeItsFramesAndTheVideoIsTheSameWithout) {
+  const auto metrics_before = http_get(server_->metrics_port(), "/metrics");
+  pb::Job job;
+  WatchedPreviews watched;
+  uint64_t seed = 3501;
+  for (uint64_t attempt = 0;; ++attempt) {
+    ASSERT_LT(attempt, 5u) << "the watch never attached before the job's last chunk started";
+    seed = 3501 + attempt * 100;
+    job = submit(server_->client(), with_previews(seed, 1));
+    watched = watch_previews(server_->client(), job.job_id());
+    if (watched.first_checked < 4) break;
+  }
+  const std::vector<pb::JobEvent>& events = watched.events;
   ASSERT_FALSE(events.empty());
   ASSERT_TRUE(events.back().has_finished());
   ASSERT_EQ(events.back().finished().job().state(), pb::JOB_STATE_SUCCEEDED);
@@ -59,6 +85,8 @@ TEST_F(ServedPreviews, EveryChunkShowsPreviewsBeforeItsFramesAndTheVideoIsTheSam
   std::map<int, int> previews_of;  // chunk -> previews seen while it ran
   std::set<int> running, done;
   uint64_t last_sequence = 0;
+  int64_t preview_bytes = 0;
+  int checked = 0;
   for (const pb::JobEvent& e : events) {
     if (e.has_preview()) {
       const pb::ChunkPreview& p = e.preview();
@@ -77,6 +105,7 @@ TEST_F(ServedPreviews, EveryChunkShowsPreviewsBeforeItsFramesAndTheVideoIsTheSam
                                                                 p.frame_width(),
                                                             3}));
       ++previews_of[p.chunk_index()];
+      preview_bytes += static_cast<int64_t>(p.image().size());
       continue;
     }
     EXPECT_GT(e.sequence(), last_sequence);
@@ -85,16 +114,31 @@ TEST_F(ServedPreviews, EveryChunkShowsPreviewsBeforeItsFramesAndTheVideoIsTheSam
     if (e.has_chunk_finished()) {
       done.insert(e.chunk_finished().chunk_index());
       const int chunk = e.chunk_finished().chunk_index();
-      if (chunk >= first_checked) {
+      if (chunk >= watched.first_checked) {
         EXPECT_GE(previews_of[chunk], 1) << "chunk " << chunk;
+        ++checked;
       }
     }
   }
   EXPECT_EQ(done.size(), 4u);
+  EXPECT_EQ(checked, 4 - watched.first_checked) << "every chunk that started after the watch attached was checked";
+  EXPECT_GE(checked, 1);
+
+  // The pod counted what its replicas made (the watch saw some of them; it may skip to the latest).
+  const auto metrics_after = http_get(server_->metrics_port(), "/metrics");
+  const auto moved = [&](const char* name) {
+    const double before = metric_value(metrics_before, name);
+    return metric_value(metrics_after, name) - (std::isnan(before) ? 0 : before);
+  };
+  EXPECT_GE(moved("skyreels_previews_total"), static_cast<double>(
+                                                  std::accumulate(previews_of.begin(), previews_of.end(), 0,
+                                                                  [](int n, const auto& p) { return n + p.second; })));
+  EXPECT_GE(moved("skyreels_preview_bytes_total"), static_cast<double>(preview_bytes));
+  EXPECT_GT(preview_bytes, 0);
 
   // The same request without previews: the same latents, bit for bit.
   const at::Tensor with = download_latents(server_->client(), job.job_id());
-  const pb::Job plain = submit(server_->client(), with_previews(3501, 0));
+  const pb::Job plain = submit(server_->client(), with_previews(seed, 0));
   ASSERT_EQ(wait_job(server_->client(), plain.job_id()).state(), pb::JOB_STATE_SUCCEEDED);
   const at::Tensor without = download_latents(server_->client(), plain.job_id());
   EXPECT_TRUE(at::equal(with, without));
@@ -129,19 +173,29 @@ TEST_F(ServedPreviews, AWatcherThatSkipsPreviewsGetsNoneAndSkyreelsWatchWritesTh
   }
   EXPECT_GE(written, 1) << output;
 
-  pb::WatchJobRequest request;
-  request.set_job_id(job.job_id());
-  request.set_skip_previews(true);
-  auto ctx = server_->client().context(30);
-  auto reader = server_->client().stub().WatchJob(ctx.get(), request);
-  pb::JobEvent event;
-  int events = 0;
-  while (reader->Read(&event)) {
-    EXPECT_FALSE(event.has_preview());
-    ++events;
+  // A watcher that leaves previews out, watching while the job runs (bounded retries until its first event came
+  // with a chunk still to start, so that previews were being offered while it watched).
+  for (uint64_t attempt = 0;; ++attempt) {
+    ASSERT_LT(attempt, 5u) << "the skip_previews watch never attached before the job's last chunk started";
+    const pb::Job running = submit(server_->client(), with_previews(3603 + attempt, 10, 20));
+    pb::WatchJobRequest request;
+    request.set_job_id(running.job_id());
+    request.set_skip_previews(true);
+    auto ctx = server_->client().context(60);
+    auto reader = server_->client().stub().WatchJob(ctx.get(), request);
+    pb::JobEvent event;
+    int events = 0, previews = 0;
+    int64_t chunks_done_at_attach = -1;
+    while (reader->Read(&event)) {
+      if (chunks_done_at_attach < 0) chunks_done_at_attach = get_job(server_->client(), running.job_id()).chunks_done();
+      previews += event.has_preview() ? 1 : 0;
+      ++events;
+    }
+    EXPECT_TRUE(reader->Finish().ok());
+    EXPECT_EQ(previews, 0);
+    EXPECT_GT(events, 3);
+    if (chunks_done_at_attach >= 0 && chunks_done_at_attach < 3) break;
   }
-  EXPECT_TRUE(reader->Finish().ok());
-  EXPECT_GT(events, 3);
 }
 
 }  // namespace

@@ -228,6 +228,9 @@ TEST(JobStore, AnMp4MadeBeforeARestartIsReadBackNotDecodedAgain) {
     ASSERT_EQ(wait_job(server.client(), id).state(), pb::JOB_STATE_SUCCEEDED);
     before = download_mp4(server.client(), id);
     EXPECT_EQ(metric(server, "skyreels_video_chunks_encoded_total"), 4) << "made on the first download";
+    EXPECT_EQ(metric(server, "skyreels_vae_seconds_count{op=\"decode\"}"), 4) << "one VAE decode per chunk";
+    EXPECT_EQ(metric(server, "skyreels_model_load_seconds_count{component=\"vae\"}"), 1);
+    EXPECT_EQ(metric(server, "skyreels_job_store_seconds_count{op=\"put_segment\"}"), 4) << "each segment stored";
     kill_server(server);
   }
   ServerProcess restarted(args);

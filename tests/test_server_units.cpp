@@ -524,10 +524,12 @@ TEST(Metrics, FreshExpositionHasEveryLabelValueAtZero) {
         "skyreels_video_jobs_pending 0"}) {
     EXPECT_NE(text.find(sample), std::string::npos) << sample;
   }
-  ReplicaStatus replica;
-  replica.name = "cpu:0";
-  replica.loaded = replica.healthy = replica.busy = true;
-  metrics.replica_changed(replica);
+  SchedulerEvent changed(SchedulerEventKind::ReplicaChanged);
+  changed.replica = "cpu:0";
+  changed.replica_status = ReplicaStatus{};
+  changed.replica_status->name = "cpu:0";
+  changed.replica_status->loaded = changed.replica_status->healthy = changed.replica_status->busy = true;
+  metrics.consume(changed);
   metrics.rejected(kRejectQueueFull);
   const std::string after = metrics.render();
   EXPECT_NE(after.find("skyreels_replicas_ready 1"), std::string::npos);

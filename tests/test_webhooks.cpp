@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -115,6 +116,28 @@ pb::SubmitJobRequest with_webhook(pb::SubmitJobRequest request, const std::strin
 // The 4-chunk long video: started, 4 chunks finished, completed.
 constexpr size_t kEventsPerJob = 6;
 
+// The sender's own count of deliveries that ended `outcome` (skyreels_webhook_deliveries_total).
+double deliveries(ServerProcess& server, const std::string& outcome = "delivered") {
+  const double value = metric_value(http_get(server.metrics_port(), "/metrics"),
+                                    "skyreels_webhook_deliveries_total{outcome=\"" + outcome + "\"}");
+  return std::isnan(value) ? 0 : value;
+}
+
+// "Nothing more arrives", shown without sleeping it out: the pods' senders say they delivered `count` (and so have
+// nothing in flight that would be another delivery), then one short grace for a request still on the wire.
+void expect_senders_delivered(const std::vector<ServerProcess*>& pods, size_t count) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  double total = 0;
+  while (std::chrono::steady_clock::now() < until) {
+    total = 0;
+    for (ServerProcess* pod : pods) total += deliveries(*pod);
+    if (total >= static_cast<double>(count)) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(total, static_cast<double>(count)) << "deliveries the senders counted";
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+}
+
 TEST(Webhooks, EveryEventArrivesSignedOnceInOrder) {
   Receiver receiver;
   ServerProcess server({"--demo", "--devices", "cpu", "--webhook-secret-file", secret_file(), "--webhook-allow-hosts",
@@ -123,7 +146,7 @@ TEST(Webhooks, EveryEventArrivesSignedOnceInOrder) {
                                                                                       receiver.url("/ok"))).job_id());
   ASSERT_EQ(job.state(), pb::JOB_STATE_SUCCEEDED);
   ASSERT_TRUE(receiver.wait_delivered("/ok", kEventsPerJob, 30)) << server.log();
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // nothing more should come
+  expect_senders_delivered({&server}, kEventsPerJob);
   const auto got = receiver.received();
   ASSERT_EQ(got.size(), kEventsPerJob);
   std::vector<std::string> types;
@@ -147,7 +170,12 @@ TEST(Webhooks, AServerKilledWhileItsReceiverFailsDeliversEverythingAfterARestart
     ServerProcess server(args);
     id = submit(server.client(), with_webhook(long_video_request(2, 1), receiver.url("/flaky"))).job_id();
     ASSERT_EQ(wait_job(server.client(), id).state(), pb::JOB_STATE_SUCCEEDED);
-    std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // a few refused attempts
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);  // a few refused attempts
+    while (deliveries(server, "failed") < 2 && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    EXPECT_GE(deliveries(server, "failed"), 2) << server.log();
+    EXPECT_EQ(deliveries(server), 0) << "the receiver refused every attempt";
     server.signal(SIGKILL);
     server.wait_exit(std::chrono::seconds(10));
   }
@@ -155,7 +183,7 @@ TEST(Webhooks, AServerKilledWhileItsReceiverFailsDeliversEverythingAfterARestart
   receiver.failing = false;
   ServerProcess restarted(args);
   ASSERT_TRUE(receiver.wait_delivered("/flaky", kEventsPerJob, 60)) << restarted.log();
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  expect_senders_delivered({&restarted}, kEventsPerJob);
   // Each id delivered exactly once; any id seen more often came with higher attempt numbers each time.
   std::map<std::string, std::vector<Received>> by_id;
   for (const Received& r : receiver.received()) by_id[r.id].push_back(r);
@@ -263,7 +291,7 @@ TEST(Webhooks, APodWhoseClockRunsAheadTakesNoLiveDeliveryOver) {
   }
   for (const auto& [id, pod] : accepted_by) ASSERT_EQ(wait_job(pod0->client(), id).state(), pb::JOB_STATE_SUCCEEDED);
   ASSERT_TRUE(receiver.wait_delivered("/ok", 3 * kEventsPerJob, 60)) << pod0->log();
-  std::this_thread::sleep_for(std::chrono::seconds(3));  // a second sender would have sent by now
+  expect_senders_delivered({pod0.get(), pod1.get()}, 3 * kEventsPerJob);
   std::map<std::string, int> count;
   for (const Received& r : receiver.received()) ++count[r.id];
   EXPECT_EQ(count.size(), 3 * kEventsPerJob);
@@ -291,7 +319,7 @@ TEST(Webhooks, OnPeersThePodThatAcceptedAJobDeliversEachEventOnce) {
   }
   for (const std::string& id : ids) ASSERT_EQ(wait_job(pod0->client(), id).state(), pb::JOB_STATE_SUCCEEDED);
   ASSERT_TRUE(receiver.wait_delivered("/ok", 3 * kEventsPerJob, 30)) << pod0->log();
-  std::this_thread::sleep_for(std::chrono::seconds(2));  // a second sender would have sent by now
+  expect_senders_delivered({pod0.get(), pod1.get()}, 3 * kEventsPerJob);
   std::map<std::string, int> count;
   for (const Received& r : receiver.received()) {
     EXPECT_TRUE(r.signature_ok);
@@ -317,7 +345,9 @@ TEST(Webhooks, WhenTheAcceptingPodDiesAnotherPodDeliversTheRestInOrder) {
   pod0->wait_exit(std::chrono::seconds(10));
   ASSERT_EQ(wait_job(pod1->client(), id, std::chrono::seconds(120)).state(), pb::JOB_STATE_SUCCEEDED);
   ASSERT_TRUE(receiver.wait_delivered("/ok", kEventsPerJob, 60)) << pod1->log();
-  std::this_thread::sleep_for(std::chrono::seconds(4));  // past the takeover time: a stray repeat would be here
+  // A stray repeat could only come once an event is --webhook-takeover-seconds overdue: waiting past that is the
+  // check itself (pod-0's counters died with it, so the senders' counts cannot close it).
+  std::this_thread::sleep_for(std::chrono::seconds(4));
 
   std::map<std::string, std::vector<Received>> by_id;
   std::vector<uint64_t> first_seen;  // event sequences in the order their ids first arrived
@@ -360,7 +390,7 @@ TEST(Webhooks, TheVideosApiTakesAWebhookUrlAndItsEvents) {
   const auto video = nlohmann::json::parse(created, nullptr, false);
   ASSERT_TRUE(video.contains("id")) << video.dump();
   ASSERT_TRUE(receiver.wait_delivered("/ok", 1, 30)) << server.log();
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  expect_senders_delivered({&server}, 1);
   const auto got = receiver.received();
   ASSERT_EQ(got.size(), 1u) << "only the events asked for";
   EXPECT_EQ(got[0].type, "video.completed");

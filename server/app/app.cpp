@@ -66,7 +66,7 @@ SchedulerOptions scheduling_options(const Options& o) {
 // The one job queue over the store; payloads are re-created from the store (after a restart, where expired leases
 // are taken over; on another pod; after this server evicted them).
 std::unique_ptr<JobQueue> make_queue(const Options& o, Replicas& replicas, JobStore& store,
-                                     const ServiceConfig& service_config, SchedulerObserver& observers) {
+                                     const ServiceConfig& service_config) {
   PodOptions pod;
   pod.scheduling = scheduling_options(o);
   pod.pod = o.pod_name;
@@ -75,7 +75,7 @@ std::unique_ptr<JobQueue> make_queue(const Options& o, Replicas& replicas, JobSt
     return restore_job(job, std::move(chunks), service_config.model, service_config.limits,
                        job_parts(service_config, service_config.text_encoder));
   };
-  auto jobs = std::make_unique<Scheduler>(std::move(replicas.executors), pod, store, loader, &observers);
+  auto jobs = std::make_unique<Scheduler>(std::move(replicas.executors), pod, store, loader);
   spdlog::info("event=scheduler store={} shared={} pod={} lease_seconds={}", store.describe(),
                store.leases()->shared(), o.pod_name, o.lease_seconds);
   return jobs;
@@ -99,10 +99,6 @@ int serve(const Options& o, Signals& signals) {
   std::unique_ptr<WebhookSender> webhooks = make_webhooks(o, *store, metrics);
   const std::unique_ptr<http::HttpServer> metrics_port =
       http::serve_metrics(o.metrics_listen, [&metrics] { return metrics.render(); });
-  ObserverList observers;
-  if (webhooks) observers.add(webhooks.get());
-  observers.add(&metrics);
-  if (video) observers.add(video.get());
 
   // ---- the queue and the transport ----
   ApiKeys keys;
@@ -121,11 +117,14 @@ int serve(const Options& o, Signals& signals) {
     };
   }
   // The service and the drain see only the JobQueue seam.
-  std::unique_ptr<JobQueue> jobs = make_queue(o, replicas, *store, config, observers);
-  // MP4s follow every commit the queue sees, also those of chunks another pod ran.
+  std::unique_ptr<JobQueue> jobs = make_queue(o, replicas, *store, config);
+  // The queue's one stream of scheduler events, consumed by metrics, MP4s (every commit the queue sees, also those
+  // of chunks another pod ran) and webhooks, each from now until the queue goes.
+  EventStream& events = jobs->events();
+  const Subscription metrics_events(events, events.subscribe([&metrics](const SchedulerEvent& e) { metrics.consume(e); }));
   if (video) {
     video->follow_with([&jobs](const std::string& id, const std::string& owner) { return jobs->get(id, owner); },
-                       &jobs->changes());
+                       &events);
   }
   struct StopFollowing {  // destroyed before `jobs`, however serve() ends
     VideoEncoder* video;
@@ -136,7 +135,7 @@ int serve(const Options& o, Signals& signals) {
     }
   } stop_following{video.get(), webhooks.get()};
   jobs->start();
-  if (webhooks) webhooks->start(&jobs->changes());
+  if (webhooks) webhooks->start(&events);
   auto service = make_video_service(*jobs, config);
   int port = 0;
   const std::unique_ptr<grpc::Server> server = start_grpc(o, *service, config.max_request_bytes, metrics, &port);

@@ -132,6 +132,7 @@ VideoEncoder::VideoEncoder(const std::string& vae_path, const std::string& devic
 }
 
 VideoEncoder::~VideoEncoder() {
+  subscription_.reset();
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
@@ -200,17 +201,48 @@ void VideoEncoder::fail_locked(const std::string& id, const std::string& error) 
   }
 }
 
-void VideoEncoder::chunk_finished(const JobSnapshot& job, const std::string&, int64_t chunk, double, int64_t) {
+void VideoEncoder::consume(const SchedulerEvent& event) {
+  switch (event.kind) {
+    case SchedulerEventKind::ChunkFinished:
+      chunk_committed(event.job_id, event.chunk);
+      return;
+    case SchedulerEventKind::JobFinished:
+      if (event.job) job_ended(*event.job);
+      return;
+    case SchedulerEventKind::JobChanged:
+      heard(event.job_id, false);
+      return;
+    case SchedulerEventKind::ChangesMissed:
+      heard("", true);
+      return;
+    case SchedulerEventKind::JobSubmitted:  // want() starts a job's MP4, not its submission
+    case SchedulerEventKind::JobStarted:
+    case SchedulerEventKind::ChunkStarted:
+    case SchedulerEventKind::Handoff:
+    case SchedulerEventKind::StepTimed:
+    case SchedulerEventKind::StepProgress:
+    case SchedulerEventKind::PreviewMade:
+    case SchedulerEventKind::ChunkFailed:  // its retry commits later, or the job ends
+    case SchedulerEventKind::LeaseTakeover:
+    case SchedulerEventKind::ReplicaChanged:
+    case SchedulerEventKind::ReplicaRecovered:
+    case SchedulerEventKind::QueueChanged:
+    case SchedulerEventKind::LookAgain:  // a failed lookup retries on its own timer
+      return;
+  }
+}
+
+void VideoEncoder::chunk_committed(const std::string& id, int64_t chunk) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = wanted_.find(job.id);
+    auto it = wanted_.find(id);
     if (it == wanted_.end()) return;  // nobody asked for this job's MP4 (yet)
     it->second.available = std::max(it->second.available, chunk + 1);
   }
   cv_.notify_all();  // the worker and the waiters share this condition variable
 }
 
-void VideoEncoder::job_finished(const JobSnapshot& job) {
+void VideoEncoder::job_ended(const JobSnapshot& job) {
   if (job.state == JobState::Succeeded) return;  // its wanted chunks are still encoded
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -227,11 +259,8 @@ void VideoEncoder::drop_locked(const std::string& id, JobState state) {
   publish_locked();
 }
 
-void VideoEncoder::follow_with(JobLookup lookup, JobFeed* feed) {
-  if (feed_ != nullptr) {  // outside mu_: followers run under the queue's lock, and heard() takes mu_
-    feed_->unfollow(feed_token_);
-    feed_ = nullptr;
-  }
+void VideoEncoder::follow_with(JobLookup lookup, EventStream* events) {
+  subscription_.reset();  // outside mu_: consume() runs under the stream's lock and takes mu_
   const bool following = static_cast<bool>(lookup);
   {
     std::unique_lock<std::mutex> lock(mu_);
@@ -241,9 +270,8 @@ void VideoEncoder::follow_with(JobLookup lookup, JobFeed* feed) {
     stale_all_ = false;
   }
   if (!following) return;
-  if (feed != nullptr) {
-    feed_ = feed;
-    feed_token_ = feed->follow([this](const JobChange& change) { heard(change); });
+  if (events != nullptr) {
+    subscription_ = Subscription(*events, events->subscribe([this](const SchedulerEvent& e) { consume(e); }));
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -252,13 +280,13 @@ void VideoEncoder::follow_with(JobLookup lookup, JobFeed* feed) {
   cv_.notify_all();
 }
 
-void VideoEncoder::heard(const JobChange& change) {
+void VideoEncoder::heard(const std::string& id, bool missed) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (change.missed) {
+    if (missed) {
       stale_all_ = true;
-    } else if (wanted_.count(change.job_id)) {
-      stale_.insert(change.job_id);
+    } else if (wanted_.count(id)) {
+      stale_.insert(id);
     } else {
       return;  // not a job whose MP4 is being made
     }

@@ -16,7 +16,7 @@
 #include <string>
 #include <thread>
 
-#include "server/queue/job_feed.h"
+#include "server/queue/event_stream.h"
 #include "server/queue/job_types.h"
 #include "server/media/media_metrics.h"
 #include "server/replica/model_job.h"
@@ -55,13 +55,13 @@ std::shared_ptr<const ImageEncoder> load_image_encoder(const std::string& path, 
 // --fault-inject's name for the video encoder: "vae@N" makes the N-th chunk encode throw (tests).
 inline constexpr const char* kVideoEncoderFaultName = "vae";
 
-class VideoEncoder : public SchedulerObserver {
+class VideoEncoder {
  public:
   // `vae_path` "demo": a tiny random-weight VAE (for tests and the demo). `store` must outlive the encoder. `metrics`
   // may be null. Rules of `faults` named kVideoEncoderFaultName apply to the encodes (others are ignored).
   VideoEncoder(const std::string& vae_path, const std::string& device, JobStore& store, MediaMetrics* metrics = nullptr,
                int64_t max_jobs = 1024, const std::vector<FaultRule>& faults = {});
-  ~VideoEncoder() override;
+  ~VideoEncoder();
   // Starts (or keeps) decoding this job's chunks: those done already and every later one; nothing when its MP4 is
   // stored already. A job that ended without succeeding gets a video error instead; so does one beyond `max_jobs`
   // pending jobs.
@@ -69,18 +69,17 @@ class VideoEncoder : public SchedulerObserver {
   // Blocks until segment `chunk` of job `id` has been stored, the job's MP4 failed, the job is not being decoded, or
   // `until` (then `making` is set).
   SegmentWait wait_segment(const std::string& id, int64_t chunk, Clock::time_point until);
-  void chunk_finished(const JobSnapshot& job, const std::string& replica, int64_t chunk, double seconds,
-                      int64_t frames) override;
-  void job_finished(const JobSnapshot& job) override;
   // Blocks until no wanted chunk is left to encode, or `until`; true when idle (used by the drain).
   bool wait_idle(Clock::time_point until);
-  // How the encoder reads a job's committed state (JobQueue::get), and the queue's feed of job changes (JobQueue::
-  // changes()): a wanted job the feed names is read again, so chunks committed where the observer calls never come
-  // (another pod) and jobs that ended there are caught up; every wanted job is read again at start and after the
-  // feed missed changes. follow_with({}, nullptr) before the queue goes: it returns once no lookup is running.
+  // How the encoder reads a job's committed state (JobQueue::get), and the queue's stream of scheduler events
+  // (JobQueue::events()), which it consumes: this pod's commits and ends as they happen, and a wanted job named by a
+  // JobChanged is read again, so chunks committed on another pod and jobs that ended there are caught up; every
+  // wanted job is read again at start and after ChangesMissed. follow_with({}, nullptr) before the queue goes: it
+  // returns once no lookup is running.
   using JobLookup = std::function<std::optional<JobSnapshot>(const std::string& id, const std::string& owner)>;
   static constexpr std::chrono::milliseconds kCatchUpRetry{500};  // after a lookup failed (the store is away)
-  void follow_with(JobLookup lookup, JobFeed* feed);
+  void follow_with(JobLookup lookup, EventStream* events);
+  void consume(const SchedulerEvent& event);
   // The loaded VAE, shared with jobs that encode image / video conditioning (its encode and decode may run
   // concurrently).
   std::shared_ptr<const model::WanVae> vae() const { return vae_; }
@@ -97,7 +96,9 @@ class VideoEncoder : public SchedulerObserver {
     std::shared_ptr<VideoState> state;
   };
   void loop();
-  void heard(const JobChange& change);  // a feed follower: notes the change, the worker reads the job
+  void chunk_committed(const std::string& id, int64_t chunk);
+  void job_ended(const JobSnapshot& job);
+  void heard(const std::string& id, bool missed);  // notes the change, the worker reads the job (every one, `missed`)
   bool catch_up_pending_locked() const;
   bool catch_up_due_locked() const;
   void catch_up(std::unique_lock<std::mutex>& lock);
@@ -133,54 +134,8 @@ class VideoEncoder : public SchedulerObserver {
   std::set<std::string> stale_;  // wanted jobs the feed named since they were last read
   bool stale_all_ = false;       // every wanted job: at start, and after the feed missed changes
   Clock::time_point retry_at_{};  // a lookup failed: the next one waits until then
-  JobFeed* feed_ = nullptr;       // followed under feed_token_ (set and read by follow_with's caller only)
-  uint64_t feed_token_ = 0;
+  Subscription subscription_;     // set and reset by follow_with's caller only
   std::thread thread_;
-};
-
-// Forwards every observer call to several observers (metrics, the video encoder).
-class ObserverList : public SchedulerObserver {
- public:
-  void add(SchedulerObserver* observer) { observers_.push_back(observer); }
-  void job_submitted(const JobSnapshot& j) override {
-    for (auto* o : observers_) o->job_submitted(j);
-  }
-  void job_started(const JobSnapshot& j, double w) override {
-    for (auto* o : observers_) o->job_started(j, w);
-  }
-  void job_finished(const JobSnapshot& j) override {
-    for (auto* o : observers_) o->job_finished(j);
-  }
-  void chunk_started(const JobSnapshot& j, const std::string& r, int64_t c) override {
-    for (auto* o : observers_) o->chunk_started(j, r, c);
-  }
-  void chunk_finished(const JobSnapshot& j, const std::string& r, int64_t c, double s, int64_t f) override {
-    for (auto* o : observers_) o->chunk_finished(j, r, c, s, f);
-  }
-  void chunk_failed(const JobSnapshot& j, const std::string& r, int64_t c, const std::string& e, bool w) override {
-    for (auto* o : observers_) o->chunk_failed(j, r, c, e, w);
-  }
-  void step(const std::string& r, double s) override {
-    for (auto* o : observers_) o->step(r, s);
-  }
-  void handoff(const JobSnapshot& j, const std::string& f, const std::string& t) override {
-    for (auto* o : observers_) o->handoff(j, f, t);
-  }
-  void replica_changed(const ReplicaStatus& r) override {
-    for (auto* o : observers_) o->replica_changed(r);
-  }
-  void replica_recovered(const ReplicaStatus& r) override {
-    for (auto* o : observers_) o->replica_recovered(r);
-  }
-  void queue_changed(int64_t q, int64_t r) override {
-    for (auto* o : observers_) o->queue_changed(q, r);
-  }
-  void lease_takeover(const std::string& r) override {
-    for (auto* o : observers_) o->lease_takeover(r);
-  }
-
- private:
-  std::vector<SchedulerObserver*> observers_;
 };
 
 }  // namespace skyreels::server

@@ -130,7 +130,55 @@ void Metrics::video_jobs_pending(int64_t jobs) { set(MetricId::VideoJobsPending,
 
 void Metrics::webhook_attempted(const std::string& outcome) { count(MetricId::WebhookDeliveries, outcome); }
 
-// ---- SchedulerObserver --------------------------------------------------------------------------------------------
+// ---- the scheduler's events --------------------------------------------------------------------------------------
+
+void Metrics::consume(const SchedulerEvent& event) {
+  switch (event.kind) {
+    case SchedulerEventKind::JobSubmitted:
+      if (event.job) job_submitted(*event.job);
+      return;
+    case SchedulerEventKind::JobStarted:
+      observe(MetricId::QueueWait, event.seconds);
+      return;
+    case SchedulerEventKind::JobFinished:
+      if (event.job) job_finished(*event.job);
+      return;
+    case SchedulerEventKind::ChunkFinished:
+      chunk_finished(event);
+      return;
+    case SchedulerEventKind::ChunkFailed:
+      if (event.will_retry) count(MetricId::ChunkRetries);
+      return;
+    case SchedulerEventKind::StepTimed:
+      observe(MetricId::StepDuration, event.seconds, event.replica);
+      return;
+    case SchedulerEventKind::PreviewMade:
+      count(MetricId::Previews);
+      count(MetricId::PreviewBytes, {}, static_cast<double>(event.bytes));
+      return;
+    case SchedulerEventKind::Handoff:
+      count(MetricId::ChunkHandoffs);
+      return;
+    case SchedulerEventKind::ReplicaChanged:
+      if (event.replica_status) replica_changed(*event.replica_status);
+      return;
+    case SchedulerEventKind::ReplicaRecovered:
+      count(MetricId::ReplicaRecoveries, event.replica);
+      return;
+    case SchedulerEventKind::LeaseTakeover:
+      count(MetricId::LeaseTakeovers);
+      return;
+    case SchedulerEventKind::QueueChanged:
+      queue_changed(event.queued, event.running);
+      return;
+    case SchedulerEventKind::ChunkStarted:  // counted when they finish or fail
+    case SchedulerEventKind::StepProgress:  // StepTimed times the steps
+    case SchedulerEventKind::JobChanged:    // other pods' changes: their own metrics count them
+    case SchedulerEventKind::ChangesMissed:
+    case SchedulerEventKind::LookAgain:
+      return;
+  }
+}
 
 void Metrics::job_submitted(const JobSnapshot& job) {
   count(MetricId::JobsSubmitted);
@@ -141,34 +189,16 @@ void Metrics::job_submitted(const JobSnapshot& job) {
   }
 }
 
-void Metrics::job_started(const JobSnapshot&, double queue_wait_seconds) {
-  observe(MetricId::QueueWait, queue_wait_seconds);
-}
-
 void Metrics::job_finished(const JobSnapshot& job) {
   count(MetricId::JobsFinished, outcome_label(job.state));
   observe(MetricId::JobDuration, seconds_since(job.created), outcome_label(job.state));
 }
 
-void Metrics::chunk_finished(const JobSnapshot& job, const std::string& replica, int64_t chunk, double seconds,
-                             int64_t frames) {
-  if (chunk == 0) observe(MetricId::TimeToFirstChunk, seconds_since(job.created));
-  observe(MetricId::ChunkDuration, seconds, replica);
-  count(MetricId::FramesGenerated, {}, static_cast<double>(frames));
+void Metrics::chunk_finished(const SchedulerEvent& event) {
+  if (event.chunk == 0 && event.job) observe(MetricId::TimeToFirstChunk, seconds_since(event.job->created));
+  observe(MetricId::ChunkDuration, event.seconds, event.replica);
+  count(MetricId::FramesGenerated, {}, static_cast<double>(event.frames));
 }
-
-void Metrics::chunk_failed(const JobSnapshot&, const std::string&, int64_t, const std::string&, bool will_retry) {
-  if (will_retry) count(MetricId::ChunkRetries);
-}
-
-void Metrics::step(const std::string& replica, double seconds) { observe(MetricId::StepDuration, seconds, replica); }
-
-void Metrics::preview_made(int64_t bytes) {
-  count(MetricId::Previews);
-  count(MetricId::PreviewBytes, {}, static_cast<double>(bytes));
-}
-
-void Metrics::handoff(const JobSnapshot&, const std::string&, const std::string&) { count(MetricId::ChunkHandoffs); }
 
 void Metrics::replica_changed(const ReplicaStatus& replica) {
   set(MetricId::ReplicaBusy, replica.busy ? 1 : 0, replica.name);
@@ -179,10 +209,6 @@ void Metrics::replica_changed(const ReplicaStatus& replica) {
   for (const auto& [name, ok] : ready_) ready += ok ? 1 : 0;
   set(MetricId::ReplicasReady, ready);
 }
-
-void Metrics::replica_recovered(const ReplicaStatus& replica) { count(MetricId::ReplicaRecoveries, replica.name); }
-
-void Metrics::lease_takeover(const std::string& /*replica*/) { count(MetricId::LeaseTakeovers); }
 
 void Metrics::queue_changed(int64_t queued, int64_t running) {
   set(MetricId::QueueDepth, static_cast<double>(queued));

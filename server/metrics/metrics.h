@@ -1,6 +1,7 @@
 // Prometheus metrics of the operations contract (docs/ARCHITECTURE.md): the sink every layer below reports into.
-// Metrics implements the small interfaces those layers declare (SchedulerObserver of queue/, ApiMetrics of api/,
-// MediaMetrics of media/, WebhookMetrics of webhook/, StoreCallReport of store/); the families themselves are the
+// Metrics consumes the queue's stream of scheduler events (queue/event_stream.h) and implements the small
+// interfaces the other layers declare (ApiMetrics of api/, MediaMetrics of media/, WebhookMetrics of webhook/,
+// StoreCallReport of store/); the families themselves are the
 // table of metric_families.h. render() is the exposition; the process serves it on the metrics port with the same
 // HTTP listener as the HTTP port (app/), so nothing here listens.
 #pragma once
@@ -16,7 +17,7 @@
 #include "server/media/media_metrics.h"
 #include "server/metrics/metric_families.h"
 #include "server/metrics/metric_registry.h"
-#include "server/queue/job_types.h"
+#include "server/queue/scheduler_event.h"
 #include "server/store/job_store_timed.h"
 #include "server/webhook/webhook_metrics.h"
 
@@ -25,7 +26,7 @@ namespace skyreels::server {
 // At most this many (type, service, method) series of the grpc_server_* metrics; later ones count as "unknown".
 inline constexpr size_t kMaxRpcSeries = 64;
 
-class Metrics : public SchedulerObserver, public ApiMetrics, public MediaMetrics, public WebhookMetrics {
+class Metrics : public ApiMetrics, public MediaMetrics, public WebhookMetrics {
  public:
   // `loras`: the adapters in effect (model::describe_loras); when non-empty, skyreels_build_info gets a `loras` label.
   Metrics(const std::vector<std::string>& replica_names, const std::string& version, const std::string& loras = "");
@@ -54,23 +55,9 @@ class Metrics : public SchedulerObserver, public ApiMetrics, public MediaMetrics
   // WebhookMetrics: one delivery attempt ended, outcome delivered, failed (a retry follows) or abandoned.
   void webhook_attempted(const std::string& outcome) override;
 
-  // SchedulerObserver
-  void job_submitted(const JobSnapshot&) override;
-  void job_started(const JobSnapshot&, double queue_wait_seconds) override;
-  void job_finished(const JobSnapshot& job) override;
-  void chunk_finished(const JobSnapshot&, const std::string& replica, int64_t chunk, double seconds,
-                      int64_t frames) override;
-  void chunk_failed(const JobSnapshot&, const std::string& replica, int64_t chunk, const std::string& error,
-                    bool will_retry) override;
-  void step(const std::string& replica, double seconds) override;
-  void preview_made(int64_t bytes) override;  // a preview of a running chunk made by this pod's replicas
-  void handoff(const JobSnapshot&, const std::string& from, const std::string& to) override;
-  void replica_changed(const ReplicaStatus& replica) override;
-  void replica_recovered(const ReplicaStatus& replica) override;
-  // A chunk whose lease ran out on another pod (that pod died or stalled) was taken over by `replica` of this one.
-  void lease_takeover(const std::string& replica) override;
-  // Also sets skyreels_global_queue_depth to `queued` until set_global_queue_depth() is first called.
-  void queue_changed(int64_t queued, int64_t running) override;
+  // The scheduler's events (subscribe it to JobQueue::events()). QueueChanged also sets skyreels_global_queue_depth
+  // to its `queued` until set_global_queue_depth() is first called.
+  void consume(const SchedulerEvent& event);
 
   // The assembly's reports (app/): one model component's load (kComponent*); one transformer call's token-blocks
   // (tokens x blocks) computed, saved exactly, saved by the step cache; `loaded` LoRA adapters (--lora-dir) read onto
@@ -97,6 +84,11 @@ class Metrics : public SchedulerObserver, public ApiMetrics, public MediaMetrics
     std::map<int, prometheus::Counter*> handled;  // by code
   };
   RpcSeries& rpc_series_locked(const std::string& type, const std::string& service, const std::string& method);
+  void job_submitted(const JobSnapshot& job);
+  void job_finished(const JobSnapshot& job);
+  void chunk_finished(const SchedulerEvent& event);
+  void replica_changed(const ReplicaStatus& replica);
+  void queue_changed(int64_t queued, int64_t running);
   void count(MetricId id, std::string_view value = {}, double by = 1);
   void set(MetricId id, double value, std::string_view label_value = {});
   void observe(MetricId id, double seconds, std::string_view value = {});

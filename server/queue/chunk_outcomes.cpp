@@ -67,10 +67,10 @@ void ChunkRunner::push_step(Running& run, int64_t row, int64_t rows) {
   }
 }
 
-// The preview goes to the hub (the job's latest, kPreviewJobsPerReplica jobs per replica of this pod).
+// The preview goes to the hub (the job's latest, kPreviewJobsPerReplica jobs per replica of this pod), which
+// publishes it.
 void ChunkRunner::push_preview(const Running& run, ChunkPreviewImage image) {
-  if (observer_) observer_->preview_made(static_cast<int64_t>(image.png.size()));
-  hub_.keep_preview(run.job.id, std::move(image), kPreviewJobsPerReplica * pool_.size());
+  hub_.keep_preview(run.job.id, run.replica, std::move(image), kPreviewJobsPerReplica * pool_.size());
 }
 
 void ChunkRunner::chunk_done(size_t replica, ChunkAssignment /*assignment*/, ChunkResult result, double seconds) {
@@ -146,13 +146,17 @@ void ChunkRunner::commit_result(const Running& run, ChunkResult& result, double 
   if (commit.committed) {
     spdlog::info("job={} event=chunk_finished chunk={} replica={} seconds={:.3f}", id, chunk, run.replica, seconds);
   }
-  if (commit.committed && observer_) {
+  if (commit.committed) {
     StoredJob after = run.job;
     after.chunks_done = chunk + 1;
     if (last) after.state = job_state_name(JobState::Succeeded);
-    const JobSnapshot s = snapshot_of(after);
-    observer_->chunk_finished(s, run.replica, chunk, seconds, result.frames_generated);
-    if (last) observer_->job_finished(s);
+    SchedulerEvent finished = SchedulerEvent::about(SchedulerEventKind::ChunkFinished, snapshot_of(after));
+    finished.replica = run.replica;
+    finished.chunk = chunk;
+    finished.seconds = seconds;
+    finished.frames = result.frames_generated;
+    events_.publish(finished);
+    if (last) events_.publish(SchedulerEvent::about(SchedulerEventKind::JobFinished, *finished.job));
   }
 }
 
@@ -209,7 +213,12 @@ void ChunkRunner::fail_or_retry(const Running& run, const std::string& error) {
   const bool retry = policy::should_retry(run.failures + 1, options_.scheduling.chunk_retries, pool_.any_healthy());
   spdlog::warn("job={} event=chunk_failed chunk={} replica={} attempt={} retry={} error=\"{}\"", run.job.id,
                run.lease.chunk_index, run.replica, run.attempt, retry, error);
-  if (observer_) observer_->chunk_failed(snapshot_of(run.job), run.replica, run.lease.chunk_index, error, retry);
+  SchedulerEvent failed = SchedulerEvent::about(SchedulerEventKind::ChunkFailed, snapshot_of(run.job));
+  failed.replica = run.replica;
+  failed.chunk = run.lease.chunk_index;
+  failed.error = error;
+  failed.will_retry = retry;
+  events_.publish(failed);
   if (!retry) {
     finish(run.job.id, JobState::Failed, ErrorKind::Internal,
            "chunk " + std::to_string(run.lease.chunk_index) + " failed " + std::to_string(run.failures + 1) +
@@ -263,7 +272,7 @@ void ChunkRunner::finish(const std::string& job_id, JobState state, ErrorKind ki
     spdlog::log(state == JobState::Succeeded ? spdlog::level::info : spdlog::level::warn,
                 "job={} event=finished state={} chunks_done={} error=\"{}\"", job_id, job_state_name(state),
                 job->chunks_done, error);
-    if (observer_) observer_->job_finished(snapshot_of(*job));
+    events_.publish(SchedulerEvent::about(SchedulerEventKind::JobFinished, snapshot_of(*job)));
   } catch (const StoreError& e) {
     spdlog::error("job={} event=finish_failed state={} error=\"{}\"", job_id, job_state_name(state), e.what());
   }
@@ -335,7 +344,7 @@ void ChunkRunner::housekeeping() {
     }
     retire_finished();
     drop_removed();
-    if (observer_) observer_->queue_changed(leases_.queue_depth(), running_jobs());
+    report_queue();
   } catch (const StoreError& e) {
     spdlog::warn("event=housekeeping_failed error=\"{}\"", e.what());
   }

@@ -44,18 +44,18 @@ JobSnapshot snapshot_of(const StoredJob& job) {
 
 ChunkRunner::ChunkRunner(std::vector<std::unique_ptr<ChunkExecutor>> executors, const PodOptions& options,
                          SchedulerShared& shared, JobEventHub& hub, JobStore& store, LeaseStore& leases,
-                         JobLoader loader, SchedulerObserver* observer)
+                         JobLoader loader, EventStream& events)
     : options_(options),
       shared_(shared),
       hub_(hub),
       store_(store),
       leases_(leases),
       loader_(std::move(loader)),
-      observer_(observer),
+      events_(events),
       pool_(std::move(executors),
             ReplicaPoolOptions{options_.scheduling.replica_failure_limit, options_.scheduling.retest_backoff,
                                options_.scheduling.retest_backoff_max, options_.scheduling.liveness_grace},
-            observer),
+            &events),
       mu_(shared.mu),
       work_(shared.work),
       changed_(shared.changed),
@@ -153,9 +153,11 @@ std::string ChunkRunner::lease_name(size_t replica) const {
 
 // The gauges of queued and running work (the store's queue, this server's chunks).
 void ChunkRunner::report_queue() {
-  if (observer_ == nullptr) return;
   try {
-    observer_->queue_changed(leases_.queue_depth(), running_jobs());
+    SchedulerEvent queue{SchedulerEventKind::QueueChanged};
+    queue.queued = leases_.queue_depth();
+    queue.running = running_jobs();
+    events_.publish(queue);
   } catch (const StoreError&) {  // metrics only: the next report catches up
   }
 }
@@ -343,7 +345,9 @@ std::optional<ChunkRunner::Attempts> ChunkRunner::attempts_allowed(const StoredJ
     ++attempts.takeovers;
     spdlog::warn("job={} event=lease_takeover chunk={} from={} to={} takeovers={}", job.id, lease.chunk_index,
                  lease.previous_replica, name, attempts.takeovers);
-    if (observer_) observer_->lease_takeover(name);
+    SchedulerEvent takeover{SchedulerEventKind::LeaseTakeover};
+    takeover.replica = name;
+    events_.publish(takeover);
     JobEvent retry;
     retry.type = EventType::ChunkRetry;
     retry.chunk = lease.chunk_index;
@@ -392,7 +396,7 @@ std::shared_ptr<ChunkRunner::Running> ChunkRunner::start_run(size_t replica, con
   return run;
 }
 
-// ChunkStarted, the sequence numbers of the chunk's steps, the log line and the observer's calls.
+// ChunkStarted, the sequence numbers of the chunk's steps, the log line and the scheduler events.
 void ChunkRunner::announce_start(Running& run, const StoredJob& job, const Cached& cached) {
   const ChunkLease& lease = run.lease;
   const std::string& name = run.replica;
@@ -417,14 +421,22 @@ void ChunkRunner::announce_start(Running& run, const StoredJob& job, const Cache
   }
   spdlog::info("job={} event=chunk_started chunk={}/{} replica={} attempt={} handoff={} token={}", job.id,
                lease.chunk_index, lease.chunk_count, name, attempt, lease.handoff, lease.token);
-  if (observer_) {
-    const JobSnapshot s = snapshot_of(job);
-    if (lease.chunk_index == 0 && attempt == 0) {
-      observer_->job_started(s, static_cast<double>(leases_.now_ms() - job.created_ms) / 1000.0);
-    }
-    if (lease.handoff) observer_->handoff(s, lease.previous_replica, name);
-    observer_->chunk_started(s, name, lease.chunk_index);
+  const JobSnapshot s = snapshot_of(job);
+  if (lease.chunk_index == 0 && attempt == 0) {
+    SchedulerEvent first = SchedulerEvent::about(SchedulerEventKind::JobStarted, s);
+    first.seconds = static_cast<double>(leases_.now_ms() - job.created_ms) / 1000.0;
+    events_.publish(first);
   }
+  if (lease.handoff) {
+    SchedulerEvent moved = SchedulerEvent::about(SchedulerEventKind::Handoff, s);
+    moved.replica = name;
+    moved.from_replica = lease.previous_replica;
+    events_.publish(moved);
+  }
+  SchedulerEvent chunk = SchedulerEvent::about(SchedulerEventKind::ChunkStarted, s);
+  chunk.replica = name;
+  chunk.chunk = lease.chunk_index;
+  events_.publish(chunk);
 }
 
 ChunkAssignment ChunkRunner::assignment_for(const std::shared_ptr<Running>& run, const Cached& cached) {

@@ -53,7 +53,7 @@ class ChunkRunner final : private ChunkSource {
 
   ChunkRunner(std::vector<std::unique_ptr<ChunkExecutor>> executors, const PodOptions& options,
               SchedulerShared& shared, JobEventHub& hub, JobStore& store, LeaseStore& leases, JobLoader loader,
-              SchedulerObserver* observer);
+              EventStream& events);
   ~ChunkRunner() override;
   void start();
   void stop();  // after shared.stopping and hard_stop: running chunks give their leases back, the heartbeat ends
@@ -144,7 +144,7 @@ class ChunkRunner final : private ChunkSource {
   JobStore& store_;
   LeaseStore& leases_;
   JobLoader loader_;
-  SchedulerObserver* observer_;
+  EventStream& events_;
   ReplicaPool pool_;
   // The shared lock and state under the names the claim path has always used (it is kept verbatim).
   std::mutex& mu_;

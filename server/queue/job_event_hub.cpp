@@ -68,7 +68,11 @@ const JobEvent* JobEventHub::latest_step_locked(const std::string& job_id) const
 // The job's latest preview replaces the one before (watchers skip to it): one image per job, for at most `max_jobs`
 // jobs (the oldest goes). Serials are this pod's, increasing across jobs, so that an entry evicted and made again
 // never repeats one. A job's entry goes when it ends.
-void JobEventHub::keep_preview(const std::string& job_id, ChunkPreviewImage image, size_t max_jobs) {
+void JobEventHub::keep_preview(const std::string& job_id, const std::string& replica, ChunkPreviewImage image,
+                               size_t max_jobs) {
+  SchedulerEvent made = SchedulerEvent::about(SchedulerEventKind::PreviewMade, job_id);
+  made.replica = replica;
+  made.bytes = static_cast<int64_t>(image.png.size());
   auto shared = std::make_shared<const ChunkPreviewImage>(std::move(image));
   {
     std::lock_guard<std::mutex> lock(previews_mu_);
@@ -85,7 +89,8 @@ void JobEventHub::keep_preview(const std::string& job_id, ChunkPreviewImage imag
     ++it->second.count;
     it->second.image = std::move(shared);
   }
-  stepped(job_id);
+  wake_waiters(false);
+  events_.publish(made);
 }
 
 void JobEventHub::drop_preview(const std::string& job_id) {
@@ -103,56 +108,21 @@ std::optional<LatestPreview> JobEventHub::latest_preview(const std::string& id, 
 // ---- changes ----------------------------------------------------------------------------------------------------
 
 void JobEventHub::changed(const std::string& job_id) {
-  std::lock_guard<std::mutex> lock(shared_.mu);
-  ++shared_.change_count;
-  shared_.work.notify_all();
-  shared_.changed.notify_all();
-  notify_locked(job_id, true);
+  wake_waiters(true);
+  events_.publish(SchedulerEvent::about(SchedulerEventKind::JobChanged, job_id));
 }
 
-// Step progress: only the job's watchers hear it (no replica has new work, no lease needs renewing, no follower
-// reads progress).
+// Step progress: no replica has new work, no lease needs renewing.
 void JobEventHub::stepped(const std::string& job_id) {
+  wake_waiters(false);
+  events_.publish(SchedulerEvent::about(SchedulerEventKind::StepProgress, job_id));
+}
+
+void JobEventHub::wake_waiters(bool replicas) {
   std::lock_guard<std::mutex> lock(shared_.mu);
   ++shared_.change_count;
+  if (replicas) shared_.work.notify_all();
   shared_.changed.notify_all();
-  notify_locked(job_id, false);
-}
-
-void JobEventHub::notify_locked(const std::string& job_id, bool followers) {
-  if (auto it = subscribers_.find(job_id); it != subscribers_.end()) {
-    for (auto& [token, notify] : it->second) notify();
-  }
-  if (!followers) return;
-  const JobChange change{job_id, false};
-  for (auto& [token, follower] : followers_) follower(change);
-}
-
-uint64_t JobEventHub::subscribe(const std::string& id, std::function<void()> notify) {
-  std::lock_guard<std::mutex> lock(shared_.mu);
-  const uint64_t token = next_token_++;
-  subscribers_[id][token] = std::move(notify);
-  return token;
-}
-
-void JobEventHub::unsubscribe(const std::string& id, uint64_t token) {
-  std::lock_guard<std::mutex> lock(shared_.mu);
-  auto it = subscribers_.find(id);
-  if (it == subscribers_.end()) return;
-  it->second.erase(token);
-  if (it->second.empty()) subscribers_.erase(it);
-}
-
-uint64_t JobEventHub::follow(Follower follower) {
-  std::lock_guard<std::mutex> lock(shared_.mu);
-  const uint64_t token = next_token_++;
-  followers_[token] = std::move(follower);
-  return token;
-}
-
-void JobEventHub::unfollow(uint64_t token) {
-  std::lock_guard<std::mutex> lock(shared_.mu);  // followers run under it: none runs once this returns
-  followers_.erase(token);
 }
 
 uint64_t JobEventHub::change_count() const {
@@ -194,9 +164,8 @@ void JobEventHub::hear_other_pods(std::unique_ptr<ChangeListener>& listener, Clo
     }
     if (changes.missed) last_poll = Clock::time_point{};  // the waiters look again now
     if (changes.missed || remade) {
-      // Changes may have gone unheard (a new listener hears only what comes after it): followers re-read.
-      std::lock_guard<std::mutex> lock(shared_.mu);
-      for (auto& [token, follower] : followers_) follower(JobChange{"", true});
+      // Changes may have gone unheard (a new listener hears only what comes after it): consumers re-read.
+      events_.publish(SchedulerEvent{SchedulerEventKind::ChangesMissed});
     }
   } catch (const StoreError& e) {
     listener.reset();
@@ -207,25 +176,11 @@ void JobEventHub::hear_other_pods(std::unique_ptr<ChangeListener>& listener, Clo
 }
 
 // The safety net: a lease that expires (its holder died or paused) makes a chunk claimable without any notification,
-// and notifications are hints, so every watcher and idle replica looks again now and then. The feed's followers are
-// not woken here: what they follow (commits, ends) always sends one, and a lost listener reports `missed`.
+// and notifications are hints, so every waiter, watcher and idle replica looks again now and then (LookAgain). What
+// the other consumers follow (commits, ends) always sends a change, and a lost listener publishes ChangesMissed.
 void JobEventHub::look_again_everywhere() {
-  std::vector<std::string> watched;
-  {
-    std::lock_guard<std::mutex> lock(shared_.mu);
-    for (const auto& [id, subscribers] : subscribers_) watched.push_back(id);
-  }
-  for (const std::string& id : watched) {
-    std::lock_guard<std::mutex> lock(shared_.mu);
-    ++shared_.change_count;
-    shared_.work.notify_all();
-    shared_.changed.notify_all();
-    notify_locked(id, false);
-  }
-  std::lock_guard<std::mutex> lock(shared_.mu);
-  ++shared_.change_count;
-  shared_.work.notify_all();
-  shared_.changed.notify_all();
+  wake_waiters(true);
+  events_.publish(SchedulerEvent{SchedulerEventKind::LookAgain});
 }
 
 void JobEventHub::listen_loop() {

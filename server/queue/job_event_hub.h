@@ -1,7 +1,8 @@
 // The job event hub: each job's event log (stored events, and the step progress and previews kept in memory), its
-// watchers (waits, subscriptions), and the one feed of job changes (job_feed.h). Changes reach it two ways: from this
-// pod's scheduler as it makes them, and from the store's one ChangeListener for those other pods commit (a lost
-// listener is re-made and reported as `missed`). It is the only loop in the server that follows job changes.
+// waiters, and the one stream of scheduler events (event_stream.h) that metrics, webhooks, the MP4 encoder and the
+// watchers consume. Changes reach it two ways: from this pod's scheduler as it makes them, and from the store's one
+// ChangeListener for those other pods commit (a lost listener is re-made and published as ChangesMissed). It is the
+// only loop in the server that follows job changes.
 #pragma once
 
 #include <chrono>
@@ -14,21 +15,21 @@
 #include <string>
 #include <thread>
 
-#include "server/queue/job_feed.h"
+#include "server/queue/event_stream.h"
 #include "server/queue/job_types.h"
 #include "server/queue/scheduler_shared.h"
 #include "server/store/job_lease.h"
 
 namespace skyreels::server {
 
-class JobEventHub final : public JobFeed {
+class JobEventHub final {
  public:
   // A job another pod changed (it may be a cancel): the runner renews a chunk of it running here at once.
   using ForeignChange = std::function<void(const std::string& job_id)>;
   // `poll`: how often waiters look again without a notification (a lease expiring sends none).
   JobEventHub(SchedulerShared& shared, LeaseStore& leases, JobStore& store, std::chrono::milliseconds poll,
               ForeignChange foreign_change);
-  ~JobEventHub() override;
+  ~JobEventHub();
   void start();
   void join();  // after shared.stopping is set and shared.wake notified
 
@@ -37,29 +38,28 @@ class JobEventHub final : public JobFeed {
   uint64_t append(const std::string& job_id, const JobEvent& event);
   void keep_step_locked(const std::string& job_id, const JobEvent& event);
   const JobEvent* latest_step_locked(const std::string& job_id) const;
-  void keep_preview(const std::string& job_id, ChunkPreviewImage image, size_t max_jobs);
+  // Keeps the job's latest preview and publishes PreviewMade (made by `replica`).
+  void keep_preview(const std::string& job_id, const std::string& replica, ChunkPreviewImage image, size_t max_jobs);
   void drop_preview(const std::string& job_id);
   std::optional<LatestPreview> latest_preview(const std::string& id, uint64_t after_serial) const;
 
-  // Changes: changed() wakes waiters, idle replicas, the job's subscribers and the feed's followers; stepped()
-  // (progress) only the job's waiters and subscribers.
+  // Changes: changed() wakes waiters and idle replicas and publishes JobChanged; stepped() (progress) wakes waiters
+  // and publishes StepProgress.
   void changed(const std::string& job_id);
   void stepped(const std::string& job_id);
+  // The stream every scheduler event is published on (this pod's and, as JobChanged, other pods').
+  EventStream& events() { return events_; }
 
-  // Watchers.
+  // Waiters.
   EventBatch wait_events(const std::string& id, const std::string& owner, uint64_t after_sequence,
                          Clock::time_point until) const;
-  uint64_t subscribe(const std::string& id, std::function<void()> notify);
-  void unsubscribe(const std::string& id, uint64_t token);
-  uint64_t follow(Follower follower) override;
-  void unfollow(uint64_t token) override;
   uint64_t change_count() const;
   // Waits until a change after `seen` (with `seen` empty: only stopping), stopping, `until` or one poll period;
   // false when stopping.
   bool wait_for_change(std::optional<uint64_t> seen, Clock::time_point until) const;
 
  private:
-  void notify_locked(const std::string& job_id, bool followers);
+  void wake_waiters(bool replicas);
   void listen_loop();
   void hear_other_pods(std::unique_ptr<ChangeListener>& listener, Clock::time_point& last_poll);
   void keep_heard_steps(const JobChanges& changes);
@@ -75,9 +75,7 @@ class JobEventHub final : public JobFeed {
   ForeignChange foreign_change_;
   // Under shared_.mu:
   std::map<std::string, std::deque<JobEvent>> steps_;  // step events of chunks run here or elsewhere (bounded)
-  std::map<std::string, std::map<uint64_t, std::function<void()>>> subscribers_;
-  std::map<uint64_t, Follower> followers_;
-  uint64_t next_token_ = 1;
+  EventStream events_;
   std::thread listener_;
   // Previews have a lock of their own: nothing else is read with them.
   mutable std::mutex previews_mu_;

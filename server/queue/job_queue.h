@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "server/queue/job_feed.h"
+#include "server/queue/event_stream.h"
 #include "server/queue/job_types.h"
 
 namespace skyreels::server {
@@ -81,7 +81,7 @@ class JobQueue {
   virtual EventBatch wait_events(const std::string& id, const std::string& owner, uint64_t after_sequence,
                                  Clock::time_point until) const = 0;
   // For watchers that hold no thread (gRPC callback streams): `notify` runs after each of the job's events and when
-  // the job is dropped, with the queue's lock held, so it must only schedule work (then read with
+  // the job is dropped, on the publishing thread with the stream's lock held, so it must only schedule work (then read with
   // wait_events(..., Clock::now())). Returns a token for unsubscribe(). Never calls the store (gRPC's callback threads
   // subscribe): whether the job exists is the reader's question; a job that does not is never told.
   virtual uint64_t subscribe(const std::string& id, std::function<void()> notify) = 0;
@@ -92,8 +92,8 @@ class JobQueue {
   // Blocks until the job has more than `chunks_seen` chunks done, ended, or `until`; returns the snapshot.
   virtual std::optional<JobSnapshot> wait_chunks(const std::string& id, const std::string& owner, int64_t chunks_seen,
                                                  Clock::time_point until) const = 0;
-  // The one feed of every job's changes, this pod's and other pods' (job_feed.h), for followers outside the queue.
-  virtual JobFeed& changes() = 0;
+  // The one stream of scheduler events (event_stream.h): this pod's, and other pods' changes as JobChanged.
+  virtual EventStream& events() = 0;
 
   // Draining: new submissions are refused (AdmissionError::Draining); queued and running jobs continue (on a shared
   // store, on the other pods).

@@ -1,6 +1,7 @@
 // The values the job queue (the Scheduler), the replica pool and the transport share:
 // what a submission carries (JobSpec), what a reader sees (JobSnapshot, JobEvent, EventBatch), why a submission is
-// refused (AdmissionError), a replica's status and the observer hook for metrics. No gRPC, no LibTorch, no threads.
+// refused (AdmissionError) and a replica's status. What happens to them travels as SchedulerEvent records
+// (scheduler_event.h). No gRPC, no LibTorch, no threads.
 #pragma once
 
 #include <chrono>
@@ -154,30 +155,6 @@ struct EventBatch {
   std::vector<JobEvent> events;  // sequence > after
   bool finished = false;         // the job is terminal and every event was returned
   bool found = true;
-};
-
-// Metrics and logs hook, driven by the job queue (jobs, chunks, queue) and by the replica pool (replica_changed,
-// replica_recovered, step). Calls may come from several threads, some with a lock held: keep them cheap, thread-safe,
-// and never call back into the queue or the pool.
-class SchedulerObserver {
- public:
-  virtual ~SchedulerObserver() = default;
-  virtual void job_submitted(const JobSnapshot&) {}
-  virtual void job_started(const JobSnapshot&, double /*queue_wait_seconds*/) {}
-  virtual void job_finished(const JobSnapshot&) {}
-  virtual void chunk_started(const JobSnapshot&, const std::string& /*replica*/, int64_t /*chunk*/) {}
-  virtual void chunk_finished(const JobSnapshot&, const std::string& /*replica*/, int64_t /*chunk*/, double /*seconds*/,
-                              int64_t /*frames*/) {}
-  virtual void chunk_failed(const JobSnapshot&, const std::string& /*replica*/, int64_t /*chunk*/,
-                            const std::string& /*error*/, bool /*will_retry*/) {}
-  virtual void step(const std::string& /*replica*/, double /*seconds*/) {}
-  virtual void preview_made(int64_t /*bytes*/) {}
-  virtual void handoff(const JobSnapshot&, const std::string& /*from*/, const std::string& /*to*/) {}
-  virtual void replica_changed(const ReplicaStatus&) {}
-  virtual void replica_recovered(const ReplicaStatus&) {}
-  virtual void queue_changed(int64_t /*queued*/, int64_t /*running*/) {}
-  // Peers: a replica took over a chunk whose lease expired (the pod running it died or stalled).
-  virtual void lease_takeover(const std::string& /*replica*/) {}
 };
 
 JobState parse_job_state(const std::string& name);  // job_state_name()'s inverse (unknown: Failed)

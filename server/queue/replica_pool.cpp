@@ -46,8 +46,8 @@ std::string error_of(F&& f) {
 }  // namespace
 
 ReplicaPool::ReplicaPool(std::vector<std::unique_ptr<ChunkExecutor>> executors, ReplicaPoolOptions options,
-                         SchedulerObserver* observer)
-    : options_(options), observer_(observer) {
+                         EventStream* events)
+    : options_(options), events_(events) {
   if (executors.empty()) throw std::invalid_argument("replica pool: at least one replica is required");
   for (auto& exec : executors) {
     auto replica = std::make_unique<Replica>();
@@ -143,7 +143,7 @@ void ReplicaPool::wait_and_probe(Replica& replica) {
       replica.retest_at.reset();
       ++replica.recoveries;
       spdlog::info("replica={} event=recovered recoveries={}", replica.name, replica.recoveries);
-      if (observer_) observer_->replica_recovered(status_locked(replica));
+      publish_status_locked(SchedulerEventKind::ReplicaRecovered, replica);
     } else {
       replica.backoff = std::min<Clock::duration>(replica.backoff * 2, options_.retest_backoff_max);
       replica.retest_at = now + replica.backoff;
@@ -169,7 +169,12 @@ ChunkResult ReplicaPool::run_chunk(Replica& replica, const ChunkAssignment& assi
   ChunkCallbacks callbacks;
   callbacks.on_step = [&](int64_t row, int64_t rows) {
     const auto now = Clock::now();
-    if (observer_) observer_->step(replica.name, seconds_between(last_step, now));
+    if (events_) {
+      SchedulerEvent step{SchedulerEventKind::StepTimed};
+      step.replica = replica.name;
+      step.seconds = seconds_between(last_step, now);
+      events_->publish(step);
+    }
     last_step = now;
     if (assignment.callbacks.on_step) assignment.callbacks.on_step(row, rows);
   };
@@ -306,7 +311,15 @@ ReplicaStatus ReplicaPool::status_locked(const Replica& replica) const {
 }
 
 void ReplicaPool::publish_locked(const Replica& replica) {
-  if (observer_) observer_->replica_changed(status_locked(replica));
+  publish_status_locked(SchedulerEventKind::ReplicaChanged, replica);
+}
+
+void ReplicaPool::publish_status_locked(SchedulerEventKind kind, const Replica& replica) {
+  if (events_ == nullptr) return;
+  SchedulerEvent event{kind};
+  event.replica = replica.name;
+  event.replica_status = status_locked(replica);
+  events_->publish(event);
 }
 
 }  // namespace skyreels::server

@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "server/queue/event_stream.h"
 #include "server/queue/job_types.h"
 #include "server/replica/chunk_executor.h"
 
@@ -59,9 +60,9 @@ struct ReplicaPoolOptions {
 
 class ReplicaPool {
  public:
-  // `observer` (may be null) hears replica_changed, replica_recovered and step, from the worker threads.
+  // `events` (may be null) hears ReplicaChanged, ReplicaRecovered and StepTimed, from the worker threads.
   ReplicaPool(std::vector<std::unique_ptr<ChunkExecutor>> executors, ReplicaPoolOptions options,
-              SchedulerObserver* observer = nullptr);
+              EventStream* events = nullptr);
   ~ReplicaPool();  // stop()
   ReplicaPool(const ReplicaPool&) = delete;
   ReplicaPool& operator=(const ReplicaPool&) = delete;
@@ -95,10 +96,11 @@ class ReplicaPool {
   bool all_loaded_locked() const;
   bool any_healthy_locked() const;
   ReplicaStatus status_locked(const Replica& replica) const;
-  void publish_locked(const Replica& replica);
+  void publish_locked(const Replica& replica);  // ReplicaChanged
+  void publish_status_locked(SchedulerEventKind kind, const Replica& replica);
 
   ReplicaPoolOptions options_;
-  SchedulerObserver* observer_;
+  EventStream* events_;
   ChunkSource* source_ = nullptr;
   mutable std::mutex mu_;
   std::condition_variable retest_cv_;  // re-tests due, or stop

@@ -45,15 +45,14 @@ std::unique_ptr<JobStore> with_leases(JobStore& borrowed) {
 }
 
 Scheduler::Scheduler(std::vector<std::unique_ptr<ChunkExecutor>> executors, PodOptions options, JobStore& store,
-                     JobLoader loader, SchedulerObserver* observer)
+                     JobLoader loader)
     : options_(std::move(options)),
       store_(store),
       leases_(leases_of(store)),
       loader_(std::move(loader)),
-      observer_(observer),
       hub_(shared_, leases_, store_, options_.poll,
            [this](const std::string& job_id) { runner_.renew_if_running(job_id); }),
-      runner_(std::move(executors), options_, shared_, hub_, store_, leases_, loader_, observer) {}
+      runner_(std::move(executors), options_, shared_, hub_, store_, leases_, loader_, hub_.events()) {}
 
 Scheduler::~Scheduler() {
   {
@@ -247,7 +246,7 @@ SubmitResult Scheduler::submit(JobSpec spec) {
   if (!snap) throw AdmissionError(AdmissionError::Reason::Unavailable, "the job store lost the job", 1.0);
   spdlog::info("job={} event=submitted chunks={} priority={} owner={}", outcome.job_id, snap->chunk_count,
                snap->priority, spec.owner);
-  if (observer_) observer_->job_submitted(*snap);
+  hub_.events().publish(SchedulerEvent::about(SchedulerEventKind::JobSubmitted, *snap));
   hub_.changed(outcome.job_id);
   runner_.report_queue();
   return {*snap, false};
@@ -401,11 +400,41 @@ EventBatch Scheduler::wait_events(const std::string& id, const std::string& owne
   return hub_.wait_events(id, owner, after_sequence, until);
 }
 
-uint64_t Scheduler::subscribe(const std::string& id, std::function<void()> notify) {
-  return hub_.subscribe(id, std::move(notify));
+// The watchers' consumer: what makes a watcher read the job's events again.
+static bool wakes_watchers(SchedulerEventKind kind) {
+  switch (kind) {
+    case SchedulerEventKind::JobChanged:
+    case SchedulerEventKind::StepProgress:
+    case SchedulerEventKind::PreviewMade:
+    case SchedulerEventKind::LookAgain:
+      return true;
+    case SchedulerEventKind::JobSubmitted:  // each of these comes with a JobChanged
+    case SchedulerEventKind::JobStarted:
+    case SchedulerEventKind::ChunkStarted:
+    case SchedulerEventKind::Handoff:
+    case SchedulerEventKind::ChunkFinished:
+    case SchedulerEventKind::ChunkFailed:
+    case SchedulerEventKind::JobFinished:
+    case SchedulerEventKind::StepTimed:  // about replicas and the queue, not a job
+    case SchedulerEventKind::LeaseTakeover:
+    case SchedulerEventKind::ReplicaChanged:
+    case SchedulerEventKind::ReplicaRecovered:
+    case SchedulerEventKind::QueueChanged:
+    case SchedulerEventKind::ChangesMissed:  // LookAgain follows within a poll period
+      return false;
+  }
+  return false;
 }
 
-void Scheduler::unsubscribe(const std::string& id, uint64_t token) { hub_.unsubscribe(id, token); }
+uint64_t Scheduler::subscribe(const std::string& id, std::function<void()> notify) {
+  return hub_.events().subscribe(
+      [notify = std::move(notify)](const SchedulerEvent& event) {
+        if (wakes_watchers(event.kind)) notify();
+      },
+      id);
+}
+
+void Scheduler::unsubscribe(const std::string& /*id*/, uint64_t token) { hub_.events().unsubscribe(token); }
 
 std::optional<LatestPreview> Scheduler::latest_preview(const std::string& id, uint64_t after_serial) const {
   return hub_.latest_preview(id, after_serial);

@@ -25,9 +25,9 @@
 // give their leases back.
 //
 // The scheduler is split by role, each in its own files: the chunk runner (chunk_runner.h: claims, leases,
-// heartbeats, outcomes, retries, placement), the job event hub (job_event_hub.h: event logs, watchers, and the one
-// feed of job changes, job_feed.h, that the MP4 encoder and the webhook sender follow), and this facade, which
-// answers the RPCs (JobQueue) from the store and from the other two.
+// heartbeats, outcomes, retries, placement), the job event hub (job_event_hub.h: event logs, waiters, and the one
+// stream of scheduler events, event_stream.h, that metrics, the MP4 encoder, the webhook sender and the watchers
+// consume), and this facade, which answers the RPCs (JobQueue) from the store and from the other two.
 #pragma once
 
 #include <atomic>
@@ -62,7 +62,7 @@ class Scheduler final : public JobQueue {
  public:
   // `store` must hand out leases (with_leases()) and outlive the scheduler; throws std::invalid_argument otherwise.
   Scheduler(std::vector<std::unique_ptr<ChunkExecutor>> executors, PodOptions options, JobStore& store,
-            JobLoader loader, SchedulerObserver* observer = nullptr);
+            JobLoader loader);
   ~Scheduler() override;  // running chunks stop and give their leases back
   Scheduler(const Scheduler&) = delete;
   Scheduler& operator=(const Scheduler&) = delete;
@@ -91,7 +91,7 @@ class Scheduler final : public JobQueue {
   std::optional<LatestPreview> latest_preview(const std::string& id, uint64_t after_serial) const override;
   std::optional<JobSnapshot> wait_chunks(const std::string& id, const std::string& owner, int64_t chunks_seen,
                                          Clock::time_point until) const override;
-  JobFeed& changes() override { return hub_; }
+  EventStream& events() override { return hub_.events(); }
 
   void begin_drain() override;
   bool draining() const override;
@@ -125,7 +125,6 @@ class Scheduler final : public JobQueue {
   JobStore& store_;
   LeaseStore& leases_;
   JobLoader loader_;
-  SchedulerObserver* observer_;
   mutable SchedulerShared shared_;
   JobEventHub hub_;
   ChunkRunner runner_;

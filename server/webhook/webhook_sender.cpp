@@ -155,6 +155,7 @@ WebhookSender::WebhookSender(JobStore& store, WebhookOptions options, WebhookMet
 }
 
 WebhookSender::~WebhookSender() {
+  stop_following();
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
@@ -164,11 +165,10 @@ WebhookSender::~WebhookSender() {
   for (auto& t : threads_) t.join();
 }
 
-void WebhookSender::start(JobFeed* feed) {
-  if (feed != nullptr) {  // before the jobs are read: a change after the read is heard
-    feed_ = feed;
+void WebhookSender::start(EventStream* events) {
+  if (events != nullptr) {  // before the jobs are read: a change after the read is heard
     following_ = true;
-    feed_token_ = feed->follow([this](const JobChange& change) { heard(change); });
+    subscription_ = Subscription(*events, events->subscribe([this](const SchedulerEvent& e) { consume(e); }));
   }
   std::vector<StoredJob> jobs;
   try {
@@ -195,18 +195,48 @@ void WebhookSender::look_at(const std::string& job_id, bool accepted_here) {
 }
 
 void WebhookSender::stop_following() {
-  if (feed_ != nullptr) feed_->unfollow(feed_token_);  // outside mu_: followers run under the queue's lock
-  feed_ = nullptr;
+  subscription_.reset();  // outside mu_: consume() runs under the stream's lock and takes mu_
 }
 
-void WebhookSender::heard(const JobChange& change) {
+void WebhookSender::consume(const SchedulerEvent& event) {
+  switch (event.kind) {
+    case SchedulerEventKind::JobSubmitted:
+      look_at(event.job_id, true);
+      return;
+    case SchedulerEventKind::ChunkStarted:
+    case SchedulerEventKind::ChunkFinished:
+    case SchedulerEventKind::JobFinished:
+      look_at(event.job_id);
+      return;
+    case SchedulerEventKind::JobChanged:
+      heard(event.job_id, false);
+      return;
+    case SchedulerEventKind::ChangesMissed:
+      heard("", true);
+      return;
+    case SchedulerEventKind::JobStarted:  // a ChunkStarted comes with it
+    case SchedulerEventKind::Handoff:
+    case SchedulerEventKind::ChunkFailed:  // its retry event or the job's end comes as JobChanged
+    case SchedulerEventKind::StepTimed:    // no webhook for progress
+    case SchedulerEventKind::StepProgress:
+    case SchedulerEventKind::PreviewMade:
+    case SchedulerEventKind::LeaseTakeover:
+    case SchedulerEventKind::ReplicaChanged:
+    case SchedulerEventKind::ReplicaRecovered:
+    case SchedulerEventKind::QueueChanged:
+    case SchedulerEventKind::LookAgain:  // retries and takeovers keep timers of their own
+      return;
+  }
+}
+
+void WebhookSender::heard(const std::string& job_id, bool missed) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (change.missed) {
+  if (missed) {
     for (auto& [id, f] : followed_) {
       f.next_check = Clock::time_point::min();
       ++f.wakes;
     }
-  } else if (auto it = followed_.find(change.job_id); it != followed_.end()) {
+  } else if (auto it = followed_.find(job_id); it != followed_.end()) {
     it->second.next_check = Clock::time_point::min();
     ++it->second.wakes;
   } else {

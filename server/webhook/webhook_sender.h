@@ -24,7 +24,7 @@
 #include <thread>
 #include <vector>
 
-#include "server/queue/job_feed.h"
+#include "server/queue/event_stream.h"
 #include "server/queue/job_types.h"
 #include "server/store/job_store.h"
 #include "server/webhook/webhook_metrics.h"
@@ -65,23 +65,18 @@ std::string read_webhook_secret(const std::string& path);
 std::string webhook_signature(const std::string& secret, const std::string& id, int64_t timestamp,
                               const std::string& body);
 
-class WebhookSender : public SchedulerObserver {
+class WebhookSender {
  public:
   // `store` (with leases) must outlive the sender; `metrics` may be null.
   WebhookSender(JobStore& store, WebhookOptions options, WebhookMetrics* metrics = nullptr);
-  ~WebhookSender() override;
-  // Reads every stored job with a webhook (deliveries a restart interrupted), then follows new events: those the
-  // observer calls report, and every change `feed` (JobQueue::changes(), may be null) reports of a followed job,
-  // other pods' too; a `missed` reads every followed job again. stop_following() before the feed goes.
-  void start(JobFeed* feed = nullptr);
+  ~WebhookSender();
+  // Reads every stored job with a webhook (deliveries a restart interrupted), then consumes `events` (JobQueue::
+  // events(), may be null): this pod's jobs as they are submitted, start and finish chunks and end, and every change
+  // of a followed job, other pods' too; ChangesMissed reads every followed job again. stop_following() before the
+  // stream goes.
+  void start(EventStream* events = nullptr);
   void stop_following();
-
-  void job_submitted(const JobSnapshot& job) override { look_at(job.id, true); }
-  void chunk_started(const JobSnapshot& job, const std::string&, int64_t) override { look_at(job.id); }
-  void chunk_finished(const JobSnapshot& job, const std::string&, int64_t, double, int64_t) override {
-    look_at(job.id);
-  }
-  void job_finished(const JobSnapshot& job) override { look_at(job.id); }
+  void consume(const SchedulerEvent& event);
 
  private:
   struct Delivery {
@@ -119,7 +114,7 @@ class WebhookSender : public SchedulerObserver {
   std::shared_ptr<const Webhook> webhook_of(const std::string& job_id);
 
   void look_at(const std::string& job_id, bool accepted_here = false);
-  void heard(const JobChange& change);  // a feed follower: followed jobs are read again now
+  void heard(const std::string& job_id, bool missed);  // a followed job (every one, `missed`) is read again now
   // When a followed job with nothing due is read again: never with a feed (its next change wakes it), else `period`.
   Clock::time_point recheck(Clock::time_point now, Clock::duration period) const;
   void scan_loop();
@@ -142,9 +137,8 @@ class WebhookSender : public SchedulerObserver {
   bool stopping_ = false;
   bool started_ = false;
   std::vector<std::thread> threads_;
-  JobFeed* feed_ = nullptr;  // followed under feed_token_ (start() and stop_following(), on the caller's thread)
-  uint64_t feed_token_ = 0;
-  bool following_ = false;  // set by start(), before its threads: the feed wakes followed jobs
+  Subscription subscription_;  // start() and stop_following(), on the caller's thread
+  bool following_ = false;  // set by start(), before its threads: the stream wakes followed jobs
 };
 
 }  // namespace skyreels::server
