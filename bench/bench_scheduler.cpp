@@ -58,7 +58,7 @@ Result run(int replicas, int jobs, int chunks, std::chrono::microseconds chunk_t
   SchedulerOptions options;
   options.max_jobs = jobs;
   options.max_retained_jobs = jobs;
-  const std::unique_ptr<JobStore> store = with_leases(open_job_store("memory"));
+  const std::unique_ptr<LeaseStore> leases = with_leases(open_job_store("memory"));
   PodOptions pod;
   pod.scheduling = options;
   auto loader = [rows](const StoredJob& job, std::vector<StoredChunk>) {  // a payload this server evicted
@@ -67,7 +67,7 @@ Result run(int replicas, int jobs, int chunks, std::chrono::microseconds chunk_t
     r.chunk_rows.assign(static_cast<size_t>(job.chunk_count), rows);
     return r;
   };
-  Scheduler scheduler(std::move(executors), pod, *store, loader);
+  Scheduler scheduler(std::move(executors), pod, leases->records(), *leases, loader);
   scheduler.start();
   while (!scheduler.all_loaded()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
 

@@ -64,8 +64,10 @@ void bench_claims(const std::string& url, int jobs, const std::string& run, doub
       store->insert_job(std::move(job));
     }
   }
-  std::vector<std::unique_ptr<skyreels::server::JobStore>> pods;
-  for (int t = 0; t < kThreads; ++t) pods.push_back(skyreels::server::open_job_store(url));
+  std::vector<std::unique_ptr<skyreels::server::LeaseStore>> pods;
+  for (int t = 0; t < kThreads; ++t) {
+    pods.push_back(skyreels::server::lease_store_over(skyreels::server::open_job_store(url), "finished"));
+  }
   std::mutex mu;
   std::vector<double> claim_s;
   int64_t cycles = 0;
@@ -73,7 +75,7 @@ void bench_claims(const std::string& url, int jobs, const std::string& run, doub
   std::vector<std::thread> threads;
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
-      auto& leases = dynamic_cast<skyreels::server::LeaseStore&>(*pods[static_cast<size_t>(t)]);
+      skyreels::server::LeaseStore& leases = *pods[static_cast<size_t>(t)];
       const std::string replica = "pod" + std::to_string(t) + "/cuda:0";
       while (true) {
         const auto c0 = Clock::now();
@@ -93,8 +95,8 @@ void bench_claims(const std::string& url, int jobs, const std::string& run, doub
   for (auto& t : threads) t.join();
   const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
   const double claim = median(claim_s);
-  std::printf("%s,claim,0,%.2f,%.2e\n", pods[0]->describe().c_str(), claim * 1e3, claim / compute_s);
-  std::printf("%s,claim_p99,0,%.2f,%.2e\n", pods[0]->describe().c_str(), percentile(claim_s, 0.99) * 1e3,
+  std::printf("%s,claim,0,%.2f,%.2e\n", pods[0]->records().describe().c_str(), claim * 1e3, claim / compute_s);
+  std::printf("%s,claim_p99,0,%.2f,%.2e\n", pods[0]->records().describe().c_str(), percentile(claim_s, 0.99) * 1e3,
               percentile(claim_s, 0.99) / compute_s);
   std::printf("# claims: %d threads (one store each), %lld one-chunk jobs claimed and committed in %.2f s = %.0f/s\n",
               kThreads, static_cast<long long>(cycles), wall, static_cast<double>(cycles) / wall);

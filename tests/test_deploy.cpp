@@ -1072,7 +1072,7 @@ void call_every_store_method(server::JobStore& store) {
 
 std::vector<std::string> reported_ops(std::unique_ptr<server::JobStore> inner) {
   std::vector<std::string> ops;
-  server::TimedJobStore timed(std::move(inner), [&](const char* op, double seconds) {
+  server::TimedJobStore timed(*inner, [&](const char* op, double seconds) {
     EXPECT_GE(seconds, 0.0);
     ops.push_back(op);
   });

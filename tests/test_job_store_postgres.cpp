@@ -26,12 +26,13 @@ namespace skyreels::test {
 namespace {
 
 using server::ChunkLease;
-using server::policy::kLeaveToOtherPodFor;
 using server::PostgresJobStore;
+using server::PostgresLeaseStore;
 using server::StoredChunk;
 using server::StoredEvent;
 using server::StoredJob;
 using server::StoreError;
+using server::policy::kLeaveToOtherPodFor;
 using namespace std::chrono_literals;
 
 // Every byte value, repeated: NULs and invalid UTF-8 included.
@@ -66,8 +67,9 @@ bool eventually(const std::function<bool()>& ok, std::chrono::seconds deadline =
 
 class PostgresStore : public ::testing::Test {
  protected:
-  std::unique_ptr<PostgresJobStore> open(const std::string& database = "postgres") {
-    return std::make_unique<PostgresJobStore>(pg.url(database));
+  // A pod's store: its leases, holding its records (records()).
+  std::unique_ptr<PostgresLeaseStore> open(const std::string& database = "postgres") {
+    return std::make_unique<PostgresLeaseStore>(std::make_unique<PostgresJobStore>(pg.url(database)));
   }
   PgServer pg;
 };
@@ -84,7 +86,7 @@ TEST_F(PostgresStore, EveryFieldRoundTripsAndUpdateLeavesChunksDoneAlone) {
   j.fingerprint_v2 = "sha256:00ff";
   j.request = binary_bytes(4096);
   j.adapters = {"style", "subject-2"};
-  store->insert_job(j);
+  store->records().insert_job(j);
 
   j.state = "failed";
   j.error_kind = "internal";
@@ -94,9 +96,9 @@ TEST_F(PostgresStore, EveryFieldRoundTripsAndUpdateLeavesChunksDoneAlone) {
   j.retries = 2;
   j.handoffs = 1;
   j.chunks_done = 5;  // not written by update_job
-  store->update_job(j);
+  store->records().update_job(j);
 
-  const auto jobs = store->load_jobs();
+  const auto jobs = store->records().load_jobs();
   ASSERT_EQ(jobs.size(), 1u);
   const StoredJob& got = jobs[0];
   EXPECT_EQ(got.id, "j-1");
@@ -122,57 +124,57 @@ TEST_F(PostgresStore, EveryFieldRoundTripsAndUpdateLeavesChunksDoneAlone) {
   EXPECT_EQ(got.handoffs, 1);
   EXPECT_EQ(got.request, j.request);
   EXPECT_EQ(got.adapters, j.adapters);
-  EXPECT_FALSE(store->load_jobs().empty());
+  EXPECT_FALSE(store->records().load_jobs().empty());
   EXPECT_EQ(store->load_job("j-1")->request, j.request);
   EXPECT_FALSE(store->load_job("j-none").has_value());
 }
 
 TEST_F(PostgresStore, JobsLoadInSubmissionOrder) {
   auto store = open();
-  for (uint64_t order : {3, 1, 2}) store->insert_job(make_job("j-" + std::to_string(order), order));
+  for (uint64_t order : {3, 1, 2}) store->records().insert_job(make_job("j-" + std::to_string(order), order));
   std::vector<std::string> ids;
-  for (const StoredJob& j : store->load_jobs()) ids.push_back(j.id);
+  for (const StoredJob& j : store->records().load_jobs()) ids.push_back(j.id);
   EXPECT_EQ(ids, (std::vector<std::string>{"j-1", "j-2", "j-3"}));
 }
 
 TEST_F(PostgresStore, CommitChunkStoresTheResultWithChunksDone) {
   auto store = open();
-  store->insert_job(make_job("j-1", 1));
-  store->commit_chunk("j-1", {0, "cpu:0", 1, "latents 0"});
-  store->commit_chunk("j-1", {1, "cpu:1", 2, "latents 1"});
-  EXPECT_EQ(store->load_jobs()[0].chunks_done, 2);
-  const auto chunks = store->load_chunks("j-1");
+  store->records().insert_job(make_job("j-1", 1));
+  store->records().commit_chunk("j-1", {0, "cpu:0", 1, "latents 0"});
+  store->records().commit_chunk("j-1", {1, "cpu:1", 2, "latents 1"});
+  EXPECT_EQ(store->records().load_jobs()[0].chunks_done, 2);
+  const auto chunks = store->records().load_chunks("j-1");
   ASSERT_EQ(chunks.size(), 2u);
   EXPECT_EQ(chunks[1].index, 1);
   EXPECT_EQ(chunks[1].replica, "cpu:1");
   EXPECT_EQ(chunks[1].attempts, 2);
   EXPECT_EQ(chunks[1].bytes, "latents 1");
-  EXPECT_EQ(store->load_chunk_bytes("j-1", 0), std::optional<std::string>("latents 0"));
-  EXPECT_FALSE(store->load_chunk_bytes("j-1", 2).has_value());
+  EXPECT_EQ(store->records().load_chunk_bytes("j-1", 0), std::optional<std::string>("latents 0"));
+  EXPECT_FALSE(store->records().load_chunk_bytes("j-1", 2).has_value());
 }
 
 TEST_F(PostgresStore, AChunkCommitThatFailsStoresNeitherResultNorChunksDone) {
   auto store = open();
-  store->insert_job(make_job("j-1", 1));
-  store->commit_chunk("j-1", {0, "cpu:0", 1, "latents 0"});
+  store->records().insert_job(make_job("j-1", 1));
+  store->records().commit_chunk("j-1", {0, "cpu:0", 1, "latents 0"});
   // A real fault inside the transaction, after chunks_done was updated: the chunk's INSERT raises.
   pg.sql("CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$BEGIN RAISE EXCEPTION 'disk full (test)';"
          " END$$; CREATE TRIGGER refuse BEFORE INSERT ON chunks FOR EACH ROW EXECUTE FUNCTION refuse()");
-  const std::string error = store_error_of([&] { store->commit_chunk("j-1", {1, "cpu:0", 1, "latents 1"}); });
+  const std::string error = store_error_of([&] { store->records().commit_chunk("j-1", {1, "cpu:0", 1, "latents 1"}); });
   EXPECT_TRUE(contains(error, "disk full (test)")) << error;
-  EXPECT_EQ(store->load_jobs()[0].chunks_done, 1);
-  EXPECT_EQ(store->load_chunks("j-1").size(), 1u);
+  EXPECT_EQ(store->records().load_jobs()[0].chunks_done, 1);
+  EXPECT_EQ(store->records().load_chunks("j-1").size(), 1u);
   pg.sql("DROP TRIGGER refuse ON chunks");
-  store->commit_chunk("j-1", {1, "cpu:0", 1, "latents 1"});  // the connection is usable again
-  EXPECT_EQ(store->load_jobs()[0].chunks_done, 2);
+  store->records().commit_chunk("j-1", {1, "cpu:0", 1, "latents 1"});  // the connection is usable again
+  EXPECT_EQ(store->records().load_jobs()[0].chunks_done, 2);
 }
 
 TEST_F(PostgresStore, EventsLoadInSequenceOrderAndTheAllocatorStaysAboveThem) {
   auto store = open();
-  store->insert_job(make_job("j-1", 1));
-  store->append_event("j-1", {5, "five"});
-  store->append_event("j-1", {2, "two"});
-  const auto events = store->load_events("j-1");
+  store->records().insert_job(make_job("j-1", 1));
+  store->records().append_event("j-1", {5, "five"});
+  store->records().append_event("j-1", {2, "two"});
+  const auto events = store->records().load_events("j-1");
   ASSERT_EQ(events.size(), 2u);
   EXPECT_EQ(events[0].sequence, 2u);
   EXPECT_EQ(events[1].data, "five");
@@ -185,20 +187,21 @@ TEST_F(PostgresStore, EventsLoadInSequenceOrderAndTheAllocatorStaysAboveThem) {
 
 TEST_F(PostgresStore, DropKeepsATombstoneForTheOwnerAndRemovesEverythingElse) {
   auto store = open();
-  store->insert_job(make_job("j-1", 1));
-  store->commit_chunk("j-1", {0, "cpu:0", 1, "latents"});
-  store->append_event("j-1", {1, "event"});
-  store->put_segment("j-1", 0, "mp4");
-  store->drop_job("j-1", "expired (--result-ttl-seconds)");
-  EXPECT_TRUE(store->load_jobs().empty());
-  EXPECT_TRUE(store->load_chunks("j-1").empty());
-  EXPECT_TRUE(store->load_events("j-1").empty());
-  EXPECT_FALSE(store->load_segment("j-1", 0).has_value());
-  EXPECT_EQ(store->dropped_reason("j-1", "alice"), std::optional<std::string>("expired (--result-ttl-seconds)"));
-  EXPECT_FALSE(store->dropped_reason("j-1", "mallory").has_value()) << "a tombstone answers its owner only";
-  EXPECT_FALSE(store->dropped_reason("j-2", "alice").has_value());
-  store->drop_job("j-unknown", "x");  // nothing to drop: no tombstone either
-  EXPECT_FALSE(store->dropped_reason("j-unknown", "alice").has_value());
+  store->records().insert_job(make_job("j-1", 1));
+  store->records().commit_chunk("j-1", {0, "cpu:0", 1, "latents"});
+  store->records().append_event("j-1", {1, "event"});
+  store->records().put_segment("j-1", 0, "mp4");
+  store->records().drop_job("j-1", "expired (--result-ttl-seconds)");
+  EXPECT_TRUE(store->records().load_jobs().empty());
+  EXPECT_TRUE(store->records().load_chunks("j-1").empty());
+  EXPECT_TRUE(store->records().load_events("j-1").empty());
+  EXPECT_FALSE(store->records().load_segment("j-1", 0).has_value());
+  EXPECT_EQ(store->records().dropped_reason("j-1", "alice"),
+            std::optional<std::string>("expired (--result-ttl-seconds)"));
+  EXPECT_FALSE(store->records().dropped_reason("j-1", "mallory").has_value()) << "a tombstone answers its owner only";
+  EXPECT_FALSE(store->records().dropped_reason("j-2", "alice").has_value());
+  store->records().drop_job("j-unknown", "x");  // nothing to drop: no tombstone either
+  EXPECT_FALSE(store->records().dropped_reason("j-unknown", "alice").has_value());
 }
 
 TEST_F(PostgresStore, LargeBlobsRoundTripByteForByte) {
@@ -206,24 +209,24 @@ TEST_F(PostgresStore, LargeBlobsRoundTripByteForByte) {
   StoredJob j = make_job("j-big", 1);
   j.request = binary_bytes(size_t{64} << 20);            // a request with its embeddings, larger than DF-1.3B's
   const std::string latents = binary_bytes(13'056'512);  // one 540P chunk's latents
-  store->insert_job(j);
-  store->commit_chunk("j-big", {0, "cuda:0", 1, latents});
-  store->put_segment("j-big", 0, latents);
-  EXPECT_TRUE(store->load_jobs()[0].request == j.request);
-  EXPECT_TRUE(store->load_chunks("j-big")[0].bytes == latents);
-  EXPECT_TRUE(store->load_chunk_bytes("j-big", 0) == latents);
-  EXPECT_TRUE(store->load_segment("j-big", 0) == latents);
+  store->records().insert_job(j);
+  store->records().commit_chunk("j-big", {0, "cuda:0", 1, latents});
+  store->records().put_segment("j-big", 0, latents);
+  EXPECT_TRUE(store->records().load_jobs()[0].request == j.request);
+  EXPECT_TRUE(store->records().load_chunks("j-big")[0].bytes == latents);
+  EXPECT_TRUE(store->records().load_chunk_bytes("j-big", 0) == latents);
+  EXPECT_TRUE(store->records().load_segment("j-big", 0) == latents);
 }
 
 TEST_F(PostgresStore, SegmentsAreStoredPerIndexAndReplaced) {
   auto store = open();
-  store->insert_job(make_job("j-1", 1));
-  store->put_segment("j-1", 0, "first");
-  store->put_segment("j-1", 1, "second");
-  store->put_segment("j-1", 0, "first again");
-  EXPECT_EQ(store->load_segment("j-1", 0), std::optional<std::string>("first again"));
-  EXPECT_EQ(store->load_segment("j-1", 1), std::optional<std::string>("second"));
-  EXPECT_FALSE(store->load_segment("j-1", 2).has_value());
+  store->records().insert_job(make_job("j-1", 1));
+  store->records().put_segment("j-1", 0, "first");
+  store->records().put_segment("j-1", 1, "second");
+  store->records().put_segment("j-1", 0, "first again");
+  EXPECT_EQ(store->records().load_segment("j-1", 0), std::optional<std::string>("first again"));
+  EXPECT_EQ(store->records().load_segment("j-1", 1), std::optional<std::string>("second"));
+  EXPECT_FALSE(store->records().load_segment("j-1", 2).has_value());
 }
 
 TEST_F(PostgresStore, OpenJobStoreTakesBothSchemesAndNeverShowsThePassword) {
@@ -256,12 +259,12 @@ TEST_F(PostgresStore, AnEmptyDatabaseIsMigratedToTheCurrentVersionOnce) {
   pg.create_database("fresh");
   {
     auto store = open("fresh");
-    store->insert_job(make_job("j-1", 1));
+    store->records().insert_job(make_job("j-1", 1));
   }
   EXPECT_EQ(pg.sql("SELECT version FROM skyreels_schema_version", "fresh"),
             std::to_string(PostgresJobStore::kSchemaVersion));
   auto again = open("fresh");  // already current: nothing re-created, the job is still there
-  EXPECT_EQ(again->load_jobs().size(), 1u);
+  EXPECT_EQ(again->records().load_jobs().size(), 1u);
   EXPECT_EQ(pg.sql("SELECT count(*) FROM skyreels_schema_version", "fresh"), "1");
 }
 
@@ -275,7 +278,7 @@ TEST_F(PostgresStore, PodsMigratingTogetherAgree) {
     threads.emplace_back([&, i] {
       try {
         auto store = open("fresh");
-        store->insert_job(make_job("j-" + std::to_string(i), static_cast<uint64_t>(i)));
+        store->records().insert_job(make_job("j-" + std::to_string(i), static_cast<uint64_t>(i)));
         ++opened;
       } catch (const std::exception& e) {
         errors[static_cast<size_t>(i)] = e.what();
@@ -287,7 +290,7 @@ TEST_F(PostgresStore, PodsMigratingTogetherAgree) {
   EXPECT_EQ(opened.load(), kPods);
   EXPECT_EQ(pg.sql("SELECT version FROM skyreels_schema_version", "fresh"),
             std::to_string(PostgresJobStore::kSchemaVersion));
-  EXPECT_EQ(open("fresh")->load_jobs().size(), static_cast<size_t>(kPods));
+  EXPECT_EQ(open("fresh")->records().load_jobs().size(), static_cast<size_t>(kPods));
 }
 
 TEST_F(PostgresStore, ANewerSchemaIsRefusedNamingTheStore) {
@@ -309,32 +312,32 @@ TEST_F(PostgresStore, ADatabaseWithAnotherJobsTableIsNotAJobStore) {
 
 TEST_F(PostgresStore, ARestartMidUseFailsAtMostOneCallCleanlyThenReconnects) {
   auto store = open();
-  store->insert_job(make_job("j-1", 1));
+  store->records().insert_job(make_job("j-1", 1));
   pg.restart();  // every connection is cut
   // The next call meets the dead connection: a StoreError, or (when it happened to reconnect) success.
   try {
-    store->commit_chunk("j-1", {0, "cpu:0", 1, "latents"});
+    store->records().commit_chunk("j-1", {0, "cpu:0", 1, "latents"});
   } catch (const StoreError& e) {
     EXPECT_TRUE(contains(e.what(), pg.url())) << e.what();
   }
   EXPECT_TRUE(eventually([&] { return store->reachable(); })) << "never reconnected";
-  store->commit_chunk("j-1", {0, "cpu:0", 1, "latents"});
-  EXPECT_EQ(store->load_jobs()[0].chunks_done, 1);
-  EXPECT_EQ(store->load_chunks("j-1").size(), 1u);
+  store->records().commit_chunk("j-1", {0, "cpu:0", 1, "latents"});
+  EXPECT_EQ(store->records().load_jobs()[0].chunks_done, 1);
+  EXPECT_EQ(store->records().load_chunks("j-1").size(), 1u);
 }
 
 TEST_F(PostgresStore, DuringAnOutageCallsThrowAndReachableIsFalseUntilItIsBack) {
   auto store = open();
-  store->insert_job(make_job("j-1", 1));
+  store->records().insert_job(make_job("j-1", 1));
   pg.stop();
   for (int i = 0; i < 5; ++i) {
-    const std::string error = store_error_of([&] { store->load_jobs(); });
+    const std::string error = store_error_of([&] { store->records().load_jobs(); });
     EXPECT_TRUE(contains(error, "job store " + pg.url())) << error;
   }
   EXPECT_FALSE(store->reachable());
   pg.start();
   EXPECT_TRUE(eventually([&] { return store->reachable(); })) << "never reconnected";
-  EXPECT_EQ(store->load_jobs().size(), 1u);
+  EXPECT_EQ(store->records().load_jobs().size(), 1u);
 }
 
 // ---- leases: what only a store shared by pods does (the lease contract of every store: test_lease_contract.cpp) ----
@@ -348,8 +351,8 @@ TEST_F(PostgresStore, AJobWithAdaptersWaitsBrieflyForAnIdleReplicaOfAnotherPodTh
   EXPECT_FALSE(pod_b->claim("b/r0", kLongTtl, {}, &style).has_value());
   StoredJob styled = make_job("styled", 1);
   styled.adapters = style;
-  pod_a->insert_job(styled);
-  pod_a->insert_job(make_job("plain", 2));
+  pod_a->records().insert_job(styled);
+  pod_a->records().insert_job(make_job("plain", 2));
   // a/r0 serves adapters but holds none: it takes the plain job, although the styled one is first in order.
   auto a0 = pod_a->claim("a/r0", kLongTtl, {}, &none);
   ASSERT_TRUE(a0.has_value());
@@ -361,7 +364,7 @@ TEST_F(PostgresStore, AJobWithAdaptersWaitsBrieflyForAnIdleReplicaOfAnotherPodTh
   // The holder is busy now: a styled job is not kept waiting for it.
   StoredJob busy = make_job("styled-while-busy", 3);
   busy.adapters = style;
-  pod_a->insert_job(busy);
+  pod_a->records().insert_job(busy);
   auto a1 = pod_a->claim("a/r1", kLongTtl, {}, &none);
   ASSERT_TRUE(a1.has_value());
   EXPECT_EQ(a1->job_id, "styled-while-busy");
@@ -370,7 +373,7 @@ TEST_F(PostgresStore, AJobWithAdaptersWaitsBrieflyForAnIdleReplicaOfAnotherPodTh
   EXPECT_FALSE(pod_b->claim("b/r1", kLongTtl, {}, &style).has_value());
   StoredJob left = make_job("left", 4);
   left.adapters = style;
-  pod_a->insert_job(left);
+  pod_a->records().insert_job(left);
   EXPECT_FALSE(pod_a->claim("a/r2", kLongTtl, {}, &none).has_value());
   std::this_thread::sleep_for(kLeaveToOtherPodFor + std::chrono::milliseconds(200));
   auto a2 = pod_a->claim("a/r2", kLongTtl, {}, &none);
@@ -380,14 +383,14 @@ TEST_F(PostgresStore, AJobWithAdaptersWaitsBrieflyForAnIdleReplicaOfAnotherPodTh
 
 TEST_F(PostgresStore, ALeasedCommitIsAllOrNothingAndKeepsTheLease) {
   auto store = open();
-  store->insert_job(make_job("j-1", 1));
+  store->records().insert_job(make_job("j-1", 1));
   auto lease = store->claim("r1", kLongTtl);
   ASSERT_TRUE(lease.has_value());
   pg.sql("CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$BEGIN RAISE EXCEPTION 'disk full (test)';"
          " END$$; CREATE TRIGGER refuse BEFORE INSERT ON events FOR EACH ROW EXECUTE FUNCTION refuse()");
   EXPECT_THROW(store->commit(*lease, {0, "r1", 1, "latents"}, {"finished"}), StoreError);
   EXPECT_EQ(store->load_job("j-1")->chunks_done, 0);
-  EXPECT_TRUE(store->load_chunks("j-1").empty());
+  EXPECT_TRUE(store->records().load_chunks("j-1").empty());
   EXPECT_TRUE(store->renew(*lease, kLongTtl).held);
   pg.sql("DROP TRIGGER refuse ON events");
   EXPECT_TRUE(store->commit(*lease, {0, "r1", 1, "latents"}, {"finished"}).committed);
@@ -399,7 +402,7 @@ TEST_F(PostgresStore, ChangesInOnePodWakeAListenerInAnother) {
   auto pod_b = open();
   auto listener = pod_a->listen();
   EXPECT_TRUE(listener->wait(10ms).job_ids.empty()) << "nothing happened yet";
-  pod_b->insert_job(make_job("j-1", 1));
+  pod_b->records().insert_job(make_job("j-1", 1));
   const auto changes = listener->wait(60000ms);
   ASSERT_FALSE(changes.job_ids.empty()) << "no notification";
   EXPECT_EQ(changes.job_ids[0], "j-1");
@@ -413,7 +416,7 @@ TEST_F(PostgresStore, ChangesInOnePodWakeAListenerInAnother) {
     return missed && pod_b->reachable();
   }));
   ASSERT_TRUE(eventually([&] {
-    pod_b->update_job(make_job("j-1", 1));
+    pod_b->records().update_job(make_job("j-1", 1));
     const auto c = listener->wait(1000ms);
     return std::find(c.job_ids.begin(), c.job_ids.end(), "j-1") != c.job_ids.end();
   })) << "no notification after the restart";

@@ -37,11 +37,10 @@ using server::LeaseStore;
 using server::StoredJob;
 using namespace std::chrono_literals;
 
-// One pod's view of a store: its job records and its leases (both seams of LocalLeaseStore and PostgresJobStore).
+// One pod's view of a store: its leases and the job records they hold (LocalLeaseStore, PostgresLeaseStore).
 class Pod {
  public:
-  template <typename Store>
-  explicit Pod(Store& store) : jobs_(store), leases_(store) {}
+  explicit Pod(LeaseStore& store) : jobs_(store.records()), leases_(store) {}
   operator LeaseStore&() { return leases_; }  // NOLINT(google-explicit-constructor): insert_with_fresh_ids(*pod, ...)
 
   void insert_job(const StoredJob& job) { jobs_.insert_job(job); }
@@ -112,7 +111,8 @@ class LeaseContract : public ::testing::TestWithParam<std::string> {
       if (local_) {
         views_.push_back(std::make_unique<Pod>(*local_));
       } else {
-        pods_.push_back(std::make_unique<server::PostgresJobStore>(pg_->url()));
+        pods_.push_back(
+            std::make_unique<server::PostgresLeaseStore>(std::make_unique<server::PostgresJobStore>(pg_->url())));
         views_.push_back(std::make_unique<Pod>(*pods_.back()));
       }
     }
@@ -121,7 +121,7 @@ class LeaseContract : public ::testing::TestWithParam<std::string> {
 
  private:
   std::unique_ptr<PgServer> pg_;
-  std::vector<std::unique_ptr<server::PostgresJobStore>> pods_;
+  std::vector<std::unique_ptr<server::PostgresLeaseStore>> pods_;
   std::unique_ptr<server::LocalLeaseStore> local_;
   std::vector<std::unique_ptr<Pod>> views_;
   std::string dir_;

@@ -215,7 +215,7 @@ struct Harness {
   std::shared_ptr<RunLog> log = std::make_shared<RunLog>();
   std::unique_ptr<test::PgServer> postgres;
   std::unique_ptr<ScratchDir> dir;
-  std::unique_ptr<JobStore> store;
+  std::unique_ptr<LeaseStore> leases;  // holds the records the scheduler reads and writes
   std::unique_ptr<Scheduler> scheduler;
 
   // `start_now` false: the caller calls start(). `borrowed`: the store under the leases (else one of store_kind()).
@@ -226,14 +226,14 @@ struct Harness {
     for (size_t i = 0; i < behaviours.size(); ++i) {
       executors.push_back(std::make_unique<FakeExecutor>("fake:" + std::to_string(i), behaviours[i], log));
     }
-    store = borrowed != nullptr ? with_leases(*borrowed) : open_store();
+    leases = borrowed != nullptr ? with_leases(*borrowed) : open_store();
     PodOptions pod;
     pod.scheduling = options;
-    scheduler = std::make_unique<Scheduler>(std::move(executors), pod, *store, load_fake_job);
+    scheduler = std::make_unique<Scheduler>(std::move(executors), pod, leases->records(), *leases, load_fake_job);
     if (start_now) start();
   }
 
-  std::unique_ptr<JobStore> open_store() {
+  std::unique_ptr<LeaseStore> open_store() {
     const std::string kind = store_kind();
     if (kind == "sqlite") {
       dir = std::make_unique<ScratchDir>();
@@ -247,7 +247,7 @@ struct Harness {
     return with_leases(open_job_store("memory"));
   }
 
-  bool shared_store() { return store->leases()->shared(); }
+  bool shared_store() { return leases->shared(); }
 
   void start() {
     scheduler->start();

@@ -38,13 +38,14 @@ std::chrono::milliseconds to_millis(double seconds) {
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
 }
 
-// The job store first: a store that cannot be used stops the start before a model is loaded.
-std::unique_ptr<JobStore> open_store(const Options& o) {
+// The job store first: a store that cannot be used stops the start before a model is loaded. The leases hold the
+// records; timing wraps the records once metrics exist (serve()).
+std::unique_ptr<LeaseStore> open_store(const Options& o) {
   const std::string spec =
       o.job_store.empty() ? "sqlite:" + (std::filesystem::path(o.data_dir) / "jobs.sqlite").string() : o.job_store;
-  std::unique_ptr<JobStore> store = with_leases(open_job_store(spec));
-  spdlog::info("event=job_store store={} durable={}", store->describe(), store->durable());
-  return store;
+  std::unique_ptr<LeaseStore> leases = with_leases(open_job_store(spec));
+  spdlog::info("event=job_store store={} durable={}", leases->records().describe(), leases->records().durable());
+  return leases;
 }
 
 SchedulerOptions scheduling_options(const Options& o) {
@@ -65,7 +66,7 @@ SchedulerOptions scheduling_options(const Options& o) {
 
 // The one job queue over the store; payloads are re-created from the store (after a restart, where expired leases
 // are taken over; on another pod; after this server evicted them).
-std::unique_ptr<JobQueue> make_queue(const Options& o, Replicas& replicas, JobStore& store,
+std::unique_ptr<JobQueue> make_queue(const Options& o, Replicas& replicas, JobStore& store, LeaseStore& leases,
                                      const ServiceConfig& service_config) {
   PodOptions pod;
   pod.scheduling = scheduling_options(o);
@@ -75,14 +76,14 @@ std::unique_ptr<JobQueue> make_queue(const Options& o, Replicas& replicas, JobSt
     return restore_job(job, std::move(chunks), service_config.model, service_config.limits,
                        job_parts(service_config, service_config.text_encoder));
   };
-  auto jobs = std::make_unique<Scheduler>(std::move(replicas.executors), pod, store, loader);
-  spdlog::info("event=scheduler store={} shared={} pod={} lease_seconds={}", store.describe(),
-               store.leases()->shared(), o.pod_name, o.lease_seconds);
+  auto jobs = std::make_unique<Scheduler>(std::move(replicas.executors), pod, store, leases, loader);
+  spdlog::info("event=scheduler store={} shared={} pod={} lease_seconds={}", store.describe(), leases.shared(),
+               o.pod_name, o.lease_seconds);
   return jobs;
 }
 
 int serve(const Options& o, Signals& signals) {
-  std::unique_ptr<JobStore> store = open_store(o);
+  const std::unique_ptr<LeaseStore> leases = open_store(o);
   const std::unique_ptr<CheckedModel> model = check_model(o);
   auto work_sink = std::make_shared<std::atomic<Metrics*>>(nullptr);
   Replicas replicas = make_replicas(o, *model, work_sink);
@@ -91,12 +92,14 @@ int serve(const Options& o, Signals& signals) {
   Metrics metrics(replicas.names, SKYREELS_VERSION, skyreels::model::describe_loras(o.loras));
   work_sink->store(&metrics);
   const std::shared_ptr<void> unsink(nullptr, [work_sink](void*) { work_sink->store(nullptr); });
-  store = std::make_unique<TimedJobStore>(std::move(store), metrics.store_call_report());  // before its first use
-  ModelParts parts = load_model_parts(o, *model, replicas, *store, metrics);
+  // The records everything above reads and writes, timed (skyreels_job_store_seconds) from their first use on; the
+  // leases' own calls (claim, renew, commit, ...) are not timed.
+  TimedJobStore store(leases->records(), metrics.store_call_report());
+  ModelParts parts = load_model_parts(o, *model, replicas, store, metrics);
   const TextEncoderFn& text_encoder = parts.text_encoder;
   const std::unique_ptr<VideoEncoder>& video = parts.video;
   const std::shared_ptr<const ImageEncoder>& image_encoder = parts.image_encoder;
-  std::unique_ptr<WebhookSender> webhooks = make_webhooks(o, *store, metrics);
+  std::unique_ptr<WebhookSender> webhooks = make_webhooks(o, store, *leases, metrics);
   const std::unique_ptr<http::HttpServer> metrics_port =
       http::serve_metrics(o.metrics_listen, [&metrics] { return metrics.render(); });
 
@@ -117,7 +120,7 @@ int serve(const Options& o, Signals& signals) {
     };
   }
   // The service and the drain see only the JobQueue seam.
-  std::unique_ptr<JobQueue> jobs = make_queue(o, replicas, *store, config);
+  std::unique_ptr<JobQueue> jobs = make_queue(o, replicas, store, *leases, config);
   // The queue's one stream of scheduler events, consumed by metrics, MP4s (every commit the queue sees, also those
   // of chunks another pod ran) and webhooks, each from now until the queue goes.
   EventStream& events = jobs->events();

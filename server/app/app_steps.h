@@ -26,6 +26,7 @@
 #include "server/media/encoders.h"
 #include "server/metrics/metrics.h"
 #include "server/replica/replica.h"
+#include "server/store/job_lease.h"
 #include "server/store/job_store.h"
 #include "server/webhook/webhook_sender.h"
 
@@ -132,7 +133,7 @@ std::unique_ptr<grpc::Server> start_grpc(const Options& o, grpc::Service& servic
 std::vector<std::string> split_list(const std::string& text);
 
 // Webhook deliveries (--webhook-secret-file, --webhook-allow-hosts), from the job store's event logs.
-std::unique_ptr<WebhookSender> make_webhooks(const Options& o, JobStore& store, Metrics& metrics);
+std::unique_ptr<WebhookSender> make_webhooks(const Options& o, JobStore& store, LeaseStore& leases, Metrics& metrics);
 
 // The HTTP door (--http-listen): its calls go into the gRPC service over the in-process channel.
 std::unique_ptr<http::HttpServer> start_http(const Options& o, grpc::Server& server, const Health& health,

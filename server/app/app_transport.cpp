@@ -115,14 +115,14 @@ std::vector<std::string> split_list(const std::string& text) {
 }
 
 // Webhook deliveries (--webhook-secret-file, --webhook-allow-hosts), from the job store's event logs.
-std::unique_ptr<WebhookSender> make_webhooks(const Options& o, JobStore& store, Metrics& metrics) {
+std::unique_ptr<WebhookSender> make_webhooks(const Options& o, JobStore& store, LeaseStore& leases, Metrics& metrics) {
   if (o.webhook_secret_file.empty()) return nullptr;
   WebhookOptions options;
   options.secret = read_webhook_secret(o.webhook_secret_file);
   options.allow_hosts = split_list(o.webhook_allow_hosts);
   options.takeover_grace = std::chrono::seconds(o.webhook_takeover_seconds);
   spdlog::info("event=webhooks allow_hosts=\"{}\"", o.webhook_allow_hosts);
-  return std::make_unique<WebhookSender>(store, std::move(options), &metrics);
+  return std::make_unique<WebhookSender>(store, leases, std::move(options), &metrics);
 }
 
 // The HTTP door (--http-listen): its calls go into the gRPC service over the in-process channel.

@@ -21,12 +21,6 @@ int64_t deadline_ms(const std::optional<Clock::time_point>& deadline, int64_t no
   return now_ms + std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - Clock::now()).count();
 }
 
-LeaseStore& leases_of(JobStore& store) {
-  LeaseStore* leases = store.leases();
-  if (leases == nullptr) throw std::invalid_argument("Scheduler: the job store " + store.describe() + " has no leases");
-  return *leases;
-}
-
 std::string finished_event() {
   JobEvent done;
   done.type = EventType::Finished;
@@ -35,20 +29,19 @@ std::string finished_event() {
 
 }  // namespace
 
-std::unique_ptr<JobStore> with_leases(std::unique_ptr<JobStore> store) {
-  if (store->leases() != nullptr) return store;
-  return std::make_unique<LocalLeaseStore>(std::move(store), finished_event());
+std::unique_ptr<LeaseStore> with_leases(std::unique_ptr<JobStore> store) {
+  return lease_store_over(std::move(store), finished_event());
 }
 
-std::unique_ptr<JobStore> with_leases(JobStore& borrowed) {
+std::unique_ptr<LeaseStore> with_leases(JobStore& borrowed) {
   return std::make_unique<LocalLeaseStore>(borrowed, finished_event());
 }
 
 Scheduler::Scheduler(std::vector<std::unique_ptr<ChunkExecutor>> executors, PodOptions options, JobStore& store,
-                     JobLoader loader)
+                     LeaseStore& leases, JobLoader loader)
     : options_(std::move(options)),
       store_(store),
-      leases_(leases_of(store)),
+      leases_(leases),
       loader_(std::move(loader)),
       hub_(shared_, leases_, store_, options_.poll,
            [this](const std::string& job_id) { runner_.renew_if_running(job_id); }),

@@ -54,15 +54,15 @@ namespace skyreels::server {
 inline constexpr std::chrono::milliseconds kStoreCheckPeriod{1000}, kStoreCheckTimeout{2000};
 inline constexpr int kStoreChecksToFail = 2;
 
-// `store` itself when it hands out leases (PostgreSQL), else a LocalLeaseStore over it (memory, SQLite).
-std::unique_ptr<JobStore> with_leases(std::unique_ptr<JobStore> store);
-std::unique_ptr<JobStore> with_leases(JobStore& borrowed);  // always a LocalLeaseStore; `borrowed` outlives it
+// The leases over `store`, which they then hold: PostgreSQL's own, else a LocalLeaseStore (memory, SQLite).
+std::unique_ptr<LeaseStore> with_leases(std::unique_ptr<JobStore> store);
+std::unique_ptr<LeaseStore> with_leases(JobStore& borrowed);  // always a LocalLeaseStore; `borrowed` outlives it
 
 class Scheduler final : public JobQueue {
  public:
-  // `store` must hand out leases (with_leases()) and outlive the scheduler; throws std::invalid_argument otherwise.
+  // `leases` (with_leases()) and `store`, its records() or a wrapper of them (TimedJobStore), outlive the scheduler.
   Scheduler(std::vector<std::unique_ptr<ChunkExecutor>> executors, PodOptions options, JobStore& store,
-            JobLoader loader);
+            LeaseStore& leases, JobLoader loader);
   ~Scheduler() override;  // running chunks stop and give their leases back
   Scheduler(const Scheduler&) = delete;
   Scheduler& operator=(const Scheduler&) = delete;

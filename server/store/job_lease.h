@@ -2,9 +2,10 @@
 // of its jobs without a coordinator. A replica claims the best ready chunk, renews its lease while the chunk runs (a
 // heartbeat), and commits the result under the lease's token. A replica that dies stops renewing; once its lease
 // expires another replica takes the chunk over with a higher token, so a late commit of the dead holder is refused
-// (fencing) and every chunk is committed exactly once. Implemented by PostgresJobStore (shared by pods; the store's
-// clock decides expiry, so pods' clocks never matter) and by LocalLeaseStore (job_lease_local.h: memory and SQLite,
-// one process), so a single server runs the very scheduler a fleet runs.
+// (fencing) and every chunk is committed exactly once. Implemented by PostgresLeaseStore (job_store_postgres.h: shared
+// by pods; the store's clock decides expiry, so pods' clocks never matter) and by LocalLeaseStore (job_lease_local.h:
+// memory and SQLite, one process), so a single server runs the very scheduler a fleet runs. A lease store is not a
+// JobStore: it holds the records (JobStore) it leases the jobs of, and hands them out as records().
 //
 // The claim (LeaseStore::claim): the store reports its ready jobs (candidates) and the replicas of other pods
 // (replica_reports); the pure functions of policy/claim_order.h decide the order to try them in (dispatch order,
@@ -94,6 +95,10 @@ class LeaseStore {
   static constexpr const char* kChangesChannel = "skyreels_jobs";  // NOTIFY payload: the job id
 
   virtual ~LeaseStore() = default;
+
+  // The records this store leases the jobs of (jobs, chunks, events, segments), which it holds. Every read and write
+  // of them goes through here: a store one process holds keeps its rows and events in step (job_lease_local.h).
+  virtual JobStore& records() = 0;
 
   // The best ready chunk for `replica` among jobs not in `pass_over` (policy::claim_order over candidates() and the
   // other pods' replica_reports()), leased for `ttl` by try_lease; nullopt when no chunk is ready. `resident`: the
@@ -190,6 +195,10 @@ class LeaseStore {
   std::mutex left_mu_;
   policy::LeftChunks left_;  // chunks this process's claims left to other pods
 };
+
+// The leases over `records` (as open_job_store() made them), which then hold them: PostgreSQL's own (shared by pods),
+// else a LocalLeaseStore (memory, SQLite: one process holds the store; `finished_event`: see LocalLeaseStore).
+std::unique_ptr<LeaseStore> lease_store_over(std::unique_ptr<JobStore> records, std::string finished_event);
 
 // Inserts `job` under fresh ids from `new_id` until one is not taken (at most kIdAttempts; 128 random bits make a
 // second attempt already astronomically rare). Returns the last outcome; job.id is the id it was tried under.

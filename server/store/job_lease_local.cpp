@@ -117,29 +117,29 @@ uint64_t LocalLeaseStore::append_locked(Entry& e, const std::string& data) {
   return event.sequence;
 }
 
-// ---- JobStore -------------------------------------------------------------------------------------------------
+// ---- records() -------------------------------------------------------------------------------------------------
 
-std::string LocalLeaseStore::describe() const { return inner_.describe(); }
-bool LocalLeaseStore::durable() const { return inner_.durable(); }
+std::string LocalLeaseStore::Records::describe() const { return leases_.inner_.describe(); }
+bool LocalLeaseStore::Records::durable() const { return leases_.inner_.durable(); }
 
-void LocalLeaseStore::insert_job(StoredJob job) {
+void LocalLeaseStore::Records::insert_job(StoredJob job) {
   const std::string id = job.id;
   Entry e;
   e.job = job;
   e.job.request = std::string();
-  inner_.insert_job(std::move(job));
+  leases_.inner_.insert_job(std::move(job));
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    next_order_ = std::max(next_order_, e.job.order + 1);
-    if (!e.job.idempotency_key.empty()) keys_[{e.job.owner, e.job.idempotency_key}] = id;
-    jobs_[id] = std::move(e);
+    std::lock_guard<std::mutex> lock(leases_.mu_);
+    leases_.next_order_ = std::max(leases_.next_order_, e.job.order + 1);
+    if (!e.job.idempotency_key.empty()) leases_.keys_[{e.job.owner, e.job.idempotency_key}] = id;
+    leases_.jobs_[id] = std::move(e);
   }
 }
 
-void LocalLeaseStore::update_job(const StoredJob& job) {
+void LocalLeaseStore::Records::update_job(const StoredJob& job) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    Entry* e = visible_locked(job.id);
+    std::lock_guard<std::mutex> lock(leases_.mu_);
+    Entry* e = leases_.visible_locked(job.id);
     if (e == nullptr) return;
     StoredJob& s = e->job;  // as append_locked: kept here even when the write fails
     s.state = job.state;
@@ -149,85 +149,88 @@ void LocalLeaseStore::update_job(const StoredJob& job) {
     s.finished_ms = job.finished_ms;
     s.retries = job.retries;
     s.handoffs = job.handoffs;
-    inner_.update_job(job);
+    leases_.inner_.update_job(job);
   }
 }
 
-void LocalLeaseStore::commit_chunk(const std::string& job_id, const StoredChunk& chunk) {
-  inner_.commit_chunk(job_id, chunk);
+void LocalLeaseStore::Records::commit_chunk(const std::string& job_id, const StoredChunk& chunk) {
+  leases_.inner_.commit_chunk(job_id, chunk);
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (Entry* e = visible_locked(job_id)) {
+    std::lock_guard<std::mutex> lock(leases_.mu_);
+    if (Entry* e = leases_.visible_locked(job_id)) {
       e->job.chunks_done = chunk.index + 1;
       e->last_replica = chunk.replica;
     }
   }
 }
 
-void LocalLeaseStore::append_event(const std::string& job_id, const StoredEvent& event) {
+void LocalLeaseStore::Records::append_event(const std::string& job_id, const StoredEvent& event) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    inner_.append_event(job_id, event);
-    if (Entry* e = visible_locked(job_id)) {
+    std::lock_guard<std::mutex> lock(leases_.mu_);
+    leases_.inner_.append_event(job_id, event);
+    if (Entry* e = leases_.visible_locked(job_id)) {
       e->events.push_back(event);
       e->next_sequence = std::max(e->next_sequence, event.sequence + 1);
     }
   }
 }
 
-void LocalLeaseStore::drop_job(const std::string& job_id, const std::string& reason) {
+void LocalLeaseStore::Records::drop_job(const std::string& job_id, const std::string& reason) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    inner_.drop_job(job_id, reason);
-    auto it = jobs_.find(job_id);
-    if (it != jobs_.end()) {
-      keys_.erase({it->second.job.owner, it->second.job.idempotency_key});
-      jobs_.erase(it);
+    std::lock_guard<std::mutex> lock(leases_.mu_);
+    leases_.inner_.drop_job(job_id, reason);
+    auto it = leases_.jobs_.find(job_id);
+    if (it != leases_.jobs_.end()) {
+      leases_.keys_.erase({it->second.job.owner, it->second.job.idempotency_key});
+      leases_.jobs_.erase(it);
     }
-    dropped_.insert(job_id);
-    if (static_cast<int64_t>(dropped_.size()) > kMaxTombstones) dropped_.erase(dropped_.begin());
+    std::set<std::string>& dropped = leases_.dropped_;
+    dropped.insert(job_id);
+    if (static_cast<int64_t>(dropped.size()) > kMaxTombstones) dropped.erase(dropped.begin());
   }
 }
 
-std::optional<std::string> LocalLeaseStore::dropped_reason(const std::string& job_id, const std::string& owner) const {
-  return inner_.dropped_reason(job_id, owner);
+std::optional<std::string> LocalLeaseStore::Records::dropped_reason(const std::string& job_id,
+                                                                    const std::string& owner) const {
+  return leases_.inner_.dropped_reason(job_id, owner);
 }
 
-std::vector<StoredJob> LocalLeaseStore::load_jobs() const { return inner_.load_jobs(); }
+std::vector<StoredJob> LocalLeaseStore::Records::load_jobs() const { return leases_.inner_.load_jobs(); }
 
-std::vector<StoredChunk> LocalLeaseStore::load_chunks(const std::string& job_id) const {
-  return inner_.load_chunks(job_id);
+std::vector<StoredChunk> LocalLeaseStore::Records::load_chunks(const std::string& job_id) const {
+  return leases_.inner_.load_chunks(job_id);
 }
 
-std::vector<StoredEvent> LocalLeaseStore::load_events(const std::string& job_id) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  const Entry* e = visible_locked(job_id);
+std::vector<StoredEvent> LocalLeaseStore::Records::load_events(const std::string& job_id) const {
+  std::lock_guard<std::mutex> lock(leases_.mu_);
+  const Entry* e = leases_.visible_locked(job_id);
   return e == nullptr ? std::vector<StoredEvent>{} : e->events;
 }
 
-std::optional<std::string> LocalLeaseStore::load_request(const std::string& job_id) const {
-  return inner_.load_request(job_id);
+std::optional<std::string> LocalLeaseStore::Records::load_request(const std::string& job_id) const {
+  return leases_.inner_.load_request(job_id);
 }
 
-std::optional<std::string> LocalLeaseStore::load_chunk_bytes(const std::string& job_id, int64_t index) const {
-  return inner_.load_chunk_bytes(job_id, index);
+std::optional<std::string> LocalLeaseStore::Records::load_chunk_bytes(const std::string& job_id, int64_t index) const {
+  return leases_.inner_.load_chunk_bytes(job_id, index);
 }
 
-void LocalLeaseStore::put_segment(const std::string& job_id, int64_t index, const std::string& bytes) {
-  inner_.put_segment(job_id, index, bytes);
+void LocalLeaseStore::Records::put_segment(const std::string& job_id, int64_t index, const std::string& bytes) {
+  leases_.inner_.put_segment(job_id, index, bytes);
 }
 
-std::optional<std::string> LocalLeaseStore::load_segment(const std::string& job_id, int64_t index) const {
-  return inner_.load_segment(job_id, index);
+std::optional<std::string> LocalLeaseStore::Records::load_segment(const std::string& job_id, int64_t index) const {
+  return leases_.inner_.load_segment(job_id, index);
 }
 
-std::optional<int64_t> LocalLeaseStore::blob_size(const std::string& job_id, Blob kind, int64_t index) const {
-  return inner_.blob_size(job_id, kind, index);
+std::optional<int64_t> LocalLeaseStore::Records::blob_size(const std::string& job_id, Blob kind, int64_t index) const {
+  return leases_.inner_.blob_size(job_id, kind, index);
 }
 
-std::optional<std::string> LocalLeaseStore::load_blob_range(const std::string& job_id, Blob kind, int64_t index,
-                                                            int64_t offset, int64_t length) const {
-  return inner_.load_blob_range(job_id, kind, index, offset, length);
+std::optional<std::string> LocalLeaseStore::Records::load_blob_range(const std::string& job_id, Blob kind,
+                                                                     int64_t index, int64_t offset,
+                                                                     int64_t length) const {
+  return leases_.inner_.load_blob_range(job_id, kind, index, offset, length);
 }
 
 // ---- LeaseStore -----------------------------------------------------------------------------------------------
@@ -517,7 +520,7 @@ std::vector<uint64_t> LocalLeaseStore::append_events(const std::string& job_id, 
   {
     std::lock_guard<std::mutex> lock(mu_);
     Entry* e = visible_locked(job_id);
-    if (e == nullptr) throw StoreError("job store " + describe() + ": append_events: no job " + job_id);
+    if (e == nullptr) throw StoreError("job store " + inner_.describe() + ": append_events: no job " + job_id);
     for (const std::string& data : events) sequences.push_back(append_locked(*e, data));
   }
   return sequences;
@@ -526,7 +529,7 @@ std::vector<uint64_t> LocalLeaseStore::append_events(const std::string& job_id, 
 uint64_t LocalLeaseStore::reserve_sequences(const std::string& job_id, int64_t count) {
   std::lock_guard<std::mutex> lock(mu_);
   Entry* e = visible_locked(job_id);
-  if (e == nullptr) throw StoreError("job store " + describe() + ": reserve_sequences: no job " + job_id);
+  if (e == nullptr) throw StoreError("job store " + inner_.describe() + ": reserve_sequences: no job " + job_id);
   const uint64_t first = e->next_sequence;
   e->next_sequence += static_cast<uint64_t>(std::max<int64_t>(count, 0));
   return first;

@@ -1,13 +1,14 @@
 // Chunk leases for a store only this server uses (memory, SQLite): the LeaseStore seam PostgreSQL offers many pods,
 // kept in this process and written through to the store, so that one server runs the very scheduler a fleet runs.
 //
-// The job rows (without their requests), their events and the leases live here; every change is written to the
-// wrapped store as it happens (results and requests are read back from it). Opening over a durable store reads its
+// It holds the store (records()): the job rows (without their requests), their events and the leases live here, and
+// every change, the leases' own and those made through records(), is written to the wrapped store as it happens
+// (results and requests are read back from it). Opening over a durable store reads its
 // jobs back: a job that was running when the server died has an expired lease, so its chunk is taken over (counted
 // as a retry) like a dead pod's; a job killed between its last commit and its end is ended here, with
-// `finished_event` (the scheduler's encoding of its Finished event: the store does not know the encoding). The clock is this
-// process's wall clock. Event numbers of an unfinished job continue past every number it can have handed out before
-// (step events are numbered but never stored), so that a watcher resuming with after_sequence misses nothing.
+// `finished_event` (the scheduler's encoding of its Finished event: the store does not know the encoding). The clock is
+// this process's wall clock. Event numbers of an unfinished job continue past every number it can have handed out
+// before (step events are numbered but never stored), so that a watcher resuming with after_sequence misses nothing.
 #pragma once
 
 #include <condition_variable>
@@ -24,7 +25,7 @@
 
 namespace skyreels::server {
 
-class LocalLeaseStore final : public JobStore, public LeaseStore {
+class LocalLeaseStore final : public LeaseStore {
  public:
   // Step events one chunk can number (LeaseStore::reserve_sequences): more than any chunk's rows (limits.h).
   static constexpr uint64_t kStepNumbersPerChunk = 1 << 16;
@@ -34,26 +35,9 @@ class LocalLeaseStore final : public JobStore, public LeaseStore {
   LocalLeaseStore(JobStore& borrowed, std::string finished_event);
   ~LocalLeaseStore() override;
 
-  // JobStore: written through to the wrapped store; rows and events are answered from here.
-  std::string describe() const override;
-  bool durable() const override;
-  LeaseStore* leases() override { return this; }
-  void insert_job(StoredJob job) override;
-  void update_job(const StoredJob& job) override;
-  void commit_chunk(const std::string& job_id, const StoredChunk& chunk) override;
-  void append_event(const std::string& job_id, const StoredEvent& event) override;
-  void drop_job(const std::string& job_id, const std::string& reason) override;
-  std::optional<std::string> dropped_reason(const std::string& job_id, const std::string& owner) const override;
-  std::vector<StoredJob> load_jobs() const override;
-  std::vector<StoredChunk> load_chunks(const std::string& job_id) const override;
-  std::vector<StoredEvent> load_events(const std::string& job_id) const override;
-  std::optional<std::string> load_request(const std::string& job_id) const override;
-  std::optional<std::string> load_chunk_bytes(const std::string& job_id, int64_t index) const override;
-  void put_segment(const std::string& job_id, int64_t index, const std::string& bytes) override;
-  std::optional<std::string> load_segment(const std::string& job_id, int64_t index) const override;
-  std::optional<int64_t> blob_size(const std::string& job_id, Blob kind, int64_t index) const override;
-  std::optional<std::string> load_blob_range(const std::string& job_id, Blob kind, int64_t index, int64_t offset,
-                                             int64_t length) const override;
+  // The records as this store's leases see them: written through to the wrapped store; rows and events are answered
+  // from here.
+  JobStore& records() override { return records_; }
 
   // LeaseStore
   std::vector<policy::ReadyJob> candidates(int64_t limit) const override;
@@ -97,6 +81,18 @@ class LocalLeaseStore final : public JobStore, public LeaseStore {
     int weight = 1;
   };
 
+  // records(): every change goes through here first (the rows and events kept here), then to the wrapped store.
+  class Records final : public JobStore {
+   public:
+    explicit Records(LocalLeaseStore& leases) : leases_(leases) {}
+    std::string describe() const override;
+    bool durable() const override;
+    SKYREELS_JOB_STORE_CALLS;
+
+   private:
+    LocalLeaseStore& leases_;
+  };
+
   void read_back(const std::string& finished_event);
   Entry* visible_locked(const std::string& job_id);
   const Entry* visible_locked(const std::string& job_id) const;
@@ -114,6 +110,7 @@ class LocalLeaseStore final : public JobStore, public LeaseStore {
   std::map<std::string, Client> clients_;
   std::set<std::string> dropped_;  // ids dropped while this process ran (never issued again)
   uint64_t next_order_ = 1;
+  Records records_{*this};
 };
 
 }  // namespace skyreels::server

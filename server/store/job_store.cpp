@@ -1,8 +1,11 @@
-// open_job_store(): the --job-store spec to a backend; the deadline of store calls.
+// open_job_store(): the --job-store spec to a backend, and lease_store_over() the leases over it; the deadline of store
+// calls.
+#include "server/store/job_store.h"
+
 #include <algorithm>
 #include <memory>
 
-#include "server/store/job_store.h"
+#include "server/store/job_lease_local.h"
 #include "server/store/job_store_memory.h"
 #include "server/store/job_store_postgres.h"
 #include "server/store/job_store_sqlite.h"
@@ -83,6 +86,14 @@ std::unique_ptr<JobStore> open_job_store(const std::string& spec) {
   }
   throw StoreError("--job-store: '" + pg::redact_url(spec) +
                    "' is neither memory, sqlite:PATH nor postgresql://[USER[:PASSWORD]@]HOST[:PORT]/DB");
+}
+
+std::unique_ptr<LeaseStore> lease_store_over(std::unique_ptr<JobStore> records, std::string finished_event) {
+  if (dynamic_cast<PostgresJobStore*>(records.get()) != nullptr) {
+    std::unique_ptr<PostgresJobStore> postgres(static_cast<PostgresJobStore*>(records.release()));
+    return std::make_unique<PostgresLeaseStore>(std::move(postgres));
+  }
+  return std::make_unique<LocalLeaseStore>(std::move(records), std::move(finished_event));
 }
 
 std::string join_adapter_names(const std::vector<std::string>& names) {

@@ -63,8 +63,6 @@ struct StoredEvent {
   std::string data;  // the scheduler's encoding
 };
 
-class LeaseStore;  // job_lease.h
-
 // How long one store call may take at most. A store that stops answering (a frozen database, a black-holed network:
 // the kernel still ACKs, so TCP keepalives never fire) fails the call with StoreError after this, never later.
 inline constexpr std::chrono::milliseconds kStoreCallTimeout{15000};
@@ -84,11 +82,11 @@ class StoreCallDeadline {
 // When this thread's store call must end: its scope's deadline, at most kStoreCallTimeout from now.
 std::chrono::steady_clock::time_point store_call_deadline();
 
+// The records of jobs: their rows, chunk results, events and MP4 segments. Chunk leases over them are a store of their
+// own (LeaseStore, job_lease.h), which holds the records it leases the jobs of.
 class JobStore {
  public:
   virtual ~JobStore() = default;
-  // A store that several servers share (PostgreSQL) hands out chunk leases; null: this server owns its jobs.
-  virtual LeaseStore* leases() { return nullptr; }
   virtual std::string describe() const = 0;  // "memory" or "sqlite:PATH"
   virtual bool durable() const = 0;          // false: nothing survives a restart (no resume)
 
@@ -130,6 +128,26 @@ class JobStore {
   virtual std::optional<std::string> load_blob_range(const std::string& job_id, Blob kind, int64_t index,
                                                      int64_t offset, int64_t length) const;
 };
+
+// The JobStore calls (one per kJobStoreOps name, job_store_timed.h), declared once: a class that implements every one
+// of them (the backends, the timing wrapper) names this in its public part instead of restating the list.
+#define SKYREELS_JOB_STORE_CALLS                                                                                  \
+  void insert_job(StoredJob job) override;                                                                        \
+  void update_job(const StoredJob& job) override;                                                                 \
+  void commit_chunk(const std::string& job_id, const StoredChunk& chunk) override;                                \
+  void append_event(const std::string& job_id, const StoredEvent& event) override;                                \
+  void drop_job(const std::string& job_id, const std::string& reason) override;                                   \
+  std::optional<std::string> dropped_reason(const std::string& job_id, const std::string& owner) const override;  \
+  std::vector<StoredJob> load_jobs() const override;                                                              \
+  std::vector<StoredChunk> load_chunks(const std::string& job_id) const override;                                 \
+  std::vector<StoredEvent> load_events(const std::string& job_id) const override;                                 \
+  std::optional<std::string> load_request(const std::string& job_id) const override;                              \
+  std::optional<std::string> load_chunk_bytes(const std::string& job_id, int64_t index) const override;           \
+  void put_segment(const std::string& job_id, int64_t index, const std::string& bytes) override;                  \
+  std::optional<std::string> load_segment(const std::string& job_id, int64_t index) const override;               \
+  std::optional<int64_t> blob_size(const std::string& job_id, Blob kind, int64_t index) const override;           \
+  std::optional<std::string> load_blob_range(const std::string& job_id, Blob kind, int64_t index, int64_t offset, \
+                                             int64_t length) const override
 
 // bytes[offset, offset + length), clipped to the bytes (empty past the end or for a negative offset).
 std::string blob_slice(const std::string& bytes, int64_t offset, int64_t length);

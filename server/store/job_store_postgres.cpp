@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <chrono>
 #include <random>
 
 #include "server/store/job_store_postgres_sql.h"
@@ -160,7 +161,7 @@ constexpr int64_t kMigrationLock = 0x736b7972656c7331;  // "skyrels1": pg_adviso
 PostgresJobStore::PostgresJobStore(const std::string& url)
     : url_(url), origin_(new_origin()), pool_(std::make_unique<pg::Pool>(url, kConnections)) {
   migrate();
-  reachable();  // the first clock offset, before anything is stamped
+  measure_clock();  // the first clock offset, before anything is stamped
   spdlog::info("event=job_store_opened store=postgresql url={} schema_version={} clock_offset_ms={}", describe(),
                kSchemaVersion, clock_offset_ms_.load());
 }
@@ -279,15 +280,6 @@ std::vector<StoredJob> PostgresJobStore::load_jobs() const {
   return out;
 }
 
-std::optional<StoredJob> PostgresJobStore::load_job(const std::string& job_id, bool with_request) const {
-  auto c = pool_->acquire();
-  const pg::Result r = c->exec("SELECT " + (with_request ? std::string(kJobColumns) : without_request_columns()) +
-                                   " FROM jobs WHERE id = $1",
-                               {job_id});
-  if (r.rows() == 0) return std::nullopt;
-  return job_from_row(r, 0);
-}
-
 std::vector<StoredChunk> PostgresJobStore::load_chunks(const std::string& job_id) const {
   auto c = pool_->acquire();
   const pg::Result r =
@@ -361,12 +353,16 @@ std::optional<std::string> PostgresJobStore::load_request(const std::string& job
   return r.text(0, 0);
 }
 
-bool PostgresJobStore::reachable() const {
+bool PostgresJobStore::measure_clock() const {
+  const auto wall_ms = [] {  // this pod's clock (LeaseStore::now_ms() of a store one process holds)
+    return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+        .count();
+  };
   try {
     auto c = pool_->acquire();
-    const int64_t before = LeaseStore::now_ms();
+    const int64_t before = wall_ms();
     const pg::Result r = c->exec(std::string("SELECT ") + kNowMs);
-    const int64_t after = LeaseStore::now_ms();
+    const int64_t after = wall_ms();
     // The store's reading falls within the round trip: take its middle (off by half the round trip at most).
     clock_offset_ms_ = r.int64(0, 0) - (before + (after - before) / 2);
     return true;
@@ -374,7 +370,5 @@ bool PostgresJobStore::reachable() const {
     return false;
   }
 }
-
-int64_t PostgresJobStore::now_ms() const { return LeaseStore::now_ms() + clock_offset_ms_.load(); }
 
 }  // namespace skyreels::server

@@ -21,7 +21,8 @@ class Pool;
 class Connection;
 }  // namespace pg
 
-class PostgresJobStore final : public JobStore, public LeaseStore {
+// The records (JobStore): the schema, its migrations and the connection pool, which PostgresLeaseStore shares.
+class PostgresJobStore final : public JobStore {
  public:
   static constexpr int kSchemaVersion = 3;
   static constexpr int kConnections = 4;
@@ -30,25 +31,28 @@ class PostgresJobStore final : public JobStore, public LeaseStore {
 
   std::string describe() const override;
   bool durable() const override { return true; }
-  LeaseStore* leases() override { return this; }
-  void insert_job(StoredJob job) override;
-  void update_job(const StoredJob& job) override;
-  void commit_chunk(const std::string& job_id, const StoredChunk& chunk) override;
-  void append_event(const std::string& job_id, const StoredEvent& event) override;
-  void drop_job(const std::string& job_id, const std::string& reason) override;
-  std::optional<std::string> dropped_reason(const std::string& job_id, const std::string& owner) const override;
-  std::vector<StoredJob> load_jobs() const override;
-  std::vector<StoredChunk> load_chunks(const std::string& job_id) const override;
-  std::vector<StoredEvent> load_events(const std::string& job_id) const override;
-  std::optional<std::string> load_request(const std::string& job_id) const override;
-  std::optional<std::string> load_chunk_bytes(const std::string& job_id, int64_t index) const override;
-  void put_segment(const std::string& job_id, int64_t index, const std::string& bytes) override;
-  std::optional<std::string> load_segment(const std::string& job_id, int64_t index) const override;
-  std::optional<int64_t> blob_size(const std::string& job_id, Blob kind, int64_t index) const override;
-  std::optional<std::string> load_blob_range(const std::string& job_id, Blob kind, int64_t index, int64_t offset,
-                                             int64_t length) const override;
+  SKYREELS_JOB_STORE_CALLS;
 
-  // LeaseStore
+ private:
+  friend class PostgresLeaseStore;  // the same database and pool
+  void migrate();
+  // Measures PostgreSQL's clock against this pod's (one round trip); false when the store does not answer.
+  bool measure_clock() const;
+  // SQL announcing a change of `job_id` (an expression).
+  std::string notify_change_sql(const std::string& job_id) const;
+  std::string url_;
+  std::string origin_;  // tags the changes this store announces (its own listener skips them)
+  std::unique_ptr<pg::Pool> pool_;
+  mutable std::atomic<int64_t> clock_offset_ms_{0};  // PostgreSQL's clock minus this pod's
+};
+
+// The leases (job_store_postgres_leases.cpp), over the records it holds: one database, one pool.
+class PostgresLeaseStore final : public LeaseStore {
+ public:
+  explicit PostgresLeaseStore(std::unique_ptr<PostgresJobStore> records);
+  ~PostgresLeaseStore() override;
+
+  JobStore& records() override { return *records_; }
   std::vector<policy::ReadyJob> candidates(int64_t limit) const override;
   std::optional<ChunkLease> try_lease(const std::string& job_id, const std::string& replica,
                                       std::chrono::milliseconds ttl, int64_t charge) override;
@@ -77,12 +81,10 @@ class PostgresJobStore final : public JobStore, public LeaseStore {
   int64_t now_ms() const override;
 
  private:
-  void migrate();
-  std::string notify_change_sql(const std::string& job_id) const;  // SQL announcing a change of `job_id` (an expression)
-  std::string url_;
-  std::string origin_;  // tags the changes this store announces (its own listener skips them)
-  std::unique_ptr<pg::Pool> pool_;
-  mutable std::atomic<int64_t> clock_offset_ms_{0};  // PostgreSQL's clock minus this pod's
+  std::string describe() const { return records_->describe(); }
+  std::string notify_change_sql(const std::string& job_id) const { return records_->notify_change_sql(job_id); }
+  std::unique_ptr<PostgresJobStore> records_;
+  pg::Pool* pool_;  // records_'s
   std::mutex reported_mu_;
   std::set<std::string> reported_;  // this pod's replicas that have reported
 };

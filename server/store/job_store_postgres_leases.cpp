@@ -1,6 +1,7 @@
-// PostgresJobStore's LeaseStore seam (job_store_postgres.h): what a claim reads (candidates, replicas' reports), the
-// atomic lease, renew, the fenced commit, release, deadlines, retention, cancel, admission under one advisory lock,
-// counts, events and NOTIFY. Every clock comparison is PostgreSQL's clock_timestamp() (kNowMs).
+// PostgresLeaseStore (job_store_postgres.h), the LeaseStore seam over PostgresJobStore's database: what a claim reads
+// (candidates, replicas' reports), the atomic lease, renew, the fenced commit, release, deadlines, retention, cancel,
+// admission under one advisory lock, counts, events and NOTIFY. Every clock comparison is PostgreSQL's
+// clock_timestamp() (kNowMs).
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -91,10 +92,28 @@ class PgChangeListener final : public ChangeListener {
 
 }  // namespace
 
+PostgresLeaseStore::PostgresLeaseStore(std::unique_ptr<PostgresJobStore> records)
+    : records_(std::move(records)), pool_(records_->pool_.get()) {}
+
+PostgresLeaseStore::~PostgresLeaseStore() = default;
+
+bool PostgresLeaseStore::reachable() const { return records_->measure_clock(); }
+
+int64_t PostgresLeaseStore::now_ms() const { return LeaseStore::now_ms() + records_->clock_offset_ms_.load(); }
+
+std::optional<StoredJob> PostgresLeaseStore::load_job(const std::string& job_id, bool with_request) const {
+  auto c = pool_->acquire();
+  const pg::Result r = c->exec(
+      "SELECT " + (with_request ? std::string(kJobColumns) : without_request_columns()) + " FROM jobs WHERE id = $1",
+      {job_id});
+  if (r.rows() == 0) return std::nullopt;
+  return job_from_row(r, 0);
+}
+
 // ---- leases ----
 
-void PostgresJobStore::report_replica(const std::string& replica, const std::vector<std::string>& resident,
-                                      bool idle) {
+void PostgresLeaseStore::report_replica(const std::string& replica, const std::vector<std::string>& resident,
+                                        bool idle) {
   auto c = pool_->acquire();
   const std::string idle_sql = idle ? "true" : "false";
   c->exec("INSERT INTO replicas(name, idle, adapters, seen_ms) VALUES($1, " + idle_sql + ", $2, " + kNowMs +
@@ -110,7 +129,7 @@ void PostgresJobStore::report_replica(const std::string& replica, const std::vec
   if (first) c->exec(std::string("DELETE FROM replicas WHERE seen_ms < ") + kNowMs + " - 86400000");
 }
 
-std::vector<policy::ReplicaReport> PostgresJobStore::replica_reports(std::chrono::milliseconds within) const {
+std::vector<policy::ReplicaReport> PostgresLeaseStore::replica_reports(std::chrono::milliseconds within) const {
   auto c = pool_->acquire();
   const pg::Result r = c->exec(std::string("SELECT name, idle, adapters FROM replicas WHERE seen_ms > ") + kNowMs +
                                    " - $1 ORDER BY name",
@@ -123,7 +142,7 @@ std::vector<policy::ReplicaReport> PostgresJobStore::replica_reports(std::chrono
 }
 
 // Without locks: try_lease re-checks each job as it locks it.
-std::vector<policy::ReadyJob> PostgresJobStore::candidates(int64_t limit) const {
+std::vector<policy::ReadyJob> PostgresLeaseStore::candidates(int64_t limit) const {
   auto c = pool_->acquire();
   const pg::Result rows =
       c->exec("SELECT id, priority, vbase + chunks_done, ord, last_replica, COALESCE(cl.service, 0),"
@@ -148,8 +167,8 @@ std::vector<policy::ReadyJob> PostgresJobStore::candidates(int64_t limit) const 
 
 // Locks the job's row only while it is still ready (SKIP LOCKED: a job another claim holds is passed over, never
 // waited for), then leases it and charges its client, in one transaction.
-std::optional<ChunkLease> PostgresJobStore::try_lease(const std::string& job_id, const std::string& replica,
-                                                      std::chrono::milliseconds ttl, int64_t charge) {
+std::optional<ChunkLease> PostgresLeaseStore::try_lease(const std::string& job_id, const std::string& replica,
+                                                        std::chrono::milliseconds ttl, int64_t charge) {
   auto c = pool_->acquire();
   pg::Transaction tx(*c);
   const pg::Result locked =
@@ -180,7 +199,7 @@ std::optional<ChunkLease> PostgresJobStore::try_lease(const std::string& job_id,
   return lease;
 }
 
-LeaseRenewal PostgresJobStore::renew(const ChunkLease& lease, std::chrono::milliseconds ttl) {
+LeaseRenewal PostgresLeaseStore::renew(const ChunkLease& lease, std::chrono::milliseconds ttl) {
   auto c = pool_->acquire();
   const pg::Result r = c->exec(std::string("UPDATE jobs SET lease_expires_ms = ") + kNowMs +
                                    " + $3 WHERE id = $1 AND lease_token = $2 AND lease_replica IS NOT NULL"
@@ -190,8 +209,8 @@ LeaseRenewal PostgresJobStore::renew(const ChunkLease& lease, std::chrono::milli
   return {true, r.boolean(0, 0)};
 }
 
-LeaseCommit PostgresJobStore::commit(const ChunkLease& lease, const StoredChunk& chunk,
-                                     const std::vector<std::string>& events) {
+LeaseCommit PostgresLeaseStore::commit(const ChunkLease& lease, const StoredChunk& chunk,
+                                       const std::vector<std::string>& events) {
   auto c = pool_->acquire();
   pg::Transaction tx(*c);
   // The fence: the job row locked under the current token, so that no takeover slips in before COMMIT.
@@ -224,7 +243,7 @@ LeaseCommit PostgresJobStore::commit(const ChunkLease& lease, const StoredChunk&
   return out;
 }
 
-std::vector<std::string> PostgresJobStore::expire_deadlines() {
+std::vector<std::string> PostgresLeaseStore::expire_deadlines() {
   auto c = pool_->acquire();
   const pg::Result r = c->exec(std::string("WITH u AS (UPDATE jobs SET state = 'deadline_exceeded',"
                                            " error_kind = 'deadline_exceeded', error = $1, finished_ms = ") +
@@ -237,7 +256,8 @@ std::vector<std::string> PostgresJobStore::expire_deadlines() {
   return ids;
 }
 
-std::vector<LeaseStore::Retired> PostgresJobStore::finished_to_retire(int64_t finished_before_ms, int64_t keep) const {
+std::vector<LeaseStore::Retired> PostgresLeaseStore::finished_to_retire(int64_t finished_before_ms,
+                                                                        int64_t keep) const {
   auto c = pool_->acquire();
   const pg::Result r = c->exec(std::string("SELECT id, finished_ms < $1 FROM (SELECT id, finished_ms, row_number() OVER"
                                            " (ORDER BY finished_ms DESC) AS newer FROM jobs WHERE NOT ") +
@@ -248,7 +268,7 @@ std::vector<LeaseStore::Retired> PostgresJobStore::finished_to_retire(int64_t fi
   return out;
 }
 
-bool PostgresJobStore::release(const ChunkLease& lease) {
+bool PostgresLeaseStore::release(const ChunkLease& lease) {
   auto c = pool_->acquire();
   const pg::Result r = c->exec("WITH u AS (UPDATE jobs SET lease_replica = NULL, lease_expires_ms = NULL"
                                " WHERE id = $1 AND lease_token = $2 AND lease_replica IS NOT NULL RETURNING id)"
@@ -258,7 +278,7 @@ bool PostgresJobStore::release(const ChunkLease& lease) {
   return r.rows() == 1;
 }
 
-CancelState PostgresJobStore::request_cancel(const std::string& job_id, const std::string& owner) {
+CancelState PostgresLeaseStore::request_cancel(const std::string& job_id, const std::string& owner) {
   auto c = pool_->acquire();
   pg::Transaction tx(*c);
   const pg::Result r = c->exec(std::string("UPDATE jobs SET cancel_requested = true WHERE id = $1 AND owner = $2 AND ") +
@@ -276,7 +296,7 @@ CancelState PostgresJobStore::request_cancel(const std::string& job_id, const st
   return state;
 }
 
-InsertOutcome PostgresJobStore::insert_job_once(const StoredJob& j, AdmissionLimits limits) {
+InsertOutcome PostgresLeaseStore::insert_job_once(const StoredJob& j, AdmissionLimits limits) {
   auto c = pool_->acquire();
   pg::Transaction tx(*c);
   // Submissions of every pod queue here for the few statements below, so that a count and its insert are one step.
@@ -313,7 +333,7 @@ InsertOutcome PostgresJobStore::insert_job_once(const StoredJob& j, AdmissionLim
   return insert_outcome(inserted, true);
 }
 
-AdmissionCounts PostgresJobStore::admission_counts(const std::string& client) const {
+AdmissionCounts PostgresLeaseStore::admission_counts(const std::string& client) const {
   auto c = pool_->acquire();
   const pg::Result r =
       c->exec(std::string("SELECT count(*), count(*) FILTER (WHERE client = $1) FROM jobs WHERE ") + kUnfinished,
@@ -321,7 +341,7 @@ AdmissionCounts PostgresJobStore::admission_counts(const std::string& client) co
   return {r.int64(0, 0), r.int64(0, 1)};
 }
 
-std::vector<StoredJob> PostgresJobStore::jobs_of(const std::string& owner) const {
+std::vector<StoredJob> PostgresLeaseStore::jobs_of(const std::string& owner) const {
   auto c = pool_->acquire();
   const pg::Result r = c->exec(std::string("SELECT ") + without_request_columns() +
                                    " FROM jobs WHERE owner = $1 ORDER BY ord",
@@ -331,13 +351,13 @@ std::vector<StoredJob> PostgresJobStore::jobs_of(const std::string& owner) const
   return out;
 }
 
-int64_t PostgresJobStore::queue_depth() const {
+int64_t PostgresLeaseStore::queue_depth() const {
   auto c = pool_->acquire();
   return c->exec("SELECT count(*) FROM jobs WHERE " + ready_condition()).int64(0, 0);
 }
 
-std::vector<uint64_t> PostgresJobStore::append_events(const std::string& job_id,
-                                                      const std::vector<std::string>& events) {
+std::vector<uint64_t> PostgresLeaseStore::append_events(const std::string& job_id,
+                                                        const std::vector<std::string>& events) {
   auto c = pool_->acquire();
   pg::Transaction tx(*c);
   const pg::Result u = c->exec("UPDATE jobs SET next_seq = next_seq + $2 WHERE id = $1 RETURNING next_seq",
@@ -354,7 +374,7 @@ std::vector<uint64_t> PostgresJobStore::append_events(const std::string& job_id,
   return sequences;
 }
 
-uint64_t PostgresJobStore::reserve_sequences(const std::string& job_id, int64_t count) {
+uint64_t PostgresLeaseStore::reserve_sequences(const std::string& job_id, int64_t count) {
   auto c = pool_->acquire();
   const pg::Result u = c->exec("UPDATE jobs SET next_seq = next_seq + $2 WHERE id = $1 RETURNING next_seq - $2 + 1",
                                {job_id, std::max<int64_t>(count, 0)});
@@ -362,12 +382,14 @@ uint64_t PostgresJobStore::reserve_sequences(const std::string& job_id, int64_t 
   return static_cast<uint64_t>(u.int64(0, 0));
 }
 
-void PostgresJobStore::publish_step(const std::string& job_id, const StoredEvent& event) {
+void PostgresLeaseStore::publish_step(const std::string& job_id, const StoredEvent& event) {
   auto c = pool_->acquire();
   c->exec("SELECT " + notify_sql("$1"), {job_id + "\n" + std::to_string(event.sequence) + "\n" + event.data});
 }
 
-std::unique_ptr<ChangeListener> PostgresJobStore::listen() { return std::make_unique<PgChangeListener>(url_, origin_); }
+std::unique_ptr<ChangeListener> PostgresLeaseStore::listen() {
+  return std::make_unique<PgChangeListener>(records_->url_, records_->origin_);
+}
 
 std::string PostgresJobStore::notify_change_sql(const std::string& job_id) const {
   return notify_sql("(" + job_id + ")::text || E'\\n" + origin_ + "'");

@@ -25,22 +25,7 @@ class SqliteJobStore final : public JobStore {
   // "sqlite:PATH", with "?synchronous=full" when the connection runs so (read back from SQLite, not from the flag).
   std::string describe() const override;
   bool durable() const override { return true; }
-  void insert_job(StoredJob job) override;
-  void update_job(const StoredJob& job) override;
-  void commit_chunk(const std::string& job_id, const StoredChunk& chunk) override;
-  void append_event(const std::string& job_id, const StoredEvent& event) override;
-  void drop_job(const std::string& job_id, const std::string& reason) override;
-  std::optional<std::string> dropped_reason(const std::string& job_id, const std::string& owner) const override;
-  std::vector<StoredJob> load_jobs() const override;
-  std::vector<StoredChunk> load_chunks(const std::string& job_id) const override;
-  std::vector<StoredEvent> load_events(const std::string& job_id) const override;
-  std::optional<std::string> load_request(const std::string& job_id) const override;
-  std::optional<std::string> load_chunk_bytes(const std::string& job_id, int64_t index) const override;
-  void put_segment(const std::string& job_id, int64_t index, const std::string& bytes) override;
-  std::optional<std::string> load_segment(const std::string& job_id, int64_t index) const override;
-  std::optional<int64_t> blob_size(const std::string& job_id, Blob kind, int64_t index) const override;
-  std::optional<std::string> load_blob_range(const std::string& job_id, Blob kind, int64_t index, int64_t offset,
-                                             int64_t length) const override;
+  SKYREELS_JOB_STORE_CALLS;
 
  private:
   void migrate();

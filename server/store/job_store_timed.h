@@ -1,9 +1,10 @@
 // A JobStore that times every call of another one and reports the operation and its duration (for
 // skyreels_job_store_seconds), whatever the backend. Failed calls are reported too: a timeout is latency as well.
+// It times the records only: the lease store (job_lease.h) is a store of its own, and whoever assembles the two says
+// which of them is timed (app.cpp: the records the layers above use; the leases are not timed).
 #pragma once
 
 #include <functional>
-#include <memory>
 
 #include "server/store/job_store.h"
 
@@ -22,33 +23,18 @@ using StoreCallReport = std::function<void(const char* op, double seconds)>;
 
 class TimedJobStore final : public JobStore {
  public:
-  TimedJobStore(std::unique_ptr<JobStore> inner, StoreCallReport report);
+  // `inner` must outlive this.
+  TimedJobStore(JobStore& inner, StoreCallReport report);
 
-  std::string describe() const override { return inner_->describe(); }
-  bool durable() const override { return inner_->durable(); }
-  LeaseStore* leases() override { return inner_->leases(); }  // leases are not timed here (claim, renew)
-  void insert_job(StoredJob job) override;
-  void update_job(const StoredJob& job) override;
-  void commit_chunk(const std::string& job_id, const StoredChunk& chunk) override;
-  void append_event(const std::string& job_id, const StoredEvent& event) override;
-  void drop_job(const std::string& job_id, const std::string& reason) override;
-  std::optional<std::string> dropped_reason(const std::string& job_id, const std::string& owner) const override;
-  std::vector<StoredJob> load_jobs() const override;
-  std::vector<StoredChunk> load_chunks(const std::string& job_id) const override;
-  std::vector<StoredEvent> load_events(const std::string& job_id) const override;
-  std::optional<std::string> load_request(const std::string& job_id) const override;
-  std::optional<std::string> load_chunk_bytes(const std::string& job_id, int64_t index) const override;
-  void put_segment(const std::string& job_id, int64_t index, const std::string& bytes) override;
-  std::optional<std::string> load_segment(const std::string& job_id, int64_t index) const override;
-  std::optional<int64_t> blob_size(const std::string& job_id, Blob kind, int64_t index) const override;
-  std::optional<std::string> load_blob_range(const std::string& job_id, Blob kind, int64_t index, int64_t offset,
-                                             int64_t length) const override;
+  std::string describe() const override { return inner_.describe(); }
+  bool durable() const override { return inner_.durable(); }
+  SKYREELS_JOB_STORE_CALLS;
 
  private:
   template <typename Call>
   auto timed(const char* op, Call&& call) const;
 
-  std::unique_ptr<JobStore> inner_;
+  JobStore& inner_;
   StoreCallReport report_;
 };
 

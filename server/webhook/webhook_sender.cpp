@@ -149,8 +149,8 @@ std::string webhook_signature(const std::string& secret, const std::string& id, 
   return "v1," + base64_encode(std::string(reinterpret_cast<const char*>(mac), length));
 }
 
-WebhookSender::WebhookSender(JobStore& store, WebhookOptions options, WebhookMetrics* metrics)
-    : store_(store), options_(std::move(options)), metrics_(metrics) {
+WebhookSender::WebhookSender(JobStore& store, LeaseStore& leases, WebhookOptions options, WebhookMetrics* metrics)
+    : store_(store), leases_(leases), options_(std::move(options)), metrics_(metrics) {
   curl_global_init(CURL_GLOBAL_DEFAULT);
 }
 
@@ -262,7 +262,7 @@ void WebhookSender::scan_loop() {
     }
     if (due.empty()) {
       if (next == Clock::time_point::max()) {
-        scan_cv_.wait(lock);  // nothing due: the next change, observer call or delivery's end wakes it
+        scan_cv_.wait(lock);  // nothing due: the next event, look_at() or delivery's end wakes it
       } else {
         scan_cv_.wait_until(lock, next);
       }
@@ -310,7 +310,7 @@ void WebhookSender::scan(const std::string& job_id, Clock::time_point now) {
   std::shared_ptr<const Webhook> webhook;
   std::vector<StoredEvent> stored;
   try {
-    job = store_.leases()->load_job(job_id, false);
+    job = leases_.load_job(job_id, false);
     if (job) webhook = webhook_of(job_id);
     if (webhook) stored = store_.load_events(job_id);
   } catch (const StoreError& e) {
@@ -363,7 +363,7 @@ void WebhookSender::scan(const std::string& job_id, Clock::time_point now) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     Followed& f = followed_[job_id];
-    mine = !store_.leases()->shared() || f.accepted_here;
+    mine = !leases_.shared() || f.accepted_here;
     pending.swap(f.pending);
   }
   const auto grace = mine ? Clock::duration::zero() : Clock::duration(options_.takeover_grace);
@@ -423,12 +423,12 @@ void WebhookSender::work_loop() {
 void WebhookSender::record(const Delivery& d, const std::string& outcome, int status) {
   JobEvent e;
   e.type = EventType::Webhook;
-  e.time = from_wall_ms(store_.leases()->now_ms());
+  e.time = from_wall_ms(leases_.now_ms());
   e.target = d.target;
   e.attempt = d.attempt;
   e.message = outcome;
   e.status = status;
-  store_.leases()->append_events(d.job_id, {encode_stored_event(e)});  // StoreError: the caller's
+  leases_.append_events(d.job_id, {encode_stored_event(e)});  // StoreError: the caller's
 }
 
 void WebhookSender::deliver(const Delivery& d) {

@@ -26,6 +26,7 @@
 
 #include "server/queue/event_stream.h"
 #include "server/queue/job_types.h"
+#include "server/store/job_lease.h"
 #include "server/store/job_store.h"
 #include "server/webhook/webhook_metrics.h"
 
@@ -67,8 +68,8 @@ std::string webhook_signature(const std::string& secret, const std::string& id, 
 
 class WebhookSender {
  public:
-  // `store` (with leases) must outlive the sender; `metrics` may be null.
-  WebhookSender(JobStore& store, WebhookOptions options, WebhookMetrics* metrics = nullptr);
+  // `store` (the records of `leases`, or a wrapper of them) and `leases` outlive the sender; `metrics` may be null.
+  WebhookSender(JobStore& store, LeaseStore& leases, WebhookOptions options, WebhookMetrics* metrics = nullptr);
   ~WebhookSender();
   // Reads every stored job with a webhook (deliveries a restart interrupted), then consumes `events` (JobQueue::
   // events(), may be null): this pod's jobs as they are submitted, start and finish chunks and end, and every change
@@ -127,6 +128,7 @@ class WebhookSender {
   void record(const Delivery& delivery, const std::string& outcome, int status);
 
   JobStore& store_;
+  LeaseStore& leases_;
   WebhookOptions options_;
   WebhookMetrics* metrics_;
   std::mutex mu_;
