@@ -129,21 +129,20 @@
         .fingerprint_when_set() \
         .diffusion_forcing_only() \
         .flag("cache-max-skips", "first-block-per-block: at most this many skips in a row per causal block")) \
-  /* Samplers (issue 32). Unset, they leave the fingerprint of older jobs as it was. */ \
+  /* Samplers (issue 32): model/sampler_table.h's rows. Unset, they leave the fingerprint of older jobs as it was. */ \
   PARAM(sampler, "scheduler.type", std::optional<std::string>, std::string, {}, \
-        .defaults(std::string("unipc")) \
-        .one_of({std::string("unipc"), std::string("euler")}) \
+        .defaults(sampler_names().front()) \
+        .one_of(sampler_names()) \
         .fingerprint_when_set() \
-        .flag("sampler", "unipc: flow UniPC; euler: flow-matching Euler (diffusers' FlowMatchEulerDiscreteScheduler, " \
-                  "shift = flow_shift)")) \
+        .flag("sampler", sampler_help())) \
   /* Checked before the other rows: num_inference_steps derives from its length. */ \
   PARAM(timesteps, "scheduler.timesteps", std::vector<int64_t>, std::vector<int64_t>, {}, \
         .within(1, value_of(&R::num_train_timesteps), "num_train_timesteps") \
         .rule(timestep_list) \
         .fingerprint_when_set() \
         .checked_first() \
-        .flag("timesteps", "euler: timesteps before the shift, strictly decreasing, e.g. 1000,750,500,250; " \
-                  "num_inference_steps becomes its length")) \
+        .flag("timesteps", model::timestep_list_samplers() + ": timesteps before the shift, strictly decreasing, " \
+                  "e.g. 1000,750,500,250; num_inference_steps becomes its length")) \
   /* Previews (issue 35) never change the video: a retry with another value is the same job (not fingerprinted). */ \
   PARAM(preview_every, "preview_every", std::optional<int64_t>, int64_t, 0, \
         .defaults(int64_t{0}) \
