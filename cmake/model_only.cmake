@@ -4,7 +4,7 @@
 set(_server ${PROJECT_SOURCE_DIR}/server)
 add_library(skyreels_params STATIC ${_server}/job/generation_params.cpp)
 target_include_directories(skyreels_params PUBLIC ${PROJECT_SOURCE_DIR})
-target_link_libraries(skyreels_params PRIVATE skyreels_warnings)
+target_link_libraries(skyreels_params PUBLIC skyreels_sampler_table PRIVATE skyreels_warnings)
 add_library(skyreels_params_model STATIC ${_server}/job/generation_params_model.cpp)
 target_link_libraries(skyreels_params_model PUBLIC skyreels_params skyreels_generation PRIVATE skyreels_warnings)
 add_library(skyreels_demo STATIC ${_server}/replica/demo_model.cpp)

@@ -13,7 +13,6 @@
 #include <vector>
 
 #include "model/diffusion_forcing.h"
-#include "model/sampler_flow_euler.h"
 #include "model/video_shape.h"
 
 namespace skyreels::model {
@@ -128,12 +127,7 @@ void validate_basic(const GenerationParams& p, int64_t block) {
           "overlap_history: required when num_frames (" + std::to_string(p.num_frames) + ") exceeds base_num_frames (" +
               std::to_string(p.base_num_frames) + "); recommended values are 17 or 37");
   p.scheduler.validate();
-  if (p.sampler == SamplerKind::kUniPC) {
-    require(p.timesteps.empty(), "scheduler.timesteps: an explicit timestep list needs scheduler.type euler (UniPC "
-                                 "spaces num_inference_steps itself)");
-  } else {
-    make_flow_euler_schedule(p.scheduler.num_train_timesteps, p.flow_shift, p.num_inference_steps, p.timesteps);
-  }
+  check_sampler(p);
   require(p.kv_cache_max_bytes >= 0, "kv_cache_max_bytes: must be >= 0");
   if (p.cache.kind != StepCacheKind::kNone) {
     require(std::isfinite(p.cache.threshold) && p.cache.threshold >= 0.0,

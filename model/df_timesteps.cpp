@@ -1,7 +1,7 @@
-// The timesteps of diffusion-forcing generation: the sampler a chunk uses and its step template (UniPC or Euler),
-// diffusers' generate_timestep_matrix (which frame is at which timestep in which row), and a chunk's own matrix with
-// its pinned prefix / suffix columns. Separate from the plan and the loop because it is pure arithmetic on step
-// counters that both of them read (the plan counts rows with it, the loop walks its rows).
+// The timesteps of diffusion-forcing generation: the sampler a chunk uses and its step template (a factory per row of
+// model/sampler_table.h), diffusers' generate_timestep_matrix (which frame is at which timestep in which row), and a
+// chunk's own matrix with its pinned prefix / suffix columns. Separate from the plan and the loop because it is pure
+// arithmetic on step counters that both of them read (the plan counts rows with it, the loop walks its rows).
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -13,27 +13,71 @@
 
 #include "model/diffusion_forcing.h"
 #include "model/sampler_flow_euler.h"
+#include "model/sampler_table.h"
 
 namespace skyreels::model {
 
-ChunkSampler make_chunk_sampler(const GenerationParams& params, int64_t num_frames) {
-  ChunkSampler out;
-  if (params.sampler == SamplerKind::kEuler) {
-    auto sampler = std::make_shared<const FlowEulerSampler>(make_flow_euler_schedule(
-        params.scheduler.num_train_timesteps, params.flow_shift, params.num_inference_steps, params.timesteps));
-    out.step_template = sampler->schedule().model_timesteps;
-    out.frames = std::make_unique<FlowEulerFrames>(std::move(sampler), num_frames);
-    return out;
-  }
-  if (!params.timesteps.empty()) {
-    throw std::invalid_argument("scheduler.timesteps: an explicit timestep list needs scheduler.type euler");
-  }
+namespace {
+
+ChunkSampler make_unipc(const GenerationParams& params, int64_t num_frames) {
   FlowUniPCConfig scheduler_config = params.scheduler;
   scheduler_config.flow_shift = params.flow_shift;
   auto sampler = std::make_shared<const FlowUniPCSampler>(scheduler_config, params.num_inference_steps);
+  ChunkSampler out;
   out.step_template = sampler->schedule().timesteps;
   out.frames = std::make_unique<FlowUniPCFrames>(std::move(sampler), num_frames);
   return out;
+}
+
+FlowEulerSchedule euler_schedule(const GenerationParams& params) {
+  return make_flow_euler_schedule(params.scheduler.num_train_timesteps, params.flow_shift, params.num_inference_steps,
+                                  params.timesteps);
+}
+
+void check_euler(const GenerationParams& params) { euler_schedule(params); }
+
+ChunkSampler make_euler(const GenerationParams& params, int64_t num_frames) {
+  auto sampler = std::make_shared<const FlowEulerSampler>(euler_schedule(params));
+  ChunkSampler out;
+  out.step_template = sampler->schedule().model_timesteps;
+  out.frames = std::make_unique<FlowEulerFrames>(std::move(sampler), num_frames);
+  return out;
+}
+
+// The factory of each row of sampler_table.h, and the schedule checks the plan runs before any chunk (none: the
+// sampler's own config checks only).
+struct SamplerFactory {
+  SamplerKind kind;
+  ChunkSampler (*make)(const GenerationParams&, int64_t num_frames);
+  void (*check)(const GenerationParams&);
+};
+constexpr SamplerFactory kFactories[] = {
+    {SamplerKind::kUniPC, make_unipc, nullptr},
+    {SamplerKind::kEuler, make_euler, check_euler},
+};
+
+const SamplerFactory& factory_of(SamplerKind kind) {
+  for (const SamplerFactory& f : kFactories) {
+    if (f.kind == kind) return f;
+  }
+  throw std::logic_error("sampler " + sampler_row(kind).name + " has no factory in df_timesteps.cpp");
+}
+
+void refuse_unwanted_timesteps(const GenerationParams& params) {
+  const std::string refusal = timestep_list_refusal(params.sampler, !params.timesteps.empty());
+  if (!refusal.empty()) throw std::invalid_argument(refusal);
+}
+
+}  // namespace
+
+void check_sampler(const GenerationParams& params) {
+  refuse_unwanted_timesteps(params);
+  if (const auto check = factory_of(params.sampler).check) check(params);
+}
+
+ChunkSampler make_chunk_sampler(const GenerationParams& params, int64_t num_frames) {
+  refuse_unwanted_timesteps(params);
+  return factory_of(params.sampler).make(params, num_frames);
 }
 
 // ---- timestep matrix -------------------------------------------------------------------------------------------

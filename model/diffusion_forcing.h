@@ -17,6 +17,7 @@
 #include "model/active_adapter.h"
 #include "model/preview.h"
 #include "model/sampler_flow_unipc.h"
+#include "model/sampler_table.h"
 #include "model/video_shape.h"
 
 namespace skyreels::model {
@@ -67,9 +68,9 @@ struct GenerationParams {
   // Its flow_shift is ignored here: `flow_shift` above is the one used. The Euler sampler reads its
   // num_train_timesteps only.
   FlowUniPCConfig scheduler;
-  // scheduler.type: UniPC (default) or diffusers' FlowMatchEulerDiscreteScheduler (model/sampler_flow_euler.h).
+  // scheduler.type: a row of model/sampler_table.h.
   SamplerKind sampler = SamplerKind::kUniPC;
-  // scheduler.timesteps (euler only): the timestep list before the shift, strictly decreasing in
+  // scheduler.timesteps (a sampler that takes one): the timestep list before the shift, strictly decreasing in
   // (0, num_train_timesteps]; it replaces num_inference_steps' spacing (num_inference_steps must equal its length).
   std::vector<int64_t> timesteps;
   // Pixel conditioning, as far as the chunk plan depends on it (the pixels themselves go to encode_conditioning).
@@ -100,6 +101,9 @@ struct ChunkSampler {
   std::unique_ptr<FrameSampler> frames;
 };
 ChunkSampler make_chunk_sampler(const GenerationParams& params, int64_t num_frames);
+// What the plan checks of the sampler before any chunk: a timestep list only where its row takes one, and the
+// schedule's own checks (Euler's; UniPC's config is checked by scheduler.validate()). std::invalid_argument.
+void check_sampler(const GenerationParams& params);
 
 // Latent frames the conditioning pins at the start of chunk 0: 1 for an image (never cut to the block size, as in
 // diffusers: with causal_block_size > 1 it is then not pre-ready and gets denoised), the encoded tail of the video

@@ -11,12 +11,6 @@
 
 namespace skyreels::model {
 
-// The generation parameter `scheduler.type`.
-enum class SamplerKind {
-  kUniPC,  // "unipc" (default): flow UniPC multistep, num_inference_steps spaced
-  kEuler,  // "euler": flow-matching Euler; num_inference_steps spaced, or an explicit timestep list
-};
-
 class FrameSampler {
  public:
   virtual ~FrameSampler() = default;

@@ -14,6 +14,7 @@
 #include "model/diffusion_forcing.h"
 #include "model/pixel_conditioning.h"
 #include "model/sampler_flow_euler.h"
+#include "model/sampler_table.h"
 #include "tests/pipeline_case.h"
 #include "tests/test_util.h"
 
@@ -163,6 +164,20 @@ TEST(EulerSchedule, PlanRefusesAListWithUniPCAndAMismatchedStepCount) {
   p.num_inference_steps = 4;
   p.timesteps = {999, 750, 500, 250};
   EXPECT_HAS(error_of([&] { plan_chunks(p, 1); }), "scheduler.timesteps: the first timestep becomes");
+}
+
+// Every row of model/sampler_table.h has a factory and a plan check in df_timesteps.cpp.
+TEST(SamplerTable, EveryRowMakesItsSampler) {
+  for (const SamplerRow& row : samplers()) {
+    GenerationParams p;
+    p.sampler = row.kind;
+    p.num_inference_steps = 4;
+    if (row.takes_timestep_list) p.timesteps = {1000, 750, 500, 250};
+    EXPECT_EQ(error_of([&] { check_sampler(p); }), "") << row.name;
+    const ChunkSampler sampler = make_chunk_sampler(p, 3);
+    EXPECT_EQ(sampler.step_template.size(), 4u) << row.name;
+    EXPECT_EQ(sampler.frames->num_frames(), 3) << row.name;
+  }
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "model/diffusion_forcing.h"
+#include "model/sampler_table.h"
 #include "server/job/generation_params.h"
 #include "server/job/generation_params_model.h"
 #include "server/job/generation_params_proto.h"
@@ -281,6 +282,20 @@ TEST(GenerationParams, RulesBeyondTheBoundsAndTheLimitsOfTheServer) {
   solver.solver_type = "bh3";
   expect_refused(solver, ServerLimits{},
                  "scheduler.solver_type: \"bh3\" is not supported (supported: \"bh1\", \"bh2\")");
+}
+
+TEST(GenerationParams, SchedulerTypeIsTheSamplerTable) {
+  const GenerationParam& type = generation_param("scheduler.type");
+  ASSERT_EQ(type.allowed.size(), model::samplers().size());
+  for (size_t i = 0; i < type.allowed.size(); ++i) {
+    EXPECT_EQ(std::get<std::string>(type.allowed[i]), model::samplers()[i].name);
+  }
+  EXPECT_EQ(std::get<std::string>(type.default_value), "unipc");
+  EXPECT_EQ(type.help, "unipc: flow UniPC; euler: flow-matching Euler (diffusers' FlowMatchEulerDiscreteScheduler, "
+                       "shift = flow_shift)");
+  EXPECT_EQ(generation_param("scheduler.timesteps").help,
+            "euler: timesteps before the shift, strictly decreasing, e.g. 1000,750,500,250; num_inference_steps "
+            "becomes its length");
 }
 
 TEST(GenerationParams, ATimestepListIsTheEulerSamplersAndDefinesTheSteps) {

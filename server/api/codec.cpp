@@ -114,27 +114,18 @@ Status job_deadline(const pb::SubmitJobRequest& request, std::optional<Clock::ti
   return Status::OK;
 }
 
-uint64_t deadline_fingerprint(const pb::SubmitJobRequest& request) {
-  uint64_t h = static_cast<uint64_t>(request.deadline_kind_case()) * 0xC2B2AE3D27D4EB4FULL;
+SubmissionTerms submission_terms(const pb::SubmitJobRequest& request) {
+  SubmissionTerms terms;
+  terms.priority = request.priority();
+  terms.deadline_kind = static_cast<int64_t>(request.deadline_kind_case());
   if (request.has_deadline()) {
-    h ^= static_cast<uint64_t>(request.deadline().seconds()) * 0x9E3779B97F4A7C15ULL;
-    h ^= static_cast<uint64_t>(request.deadline().nanos()) * 0x165667B19E3779F9ULL;
-  } else if (request.has_timeout()) {
-    h ^= static_cast<uint64_t>(request.timeout().seconds()) * 0x9E3779B97F4A7C15ULL;
-    h ^= static_cast<uint64_t>(request.timeout().nanos()) * 0x165667B19E3779F9ULL;
+    terms.seconds = request.deadline().seconds();
+    terms.nanos = request.deadline().nanos();
+  } else {  // without either, timeout() is the default instance: 0 s
+    terms.seconds = request.timeout().seconds();
+    terms.nanos = request.timeout().nanos();
   }
-  return h;
-}
-
-std::string submission_fingerprint_v2(const ModelJob& job, const pb::SubmitJobRequest& request) {
-  FingerprintHasher h;
-  const std::string& of_request = job.fingerprint_v2();
-  h.bytes(of_request.data(), of_request.size());
-  const int64_t fields[] = {request.priority(), static_cast<int64_t>(request.deadline_kind_case()),
-                            request.has_deadline() ? request.deadline().seconds() : request.timeout().seconds(),
-                            request.has_deadline() ? request.deadline().nanos() : request.timeout().nanos()};
-  h.bytes(fields, sizeof fields);
-  return h.v2();
+  return terms;
 }
 
 std::function<void(double)> vae_encode_metric(ApiMetrics* metrics) {

@@ -67,12 +67,9 @@ Status check_format(pb::ResultFormat format, bool vae_available);
 // overflows on values protobuf itself calls invalid, e.g. a timeout of 1e10 s or negative nanos).
 Status job_deadline(const pb::SubmitJobRequest& request, std::optional<Clock::time_point>* out);
 
-// What the deadline fields contribute to the idempotency fingerprint: the same key with another deadline or timeout
-// is another request.
-uint64_t deadline_fingerprint(const pb::SubmitJobRequest& request);
-
-// The request's SHA-256 fingerprint with what the submission adds to it (priority, deadline or timeout).
-std::string submission_fingerprint_v2(const ModelJob& job, const pb::SubmitJobRequest& request);
+// What the submission adds to its request's idempotency fingerprint (server/job/fingerprint.h): priority, deadline or
+// timeout.
+SubmissionTerms submission_terms(const pb::SubmitJobRequest& request);
 
 std::function<void(double)> vae_encode_metric(ApiMetrics* metrics);
 

@@ -162,9 +162,10 @@ Status VideoServiceImpl::submit(ServerContext* ctx, const pb::SubmitJobRequest& 
 
   spec.chunk_work = job->chunk_work();
   spec.chunk_rows = job->chunk_rows();
-  spec.fingerprint = job->fingerprint() ^ (static_cast<uint64_t>(request.priority() + 11) * 0x9E3779B97F4A7C15ULL) ^
-                     deadline_fingerprint(request);
-  spec.fingerprint_v2 = submission_fingerprint_v2(*job, request);
+  Fingerprint fingerprint =
+      submission_fingerprint({job->fingerprint(), job->fingerprint_v2()}, submission_terms(request));
+  spec.fingerprint = fingerprint.v1;
+  spec.fingerprint_v2 = std::move(fingerprint.v2);
   spec.payload = job;
   spec.description = job->description();
   spec.durable_request = durable_request(request, resolved_inputs(*job));

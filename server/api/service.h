@@ -57,7 +57,6 @@ struct ModelSummary {
 struct TransportLimits {
   int64_t max_streams = 256;            // --max-streams: open WatchJob/DownloadResult/Generate streams in total
   int64_t max_streams_per_client = 16;  // --max-streams-per-client (an API key line's max_streams overrides)
-  int64_t max_jobs_per_client = 16;     // --max-jobs-per-client: unfinished jobs (API key line: max_jobs)
   int64_t max_concurrent_encodes = 2;   // --max-concurrent-encodes: text prompts encoded at once
   static constexpr int kUnaryThreadReserve = 64;  // server threads streams can never take
   // The sync server's thread cap: an open DownloadResult or Generate holds a thread (WatchJob, a callback stream, does

@@ -48,28 +48,12 @@ std::unique_ptr<LeaseStore> open_store(const Options& o) {
   return leases;
 }
 
-SchedulerOptions scheduling_options(const Options& o) {
-  SchedulerOptions scheduling;
-  scheduling.max_jobs = o.max_queue;
-  scheduling.max_jobs_per_client = o.transport.max_jobs_per_client;
-  scheduling.chunk_retries = static_cast<int>(o.chunk_retries);
-  scheduling.chunk_takeover_limit = static_cast<int>(o.chunk_takeover_limit);
-  scheduling.replica_failure_limit = static_cast<int>(o.replica_failure_limit);
-  scheduling.handoff_cost_seconds = o.handoff_cost_seconds;
-  scheduling.retention = std::chrono::seconds(o.result_ttl_seconds);
-  scheduling.max_retained_jobs = o.max_retained_jobs;
-  scheduling.retest_backoff = to_millis(o.replica_retest_seconds);
-  scheduling.retest_backoff_max = std::max(scheduling.retest_backoff, to_millis(o.replica_retest_max_seconds));
-  scheduling.liveness_grace = std::chrono::seconds(o.liveness_grace_seconds);
-  return scheduling;
-}
-
 // The one job queue over the store; payloads are re-created from the store (after a restart, where expired leases
 // are taken over; on another pod; after this server evicted them).
 std::unique_ptr<JobQueue> make_queue(const Options& o, Replicas& replicas, JobStore& store, LeaseStore& leases,
                                      const ServiceConfig& service_config) {
   PodOptions pod;
-  pod.scheduling = scheduling_options(o);
+  pod.scheduling = o.scheduling;
   pod.pod = o.pod_name;
   pod.lease_ttl = to_millis(o.lease_seconds);
   auto loader = [&service_config](const StoredJob& job, std::vector<StoredChunk> chunks) {

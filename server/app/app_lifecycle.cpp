@@ -127,7 +127,7 @@ void serve_until_signal(const Options& o, Signals& signals, JobQueue& jobs, grpc
       } else {
         spdlog::error(
             "event=liveness serving=false reason=\"no healthy replica for {} s\" (the pod should be restarted)",
-            o.liveness_grace_seconds);
+            std::chrono::duration_cast<std::chrono::seconds>(o.scheduling.liveness_grace).count());
       }
       live = now_live;
     }

@@ -140,7 +140,7 @@ std::unique_ptr<http::HttpServer> start_http(const Options& o, grpc::Server& ser
     metrics.http_handled(route, status, seconds);
   };
   config.vae_available = service.vae_available;
-  config.result_ttl_seconds = o.result_ttl_seconds;
+  config.result_ttl_seconds = o.scheduling.retention.count();
   auto api = std::make_shared<http::HttpApi>(server.InProcessChannel(arguments), std::move(config));
   http::HttpOptions options;
   options.listen = o.http_listen;

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cctype>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <sstream>
@@ -12,6 +13,13 @@ namespace skyreels::server {
 namespace {
 
 using O = ServerOptions;
+
+const char* const kModel = "model";
+const char* const kNetwork = "network";
+const char* const kLimits = "limits";
+const char* const kDurable = "jobs that survive a restart";
+const char* const kHooks = "test hooks";
+const char* const kOther = "other";
 
 std::string format_number(double v) {
   std::ostringstream os;
@@ -71,24 +79,81 @@ ServerFlag transport(std::string name, int64_t TransportLimits::*member, int64_t
   return f;
 }
 
+double parse_real(const std::string& v, double lo, double hi) {
+  try {
+    size_t used = 0;
+    const double d = std::stod(v, &used);
+    if (used == v.size() && std::isfinite(d) && d >= lo && d <= hi) return d;
+  } catch (const std::exception&) {
+  }
+  throw UsageError("'" + v + "' is not a number in [" + format_number(lo) + ", " + format_number(hi) + "]");
+}
+
+std::string real_bounds(double lo, double hi) { return "[" + format_number(lo) + ", " + format_number(hi) + "]"; }
+
 ServerFlag real(std::string name, double O::*member, double lo, double hi, std::string group, std::string value,
                 std::string help) {
   ServerFlag f = row(std::move(name), std::move(group), std::move(value), std::move(help));
   f.default_text = format_number(O{}.*member);
-  f.bounds = "[" + format_number(lo) + ", " + format_number(hi) + "]";
-  f.apply = [member, lo, hi](O& o, const std::string& v) {
-    try {
-      size_t used = 0;
-      const double d = std::stod(v, &used);
-      if (used == v.size() && std::isfinite(d) && d >= lo && d <= hi) {
-        o.*member = d;
-        return;
-      }
-    } catch (const std::exception&) {
-    }
-    throw UsageError("'" + v + "' is not a number in [" + format_number(lo) + ", " + format_number(hi) + "]");
-  };
+  f.bounds = real_bounds(lo, hi);
+  f.apply = [member, lo, hi](O& o, const std::string& v) { o.*member = parse_real(v, lo, hi); };
   f.current = [member](const O& o) { return format_number(o.*member); };
+  return f;
+}
+
+// ---- the scheduler's flags: each writes a member of SchedulerOptions, whose default it shows ------------------------
+
+using S = SchedulerOptions;
+
+// `read` turns the flag's text into the member's value, `show` the value back into text.
+template <typename T>
+ServerFlag scheduling(std::string name, T S::*member, std::string value, std::string help,
+                      std::function<T(const std::string&)> read, std::function<std::string(const T&)> show) {
+  ServerFlag f = row(std::move(name), kLimits, std::move(value), std::move(help));
+  f.default_text = show(O{}.scheduling.*member);
+  f.apply = [member, read](O& o, const std::string& v) { o.scheduling.*member = read(v); };
+  f.current = [member, show](const O& o) { return show(o.scheduling.*member); };
+  return f;
+}
+
+template <typename Int>
+ServerFlag count(std::string name, Int S::*member, int64_t lo, int64_t hi, std::string help) {
+  ServerFlag f = scheduling<Int>(
+      std::move(name), member, "N", std::move(help),
+      [lo, hi](const std::string& v) { return static_cast<Int>(parse_integer(v, lo, hi)); },
+      [](const Int& n) { return std::to_string(n); });
+  f.bounds = integer_bounds(lo, hi);
+  return f;
+}
+
+// A time given in whole seconds.
+template <typename Duration>
+ServerFlag whole_seconds(std::string name, Duration S::*member, int64_t lo, int64_t hi, std::string help) {
+  ServerFlag f = scheduling<Duration>(
+      std::move(name), member, "N", std::move(help),
+      [lo, hi](const std::string& v) { return Duration(std::chrono::seconds(parse_integer(v, lo, hi))); },
+      [](const Duration& d) { return std::to_string(std::chrono::duration_cast<std::chrono::seconds>(d).count()); });
+  f.bounds = integer_bounds(lo, hi);
+  return f;
+}
+
+// A time given in seconds, kept to the millisecond.
+ServerFlag seconds(std::string name, std::chrono::milliseconds S::*member, double lo, double hi, std::string help) {
+  ServerFlag f = scheduling<std::chrono::milliseconds>(
+      std::move(name), member, "S", std::move(help),
+      [lo, hi](const std::string& v) {
+        return std::chrono::milliseconds(static_cast<int64_t>(parse_real(v, lo, hi) * 1000.0));
+      },
+      [](const std::chrono::milliseconds& ms) { return format_number(static_cast<double>(ms.count()) / 1000.0); });
+  f.bounds = real_bounds(lo, hi);
+  return f;
+}
+
+ServerFlag real(std::string name, double S::*member, double lo, double hi, std::string help) {
+  ServerFlag f = scheduling<double>(
+      std::move(name), member, "S", std::move(help), [lo, hi](const std::string& v) { return parse_real(v, lo, hi); },
+      [](const double& d) { return format_number(d); });
+  f.bounds = real_bounds(lo, hi);
   return f;
 }
 
@@ -116,13 +181,6 @@ ServerFlag secret(ServerFlag f) {
   f.secret = true;
   return f;
 }
-
-const char* const kModel = "model";
-const char* const kNetwork = "network";
-const char* const kLimits = "limits";
-const char* const kDurable = "jobs that survive a restart";
-const char* const kHooks = "test hooks";
-const char* const kOther = "other";
 
 // The `lora` row: repeatable, each value read by model::parse_lora_spec; its current value lists them all.
 ServerFlag lora_flag() {
@@ -223,10 +281,10 @@ void add_network_flags(std::vector<ServerFlag>& flags) {
 // limits
 void add_limit_flags(std::vector<ServerFlag>& flags) {
   flags.insert(flags.end(), {
-      integer("max-queue", &O::max_queue, 1, 1000000, kLimits, "N",
-              "jobs admitted and not finished; more: RESOURCE_EXHAUSTED + retry-after-ms"),
-      transport("max-jobs-per-client", &TransportLimits::max_jobs_per_client, 1, 1000000, kLimits,
-                "of those, per client (API key, else peer address); more: the same"),
+      count("max-queue", &S::max_jobs, 1, 1000000,
+            "jobs admitted and not finished; more: RESOURCE_EXHAUSTED + retry-after-ms"),
+      count("max-jobs-per-client", &S::max_jobs_per_client, 1, 1000000,
+            "of those, per client (API key, else peer address); more: the same"),
       transport("max-streams", &TransportLimits::max_streams, 1, 100000, kLimits,
                 "open WatchJob/DownloadResult/Generate streams in total; more: RESOURCE_EXHAUSTED for the new stream"),
       transport("max-streams-per-client", &TransportLimits::max_streams_per_client, 1, 100000, kLimits,
@@ -248,28 +306,26 @@ void add_limit_flags(std::vector<ServerFlag>& flags) {
                            "memory for the kept keys/values of final frames per chunk loop (exact savings)"),
                    "a fifth of the memory left after the weights, 4 GiB when unknown"),
       integer("max-chunks", &O::max_chunks, 1, 100000, kLimits, "N", "chunks of one job"),
-      integer("chunk-retries", &O::chunk_retries, 0, 100, kLimits, "N",
-              "attempts after a failed chunk, on another replica when possible"),
-      integer("chunk-takeover-limit", &O::chunk_takeover_limit, 0, 1000, kLimits, "N",
-              "takeovers of a chunk whose process died or went silent before its job fails (counted apart from "
-              "--chunk-retries: a crash is not the chunk's error)"),
-      integer("replica-failure-limit", &O::replica_failure_limit, 1, 1000000, kLimits, "N",
-              "consecutive failed chunks before a replica is taken out"),
-      real("replica-retest-seconds", &O::replica_retest_seconds, 0, 604800, kLimits, "S",
-           "a replica taken out is re-tested (one warm-up forward) after S seconds, then after twice as long each "
-           "time it fails again"),
-      real("replica-retest-max-seconds", &O::replica_retest_max_seconds, 0, 604800, kLimits, "S",
-           "cap of that back-off"),
-      integer("liveness-grace-seconds", &O::liveness_grace_seconds, 1, 86400 * 7, kLimits, "N",
-              "liveness turns NOT_SERVING (the pod is restarted) once no replica has been healthy for N seconds"),
-      real("handoff-cost-seconds", &O::handoff_cost_seconds, 0, 604800, kLimits, "S",
+      count("chunk-retries", &S::chunk_retries, 0, 100,
+            "attempts after a failed chunk, on another replica when possible"),
+      count("chunk-takeover-limit", &S::chunk_takeover_limit, 0, 1000,
+            "takeovers of a chunk whose process died or went silent before its job fails (counted apart from "
+            "--chunk-retries: a crash is not the chunk's error)"),
+      count("replica-failure-limit", &S::replica_failure_limit, 1, 1000000,
+            "consecutive failed chunks before a replica is taken out"),
+      seconds("replica-retest-seconds", &S::retest_backoff, 0, 604800,
+              "a replica taken out is re-tested (one warm-up forward) after S seconds, then after twice as long each "
+              "time it fails again"),
+      seconds("replica-retest-max-seconds", &S::retest_backoff_max, 0, 604800, "cap of that back-off"),
+      whole_seconds("liveness-grace-seconds", &S::liveness_grace, 1, 86400 * 7,
+                    "liveness turns NOT_SERVING (the pod is restarted) once no replica has been healthy for N seconds"),
+      real("handoff-cost-seconds", &S::handoff_cost_seconds, 0, 604800,
            "what moving a job to another replica is assumed to cost"),
       integer("drain-timeout-seconds", &O::drain_timeout_seconds, 0, 86400 * 7, kLimits, "N",
               "on SIGTERM, how long accepted jobs may still run"),
-      integer("result-ttl-seconds", &O::result_ttl_seconds, 1, 86400 * 30, kLimits, "N",
-              "how long finished jobs and their results are kept"),
-      integer("max-retained-jobs", &O::max_retained_jobs, 0, 1000000, kLimits, "N",
-              "finished jobs kept at most, oldest dropped first"),
+      whole_seconds("result-ttl-seconds", &S::retention, 1, 86400 * 30,
+                    "how long finished jobs and their results are kept"),
+      count("max-retained-jobs", &S::max_retained_jobs, 0, 1000000, "finished jobs kept at most, oldest dropped first"),
   });
 }
 
@@ -418,6 +474,12 @@ void check_between_flags(ServerOptions& o, const std::function<const char*(const
 }
 
 }  // namespace
+
+SchedulerOptions server_scheduling() {
+  SchedulerOptions scheduling;
+  scheduling.max_jobs_per_client = 16;
+  return scheduling;
+}
 
 std::string ServerFlag::env() const {
   std::string env = "SKYREELS_";

@@ -15,10 +15,15 @@
 #include "model/lora.h"
 #include "server/api/service.h"
 #include "server/job/limits.h"
+#include "server/queue/job_queue.h"
 
 namespace skyreels::server {
 
-// What the flags set. Defaults here are the documented ones.
+// The scheduler's options as the server starts it: SchedulerOptions' defaults, but for a cap of 16 unfinished jobs per
+// client (a queue built by a test or a benchmark does without one).
+SchedulerOptions server_scheduling();
+
+// What the flags set. Defaults here are the documented ones (the scheduler's: SchedulerOptions').
 struct ServerOptions {
   // model
   std::string model, vae, vae_device, text_encoder, tokenizer, image_encoder, image_processor;
@@ -38,16 +43,13 @@ struct ServerOptions {
   int64_t webhook_takeover_seconds = 30;
   std::string tls_cert, tls_key, api_keys;
   // limits
-  int64_t max_queue = 64, max_frames = 1457, max_height = 1280, max_width = 1280, max_steps = 100;
+  int64_t max_frames = 1457, max_height = 1280, max_width = 1280, max_steps = 100;
   int64_t max_chunk_tokens = 0, max_job_work = 0;  // 0: derived (server/limits.h)
   int64_t kv_cache_bytes = -1;                       // < 0: derived (server/limits.h)
   int64_t max_chunks = kDefaultMaxChunks;
-  int64_t chunk_retries = 2, replica_failure_limit = 3, chunk_takeover_limit = 10;
-  double handoff_cost_seconds = 0.25;
-  double replica_retest_seconds = 30, replica_retest_max_seconds = 600;
-  int64_t liveness_grace_seconds = 300;
-  int64_t drain_timeout_seconds = 600, result_ttl_seconds = 3600, max_retained_jobs = 256;
+  int64_t drain_timeout_seconds = 600;
   TransportLimits transport;
+  SchedulerOptions scheduling = server_scheduling();  // --max-queue, --chunk-retries, --result-ttl-seconds, ...
   // jobs that survive a restart
   std::string data_dir = "./skyreels-data";
   std::string job_store;  // empty: sqlite:<data_dir>/jobs.sqlite

@@ -1,3 +1,17 @@
+// Where a generation parameter goes, from the request to the model (its row below drives each step):
+//   read        gRPC: request_from_proto (durable_request.cpp) -> request_params_from_proto
+//               (generation_params_proto.cpp: protobuf reflection, the row's path names the field). HTTP: read_params
+//               (http/openai_videos.cpp: JSON into the proto by its descriptor), then gRPC. CLI:
+//               generation_request_from_flags (cli/command.cpp: the row's flag through parse_param_value). Each gives a
+//               JobRequest member, as asked (unset: empty).
+//   defaulted   resolve_generation_params (generation_params.cpp): the row's default or DefaultRule -> ResolvedParams.
+//   checked     validate_generation_params (the row's bounds, one_of, rules) and check_pipeline_params, both called by
+//               ModelJob::create (replica/model_job.cpp); what needs the model's geometry: plan_chunks
+//               (model/df_chunk_plan.cpp; the samplers' rules: model/sampler_table.h).
+//   fingerprint fingerprint_generation_params (generation_params.cpp), in request_fingerprint (fingerprint.cpp).
+//   fingerprint fingerprint_generation_params (generation_params.cpp), in request_fingerprint (job/fingerprint.cpp).
+//               the CLI's `generate`, cli/cmd_generate.cpp). Back to clients: resolved_params_to_proto (Job.params).
+//
 // Every generation parameter of a job, one row each, in the table's order (the idempotency fingerprint's: never
 // reorder, new rows go at the end). A row declares the parameter's JobRequest member (as asked: unset is an empty
 // optional, a list is empty), its ResolvedParams member (as in effect) and its table entry (generation_params.h:
@@ -129,21 +143,20 @@
         .fingerprint_when_set() \
         .diffusion_forcing_only() \
         .flag("cache-max-skips", "first-block-per-block: at most this many skips in a row per causal block")) \
-  /* Samplers (issue 32). Unset, they leave the fingerprint of older jobs as it was. */ \
+  /* Samplers (issue 32): model/sampler_table.h's rows. Unset, they leave the fingerprint of older jobs as it was. */ \
   PARAM(sampler, "scheduler.type", std::optional<std::string>, std::string, {}, \
-        .defaults(std::string("unipc")) \
-        .one_of({std::string("unipc"), std::string("euler")}) \
+        .defaults(sampler_names().front()) \
+        .one_of(sampler_names()) \
         .fingerprint_when_set() \
-        .flag("sampler", "unipc: flow UniPC; euler: flow-matching Euler (diffusers' FlowMatchEulerDiscreteScheduler, " \
-                  "shift = flow_shift)")) \
+        .flag("sampler", sampler_help())) \
   /* Checked before the other rows: num_inference_steps derives from its length. */ \
   PARAM(timesteps, "scheduler.timesteps", std::vector<int64_t>, std::vector<int64_t>, {}, \
         .within(1, value_of(&R::num_train_timesteps), "num_train_timesteps") \
         .rule(timestep_list) \
         .fingerprint_when_set() \
         .checked_first() \
-        .flag("timesteps", "euler: timesteps before the shift, strictly decreasing, e.g. 1000,750,500,250; " \
-                  "num_inference_steps becomes its length")) \
+        .flag("timesteps", model::timestep_list_samplers() + ": timesteps before the shift, strictly decreasing, " \
+                  "e.g. 1000,750,500,250; num_inference_steps becomes its length")) \
   /* Previews (issue 35) never change the video: a retry with another value is the same job (not fingerprinted). */ \
   PARAM(preview_every, "preview_every", std::optional<int64_t>, int64_t, 0, \
         .defaults(int64_t{0}) \

@@ -6,6 +6,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "model/sampler_table.h"
 #include "model/video_shape.h"
 
 namespace skyreels::server {
@@ -72,15 +73,22 @@ void at_most_one_entry_per_step(const std::string& name, const ParamValue& value
   }
 }
 
-// scheduler.timesteps: a list for the Euler sampler, strictly decreasing, one entry per step. (Its entries'
-// range is the row's; the shifted schedule's checks are the sampler's, model/sampler_flow_euler.h, run by the plan.)
+// A timestep list is for a sampler whose row takes one (model/sampler_table.h). The list is checked before
+// scheduler.type, so a name without a row is refused here too.
+void check_list_sampler(const std::string& name, const std::string& type) {
+  const model::SamplerRow* sampler = model::find_sampler(type);
+  if (sampler != nullptr && sampler->takes_timestep_list) return;
+  const std::string why = sampler ? "; " + sampler->label + " spaces num_inference_steps itself" : "";
+  invalid(name + ": a timestep list needs scheduler.type " + model::timestep_list_samplers(model::samplers(), "\"") +
+          " (got \"" + type + "\"" + why + ")");
+}
+
+// scheduler.timesteps: strictly decreasing, one entry per step. (Its entries' range is the row's; the shifted
+// schedule's checks are the sampler's, run by the plan.)
 void timestep_list(const std::string& name, const ParamValue& value, const CheckContext& context) {
   const auto& list = std::get<std::vector<int64_t>>(value);
   if (list.empty()) return;
-  if (context.params.sampler != "euler") {
-    invalid(name + ": a timestep list needs scheduler.type \"euler\" (got \"" + context.params.sampler +
-            "\"; UniPC spaces num_inference_steps itself)");
-  }
+  check_list_sampler(name, context.params.sampler);
   const auto size = static_cast<int64_t>(list.size());
   if (size > context.limits.max_steps) {
     invalid(name + ": " + std::to_string(size) + " entries, more than " + std::to_string(context.limits.max_steps) +
@@ -113,6 +121,21 @@ void check_param(const GenerationParam& param, const ParamValue& value, const Ch
 }
 
 // ---- rows ---------------------------------------------------------------------------------------------------------
+
+// scheduler.type's row: the sampler table's names, the first the default, and the flag's words for each.
+std::vector<ParamValue> sampler_names() {
+  std::vector<ParamValue> names;
+  for (const model::SamplerRow& row : model::samplers()) names.emplace_back(row.name);
+  return names;
+}
+
+std::string sampler_help() {
+  std::string help;
+  for (const model::SamplerRow& row : model::samplers()) {
+    help += (help.empty() ? "" : "; ") + row.name + ": " + row.help;
+  }
+  return help;
+}
 
 IntBound limit(int64_t ServerLimits::*member) {
   return IntBound([member](const CheckContext& c) { return c.limits.*member; });

@@ -1,5 +1,7 @@
 #include "server/job/generation_params_model.h"
 
+#include "model/sampler_table.h"
+
 namespace skyreels::server {
 
 model::GenerationParams model_params(const ResolvedParams& r) {
@@ -23,7 +25,7 @@ model::GenerationParams model_params(const ResolvedParams& r) {
   p.scheduler.solver_type = r.solver_type;
   p.scheduler.final_sigmas_type = r.final_sigmas_type;
   p.scheduler.disable_corrector = r.disable_corrector;
-  p.sampler = r.sampler == "euler" ? model::SamplerKind::kEuler : model::SamplerKind::kUniPC;
+  p.sampler = model::sampler_kind(r.sampler);
   p.timesteps = r.timesteps;
   p.exact_savings = r.exact_savings;
   if (r.cache == "first-block") p.cache.kind = model::StepCacheKind::kFirstBlock;

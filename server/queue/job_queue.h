@@ -15,6 +15,7 @@
 
 namespace skyreels::server {
 
+// The scheduler's settings, with their defaults stated here only (skyreels-server's flags write them: server_flags.h).
 struct SchedulerOptions {
   int64_t max_jobs = 64;            // admitted, unfinished jobs (queued or running)
   int64_t max_jobs_per_client = 0;  // of those, per JobSpec::client (0: no cap); the server sets one
@@ -27,7 +28,8 @@ struct SchedulerOptions {
   double handoff_cost_seconds = 0.25;  // expected cost of moving a job's state to another replica
   int64_t max_retained_jobs = 256;     // finished jobs kept for Get/List/Download (oldest dropped first)
   std::chrono::seconds retention{3600};
-  // Re-test of a replica taken out: first after retest_backoff, then doubling up to retest_backoff_max.
+  // Re-test of a replica taken out: first after retest_backoff, then doubling up to retest_backoff_max (never below
+  // retest_backoff).
   std::chrono::milliseconds retest_backoff{30000};
   std::chrono::milliseconds retest_backoff_max{600000};
   // live() turns false once no replica has been healthy for this long (after loading).

@@ -145,7 +145,9 @@ void ReplicaPool::wait_and_probe(Replica& replica) {
       spdlog::info("replica={} event=recovered recoveries={}", replica.name, replica.recoveries);
       publish_status_locked(SchedulerEventKind::ReplicaRecovered, replica);
     } else {
-      replica.backoff = std::min<Clock::duration>(replica.backoff * 2, options_.retest_backoff_max);
+      // The cap is never below the first back-off.
+      const auto cap = std::max(options_.retest_backoff, options_.retest_backoff_max);
+      replica.backoff = std::min<Clock::duration>(replica.backoff * 2, cap);
       replica.retest_at = now + replica.backoff;
       replica.error = error;
       spdlog::warn("replica={} event=retest_failed next_in_seconds={:.3f} error=\"{}\"", replica.name,

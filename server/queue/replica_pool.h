@@ -51,7 +51,8 @@ class ChunkSource {
 
 struct ReplicaPoolOptions {
   int failure_limit = 3;  // consecutive failed chunks before a replica is taken out
-  // Re-test of a replica taken out: first after retest_backoff, then doubling up to retest_backoff_max.
+  // Re-test of a replica taken out: first after retest_backoff, then doubling up to retest_backoff_max (never below
+  // retest_backoff).
   std::chrono::milliseconds retest_backoff{30000};
   std::chrono::milliseconds retest_backoff_max{600000};
   // live() turns false once no replica has been healthy for this long (after loading).

@@ -1,6 +1,6 @@
 // A job as the model sees it: created from a request (its parameters resolved and checked, its inputs converted,
 // its chunks planned, the work it asks for admitted) and the plan's numbers the scheduler reads. The request's
-// fields are converted in model_job_inputs.cpp, fingerprinted in model_job_fingerprint.cpp; chunks run in
+// fields are converted in model_job_inputs.cpp and fingerprinted by server/job/fingerprint.h; chunks run in
 // model_job_run.cpp.
 #include "server/replica/model_job.h"
 
@@ -12,6 +12,7 @@
 #include "model/guidance.h"
 #include "model/video_shape.h"
 #include "model/vae_wan.h"
+#include "server/job/fingerprint.h"
 #include "server/job/generation_params.h"
 #include "server/job/generation_params_model.h"
 #include "server/replica/model_job_impl.h"
@@ -19,10 +20,8 @@
 namespace skyreels::server {
 
 using model_job_detail::check_pipeline_served;
-using model_job_detail::fingerprint_of;
 using model_job_detail::invalid;
 using model_job_detail::pixel_conditioning;
-using model_job_detail::RequestFingerprint;
 using model_job_detail::resolve_adapters;
 using model_job_detail::take_pipeline_images;
 using model_job_detail::take_prompts;
@@ -158,7 +157,7 @@ std::shared_ptr<ModelJob> ModelJob::create(const JobRequest& request, const Mode
   }
   d.latent_channels = model.config.out_channels;
   std::copy(model.config.patch_size.begin(), model.config.patch_size.end(), std::begin(d.patch_size));
-  RequestFingerprint fingerprint = fingerprint_of(request, d.resolved.loras);
+  Fingerprint fingerprint = request_fingerprint(request, d.resolved.loras);
   d.fingerprint = fingerprint.v1;
   d.fingerprint_v2 = std::move(fingerprint.v2);
 

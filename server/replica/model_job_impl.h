@@ -1,8 +1,7 @@
 // Internal to ModelJob (included by server/replica/model_job*.cpp only): the job's state (ModelJob::Impl) and the
 // steps its files share. model_job.cpp: create (the request -> a planned job) and the plan's numbers;
-// model_job_inputs.cpp: the request's fields checked and converted into the model's inputs; model_job_fingerprint.cpp:
-// the request's idempotency fingerprint; model_job_run.cpp: running a chunk (or a whole t2v / i2v video), its result's
-// bytes, and a job restored from its stored results.
+// model_job_inputs.cpp: the request's fields checked and converted into the model's inputs; model_job_run.cpp: running
+// a chunk (or a whole t2v / i2v video), its result's bytes, and a job restored from its stored results.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -84,16 +83,6 @@ model::PixelConditioning pixel_conditioning(const JobRequest& r, const model::Ge
 void take_pipeline_images(const JobRequest& request, const ModelDescription& model, const ServerLimits& limits,
                           const std::string& pipeline, bool have_vae, bool have_image_encoder, at::Tensor& image,
                           at::Tensor& last_image);
-
-// ---- idempotency (model_job_fingerprint.cpp) -------------------------------------------------------------------
-
-struct RequestFingerprint {
-  uint64_t v1 = 0;
-  std::string v2;
-};
-
-// `adapters`: the job's, resolved (their files' SHA-256); none adds nothing (older fingerprints stay valid).
-RequestFingerprint fingerprint_of(const JobRequest& r, const std::vector<AdapterChoice>& adapters);
 
 }  // namespace model_job_detail
 }  // namespace skyreels::server
