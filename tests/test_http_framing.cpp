@@ -194,6 +194,64 @@ TEST_F(HttpFramingTest, FoldedHeaderLinesAndBlanksBeforeTheColonAreRefused) {
                  head() + "Content-Length : " + std::to_string(hidden.size()) + "\r\n\r\n" + hidden);
 }
 
+// Issue 46: libmicrohttpd 0.9.75 reads a header value as a C string, so a NUL cuts it there while a proxy in front
+// reads the whole line: `Content-Length: 0<NUL>N` is a length of 0 here and of N there.
+TEST_F(HttpFramingTest, NulsAndControlBytesInHeaderLinesAreRefused) {
+  const std::string hidden = hidden_request();
+  const std::string n = std::to_string(hidden.size());
+  const std::string nul(1, '\0');
+  expect_refused("CL 0<NUL>N", head() + "Content-Length: 0" + nul + n + "\r\n\r\n" + hidden);
+  expect_refused("CL N<NUL>0", head() + "Content-Length: " + n + nul + "0\r\n\r\n" + hidden);
+  expect_refused("CL 0<NUL>", head() + "Content-Length: 0" + nul + "\r\n\r\n" + hidden);
+  expect_refused("CL 0<NUL><NUL>N", head() + "Content-Length: 0" + nul + nul + n + "\r\n\r\n" + hidden);
+  expect_refused("NUL in another value", head() + "X-Note: a" + nul + "b\r\nContent-Length: 0\r\n\r\n" + hidden);
+  expect_refused("TE chunked<NUL>x", head() + "Transfer-Encoding: chunked" + nul + "x\r\n\r\n0\r\n\r\n" + hidden);
+  // A line that starts with a NUL ends the header section for libmicrohttpd; the length after it would be its body.
+  expect_refused("<NUL>Content-Length", head() + nul + "Content-Length: " + n + "\r\n\r\n" + hidden);
+  expect_refused("<NUL> after the request line",
+                 "POST /v1/videos HTTP/1.1\r\n" + nul + "Content-Length: " + n + "\r\n\r\n" + hidden);
+  expect_refused("NUL in a name", head() + "X-No" + nul + "te: a\r\nContent-Length: 0\r\n\r\n" + hidden);
+  for (const char c : {'\x01', '\x1f', '\x7f', '\r', '\x0b'}) {
+    const std::string what = "control byte " + std::to_string(static_cast<int>(c));
+    expect_refused(what + " in another value",
+                   head() + "X-Note: a" + std::string(1, c) + "b\r\nContent-Length: 0\r\n\r\n" + hidden);
+    expect_refused(what + " in CL", head() + "Content-Length: 0" + std::string(1, c) + "\r\n\r\n" + hidden);
+  }
+}
+
+TEST_F(HttpFramingTest, TabsInHeaderValuesAreStillAccepted) {
+  // RFC 9110 §5.5: a field value may hold HTAB (and SP) between its characters.
+  const std::string ok = "GET /healthz HTTP/1.1\r\nHost: x\r\nX-Note: a\tb \t c\r\nConnection: close\r\n\r\n";
+  const RawExchange got = send_raw(http_port_, ok);
+  EXPECT_EQ(statuses_in(got.bytes), std::vector<int>{200}) << got.bytes;
+}
+
+// RFC 9112 §3.2.2: a server must accept the absolute form of a request target; it routes as its path does, and the
+// authority in it grants nothing (keys are still asked for).
+TEST_F(HttpFramingTest, AnAbsoluteFormTargetRoutesLikeItsPath) {
+  const std::string authority = "127.0.0.1:" + std::to_string(http_port_);
+  for (const std::string target : {"http://" + authority + "/healthz", "HTTP://" + authority + "/healthz",
+                                   std::string("http://other.example/healthz")}) {
+    const RawExchange got =
+        send_raw(http_port_, "GET " + target + " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    EXPECT_EQ(statuses_in(got.bytes), std::vector<int>{200}) << target << ":\n" << got.bytes;
+  }
+  // The same refusal as for "/v1/videos": no key, no listing.
+  const RawExchange origin = send_raw(http_port_, "GET /v1/videos HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  const RawExchange absolute =
+      send_raw(http_port_, "GET http://" + authority + "/v1/videos HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  EXPECT_EQ(status_of(origin.bytes), 401) << origin.bytes;
+  EXPECT_EQ(status_of(absolute.bytes), 401) << absolute.bytes;
+  // With the key, the listing.
+  const RawExchange keyed = send_raw(http_port_, "GET http://" + authority + "/v1/videos HTTP/1.1\r\nHost: x\r\n" +
+                                                    "Authorization: Bearer " + kKey + "\r\nConnection: close\r\n\r\n");
+  EXPECT_EQ(status_of(keyed.bytes), 200) << keyed.bytes;
+  // An authority with escapes is refused: unescaped, its "%2F" would move where the path starts.
+  const RawExchange escaped = send_raw(http_port_, "GET http://x%2Fv1%2Fvideos/healthz HTTP/1.1\r\nHost: x\r\n" +
+                                                      std::string("Connection: close\r\n\r\n"));
+  EXPECT_EQ(statuses_in(escaped.bytes), std::vector<int>{400}) << escaped.bytes;
+}
+
 TEST_F(HttpFramingTest, ChunkSizesAndChunkedBodiesAreBounded) {
   const int before = jobs();
   // A chunk size of 17 hex digits (over 2^64): libmicrohttpd refuses it itself (413) and closes.

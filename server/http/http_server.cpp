@@ -31,8 +31,30 @@ std::string lower(std::string s) {
 // What one connection's current request has gathered between libmicrohttpd's calls.
 struct Exchange {
   std::string body;
-  bool answered = false;  // a refusal was queued before the body was read (too large)
+  bool headers_checked = false;  // the first call (headers only) has been answered
+  bool answered = false;         // a refusal was queued before the body was read (too large)
+  // Bytes of "scheme://authority" that start an absolute-form target (RFC 9112 §3.2.2), dropped before routing;
+  // kMalformedTarget for an absolute form that is refused.
+  long target_prefix = 0;
 };
+
+constexpr long kMalformedTarget = -1;
+
+// "http://" or "https://" (any case) then an authority without '%': the length of both; 0 for any other target. The
+// authority is refused with escapes because libmicrohttpd unescapes the target before the handler sees it, and a
+// "%2F" in it would move where the path starts.
+long absolute_form_prefix(const char* target) {
+  if (target == nullptr) return 0;
+  const std::string t = target;
+  const size_t colon = t.find("://");
+  if (colon == std::string::npos || t.find('/') < colon) return 0;
+  const std::string scheme = lower(t.substr(0, colon));
+  if (scheme != "http" && scheme != "https") return 0;
+  const size_t authority = colon + 3;
+  const size_t end = std::min(t.find_first_of("/?#", authority), t.size());
+  if (end == authority || t.find('%', authority) < end) return kMalformedTarget;
+  return static_cast<long>(end);
+}
 
 struct StreamState {
   std::shared_ptr<BodyStream> stream;
@@ -75,6 +97,8 @@ struct RawHeader {
   std::string name;
   std::string value;
   bool in_place = true;  // false: libmicrohttpd moved the name (it does that, and only that, to a folded line)
+  const char* name_at = nullptr;    // where the name starts in the read buffer
+  const char* value_end = nullptr;  // where the value, as libmicrohttpd measured it, ends there
 };
 
 MHD_Result collect_raw(void* cls, MHD_ValueKind, const char* key, size_t key_size, const char* value,
@@ -86,6 +110,8 @@ MHD_Result collect_raw(void* cls, MHD_ValueKind, const char* key, size_t key_siz
   // a new block of the connection's pool, away from its value (it is then no longer followed by NUL and blanks up to
   // the value). That displacement is the only trace of the fold that the library leaves.
   if (key != nullptr && value != nullptr) {
+    h.name_at = key;
+    h.value_end = value + value_size;
     const char* end = key + key_size;
     constexpr ptrdiff_t kMaxBlanks = 1 << 16;
     const ptrdiff_t gap = value - end;
@@ -94,6 +120,26 @@ MHD_Result collect_raw(void* cls, MHD_ValueKind, const char* key, size_t key_siz
   }
   out->push_back(std::move(h));
   return MHD_YES;
+}
+
+// Whether the request's header section, [begin, end) in the read buffer, holds bytes no header shows. libmicrohttpd
+// 0.9.75 parses it in place and measures each value with strlen: a NUL in a line ends the value there, and a line that
+// starts with one ends the section, so what follows the NUL is read by neither the framing checks nor the handler
+// while a proxy in front reads it (`Content-Length: 0<NUL>N`). In place, a clean section is the request line, then
+// per header its name, a NUL (the colon), blanks and the value, each line end (CRLF or LF) turned into one or two
+// NULs: between one line's last shown byte and the next name only 1 or 2 NULs may lie, and 2 to 4 before `end` (the
+// last line's end and the empty line's). A value ending in one NUL on a bare-LF line hides no byte and passes.
+bool hides_bytes(const char* begin, const char* end, const char* version, const std::vector<RawHeader>& headers) {
+  auto only_nuls = [](const char* from, const char* to, ptrdiff_t least, ptrdiff_t most) {
+    return to - from >= least && to - from <= most && std::all_of(from, to, [](char c) { return c == '\0'; });
+  };
+  const char* at = version + std::strlen(version);
+  if (version < begin || at > end) return true;
+  for (const RawHeader& h : headers) {
+    if (h.name_at == nullptr || h.name_at < at || h.value_end > end || !only_nuls(at, h.name_at, 1, 2)) return true;
+    at = h.value_end;
+  }
+  return !only_nuls(at, end, 2, 4);
 }
 
 MHD_Result collect_value(void* cls, MHD_ValueKind, const char* key, const char* value) {
@@ -227,6 +273,14 @@ class ConnectionDeadlines {
   std::thread thread_;  // last: it starts once the rest is made
 };
 
+// libmicrohttpd's URI log callback: the target as sent, before it is unescaped, when a request line has been read. The
+// request's Exchange starts here (libmicrohttpd hands it to on_request as its context and to on_completed).
+void* on_target(void*, const char* uri, MHD_Connection*) {
+  auto* exchange = new Exchange;
+  exchange->target_prefix = absolute_form_prefix(uri);
+  return exchange;
+}
+
 void on_connection(void* cls, MHD_Connection* connection, void**, MHD_ConnectionNotificationCode code) {
   auto* deadlines = static_cast<ConnectionDeadlines*>(cls);
   if (code == MHD_CONNECTION_NOTIFY_CLOSED) {
@@ -251,6 +305,15 @@ std::optional<std::string> framing_problem(const std::vector<HeaderLine>& header
     }
     if (h.name.empty() || !std::all_of(h.name.begin(), h.name.end(), [&](char c) { return is_tchar(c); })) {
       return "malformed header name '" + h.name + "' (no spaces before the colon, no folded lines)";
+    }
+    // RFC 9110 §5.5: no control byte but HTAB in a value (a bare CR, which libmicrohttpd keeps, included).
+    const auto control = std::find_if(h.value.begin(), h.value.end(), [](unsigned char c) {
+      return (c < 0x20 && c != '\t') || c == 0x7f;
+    });
+    if (control != h.value.end()) {
+      char code[8];
+      std::snprintf(code, sizeof code, "0x%02x", static_cast<unsigned char>(*control));
+      return std::string("a control byte (") + code + ") in the value of header '" + h.name + "'";
     }
     const std::string name = lower(h.name);
     if (name == "content-length") {
@@ -297,6 +360,23 @@ struct HttpServer::Impl {
   MHD_Daemon* daemon = nullptr;
   int port = 0;
 
+  // hides_bytes() over this request's header section: from `method`, where libmicrohttpd's read buffer holds the
+  // request line, for the section's size (the request line and the empty line included).
+  static bool section_hides_bytes(MHD_Connection* connection, const char* method, const char* version,
+                                  const std::vector<RawHeader>& raw) {
+    const MHD_ConnectionInfo* info = MHD_get_connection_info(connection, MHD_CONNECTION_INFO_REQUEST_HEADER_SIZE);
+    if (info == nullptr || method == nullptr || version == nullptr) return true;
+    return hides_bytes(method, method + info->header_size, version, raw);
+  }
+
+  // The path of an absolute-form target (its first `prefix` bytes, scheme and authority, are as sent: no escapes).
+  static std::string origin_form(const char* url, long prefix) {
+    const std::string target = url;
+    if (target.size() < static_cast<size_t>(prefix)) return "/";
+    const std::string path = target.substr(static_cast<size_t>(prefix));
+    return path.empty() ? "/" : path;
+  }
+
   static MHD_Result send(MHD_Connection* connection, const Response& r) {
     MHD_Response* response =
         r.stream ? MHD_create_response_from_callback(r.stream_bytes >= 0 ? static_cast<uint64_t>(r.stream_bytes)
@@ -326,9 +406,12 @@ struct HttpServer::Impl {
   MHD_Result answer(MHD_Connection* connection, const char* url, const char* method, const char* version,
                     const char* upload, size_t* upload_size, void** context) {
     auto* exchange = static_cast<Exchange*>(*context);
-    if (exchange == nullptr) {  // headers only so far
+    if (exchange == nullptr) {  // made by on_target, always called first; in case a libmicrohttpd does not
       exchange = new Exchange;
       *context = exchange;
+    }
+    if (!exchange->headers_checked) {  // headers only so far
+      exchange->headers_checked = true;
       // The body's framing is checked before a byte of it is read (RFC 9112 §6.1, §6.3, §5.2): an answer queued now
       // makes libmicrohttpd read no body and no further request on this connection, and close it once sent.
       std::vector<RawHeader> raw;
@@ -337,7 +420,14 @@ struct HttpServer::Impl {
       lines.reserve(raw.size());
       for (RawHeader& h : raw) lines.push_back({std::move(h.name), std::move(h.value), h.in_place});
       const bool http_1_0 = version != nullptr && std::strcmp(version, MHD_HTTP_VERSION_1_0) == 0;
-      if (std::optional<std::string> problem = framing_problem(lines, http_1_0)) {
+      std::optional<std::string> problem = framing_problem(lines, http_1_0);
+      if (!problem && section_hides_bytes(connection, method, version, raw)) {
+        problem = "a NUL in the header section (the bytes after it would be read by no check here)";
+      }
+      if (!problem && exchange->target_prefix == kMalformedTarget) {
+        problem = "malformed absolute-form request target (no authority, or one with escapes)";
+      }
+      if (problem) {
         exchange->answered = true;
         spdlog::warn("event=http_framing_refused peer={} method={} path={} reason=\"{}\"", peer_of(connection), method,
                      url, *problem);
@@ -370,7 +460,7 @@ struct HttpServer::Impl {
     if (exchange->answered) return MHD_YES;
     Request request;
     request.method = method;
-    request.path = url;
+    request.path = exchange->target_prefix > 0 ? origin_form(url, exchange->target_prefix) : url;
     request.peer = peer_of(connection);
     MHD_get_connection_values(connection, MHD_HEADER_KIND, collect_value, &request.headers);
     MHD_get_connection_values(connection, MHD_GET_ARGUMENT_KIND, collect_argument, &request.query);
@@ -452,6 +542,7 @@ HttpServer::HttpServer(HttpOptions options, Handler handler, Refuser refuse) : i
       {MHD_OPTION_CONNECTION_MEMORY_LIMIT, static_cast<intptr_t>(o.header_memory_bytes), nullptr},
       {MHD_OPTION_LISTENING_ADDRESS_REUSE, 1, nullptr},
       {MHD_OPTION_NOTIFY_COMPLETED, reinterpret_cast<intptr_t>(&on_completed), nullptr},
+      {MHD_OPTION_URI_LOG_CALLBACK, reinterpret_cast<intptr_t>(&on_target), nullptr},
       {MHD_OPTION_EXTERNAL_LOGGER, reinterpret_cast<intptr_t>(&on_log), nullptr},
   };
   if (o.connection_deadline_seconds > 0) {

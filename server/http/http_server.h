@@ -102,7 +102,8 @@ struct HeaderLine {
 // What is wrong with a request's framing, nullopt when nothing (RFC 9112): Transfer-Encoding with Content-Length, a
 // Transfer-Encoding other than exactly "chunked" (or any in HTTP/1.0), more than one Content-Length or
 // Transfer-Encoding, a Content-Length that is not one decimal number of at most 19 digits, a folded line, a header
-// name that is not a token. The listener answers 400 with Connection: close and reads nothing more of the connection.
+// name that is not a token, a control byte other than HTAB in a value. The listener answers 400 with
+// Connection: close and reads nothing more of the connection.
 std::optional<std::string> framing_problem(const std::vector<HeaderLine>& headers, bool http_1_0);
 
 // "bytes=A-B" / "bytes=A-" / "bytes=-N" against a body of `size` bytes: the [first, last] range, nullopt when the
