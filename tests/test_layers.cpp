@@ -18,12 +18,18 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// server/README.md's order, top first. A folder may include its own files and those of any folder after it.
-const std::vector<std::string> kServerLayers = {"server/main.cpp", "server/app",     "server/http",  "server/metrics",
-                                                "server/api",      "server/media",   "server/webhook", "server/queue",
-                                                "server/store",    "server/replica", "server/policy",  "server/job"};
-// Folders on one rank: neither includes the other.
-const std::map<std::string, std::string> kSameRank = {{"server/webhook", "server/media"}};
+// server/README.md's ranks, top first. A folder may include its own files and those of any lower rank; folders of one
+// rank include nothing of each other.
+const std::vector<std::vector<std::string>> kServerRanks = {
+    {"server/main.cpp"},                  // process
+    {"server/app"},                       // assembly
+    {"server/metrics"},                   // observability
+    {"server/http", "server/api"},        // doors
+    {"server/media", "server/webhook"},   // followers
+    {"server/queue"},                     // scheduling
+    {"server/store", "server/replica"},   // state and device
+    {"server/policy", "server/job"},      // leaves
+};
 
 struct Include {
   std::string file;  // relative to the source root
@@ -61,10 +67,10 @@ std::string layer_of(const std::string& path) {
 }
 
 int rank_of(const std::string& layer) {
-  std::string l = layer;
-  if (const auto same = kSameRank.find(layer); same != kSameRank.end()) l = same->second;
-  for (size_t i = 0; i < kServerLayers.size(); ++i) {
-    if (kServerLayers[i] == l) return static_cast<int>(i);
+  for (size_t i = 0; i < kServerRanks.size(); ++i) {
+    if (std::find(kServerRanks[i].begin(), kServerRanks[i].end(), layer) != kServerRanks[i].end()) {
+      return static_cast<int>(i);
+    }
   }
   return -1;
 }
@@ -133,10 +139,20 @@ TEST(Layers, TheCheckSeesTheIncludesItJudges) {
   EXPECT_LT(rank_of("server/queue"), rank_of("server/replica")) << "a queue file may include the replicas' seam";
   EXPECT_GT(rank_of("server/replica"), rank_of("server/api")) << "a replica file may not include the transport";
   EXPECT_EQ(rank_of("server/webhook"), rank_of("server/media")) << "webhook and media are one rank: neither includes the other";
-  // Metrics implements the sinks the layers below it declare (api/'s ApiMetrics included) and never the listener
-  // that serves it: the assembly hands the HTTP listener a function that renders it.
+  EXPECT_EQ(rank_of("server/http"), rank_of("server/api")) << "the doors are one rank";
+  EXPECT_EQ(rank_of("server/store"), rank_of("server/replica")) << "state and device are one rank";
+  // Metrics implements the sinks the layers below it declare (api/'s ApiMetrics included).
   EXPECT_LT(rank_of("server/metrics"), rank_of("server/api")) << "metrics implements api/'s sink";
-  EXPECT_GT(rank_of("server/metrics"), rank_of("server/http")) << "metrics may not include the HTTP listener";
+}
+
+// Metrics is above the doors (it implements api/'s sink) but never includes the listener that serves it: the
+// assembly hands the HTTP listener a function that renders it.
+TEST(Layers, MetricsIncludesNothingOfTheHttpListener) {
+  std::vector<std::string> against;
+  for (const Include& inc : includes_under("server")) {
+    if (layer_of(inc.file) == "server/metrics" && inc.target.rfind("server/http/", 0) == 0) against.push_back(where(inc));
+  }
+  EXPECT_TRUE(against.empty()) << ::testing::PrintToString(against);
 }
 
 }  // namespace

@@ -7,7 +7,7 @@
 #include <chrono>
 #include <cmath>
 
-#include "server/api/auth.h"
+#include "server/job/forwarded_peer.h"
 #include "server/http/page.h"
 #include "server/http/routes.h"
 
