@@ -135,6 +135,7 @@ Result run_diffusers(const Options& o, const std::string& dir, const GenerationP
 int main(int argc, char** argv) {
   skyreels::runtime::init_process(argc, argv);
   const Options o = parse(argc, argv);
+  if (!o.diffusers_src.empty()) skyreels::bench::check_diffusers_timer(SKYREELS_DIFFUSERS_TIMER);
   if (o.threads > 0) skyreels::runtime::configure_threads(o.threads);
   TransformerConfig config = TransformerConfig::df_1_3b();
   config.num_layers = o.layers;

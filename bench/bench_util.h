@@ -3,9 +3,11 @@
 #pragma once
 
 #include <sys/resource.h>
+#include <sys/wait.h>
 
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iterator>
 #include <stdexcept>
@@ -51,6 +53,21 @@ inline CommandOutput command_output(const std::string& command) {
   while (const size_t n = std::fread(buffer, 1, sizeof(buffer), pipe)) out.text.append(buffer, n);
   out.status = ::pclose(pipe);
   return out;
+}
+
+// Before any row: bench/diffusers_pipeline_time.py --check, which imports nothing it has not checked. A missing
+// Python package ends the bench at once (status 1) with the timer's own first line, the apt-get command to run
+// (scripts/bench-deps.sh installs them all), instead of a ModuleNotFoundError after our rows have run.
+inline void check_diffusers_timer(const std::string& timer) {
+  const CommandOutput out = command_output("/usr/bin/python3 " + timer + " --check 2>&1");
+  if (out.status == 0) return;
+  if (WIFEXITED(out.status) && WEXITSTATUS(out.status) == 127) {
+    std::fprintf(stderr,
+                 "--diffusers-src needs /usr/bin/python3: apt-get install python3, then scripts/bench-deps.sh\n");
+  } else {
+    std::fprintf(stderr, "%s", out.text.c_str());
+  }
+  std::exit(1);
 }
 
 // Runs bench/diffusers_pipeline_time.py's command line (its stderr kept in dir/stderr.txt) and returns the JSON object

@@ -13,7 +13,8 @@ diffusers' FlowMatchEulerDiscreteScheduler(shift=--flow-shift) with the DF pipel
 step() as a float, and --timesteps handed to every per-frame copy (scripts/diffusers_env.py: euler_for_df); bench_samplers.
 With --fbc-threshold: diffusers' FirstBlockCache (the registry line it lacks added, state reset at every chunk start
 as `--cache-scope chunk` does). Prints {"seconds", "calls", "skipped"}: the pipeline call only (model construction
-and loading excluded), every transformer call and the ones FirstBlockCache skipped.
+and loading excluded), every transformer call and the ones FirstBlockCache skipped. `--check` alone only checks the
+Python packages (scripts/python_deps.py): a missing one is named, with the apt-get line, in the first line of stderr.
 """
 import argparse
 import json
@@ -21,11 +22,13 @@ import os
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+import python_deps  # noqa: E402  (standard library only)
+
+python_deps.require()  # every package diffusers needs, named in one line, before anything imports them
 from diffusers_env import (euler_for_df, import_diffusers, read_safetensors, register_skyreels_block,  # noqa: E402
                            write_safetensors)
+import torch  # noqa: E402  (after diffusers_env, which names a missing package in its first line)
 
 SCHEDULER = {  # the golden fixtures' scheduler_config.json (diffusers' flow UniPC as SkyReels-V2 configures it)
     "beta_end": 0.02, "beta_schedule": "linear", "beta_start": 0.0001, "disable_corrector": [],
@@ -40,6 +43,9 @@ SCHEDULER = {  # the golden fixtures' scheduler_config.json (diffusers' flow Uni
 
 
 def main():
+    if sys.argv[1:] == ["--check"]:  # the benches run this first; the packages were checked on import
+        print("{}")
+        return
     p = argparse.ArgumentParser()
     p.add_argument("--diffusers-src", default=os.environ.get("DIFFUSERS_SRC"), required=False)
     p.add_argument("--weights", required=True)

@@ -94,8 +94,10 @@ const std::string kUsage =
         "  --previews DIR           a PNG per preview: DIR/chunkK_rowR.png, the chunk's new frames side by side at\n"
         "                           latent resolution (after every --preview-every rows, default 1, and the last)\n"
         "generation parameters, named after diffusers' arguments (defaults as diffusers):\n"
-        "  --scheduler-config FILE        a diffusers UniPCMultistepScheduler scheduler_config.json: the\n"
-        "                                 defaults of --flow-shift and of the sampler's flags below\n") +
+        "  --scheduler-config FILE        a diffusers scheduler_config.json of --sampler's class:\n"
+        "                                 UniPCMultistepScheduler (unipc) or FlowMatchEulerDiscreteScheduler\n"
+        "                                 (euler: its shift and num_train_timesteps); the defaults of\n"
+        "                                 --flow-shift and of the sampler's flags below\n") +
     skyreels::server::generation_flags_help();
 
 double seconds_since(std::chrono::steady_clock::time_point start) {

@@ -56,8 +56,10 @@ const std::string kUsage =
         "  --watch                   follow the job (progress on stderr); exit status 0 only if it succeeds\n"
         "  --out DIR                 with --watch: download the latents into DIR/<job>.safetensors\n"
         "generation parameters, diffusers' names (unset: the server applies the defaults shown):\n"
-        "  --scheduler-config FILE        a diffusers UniPCMultistepScheduler scheduler_config.json: the\n"
-        "                                 defaults of --flow-shift and of the sampler's flags below\n") +
+        "  --scheduler-config FILE        a diffusers scheduler_config.json of --sampler's class:\n"
+        "                                 UniPCMultistepScheduler (unipc) or FlowMatchEulerDiscreteScheduler\n"
+        "                                 (euler: its shift and num_train_timesteps); the defaults of\n"
+        "                                 --flow-shift and of the sampler's flags below\n") +
     skyreels::server::generation_flags_help() + skyreels::server::kConnectionFlagsHelp;
 
 bool is_safetensors(const std::string& path) {

@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <string>
+#include <variant>
 
 #include "model/adapter_bank.h"
 #include "model/lora.h"
+#include "model/scheduler_config.h"
 #include "server/job/generation_params.h"
 #include "server/job/generation_params_model.h"
 
@@ -129,10 +132,27 @@ std::vector<std::string> with_generation_flags(std::vector<std::string> known) {
   return known;
 }
 
+namespace {
+
+// The sampler --sampler names (the table's default when it is not given): the one --scheduler-config configures.
+model::SamplerKind flag_sampler(const Args& args) {
+  const server::GenerationParam& param = server::generation_param("scheduler.type");
+  try {
+    const server::ParamValue name =
+        args.has(param.flag) ? server::parse_param_value(param, args.get(param.flag)) : param.default_value;
+    return model::sampler_kind(std::get<std::string>(name));
+  } catch (const std::invalid_argument& e) {
+    throw UsageError("flag --" + param.flag + " " + e.what());
+  }
+}
+
+}  // namespace
+
 server::JobRequest generation_request_from_flags(const Args& args) {
   server::JobRequest request;
   if (args.has("scheduler-config")) {
-    server::request_scheduler_config(model::FlowUniPCConfig::from_file(args.get("scheduler-config")), request);
+    server::request_scheduler_config(model::read_scheduler_config(args.get("scheduler-config"), flag_sampler(args)),
+                                     request);
   }
   for (const auto& param : server::generation_params()) {
     if (param.kind == server::ParamKind::kBool && args.has("no-" + param.flag)) {

@@ -1,11 +1,16 @@
 #include "model/sampler_flow_euler.h"
 
 #include <ATen/ATen.h>
+#include <spdlog/spdlog.h>
 
 #include <cmath>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+
+#include "model/sampler_table.h"
+#include "model/scheduler_config_json.h"
 
 namespace skyreels::model {
 
@@ -31,6 +36,47 @@ std::string text(double v) {
 }
 
 }  // namespace
+
+// ---- config ----------------------------------------------------------------------------------------------------
+
+FlowEulerConfig FlowEulerConfig::from_json(const std::string& json_text, const std::string& origin) {
+  using scheduler_json::Json;
+  const Json j = scheduler_json::parse_object(json_text, origin);
+  scheduler_json::require_class(j, origin, sampler_row(SamplerKind::kEuler).config_class);
+  // diffusers tests each for truth: off is absent, false, null or 0.
+  static const char* const kUnsupported[] = {"use_dynamic_shifting", "use_karras_sigmas",   "use_exponential_sigmas",
+                                             "use_beta_sigmas",      "stochastic_sampling", "invert_sigmas",
+                                             "shift_terminal"};
+  for (const char* key : kUnsupported) scheduler_json::require_falsy(j, origin, key, "the Euler sampler");
+
+  FlowEulerConfig c;
+  c.num_train_timesteps = scheduler_json::get_typed<int64_t>(j, origin, "num_train_timesteps", c.num_train_timesteps);
+  c.shift = scheduler_json::get_typed<double>(j, origin, "shift", c.shift);
+  if (c.num_train_timesteps < 1) {
+    scheduler_json::config_error(origin, "num_train_timesteps",
+                                 "must be >= 1, got " + std::to_string(c.num_train_timesteps));
+  }
+  if (!std::isfinite(c.shift) || c.shift <= 0.0) {
+    scheduler_json::config_error(origin, "shift", "must be a positive number, got " + text(c.shift));
+  }
+
+  // Read above, or read by dynamic shifting only (refused above), or bookkeeping.
+  static const std::set<std::string> known_keys = {"_class_name",     "_diffusers_version",  "base_shift",
+                                                   "max_shift",       "base_image_seq_len",  "max_image_seq_len",
+                                                   "time_shift_type", "num_train_timesteps", "shift"};
+  for (const auto& item : j.items()) {
+    bool known = known_keys.count(item.key()) > 0;
+    for (const char* key : kUnsupported) known = known || item.key() == key;
+    if (!known) spdlog::warn("{}: ignoring unknown scheduler key '{}'", origin, item.key());
+  }
+  return c;
+}
+
+FlowEulerConfig FlowEulerConfig::from_file(const std::string& path) {
+  return from_json(scheduler_json::read_text(path), path);
+}
+
+// ---- schedule --------------------------------------------------------------------------------------------------
 
 void check_timestep_list(const std::vector<int64_t>& timesteps, int64_t num_train_timesteps) {
   const std::string field = "scheduler.timesteps: ";

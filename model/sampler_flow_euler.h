@@ -23,11 +23,28 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "model/sampler.h"
 
 namespace skyreels::model {
+
+// The scheduler_config.json of diffusers' FlowMatchEulerDiscreteScheduler (what a few-step model's pipeline folder
+// ships in scheduler/), as far as this sampler honours it: `shift` (the request's flow_shift) and num_train_timesteps.
+// The options it does not implement are refused by from_json naming the key when they are on: use_dynamic_shifting,
+// use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas, stochastic_sampling, invert_sigmas, shift_terminal.
+// The settings only dynamic shifting reads (base_shift, max_shift, base/max_image_seq_len, time_shift_type) are
+// ignored.
+struct FlowEulerConfig {
+  int64_t num_train_timesteps = 1000;
+  double shift = 1.0;  // diffusers' default; GenerationParams::flow_shift is what the generation loop uses
+
+  // Parses the text (its _class_name, when given, the euler row's config_class in model/sampler_table.h); `origin`
+  // (a file name) is used in error messages, each "key: what (in origin)".
+  static FlowEulerConfig from_json(const std::string& text, const std::string& origin = "scheduler_config.json");
+  static FlowEulerConfig from_file(const std::string& path);
+};
 
 // Longest explicit timestep list accepted (the server's --max-steps bounds it further).
 constexpr int64_t kMaxEulerTimesteps = 1000;

@@ -5,11 +5,12 @@
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
-#include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 #include <stdexcept>
+
+#include "model/sampler_table.h"
+#include "model/scheduler_config_json.h"
 
 namespace skyreels::model {
 
@@ -17,37 +18,11 @@ namespace skyreels::model {
 
 namespace {
 
-using Json = nlohmann::json;
-
-[[noreturn]] void config_error(const std::string& origin, const std::string& key, const std::string& what) {
-  throw std::invalid_argument(key + ": " + what + " (in " + origin + ")");
-}
-
-// A key whose value, when present, must equal what SkyReels-V2 uses.
-void require_value(const Json& j, const std::string& origin, const std::string& key, const Json& expected) {
-  if (!j.contains(key)) return;
-  if (j.at(key) != expected) {
-    config_error(origin, key, "only " + expected.dump() + " is supported, got " + j.at(key).dump());
-  }
-}
-
-// A key that must be absent, null, false or 0 (a feature this sampler does not implement).
-void require_falsy(const Json& j, const std::string& origin, const std::string& key) {
-  if (!j.contains(key)) return;
-  const Json& v = j.at(key);
-  const bool falsy = v.is_null() || (v.is_boolean() && !v.get<bool>()) || (v.is_number() && v.get<double>() == 0.0);
-  if (!falsy) config_error(origin, key, "is not supported by the flow UniPC sampler, got " + v.dump());
-}
-
-template <typename T>
-T get_typed(const Json& j, const std::string& origin, const std::string& key, T fallback) {
-  if (!j.contains(key) || j.at(key).is_null()) return fallback;
-  try {
-    return j.at(key).get<T>();
-  } catch (const std::exception&) {
-    config_error(origin, key, "has the wrong type: " + j.at(key).dump());
-  }
-}
+using scheduler_json::config_error;
+using scheduler_json::get_typed;
+using scheduler_json::Json;
+using scheduler_json::require_falsy;
+using scheduler_json::require_value;
 
 // Keys diffusers stores that do not influence the flow-sigma path (betas, spacing of the discarded default grid...).
 const std::set<std::string>& ignored_keys() {
@@ -62,23 +37,14 @@ const std::set<std::string>& ignored_keys() {
 }  // namespace
 
 FlowUniPCConfig FlowUniPCConfig::from_json(const std::string& text, const std::string& origin) {
-  Json j;
-  try {
-    j = Json::parse(text);
-  } catch (const std::exception& e) {
-    throw std::invalid_argument(origin + ": not valid JSON: " + e.what());
-  }
-  if (!j.is_object()) throw std::invalid_argument(origin + ": expected a JSON object");
-
-  if (j.contains("_class_name") && j.at("_class_name") != "UniPCMultistepScheduler") {
-    config_error(origin, "_class_name", "expected \"UniPCMultistepScheduler\", got " + j.at("_class_name").dump());
-  }
+  const Json j = scheduler_json::parse_object(text, origin);
+  scheduler_json::require_class(j, origin, sampler_row(SamplerKind::kUniPC).config_class);
   require_value(j, origin, "prediction_type", "flow_prediction");
   require_value(j, origin, "use_flow_sigmas", true);
   require_value(j, origin, "predict_x0", true);
   for (const char* key : {"thresholding", "use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas",
                           "use_dynamic_shifting", "solver_p", "shift_terminal"}) {
-    require_falsy(j, origin, key);
+    require_falsy(j, origin, key, "the flow UniPC sampler");
   }
   if (j.contains("timestep_spacing")) {
     const Json& v = j.at("timestep_spacing");
@@ -115,11 +81,7 @@ FlowUniPCConfig FlowUniPCConfig::from_json(const std::string& text, const std::s
 }
 
 FlowUniPCConfig FlowUniPCConfig::from_file(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw std::invalid_argument(path + ": cannot open scheduler config");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return from_json(ss.str(), path);
+  return from_json(scheduler_json::read_text(path), path);
 }
 
 void FlowUniPCConfig::validate() const {

@@ -32,7 +32,8 @@ struct FlowUniPCConfig {
   // is what the generation loop uses.
   double flow_shift = 1.0;
 
-  // Parses a diffusers scheduler_config.json text; `origin` (a file name) is used in error messages.
+  // Parses a diffusers scheduler_config.json text (its _class_name, when given, the unipc row's config_class in
+  // model/sampler_table.h); `origin` (a file name) is used in error messages.
   static FlowUniPCConfig from_json(const std::string& text, const std::string& origin = "scheduler_config.json");
   static FlowUniPCConfig from_file(const std::string& path);
   // Throws std::invalid_argument naming the field.

@@ -6,8 +6,8 @@ namespace skyreels::model {
 
 const SamplerTable& samplers() {
   static const SamplerTable table = {
-      {"unipc", "UniPC", SamplerKind::kUniPC, false, "flow UniPC"},
-      {"euler", "Euler", SamplerKind::kEuler, true,
+      {"unipc", "UniPC", SamplerKind::kUniPC, false, "UniPCMultistepScheduler", "flow UniPC"},
+      {"euler", "Euler", SamplerKind::kEuler, true, "FlowMatchEulerDiscreteScheduler",
        "flow-matching Euler (diffusers' FlowMatchEulerDiscreteScheduler, shift = flow_shift)"},
   };
   return table;
@@ -46,6 +46,17 @@ std::string timestep_list_refusal(SamplerKind kind, bool has_list, const Sampler
   if (!has_list || row.takes_timestep_list) return "";
   return "scheduler.timesteps: an explicit timestep list needs scheduler.type " + timestep_list_samplers(table) + " (" +
          row.label + " spaces num_inference_steps itself)";
+}
+
+std::string config_class_refusal(SamplerKind kind, std::string_view config_class, const SamplerTable& table) {
+  const SamplerRow& row = sampler_row(kind, table);
+  if (config_class == row.config_class) return "";
+  std::string configures = "configures no sampler";
+  for (const SamplerRow& other : table) {
+    if (other.config_class == config_class) configures = "configures scheduler.type " + other.name;
+  }
+  return "\"" + std::string(config_class) + "\" " + configures + ", but the sampler is " + row.name +
+         ", which reads a \"" + row.config_class + "\" config";
 }
 
 }  // namespace skyreels::model

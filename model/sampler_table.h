@@ -19,6 +19,9 @@ struct SamplerRow {
   std::string label;  // in messages: "UniPC"
   SamplerKind kind = SamplerKind::kUniPC;
   bool takes_timestep_list = false;  // false: the sampler spaces num_inference_steps itself
+  // The diffusers scheduler whose scheduler_config.json (its _class_name) configures it (`--scheduler-config`,
+  // model/scheduler_config.h): "UniPCMultistepScheduler".
+  std::string config_class;
   std::string help;                  // the --sampler flag's words for it
 };
 using SamplerTable = std::vector<SamplerRow>;
@@ -37,5 +40,10 @@ SamplerKind sampler_kind(std::string_view name, const SamplerTable& table = samp
 std::string timestep_list_samplers(const SamplerTable& table = samplers(), std::string_view quote = "");
 // The plan's refusal of a timestep list given to `kind` ("" when it takes one, or no list was given).
 std::string timestep_list_refusal(SamplerKind kind, bool has_list, const SamplerTable& table = samplers());
+
+// Why a scheduler_config.json of diffusers class `config_class` does not configure `kind` ("" when it does: the
+// row's config_class), naming the class, the sampler it configures (if any) and `kind`'s own.
+std::string config_class_refusal(SamplerKind kind, std::string_view config_class,
+                                 const SamplerTable& table = samplers());
 
 }  // namespace skyreels::model

@@ -7,7 +7,9 @@ tables, torch.compiler.disable) and, on the numeric path, torch.nn.RMSNorm (at::
 F.scaled_dot_product_attention (the documented reference math: bool mask True = attend, a row without keys gives
 0); huggingface_hub, safetensors and transformers, which Debian 12 lacks and this path never calls, are stubbed.
 Debian packages it needs: python3-torch python3-numpy python3-packaging python3-filelock python3-requests
-python3-regex python3-pil python3-tqdm python3-httpx python3-yaml.
+python3-regex python3-pil python3-tqdm python3-httpx python3-yaml (scripts/python_deps.py lists and checks them: torch
+and numpy on import, every one before diffusers is imported; scripts/bench-deps.sh installs them). An importer
+imports this module before torch, so that a missing package is named in the first line of the error.
 """
 import argparse
 import importlib
@@ -19,8 +21,11 @@ import sys
 import tempfile
 import types
 
-import numpy as np
-import torch
+import python_deps  # standard library only
+
+python_deps.require(python_deps.TORCH_PACKAGES)
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 
 # ---- torch 1.13 and the missing packages -----------------------------------------------------------------------
@@ -130,9 +135,12 @@ def lazy_package(name, path):
 
 
 def import_diffusers(src):
+    python_deps.require()  # what diffusers' import path needs
     pkg_dir = os.path.join(src, "src", "diffusers")
     if not os.path.isdir(pkg_dir):
         pkg_dir = os.path.join(src, "diffusers")
+    if not os.path.isdir(pkg_dir):
+        sys.exit("--diffusers-src %s: no src/diffusers or diffusers folder (a diffusers source tree)" % src)
     stubs = tempfile.mkdtemp(prefix="skyreels-stubs-")
     write_stub_packages(stubs)
     sys.path.insert(0, stubs)

@@ -7,14 +7,17 @@
 
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "model/diffusion_forcing.h"
 #include "model/pixel_conditioning.h"
 #include "model/sampler_flow_euler.h"
 #include "model/sampler_table.h"
+#include "model/scheduler_config.h"
 #include "tests/pipeline_case.h"
 #include "tests/test_util.h"
 
@@ -22,9 +25,11 @@ namespace skyreels::model {
 namespace {
 
 using test::all_close;
+using test::bin_path;
 using test::data_path;
 using test::error_of;
 using test::max_abs_diff;
+using test::run_command;
 using Json = nlohmann::json;
 
 const std::vector<std::string> kCases = {
@@ -96,6 +101,136 @@ TEST_P(EulerCase, GenerateCommandReproducesTheFixture) {
 
 INSTANTIATE_TEST_SUITE_P(Diffusers, EulerCase, ::testing::ValuesIn(kCases), label);
 
+// ---- a FlowMatchEulerDiscreteScheduler scheduler_config.json (--scheduler-config) ---------------------------------
+
+// tests/data/euler/scheduler: the file a few-step model's diffusers pipeline folder ships (every key diffusers 0.35
+// writes, at its default but for shift 5).
+const std::string kEulerConfig = "euler/scheduler/scheduler_config.json";
+// A UniPC one: the golden DF fixtures'.
+std::string unipc_config() { return test::golden_path("pipeline_df/p1_sync_short/scheduler/scheduler_config.json"); }
+
+Json euler_config_json() {
+  std::ifstream in(data_path(kEulerConfig));
+  return Json::parse(in);
+}
+
+// The fixture's JSON with `key` set to `value`, written to a fresh file.
+std::string euler_config_with(const std::string& key, const Json& value) {
+  Json j = euler_config_json();
+  j[key] = value;
+  const std::string path = test::temp_dir("euler_config") + "/scheduler_config.json";
+  std::ofstream(path) << j.dump(2);
+  return path;
+}
+
+std::string euler_config_error(const std::string& key, const Json& value) {
+  return error_of([&] { FlowEulerConfig::from_file(euler_config_with(key, value)); });
+}
+
+TEST(FlowEulerConfig, ReadsShiftAndTrainingTimestepsOfADiffusersFile) {
+  const FlowEulerConfig c = FlowEulerConfig::from_file(data_path(kEulerConfig));
+  EXPECT_EQ(c.shift, 5.0);
+  EXPECT_EQ(c.num_train_timesteps, 1000);
+  const FlowEulerConfig defaults = FlowEulerConfig::from_json(R"({"_class_name": "FlowMatchEulerDiscreteScheduler"})");
+  EXPECT_EQ(defaults.shift, 1.0);  // diffusers' defaults
+  EXPECT_EQ(defaults.num_train_timesteps, 1000);
+  const FlowEulerConfig other = FlowEulerConfig::from_json(R"({"shift": 3, "num_train_timesteps": 500})");
+  EXPECT_EQ(other.shift, 3.0);
+  EXPECT_EQ(other.num_train_timesteps, 500);
+  // Off is false, null or 0, as diffusers tests them for truth; the dynamic-shifting settings are not read.
+  for (const char* off : {R"({"use_dynamic_shifting": null})", R"({"shift_terminal": 0})",
+                          R"({"stochastic_sampling": false})", R"({"time_shift_type": "linear", "max_shift": 3})"}) {
+    EXPECT_EQ(error_of([&] { FlowEulerConfig::from_json(off); }), "") << off;
+  }
+}
+
+TEST(FlowEulerConfig, RefusesEachOptionItDoesNotImplementNamingIt) {
+  for (const char* key : {"use_dynamic_shifting", "use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas",
+                          "stochastic_sampling", "invert_sigmas"}) {
+    const std::string message = euler_config_error(key, true);
+    EXPECT_EQ(message.rfind(std::string(key) + ": is not supported by the Euler sampler, got true (in ", 0), 0u)
+        << message;
+    EXPECT_HAS(message, "/scheduler_config.json)");
+  }
+  EXPECT_HAS(euler_config_error("shift_terminal", 0.02),
+             "shift_terminal: is not supported by the Euler sampler, got 0.02");
+  EXPECT_HAS(euler_config_error("shift", 0), "shift: must be a positive number, got 0 (in ");
+  EXPECT_HAS(euler_config_error("shift", "five"), "shift: has the wrong type: \"five\"");
+  EXPECT_HAS(euler_config_error("num_train_timesteps", 0), "num_train_timesteps: must be >= 1, got 0");
+  EXPECT_HAS(euler_config_error("_class_name", "UniPCMultistepScheduler"),
+             "_class_name: expected \"FlowMatchEulerDiscreteScheduler\", got \"UniPCMultistepScheduler\"");
+  EXPECT_HAS(error_of([] { FlowEulerConfig::from_file("/nonexistent/scheduler_config.json"); }),
+             "/nonexistent/scheduler_config.json: cannot open scheduler config");
+}
+
+TEST(SchedulerConfig, EachSamplerReadsItsOwnClassAndRefusesTheOtherNamingBoth) {
+  const SchedulerConfig euler = read_scheduler_config(data_path(kEulerConfig), SamplerKind::kEuler);
+  ASSERT_TRUE(std::holds_alternative<FlowEulerConfig>(euler));
+  EXPECT_EQ(std::get<FlowEulerConfig>(euler).shift, 5.0);
+  const SchedulerConfig unipc = read_scheduler_config(unipc_config(), SamplerKind::kUniPC);
+  ASSERT_TRUE(std::holds_alternative<FlowUniPCConfig>(unipc));
+
+  EXPECT_HAS(error_of([] { read_scheduler_config(data_path(kEulerConfig), SamplerKind::kUniPC); }),
+             "_class_name: \"FlowMatchEulerDiscreteScheduler\" configures scheduler.type euler, but the sampler is "
+             "unipc, which reads a \"UniPCMultistepScheduler\" config (in ");
+  EXPECT_HAS(error_of([] { read_scheduler_config(unipc_config(), SamplerKind::kEuler); }),
+             "_class_name: \"UniPCMultistepScheduler\" configures scheduler.type unipc, but the sampler is euler, "
+             "which reads a \"FlowMatchEulerDiscreteScheduler\" config (in ");
+  EXPECT_HAS(error_of([] { parse_scheduler_config(R"({"_class_name": "DDIMScheduler"})", SamplerKind::kEuler); }),
+             "_class_name: \"DDIMScheduler\" configures no sampler, but the sampler is euler");
+  // Without a class, the sampler's own config reads it.
+  const SchedulerConfig bare = parse_scheduler_config(R"({"shift": 2})", SamplerKind::kEuler);
+  EXPECT_EQ(std::get<FlowEulerConfig>(bare).shift, 2.0);
+  EXPECT_HAS(
+      error_of([] { parse_scheduler_config(R"({"shift": 2, "use_karras_sigmas": true})", SamplerKind::kEuler); }),
+      "use_karras_sigmas: is not supported by the Euler sampler");
+}
+
+// `skyreels generate --sampler euler --scheduler-config F` runs as `--flow-shift` F's shift does: bit for bit, and
+// within 1e-4 of diffusers (the fixture was made with FlowMatchEulerDiscreteScheduler(shift=5)).
+TEST(SchedulerConfig, GenerateWithAFlowMatchEulerConfigEqualsTheRunWithItsShiftGiven) {
+  const test::PipelineCase c = load_case("e3_async_spaced6_cfg");
+  ASSERT_EQ(c.params.flow_shift, 5.0);
+  const std::string with_shift = test::generate_flags(c) + " --noise " + c.dir + "/noise.safetensors";
+  const std::string shift_flag = " --flow-shift 5";
+  const size_t at = with_shift.find(shift_flag);
+  ASSERT_NE(at, std::string::npos) << with_shift;
+  std::string with_config = with_shift;
+  with_config.replace(at, shift_flag.size(), " --scheduler-config " + data_path(kEulerConfig));
+
+  const std::string dir = test::temp_dir("euler_scheduler_config");
+  std::string log;
+  ASSERT_EQ(
+      run_command(bin_path("skyreels") + " generate" + with_config + " --out " + dir + "/config.safetensors", &log), 0)
+      << log;
+  ASSERT_EQ(run_command(bin_path("skyreels") + " generate" + with_shift + " --out " + dir + "/shift.safetensors", &log),
+            0)
+      << log;
+  const at::Tensor by_config = test::load_tensors(dir + "/config.safetensors").at("latents");
+  const at::Tensor by_shift = test::load_tensors(dir + "/shift.safetensors").at("latents");
+  EXPECT_TRUE(by_config.equal(by_shift));
+  EXPECT_TRUE(all_close(by_config, c.output.at("latents"), 1e-4));
+
+  // The mismatches and an option the sampler does not implement stop the command before any model is loaded.
+  const auto refusal = [&](const std::string& flags) {
+    std::string output;
+    EXPECT_NE(run_command(bin_path("skyreels") + " generate --model /nonexistent --inputs /nonexistent" + flags +
+                              " --out " + dir + "/refused.safetensors",
+                          &output),
+              0)
+        << flags;
+    return output;
+  };
+  EXPECT_HAS(refusal(" --sampler unipc --scheduler-config " + data_path(kEulerConfig)),
+             "\"FlowMatchEulerDiscreteScheduler\" configures scheduler.type euler, but the sampler is unipc");
+  EXPECT_HAS(refusal(" --scheduler-config " + data_path(kEulerConfig)),  // unipc is the default
+             "\"FlowMatchEulerDiscreteScheduler\" configures scheduler.type euler, but the sampler is unipc");
+  EXPECT_HAS(refusal(" --sampler euler --scheduler-config " + unipc_config()),
+             "\"UniPCMultistepScheduler\" configures scheduler.type unipc, but the sampler is euler");
+  EXPECT_HAS(refusal(" --sampler euler --scheduler-config " + euler_config_with("use_dynamic_shifting", true)),
+             "use_dynamic_shifting: is not supported by the Euler sampler, got true");
+}
+
 // ---- the schedule's properties -----------------------------------------------------------------------------------
 
 TEST(EulerSchedule, LightX2vRecipeWithShift5) {
@@ -111,7 +246,8 @@ TEST(EulerSchedule, LightX2vRecipeWithShift5) {
 }
 
 TEST(EulerSchedule, StepIsXMinusSigmaVPlusNextSigmaV) {
-  auto sampler = std::make_shared<const FlowEulerSampler>(make_flow_euler_schedule(1000, 5.0, 4, {1000, 750, 500, 250}));
+  auto sampler =
+      std::make_shared<const FlowEulerSampler>(make_flow_euler_schedule(1000, 5.0, 4, {1000, 750, 500, 250}));
   FlowEulerFrames frames(sampler, 2);
   at::Tensor x = at::randn({1, 4, 2, 3, 3}, at::kFloat);
   const std::vector<float>& sigma = sampler->schedule().sigmas;
@@ -156,7 +292,8 @@ TEST(EulerSchedule, PlanRefusesAListWithUniPCAndAMismatchedStepCount) {
   p.width = 48;
   p.timesteps = {1000, 750, 500, 250};
   p.num_inference_steps = 4;
-  EXPECT_HAS(error_of([&] { plan_chunks(p, 1); }), "scheduler.timesteps: an explicit timestep list needs scheduler.type euler");
+  EXPECT_HAS(error_of([&] { plan_chunks(p, 1); }),
+             "scheduler.timesteps: an explicit timestep list needs scheduler.type euler");
   p.sampler = SamplerKind::kEuler;
   EXPECT_EQ(error_of([&] { plan_chunks(p, 1); }), "");
   p.num_inference_steps = 30;

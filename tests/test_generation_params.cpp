@@ -222,6 +222,34 @@ std::vector<Probe> probes(const GenerationParam& p, const ServerLimits& limits, 
   return out;
 }
 
+// --scheduler-config as request values: a FlowMatchEuler config sets num_train_timesteps and flow_shift (its shift)
+// and leaves UniPC's solver settings unset; a UniPC config sets its own.
+TEST(GenerationParams, ASchedulerConfigIsRequestedAsItsValues) {
+  model::FlowEulerConfig euler;
+  euler.shift = 5.0;
+  euler.num_train_timesteps = 500;
+  JobRequest request;
+  request_scheduler_config(model::SchedulerConfig(euler), request);
+  EXPECT_EQ(request.flow_shift, 5.0);
+  EXPECT_EQ(request.num_train_timesteps, 500);
+  EXPECT_FALSE(request.solver_order);
+  EXPECT_FALSE(request.solver_type);
+  EXPECT_FALSE(request.sampler) << "the sampler is --sampler's; the config was checked to be its";
+  request.sampler = "euler";
+  const model::GenerationParams p = model_params(resolve_generation_params(request, ResolveContext{}));
+  EXPECT_EQ(p.flow_shift, 5.0);
+  EXPECT_EQ(p.scheduler.num_train_timesteps, 500);  // what the Euler schedule reads
+  EXPECT_EQ(p.sampler, model::SamplerKind::kEuler);
+
+  model::FlowUniPCConfig unipc;
+  unipc.flow_shift = 8.0;
+  unipc.solver_order = 1;
+  JobRequest unipc_request;
+  request_scheduler_config(model::SchedulerConfig(unipc), unipc_request);
+  EXPECT_EQ(unipc_request.flow_shift, 8.0);
+  EXPECT_EQ(unipc_request.solver_order, 1);
+}
+
 TEST(GenerationParams, EachBoundAdmitsItsEndsAndRefusesPastThemNamingTheField) {
   const ServerLimits limits;
   const ResolveContext context{1, 7};

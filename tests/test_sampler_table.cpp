@@ -16,7 +16,7 @@ const SamplerKind kThird = static_cast<SamplerKind>(2);  // no enum value: a sam
 
 SamplerTable with_third(bool takes_timestep_list) {
   SamplerTable table = samplers();
-  table.push_back({"third", "Third", kThird, takes_timestep_list, "a test-only sampler"});
+  table.push_back({"third", "Third", kThird, takes_timestep_list, "ThirdScheduler", "a test-only sampler"});
   return table;
 }
 
@@ -63,6 +63,24 @@ TEST(SamplerTable, TheListRuleIsTheRowsNotTheKinds) {
             "scheduler.timesteps: an explicit timestep list needs scheduler.type euler (UniPC spaces "
             "num_inference_steps itself)");
   EXPECT_EQ(timestep_list_refusal(SamplerKind::kEuler, true), "");
+}
+
+// --scheduler-config: each row reads the config of its own diffusers class; any other is refused naming it, the sampler
+// it configures (when a row's) and the row's own.
+TEST(SamplerTable, ASchedulerConfigClassIsTheRowsOwn) {
+  EXPECT_EQ(config_class_refusal(SamplerKind::kUniPC, "UniPCMultistepScheduler"), "");
+  EXPECT_EQ(config_class_refusal(SamplerKind::kEuler, "FlowMatchEulerDiscreteScheduler"), "");
+  EXPECT_EQ(config_class_refusal(SamplerKind::kUniPC, "FlowMatchEulerDiscreteScheduler"),
+            "\"FlowMatchEulerDiscreteScheduler\" configures scheduler.type euler, but the sampler is unipc, "
+            "which reads a \"UniPCMultistepScheduler\" config");
+  EXPECT_EQ(config_class_refusal(SamplerKind::kEuler, "DDIMScheduler"),
+            "\"DDIMScheduler\" configures no sampler, but the sampler is euler, which reads a "
+            "\"FlowMatchEulerDiscreteScheduler\" config");
+  const SamplerTable table = with_third(false);
+  EXPECT_EQ(config_class_refusal(kThird, "ThirdScheduler", table), "");
+  EXPECT_EQ(config_class_refusal(SamplerKind::kEuler, "ThirdScheduler", table).rfind(
+                "\"ThirdScheduler\" configures scheduler.type third, but the sampler is euler", 0),
+            0u);
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
 #include "server/job/generation_params_model.h"
 
+#include <variant>
+
 #include "model/sampler_table.h"
 
 namespace skyreels::server {
@@ -45,6 +47,15 @@ void request_scheduler_config(const model::FlowUniPCConfig& config, JobRequest& 
   request.final_sigmas_type = config.final_sigmas_type;
   request.disable_corrector = config.disable_corrector;
   request.flow_shift = config.flow_shift;
+}
+
+void request_scheduler_config(const model::FlowEulerConfig& config, JobRequest& request) {
+  request.num_train_timesteps = config.num_train_timesteps;
+  request.flow_shift = config.shift;
+}
+
+void request_scheduler_config(const model::SchedulerConfig& config, JobRequest& request) {
+  std::visit([&request](const auto& c) { request_scheduler_config(c, request); }, config);
 }
 
 }  // namespace skyreels::server

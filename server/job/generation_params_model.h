@@ -4,7 +4,7 @@
 #pragma once
 
 #include "model/diffusion_forcing.h"
-#include "model/sampler_flow_unipc.h"
+#include "model/scheduler_config.h"
 #include "server/job/job_request.h"
 
 namespace skyreels::server {
@@ -13,7 +13,11 @@ namespace skyreels::server {
 // model known yet) stays unset: plan_chunks then takes the model's.
 model::GenerationParams model_params(const ResolvedParams& params);
 
-// The config's sampler settings and its flow_shift, as if each were requested.
+// The config's sampler settings and its shift, as if each were requested: a UniPC config's solver settings,
+// num_train_timesteps and flow_shift; a FlowMatchEuler config's num_train_timesteps and shift (as flow_shift). The
+// sampler itself (scheduler.type) is not set: model::read_scheduler_config checked the config is the sampler's.
 void request_scheduler_config(const model::FlowUniPCConfig& config, JobRequest& request);
+void request_scheduler_config(const model::FlowEulerConfig& config, JobRequest& request);
+void request_scheduler_config(const model::SchedulerConfig& config, JobRequest& request);
 
 }  // namespace skyreels::server

@@ -28,12 +28,14 @@ import json
 import os
 import sys
 
-import torch
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "scripts"))
+import python_deps  # noqa: E402  (standard library only)
+
+python_deps.require()  # every package diffusers needs, named in one line, before anything imports them
 from diffusers_env import (euler_for_df, generator_arguments, import_diffusers, read_safetensors,  # noqa: E402
                            write_safetensors)
+import torch  # noqa: E402  (after diffusers_env, which names a missing package in its first line)
 
 GOLDEN = os.path.join(HERE, "..", "golden")
 LIST4 = [1000, 750, 500, 250]  # LightX2V's 4-step recipe (before the shift)

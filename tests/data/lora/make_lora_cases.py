@@ -23,11 +23,10 @@ import os
 import sys
 import types
 
-import torch
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "scripts"))
 from diffusers_env import generator_arguments, read_safetensors, write_safetensors  # noqa: E402
+import torch  # noqa: E402  (after diffusers_env, which names a missing package in its first line)
 BASE = os.path.join(HERE, "..", "golden", "transformer_forward", "t1_tiny_df_fps", "weights", "diffusers",
                     "diffusion_pytorch_model.safetensors")
 RANK = 4

@@ -35,12 +35,14 @@ import json
 import os
 import sys
 
-import torch
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "scripts"))
+import python_deps  # noqa: E402  (standard library only)
+
+python_deps.require()  # every package diffusers needs, named in one line, before anything imports them
 from diffusers_env import (generator_arguments, import_diffusers, read_safetensors, register_skyreels_block,  # noqa: E402
                            write_safetensors)
+import torch  # noqa: E402  (after diffusers_env, which names a missing package in its first line)
 GOLDEN = os.path.join(HERE, "..", "golden", "pipeline_df_cache")
 
 # The cases: a fixture of pipeline_df_cache (its weights, inputs, noise and call) with the cache per causal block.
