@@ -13,6 +13,7 @@
 
 #include "model/safetensors.h"
 #include "model/sha256.h"
+#include "model/utf8_text.h"
 
 namespace skyreels::model {
 namespace {
@@ -27,22 +28,31 @@ std::string number_text(double value) {
   return os.str();
 }
 
-// The catalogue's entry of one file: its digest, then its header mapped and checked against the model.
+// The catalogue's entry of one file: its header read, mapped and checked against the model first (a file that is
+// not an adapter, however large, is refused after reading a few bytes), then its digest. Its name and reason are
+// valid UTF-8 (utf8_escape): they reach proto3 strings, JSON bodies and logs. A name that is not valid UTF-8 is listed
+// escaped and unavailable (a request names adapters in UTF-8, so none could choose it); its file is not read.
 AdapterInfo catalogue_entry(const fs::path& path, const AdapterCatalogue& catalogue) {
   AdapterInfo info;
-  info.name = path.stem().string();
+  const std::string stem = path.stem().string();
+  info.name = utf8_escape(stem);
   info.path = path.string();
+  if (info.name != stem) {
+    info.reason = "file name '" + utf8_escape(path.filename().string()) +
+                  "' is not valid UTF-8 (an adapter is chosen by its name in UTF-8; rename the file)";
+    return info;
+  }
   try {
     info.bytes = fs::file_size(path);
-    info.sha256 = sha256_file(info.path);
     const LoraLayout layout = read_lora_layout(info.path, safetensors::read_header(info.path));
     catalogue.check_fits(info.path, layout);
+    info.sha256 = sha256_file(info.path);
     info.format = lora_format_name(layout.format);
     info.rank = layout.max_rank;
     info.parameters = static_cast<int64_t>(layout.targets.size());
     info.available = true;
   } catch (const std::exception& e) {
-    info.reason = e.what();
+    info.reason = utf8_escape(e.what());
   }
   return info;
 }
@@ -68,30 +78,36 @@ AdapterRequest parse_adapter_request(const std::string& text) {
 AdapterCatalogue::AdapterCatalogue(const std::string& directory, const TransformerConfig& config,
                                    const AdapterCatalogueOptions& options)
     : directory_(directory),
+      shown_directory_(utf8_escape(directory)),
       specs_(transformer_parameter_specs(config)),
       linear_modules_(transformer_linear_modules(config)) {
   std::sort(linear_modules_.begin(), linear_modules_.end());
   std::error_code error;
   if (!fs::is_directory(directory, error)) {
-    throw std::invalid_argument("--lora-dir '" + directory + "': not a directory");
+    throw std::invalid_argument("--lora-dir '" + shown_directory_ + "': not a directory");
   }
   std::vector<fs::path> files;
   for (fs::directory_iterator it(directory, error), end; !error && it != end; it.increment(error)) {
     if (it->path().extension() == kExtension && it->is_regular_file(error)) files.push_back(it->path());
   }
-  if (error) throw std::invalid_argument("--lora-dir '" + directory + "': cannot list it: " + error.message());
+  if (error) throw std::invalid_argument("--lora-dir '" + shown_directory_ + "': cannot list it: " + error.message());
   std::sort(files.begin(), files.end());
   for (const auto& path : files) {
     AdapterInfo info = catalogue_entry(path, *this);
     if (!info.available && options.strict) {
-      throw std::invalid_argument("--lora-dir '" + directory + "': adapter '" + info.name +
+      throw std::invalid_argument("--lora-dir '" + shown_directory_ + "': adapter '" + info.name +
                                   "' is unavailable: " + info.reason);
     }
     if (!info.available) spdlog::warn("adapter '{}' is unavailable: {}", info.name, info.reason);
     adapters_.push_back(std::move(info));
   }
+  // By name (escaped names sort apart from their files); an available adapter before an unavailable one of the same
+  // name ("a\xff" written out, next to a file whose name holds the byte 0xff), so find() answers the available one.
+  std::stable_sort(adapters_.begin(), adapters_.end(), [](const AdapterInfo& a, const AdapterInfo& b) {
+    return a.name != b.name ? a.name < b.name : a.available && !b.available;
+  });
   const auto available = std::count_if(adapters_.begin(), adapters_.end(), [](const auto& a) { return a.available; });
-  spdlog::info("--lora-dir '{}': {} adapter(s), {} available", directory, adapters_.size(), available);
+  spdlog::info("--lora-dir '{}': {} adapter(s), {} available", shown_directory_, adapters_.size(), available);
 }
 
 const AdapterInfo* AdapterCatalogue::find(const std::string& name) const {
@@ -129,7 +145,7 @@ std::vector<ResolvedAdapter> AdapterCatalogue::resolve(const std::vector<Adapter
     const AdapterInfo* info = find(r.name);
     if (info == nullptr) {
       throw std::invalid_argument(field + ".name: unknown adapter '" + r.name + "' (no " + r.name + kExtension +
-                                  " in --lora-dir '" + directory_ + "')");
+                                  " in --lora-dir '" + shown_directory_ + "')");
     }
     if (!info->available) {
       throw std::invalid_argument(field + ".name: adapter '" + r.name + "' is unavailable: " + info->reason);
@@ -162,14 +178,14 @@ std::shared_ptr<const LoraAdapter> AdapterBank::load(const AdapterInfo& info) co
   try {
     file = safetensors::File::open(info.path);
   } catch (const std::exception& e) {
-    throw std::runtime_error("adapter '" + info.name + "': " + e.what());
+    throw std::runtime_error("adapter '" + info.name + "': " + utf8_escape(e.what()));
   }
   // The bytes read below are the bytes hashed: a file replaced after the catalogue read it is refused.
   Sha256 hash;
   hash.update(file->bytes(), file->file_size());
   const std::string now = hash.hex();
   if (now != info.sha256) {
-    throw std::runtime_error("adapter '" + info.name + "': file '" + info.path +
+    throw std::runtime_error("adapter '" + info.name + "': file '" + utf8_escape(info.path) +
                              "' changed since --lora-dir was read (SHA-256 " + info.sha256 + " then, " + now +
                              " now); restart to take the new file");
   }

@@ -5,8 +5,10 @@
 // AdapterCatalogue: one per process (replicas may share it). Every *.safetensors file of the directory (not its
 // subdirectories) is an adapter named by its file name without ".safetensors". Construction reads only headers, never
 // a tensor: it maps the keys (model/lora.h), checks that every update targets a linear layer of the model with the
-// implied shape, and records the file's SHA-256 (streamed, 1 MiB at a time). A damaged or unfitting file is listed as
-// unavailable with the reason; with `strict` construction throws naming it instead.
+// implied shape, and then (only for a file that fits) records the file's SHA-256 (streamed, 1 MiB at a time). A
+// damaged or unfitting file is listed as unavailable with the reason; with `strict` construction throws naming it
+// instead. Names and reasons are valid UTF-8 (model/utf8_text.h): a file name that is not is listed escaped (\xNN) and
+// unavailable.
 //
 // AdapterBank: one per replica device. acquire(name) reads an adapter's tensors on first use (re-hashing the file: one
 // whose SHA-256 no longer equals the catalogue's was replaced after the start and is refused), places them on the
@@ -46,15 +48,16 @@ inline constexpr size_t kDefaultMaxResident = 4;
 
 // One file of the catalogue.
 struct AdapterInfo {
-  std::string name;  // file name without .safetensors
-  std::string path;
-  std::string sha256;  // 64 hex digits; empty when the file could not be read
+  std::string name;  // file name without .safetensors, valid UTF-8 (bytes of an invalid name escaped as \xNN)
+  std::string path;  // as on disk (not necessarily UTF-8): what is opened, never shown as it is
+  std::string sha256;  // 64 hex digits; empty when the file could not be read or its header is refused
   uint64_t bytes = 0;
   std::string format;      // "diffusers", "original", "musubi"; empty when unavailable
   int64_t rank = 0;        // the largest rank of its low-rank updates
   int64_t parameters = 0;  // parameters it changes
   bool available = false;
-  std::string reason;  // why it is unavailable (names the file, the key and the shapes where they are the problem)
+  std::string reason;  // why it is unavailable (names the file, the key and the shapes where they are the problem),
+                       // valid UTF-8
 };
 
 // An adapter of a request after validation, with the digest of the file it names (for fingerprints and logs).
@@ -93,6 +96,7 @@ class AdapterCatalogue {
 
  private:
   std::string directory_;
+  std::string shown_directory_;  // directory_ made valid UTF-8, for messages and logs
   std::vector<checkpoint::ParamSpec> specs_;
   std::vector<std::string> linear_modules_;  // sorted
   std::vector<AdapterInfo> adapters_;

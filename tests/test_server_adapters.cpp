@@ -387,5 +387,49 @@ TEST(ServedAdaptersStart, AServerWithoutLoraDirRefusesAdaptersAndStrictRefusesAD
   EXPECT_NE(strict.log().find("broken"), std::string::npos) << strict.log();
 }
 
+// Issue 46: a --lora-dir holding a file whose name is not UTF-8 and one whose header quotes bytes that are not UTF-8
+// serves. Both are listed unavailable with their text escaped (\xNN) on the gRPC and the HTTP door, readiness is
+// SERVING, and a job with the good adapter runs. (Before: the reason and the name went verbatim into proto3 strings,
+// every GetServerInfo failed to parse on the client's side, and readiness, which called it, never said SERVING.)
+TEST(ServedAdaptersStart, ALoraDirWithANonUtf8NameAndANonUtf8HeaderServesListingThemEscaped) {
+  const std::string lora_dir = temp_dir("adapters-utf8");
+  write_adapter(lora_dir + "/good.safetensors", 21);
+  write_adapter(lora_dir + "/bad\xff.safetensors", 22);  // a fine adapter under a name no request can spell
+  const std::string header = "{\"transformer.blocks.0.\xff\xfe\xc0\xaf\": 1}";  // not UTF-8: 0xff, 0xfe, overlong '/'
+  std::string bytes(8, '\0');
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+  bytes += header;
+  std::ofstream(lora_dir + "/garbled.safetensors", std::ios::binary)
+      .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  const int http_port = free_port();
+  ServerProcess server({"--demo", "--devices", "cpu", "--dtype", "float32", "--lora-dir", lora_dir, "--http-listen",
+                        "127.0.0.1:" + std::to_string(http_port)});  // waits for readiness SERVING
+
+  auto ctx = server.client().context(10);
+  pb::ServerInfo info;
+  const grpc::Status status = server.client().stub().GetServerInfo(ctx.get(), pb::GetServerInfoRequest(), &info);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  std::map<std::string, pb::AvailableAdapter> adapters;
+  for (const auto& a : info.model().adapters()) adapters[a.name()] = a;
+  ASSERT_EQ(adapters.size(), 3u);
+  EXPECT_TRUE(adapters["good"].available()) << adapters["good"].reason();
+  ASSERT_EQ(adapters.count("bad\\xff"), 1u) << "the name's byte 0xff is listed as \\xff";
+  EXPECT_FALSE(adapters["bad\\xff"].available());
+  EXPECT_NE(adapters["bad\\xff"].reason().find("not valid UTF-8"), std::string::npos) << adapters["bad\\xff"].reason();
+  EXPECT_FALSE(adapters["garbled"].available());
+  EXPECT_NE(adapters["garbled"].reason().find("blocks.0.\\xff"), std::string::npos) << adapters["garbled"].reason();
+
+  int code = 0;
+  const std::string json = http_get(http_port, "/skyreels/v1/server-info", &code);
+  EXPECT_EQ(code, 200) << json;
+  EXPECT_NE(json.find("bad\\\\xff"), std::string::npos) << json;  // JSON writes the backslash as \\.
+
+  const pb::Job job =
+      wait_job(server.client(), submit(server.client(), with_adapters(3341, {{"good", 1.0}})).job_id(), 180s);
+  EXPECT_EQ(job.state(), pb::JOB_STATE_SUCCEEDED) << job.error().message();
+  const grpc::Status bad = submit_status(server.client(), with_adapters(3342, {{"bad\\xff", 1.0}}));
+  EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << bad.error_message();
+}
+
 }  // namespace
 }  // namespace skyreels::test

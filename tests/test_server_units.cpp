@@ -11,6 +11,7 @@
 #include <random>
 #include <thread>
 
+#include "model/utf8_text.h"
 #include "server/api/auth.h"
 #include "server/job/blob.h"
 #include "server/job/limits.h"
@@ -258,6 +259,51 @@ TEST(Guards, ConcurrencyGateNeverWaits) {
   p1.reset();
   EXPECT_EQ(gate.inside(), 1);
   EXPECT_TRUE(gate.try_enter());
+}
+
+// Issue 46: text from files, names and errors is made valid UTF-8 before a proto3 string, a JSON body or a log line.
+TEST(Utf8Escape, ValidUtf8IsKeptEveryByteOfAnInvalidSequenceIsEscaped) {
+  using model::is_valid_utf8;
+  using model::utf8_escape;
+  const auto b = [](const char* text, size_t n) { return std::string(text, n); };
+  // Valid text, ASCII and multi-byte (2, 3 and 4 bytes, the largest code point), is kept; so are backslashes.
+  for (const std::string& valid : {std::string(""), std::string("style_v2 a\\xff"), std::string("caf\xc3\xa9"),
+                                   std::string("\xe2\x82\xac \xed\x9f\xbf \xef\xbf\xbf"),
+                                   std::string("\xf0\x9f\x8e\xac \xf4\x8f\xbf\xbf"), b("nul\0inside", 10)}) {
+    EXPECT_TRUE(is_valid_utf8(valid)) << log_escape(valid);
+    EXPECT_EQ(utf8_escape(valid), valid) << log_escape(valid);
+  }
+  const std::vector<std::pair<std::string, std::string>> invalid = {
+      {"bad\xff", "bad\\xff"},                             // a byte that never occurs in UTF-8
+      {"\x80\xbf", "\\x80\\xbf"},                          // continuation bytes with no lead
+      {"\xc0\xaf", "\\xc0\\xaf"},                          // overlong '/'
+      {"\xc1\xbf", "\\xc1\\xbf"},                          // overlong
+      {"\xe0\x80\xaf", "\\xe0\\x80\\xaf"},                 // overlong, 3 bytes
+      {"\xf0\x80\x80\xaf", "\\xf0\\x80\\x80\\xaf"},        // overlong, 4 bytes
+      {"\xed\xa0\x80", "\\xed\\xa0\\x80"},                 // a surrogate (U+D800)
+      {"\xed\xbf\xbf", "\\xed\\xbf\\xbf"},                 // a surrogate (U+DFFF)
+      {"\xf4\x90\x80\x80", "\\xf4\\x90\\x80\\x80"},        // above U+10FFFF
+      {"\xf5\x80\x80\x80", "\\xf5\\x80\\x80\\x80"},        // no such lead byte
+      {"cut \xe2\x82", "cut \\xe2\\x82"},                  // a sequence cut short at the end
+      {"cut \xf0\x9f\x8e x", "cut \\xf0\\x9f\\x8e x"},     // ... and before an ASCII byte
+      {"\xe2\x82\xac\xff\xe2\x82\xac", "\xe2\x82\xac\\xff\xe2\x82\xac"},  // valid around invalid: kept
+  };
+  for (const auto& [given, expected] : invalid) {
+    EXPECT_FALSE(is_valid_utf8(given)) << log_escape(given);
+    const std::string escaped = utf8_escape(given);
+    EXPECT_EQ(escaped, expected) << log_escape(given);
+    EXPECT_TRUE(is_valid_utf8(escaped));
+    EXPECT_EQ(utf8_escape(escaped), escaped) << "idempotent";
+  }
+  std::string every_byte;
+  for (int c = 0; c < 256; ++c) every_byte += static_cast<char>(c);
+  EXPECT_TRUE(is_valid_utf8(utf8_escape(every_byte)));
+  // What a proto3 string takes: the escaped text serialises and parses back unchanged.
+  v1::AvailableAdapter adapter;
+  adapter.set_reason(utf8_escape(every_byte));
+  v1::AvailableAdapter back;
+  ASSERT_TRUE(back.ParseFromString(adapter.SerializeAsString()));
+  EXPECT_EQ(back.reason(), adapter.reason());
 }
 
 TEST(Guards, ClientTextIsEscapedForOneLogLineAndCut) {

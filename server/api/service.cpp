@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "model/utf8_text.h"
+
 namespace skyreels::server::api {
 
 namespace {
@@ -44,7 +46,7 @@ Status VideoServiceImpl::GetServerInfo(ServerContext* ctx, const pb::GetServerIn
   const ModelSummary& m = config_.summary;
   const model::TransformerConfig& transformer = config_.model.config;
   auto* model = response->mutable_model();
-  model->set_source(m.source);
+  model->set_source(model::utf8_escape(m.source));
   model->set_dtype(m.dtype);
   model->set_parameter_count(m.parameter_count);
   model->set_num_layers(transformer.num_layers);
@@ -64,19 +66,21 @@ Status VideoServiceImpl::GetServerInfo(ServerContext* ctx, const pb::GetServerIn
   if (config_.adapters) {
     for (const auto& a : m.adapters) {
       auto* info = model->add_adapters();
-      info->set_name(a.name);
+      // Text from files and their names: valid UTF-8 (the catalogue escapes it already; a proto3 string that is not
+      // fails every client's GetServerInfo).
+      info->set_name(model::utf8_escape(a.name));
       info->set_sha256(a.sha256);
       info->set_format(a.format);
       info->set_rank(a.rank);
       info->set_parameters(a.parameters);
       info->set_available(a.available);
-      info->set_reason(a.reason);
+      info->set_reason(model::utf8_escape(a.reason));
     }
     model->set_max_resident_adapters(static_cast<int32_t>(config_.max_resident_adapters));
   }
   for (const auto& lora : m.loras) {
     auto* l = model->add_loras();
-    l->set_path(lora.path);
+    l->set_path(model::utf8_escape(lora.path));
     l->set_scale(lora.scale);
     l->set_format(lora.format);
     l->set_parameters(lora.parameters);
@@ -91,7 +95,7 @@ Status VideoServiceImpl::GetServerInfo(ServerContext* ctx, const pb::GetServerIn
     r->set_busy(statuses[i].busy);
     r->set_chunks_run(statuses[i].chunks_run);
     r->set_failures(statuses[i].failures);
-    r->set_error(statuses[i].error);
+    r->set_error(model::utf8_escape(statuses[i].error));
     for (const auto& name : statuses[i].adapters.resident) r->add_resident_adapters(name);
     r->set_adapter_loads(statuses[i].adapters.loads);
     if (i < config_.replicas.size()) {
