@@ -1304,8 +1304,8 @@ TEST(ReplicaPool, PullsChunksFromItsSourceAndReportsEachResultBack) {
 }
 
 TEST(ReplicaPool, AReplicaTakenOutIsAskedForWorkAgainOnlyAfterAReTestBroughtItBack) {
-  ReplicaPoolOptions options;
-  options.failure_limit = 2;
+  SchedulerOptions options;
+  options.replica_failure_limit = 2;
   options.retest_backoff = 1ms;
   ReplicaPool pool(one_executor([](int call, const ChunkCallbacks&) {
                      if (call <= 2) throw std::runtime_error("device lost");
@@ -1330,8 +1330,8 @@ TEST(ReplicaPool, AReplicaTakenOutIsAskedForWorkAgainOnlyAfterAReTestBroughtItBa
 }
 
 TEST(ReplicaPool, AnExceptionOrAStopNobodyAskedForArrivesAsFailedAndARequestedStopAsStopped) {
-  ReplicaPoolOptions options;
-  options.failure_limit = 100;
+  SchedulerOptions options;
+  options.replica_failure_limit = 100;
   ReplicaPool pool(
       one_executor([](int call, const ChunkCallbacks& callbacks) {
         if (call == 1) throw std::runtime_error("device lost");

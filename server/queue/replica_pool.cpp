@@ -45,7 +45,7 @@ std::string error_of(F&& f) {
 
 }  // namespace
 
-ReplicaPool::ReplicaPool(std::vector<std::unique_ptr<ChunkExecutor>> executors, ReplicaPoolOptions options,
+ReplicaPool::ReplicaPool(std::vector<std::unique_ptr<ChunkExecutor>> executors, SchedulerOptions options,
                          EventStream* events)
     : options_(options), events_(events) {
   if (executors.empty()) throw std::invalid_argument("replica pool: at least one replica is required");
@@ -225,7 +225,7 @@ void ReplicaPool::count_result_locked(Replica& replica, const ChunkResult& resul
       ++replica.failures;
       ++replica.consecutive_failures;
       replica.error = result.error;
-      if (replica.healthy && replica.consecutive_failures >= options_.failure_limit) {
+      if (replica.healthy && replica.consecutive_failures >= options_.replica_failure_limit) {
         take_out_locked(replica, Clock::now());
       }
       break;

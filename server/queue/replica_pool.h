@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "server/queue/event_stream.h"
+#include "server/queue/job_queue.h"
 #include "server/queue/job_types.h"
 #include "server/replica/chunk_executor.h"
 
@@ -49,20 +50,10 @@ class ChunkSource {
   virtual void interrupt() = 0;
 };
 
-struct ReplicaPoolOptions {
-  int failure_limit = 3;  // consecutive failed chunks before a replica is taken out
-  // Re-test of a replica taken out: first after retest_backoff, then doubling up to retest_backoff_max (never below
-  // retest_backoff).
-  std::chrono::milliseconds retest_backoff{30000};
-  std::chrono::milliseconds retest_backoff_max{600000};
-  // live() turns false once no replica has been healthy for this long (after loading).
-  std::chrono::milliseconds liveness_grace{300000};
-};
-
 class ReplicaPool {
  public:
   // `events` (may be null) hears ReplicaChanged, ReplicaRecovered and StepTimed, from the worker threads.
-  ReplicaPool(std::vector<std::unique_ptr<ChunkExecutor>> executors, ReplicaPoolOptions options,
+  ReplicaPool(std::vector<std::unique_ptr<ChunkExecutor>> executors, SchedulerOptions options,
               EventStream* events = nullptr);
   ~ReplicaPool();  // stop()
   ReplicaPool(const ReplicaPool&) = delete;
@@ -100,7 +91,7 @@ class ReplicaPool {
   void publish_locked(const Replica& replica);  // ReplicaChanged
   void publish_status_locked(SchedulerEventKind kind, const Replica& replica);
 
-  ReplicaPoolOptions options_;
+  SchedulerOptions options_;  // its replica_failure_limit, retest_backoff(_max) and liveness_grace
   EventStream* events_;
   ChunkSource* source_ = nullptr;
   mutable std::mutex mu_;
