@@ -8,6 +8,7 @@
 #include <string>
 
 #include "model/prompt_clean_detail.h"
+#include "model/utf8_text.h"
 
 namespace skyreels::model::prompt_clean_detail {
 namespace {
@@ -24,40 +25,16 @@ bool utf8_decode(std::string_view bytes, U32& out, size_t* error_at) {
   out.clear();
   out.reserve(bytes.size());
   const auto* s = reinterpret_cast<const unsigned char*>(bytes.data());
-  const size_t n = bytes.size();
-  size_t i = 0;
-  auto fail = [&](size_t at) {
-    if (error_at) *error_at = at;
-    return false;
-  };
-  while (i < n) {
-    const unsigned c = s[i];
-    if (c < 0x80) {
-      out.push_back(c);
-      ++i;
-      continue;
+  for (size_t i = 0; i < bytes.size();) {
+    const size_t len = utf8_sequence_length(bytes, i);
+    if (len == 0) {
+      if (error_at) *error_at = i;
+      return false;
     }
-    int len = 0;
-    char32_t cp = 0;
-    char32_t min = 0;
-    if (c >= 0xC2 && c <= 0xDF) {
-      len = 2, cp = c & 0x1F, min = 0x80;
-    } else if (c >= 0xE0 && c <= 0xEF) {
-      len = 3, cp = c & 0x0F, min = 0x800;
-    } else if (c >= 0xF0 && c <= 0xF4) {
-      len = 4, cp = c & 0x07, min = 0x10000;
-    } else {
-      return fail(i);
-    }
-    if (i + static_cast<size_t>(len) > n) return fail(i);
-    for (int k = 1; k < len; ++k) {
-      const unsigned t = s[i + static_cast<size_t>(k)];
-      if ((t & 0xC0) != 0x80) return fail(i);
-      cp = (cp << 6) | (t & 0x3F);
-    }
-    if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return fail(i);
+    char32_t cp = len == 1 ? s[i] : s[i] & (0x7Fu >> len);  // the lead byte's payload bits
+    for (size_t k = 1; k < len; ++k) cp = (cp << 6) | (s[i + k] & 0x3Fu);
     out.push_back(cp);
-    i += static_cast<size_t>(len);
+    i += len;
   }
   return true;
 }

@@ -5,12 +5,8 @@
 #include <cstdio>
 
 namespace skyreels::model {
-namespace {
 
-// The length of the well-formed UTF-8 sequence starting at text[i] (1 to 4), or 0 when the byte there does not
-// begin one (a stray continuation byte, 0xC0/0xC1/0xF5-0xFF, an overlong form, a surrogate, a value above
-// U+10FFFF or a sequence cut short). The ranges are those of the Unicode Standard, table 3-7.
-size_t sequence_length(std::string_view text, size_t i) {
+size_t utf8_sequence_length(std::string_view text, size_t i) {
   const auto at = [&](size_t k) { return static_cast<uint8_t>(text[k]); };
   const uint8_t b0 = at(i);
   if (b0 < 0x80) return 1;
@@ -37,11 +33,9 @@ size_t sequence_length(std::string_view text, size_t i) {
   return length;
 }
 
-}  // namespace
-
 bool is_valid_utf8(std::string_view text) {
   for (size_t i = 0; i < text.size();) {
-    const size_t n = sequence_length(text, i);
+    const size_t n = utf8_sequence_length(text, i);
     if (n == 0) return false;
     i += n;
   }
@@ -52,7 +46,7 @@ std::string utf8_escape(std::string_view text) {
   std::string out;
   out.reserve(text.size());
   for (size_t i = 0; i < text.size();) {
-    const size_t n = sequence_length(text, i);
+    const size_t n = utf8_sequence_length(text, i);
     if (n > 0) {
       out.append(text.data() + i, n);
       i += n;

@@ -3,10 +3,16 @@
 // dump it. Torch-free; model/ and server/ both use it.
 #pragma once
 
+#include <cstddef>
 #include <string>
 #include <string_view>
 
 namespace skyreels::model {
+
+// The length of the well-formed UTF-8 sequence starting at text[i] (1 to 4), or 0 when none starts there: a stray
+// continuation byte, 0xC0/0xC1/0xF5-0xFF, an overlong form, a surrogate, a value above U+10FFFF or a sequence cut
+// short (the Unicode Standard's table 3-7, which RFC 3629 and Python's "utf-8" codec follow).
+size_t utf8_sequence_length(std::string_view text, size_t i);
 
 // Whether `text` is well-formed UTF-8 (RFC 3629: no overlong forms, no surrogates, nothing above U+10FFFF).
 bool is_valid_utf8(std::string_view text);

@@ -4,29 +4,6 @@
 
 namespace skyreels::server {
 
-const char* scheduler_event_name(SchedulerEventKind kind) {
-  switch (kind) {
-    case SchedulerEventKind::JobSubmitted: return "job_submitted";
-    case SchedulerEventKind::JobStarted: return "job_started";
-    case SchedulerEventKind::ChunkStarted: return "chunk_started";
-    case SchedulerEventKind::Handoff: return "handoff";
-    case SchedulerEventKind::StepTimed: return "step_timed";
-    case SchedulerEventKind::StepProgress: return "step_progress";
-    case SchedulerEventKind::PreviewMade: return "preview_made";
-    case SchedulerEventKind::ChunkFinished: return "chunk_finished";
-    case SchedulerEventKind::ChunkFailed: return "chunk_failed";
-    case SchedulerEventKind::JobFinished: return "job_finished";
-    case SchedulerEventKind::LeaseTakeover: return "lease_takeover";
-    case SchedulerEventKind::ReplicaChanged: return "replica_changed";
-    case SchedulerEventKind::ReplicaRecovered: return "replica_recovered";
-    case SchedulerEventKind::QueueChanged: return "queue_changed";
-    case SchedulerEventKind::JobChanged: return "job_changed";
-    case SchedulerEventKind::ChangesMissed: return "changes_missed";
-    case SchedulerEventKind::LookAgain: return "look_again";
-  }
-  return "unknown";
-}
-
 bool about_every_job(SchedulerEventKind kind) {
   return kind == SchedulerEventKind::ChangesMissed || kind == SchedulerEventKind::LookAgain;
 }

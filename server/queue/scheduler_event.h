@@ -34,7 +34,6 @@ enum class SchedulerEventKind {
   ChangesMissed,     // changes may have gone unheard (the store's listener was re-made): read again what you follow
   LookAgain,         // nothing known changed, but a lease may have expired unannounced: waiters and watchers read again
 };
-const char* scheduler_event_name(SchedulerEventKind kind);
 // Records about every job at once (no job_id): they also reach the consumers of a single job.
 bool about_every_job(SchedulerEventKind kind);
 
