@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <spdlog/spdlog.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cmath>
@@ -57,7 +58,59 @@ AdapterInfo catalogue_entry(const fs::path& path, const AdapterCatalogue& catalo
   return info;
 }
 
+// What says a file is still the one catalogued without reading it: an in-place rewrite changes the size or the
+// modification time, a replacement by rename the inode.
+struct FileStamp {
+  dev_t device = 0;
+  ino_t inode = 0;
+  off_t size = 0;
+  int64_t modified_ns = 0;
+  bool operator==(const FileStamp& o) const {
+    return device == o.device && inode == o.inode && size == o.size && modified_ns == o.modified_ns;
+  }
+};
+
+// The stamp of a regular file (symbolic links followed, as the listing does); nullopt when there is none.
+std::optional<FileStamp> stamp_of(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return std::nullopt;
+  return FileStamp{st.st_dev, st.st_ino, st.st_size,
+                   static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec};
+}
+
+struct Entry {
+  AdapterInfo info;
+  FileStamp stamp;
+};
+
+// By name (escaped names sort apart from their files); an available adapter before an unavailable one of the same
+// name ("a\xff" written out, next to a file whose name holds the byte 0xff), so lookups answer the available one.
+void sort_entries(std::vector<Entry>& entries) {
+  std::stable_sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+    return a.info.name != b.info.name ? a.info.name < b.info.name : a.info.available && !b.info.available;
+  });
+}
+
+const Entry* entry_named(const std::vector<Entry>& entries, const std::string& name) {
+  auto it = std::lower_bound(entries.begin(), entries.end(), name,
+                             [](const Entry& e, const std::string& n) { return e.info.name < n; });
+  return it != entries.end() && it->info.name == name ? &*it : nullptr;
+}
+
+// A name a request may give that can name a file of the directory itself (no path, no NUL).
+bool names_a_file_here(const std::string& name) {
+  return !name.empty() && name.find('/') == std::string::npos && name.find('\0') == std::string::npos;
+}
+
 }  // namespace
+
+// Files are read and hashed under `reading` (one look at the directory at a time); `entries` is swapped under `mu`,
+// which is never held while a file is read, so lookups of unchanged adapters never wait for a hash.
+struct AdapterCatalogue::State {
+  std::mutex reading;
+  mutable std::mutex mu;
+  std::vector<Entry> entries;  // sort_entries order
+};
 
 AdapterRequest parse_adapter_request(const std::string& text) {
   AdapterRequest request{text, 1.0};
@@ -75,45 +128,125 @@ AdapterRequest parse_adapter_request(const std::string& text) {
   return request;
 }
 
+namespace {
+
+// The regular *.safetensors files of `directory`, sorted. Throws std::invalid_argument when it cannot be listed.
+std::vector<fs::path> adapter_files(const std::string& directory, const std::string& shown) {
+  std::error_code error;
+  std::vector<fs::path> files;
+  for (fs::directory_iterator it(directory, error), end; !error && it != end; it.increment(error)) {
+    if (it->path().extension() == kExtension && it->is_regular_file(error)) files.push_back(it->path());
+  }
+  if (error) throw std::invalid_argument("--lora-dir '" + shown + "': cannot list it: " + error.message());
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+}  // namespace
+
 AdapterCatalogue::AdapterCatalogue(const std::string& directory, const TransformerConfig& config,
                                    const AdapterCatalogueOptions& options)
     : directory_(directory),
       shown_directory_(utf8_escape(directory)),
       specs_(transformer_parameter_specs(config)),
-      linear_modules_(transformer_linear_modules(config)) {
+      linear_modules_(transformer_linear_modules(config)),
+      state_(std::make_unique<State>()) {
   std::sort(linear_modules_.begin(), linear_modules_.end());
   std::error_code error;
   if (!fs::is_directory(directory, error)) {
     throw std::invalid_argument("--lora-dir '" + shown_directory_ + "': not a directory");
   }
-  std::vector<fs::path> files;
-  for (fs::directory_iterator it(directory, error), end; !error && it != end; it.increment(error)) {
-    if (it->path().extension() == kExtension && it->is_regular_file(error)) files.push_back(it->path());
-  }
-  if (error) throw std::invalid_argument("--lora-dir '" + shown_directory_ + "': cannot list it: " + error.message());
-  std::sort(files.begin(), files.end());
-  for (const auto& path : files) {
-    AdapterInfo info = catalogue_entry(path, *this);
+  rescan();
+  const std::vector<AdapterInfo> all = adapters();
+  for (const AdapterInfo& info : all) {
     if (!info.available && options.strict) {
       throw std::invalid_argument("--lora-dir '" + shown_directory_ + "': adapter '" + info.name +
                                   "' is unavailable: " + info.reason);
     }
-    if (!info.available) spdlog::warn("adapter '{}' is unavailable: {}", info.name, info.reason);
-    adapters_.push_back(std::move(info));
   }
-  // By name (escaped names sort apart from their files); an available adapter before an unavailable one of the same
-  // name ("a\xff" written out, next to a file whose name holds the byte 0xff), so find() answers the available one.
-  std::stable_sort(adapters_.begin(), adapters_.end(), [](const AdapterInfo& a, const AdapterInfo& b) {
-    return a.name != b.name ? a.name < b.name : a.available && !b.available;
-  });
-  const auto available = std::count_if(adapters_.begin(), adapters_.end(), [](const auto& a) { return a.available; });
-  spdlog::info("--lora-dir '{}': {} adapter(s), {} available", shown_directory_, adapters_.size(), available);
+  const auto available = std::count_if(all.begin(), all.end(), [](const auto& a) { return a.available; });
+  spdlog::info("--lora-dir '{}': {} adapter(s), {} available", shown_directory_, all.size(), available);
 }
 
-const AdapterInfo* AdapterCatalogue::find(const std::string& name) const {
-  auto it = std::lower_bound(adapters_.begin(), adapters_.end(), name,
-                             [](const AdapterInfo& a, const std::string& n) { return a.name < n; });
-  return it != adapters_.end() && it->name == name ? &*it : nullptr;
+AdapterCatalogue::~AdapterCatalogue() = default;
+
+std::vector<AdapterInfo> AdapterCatalogue::adapters() const {
+  const std::lock_guard<std::mutex> lock(state_->mu);
+  std::vector<AdapterInfo> out;
+  out.reserve(state_->entries.size());
+  for (const Entry& e : state_->entries) out.push_back(e.info);
+  return out;
+}
+
+std::optional<AdapterInfo> AdapterCatalogue::find(const std::string& name) const {
+  const std::lock_guard<std::mutex> lock(state_->mu);
+  const Entry* entry = entry_named(state_->entries, name);
+  return entry ? std::optional<AdapterInfo>(entry->info) : std::nullopt;
+}
+
+CatalogueChanges AdapterCatalogue::rescan() const {
+  const std::lock_guard<std::mutex> reading(state_->reading);
+  std::vector<Entry> before;
+  {
+    const std::lock_guard<std::mutex> lock(state_->mu);
+    before = state_->entries;
+  }
+  std::map<std::string, const Entry*> by_path;
+  for (const Entry& e : before) by_path[e.info.path] = &e;
+  CatalogueChanges changes;
+  std::vector<Entry> now;
+  for (const auto& path : adapter_files(directory_, shown_directory_)) {
+    const std::optional<FileStamp> stamp = stamp_of(path.string());
+    if (!stamp) continue;  // gone since it was listed
+    auto it = by_path.find(path.string());
+    if (it != by_path.end() && it->second->stamp == *stamp) {
+      now.push_back(*it->second);
+      by_path.erase(it);
+      continue;
+    }
+    ++(it == by_path.end() ? changes.added : changes.changed);
+    if (it != by_path.end()) by_path.erase(it);
+    now.push_back({catalogue_entry(path, *this), *stamp});
+    const AdapterInfo& info = now.back().info;
+    if (!info.available) spdlog::warn("adapter '{}' is unavailable: {}", info.name, info.reason);
+  }
+  changes.removed = static_cast<int64_t>(by_path.size());
+  sort_entries(now);
+  const std::lock_guard<std::mutex> lock(state_->mu);
+  state_->entries = std::move(now);
+  return changes;
+}
+
+// The entry of `name` after a look at its file (without listing the directory): catalogued when it is new or
+// changed, forgotten when it is gone.
+std::optional<AdapterInfo> AdapterCatalogue::refresh(const std::string& name) const {
+  if (!names_a_file_here(name)) return find(name);
+  const std::string path = (fs::path(directory_) / (name + kExtension)).string();
+  auto current = [&](const std::optional<FileStamp>& stamp) -> std::optional<AdapterInfo> {
+    const std::lock_guard<std::mutex> lock(state_->mu);
+    const Entry* entry = entry_named(state_->entries, name);
+    if (entry != nullptr && entry->info.path == path && stamp && entry->stamp == *stamp) return entry->info;
+    return std::nullopt;
+  };
+  if (auto same = current(stamp_of(path))) return same;
+  const std::lock_guard<std::mutex> reading(state_->reading);
+  const std::optional<FileStamp> stamp = stamp_of(path);
+  if (auto same = current(stamp)) return same;  // another call looked at it meanwhile
+  std::optional<Entry> fresh;
+  if (stamp) fresh = Entry{catalogue_entry(path, *this), *stamp};
+  const std::lock_guard<std::mutex> lock(state_->mu);
+  auto& entries = state_->entries;
+  entries.erase(std::remove_if(entries.begin(), entries.end(), [&](const Entry& e) { return e.info.path == path; }),
+                entries.end());
+  if (!fresh) {
+    spdlog::info("adapter '{}': its file is gone from --lora-dir '{}'", name, shown_directory_);
+    const Entry* other = entry_named(entries, name);  // an escaped name's file, if any
+    return other ? std::optional<AdapterInfo>(other->info) : std::nullopt;
+  }
+  spdlog::info("adapter '{}' catalogued: sha256={} available={}", name, fresh->info.sha256, fresh->info.available);
+  entries.push_back(*fresh);
+  sort_entries(entries);
+  return fresh->info;
 }
 
 void AdapterCatalogue::check_fits(const std::string& path, const LoraLayout& layout) const {
@@ -142,8 +275,8 @@ std::vector<ResolvedAdapter> AdapterCatalogue::resolve(const std::vector<Adapter
     if (std::string why = adapter_name_problem(r.name.size(), field + ".name"); !why.empty()) {
       throw std::invalid_argument(why);
     }
-    const AdapterInfo* info = find(r.name);
-    if (info == nullptr) {
+    const std::optional<AdapterInfo> info = refresh(r.name);
+    if (!info) {
       throw std::invalid_argument(field + ".name: unknown adapter '" + r.name + "' (no " + r.name + kExtension +
                                   " in --lora-dir '" + shown_directory_ + "')");
     }
@@ -173,55 +306,61 @@ AdapterBank::AdapterBank(std::shared_ptr<const AdapterCatalogue> catalogue, c10:
   }
 }
 
-std::shared_ptr<const LoraAdapter> AdapterBank::load(const AdapterInfo& info) const {
+std::shared_ptr<const LoraAdapter> AdapterBank::load(const std::string& name, const std::string& sha256) const {
+  const std::optional<AdapterInfo> info = catalogue_->find(name);
+  const std::string path =
+      info ? info->path : (fs::path(catalogue_->directory()) / (name + kExtension)).string();
   std::shared_ptr<safetensors::File> file;
   try {
-    file = safetensors::File::open(info.path);
+    file = safetensors::File::read(path);  // memory of its own: what is hashed below is what the adapter views
   } catch (const std::exception& e) {
-    throw std::runtime_error("adapter '" + info.name + "': " + utf8_escape(e.what()));
+    throw std::runtime_error("adapter '" + name + "': " + utf8_escape(e.what()));
   }
-  // The bytes read below are the bytes hashed: a file replaced after the catalogue read it is refused.
   Sha256 hash;
   hash.update(file->bytes(), file->file_size());
   const std::string now = hash.hex();
-  if (now != info.sha256) {
-    throw std::runtime_error("adapter '" + info.name + "': file '" + utf8_escape(info.path) +
-                             "' changed since --lora-dir was read (SHA-256 " + info.sha256 + " then, " + now +
-                             " now); restart to take the new file");
+  if (now != sha256) {
+    throw std::runtime_error("adapter '" + name + "' is not the file this job was accepted with (sha256 " + sha256 +
+                             "); the file '" + utf8_escape(path) + "' now has sha256 " + now +
+                             " (submit again to use it)");
   }
-  LoraAdapter adapter = read_lora({info.path, 1.0}, *file);
-  catalogue_->check_fits(info.path,
-                         read_lora_layout(info.path, {file->tensors(), file->metadata(), file->file_size()}));
+  LoraAdapter adapter = read_lora({path, 1.0}, *file);
+  catalogue_->check_fits(path, read_lora_layout(path, {file->tensors(), file->metadata(), file->file_size()}));
   return std::make_shared<const LoraAdapter>(place_lora(adapter, catalogue_->specs(), device_, dtype_));
 }
 
-std::shared_ptr<const LoraAdapter> AdapterBank::acquire(const std::string& name) {
+std::shared_ptr<const LoraAdapter> AdapterBank::acquire(const std::string& name, const std::string& sha256) {
+  std::string wanted = sha256;
+  if (wanted.empty()) {
+    const std::optional<AdapterInfo> info = catalogue_->find(name);
+    if (!info) throw std::invalid_argument("adapter '" + name + "': unknown");
+    if (!info->available) throw std::invalid_argument("adapter '" + name + "' is unavailable: " + info->reason);
+    wanted = info->sha256;
+  }
   const std::lock_guard<std::mutex> lock(mutex_);
-  auto it = std::find_if(lru_.begin(), lru_.end(), [&](const auto& entry) { return entry.first == name; });
+  auto it = std::find_if(lru_.begin(), lru_.end(), [&](const Resident& r) { return r.name == name && r.sha256 == wanted; });
   if (it != lru_.end()) {
     lru_.splice(lru_.begin(), lru_, it);
-    return lru_.front().second;
+    return lru_.front().adapter;
   }
-  const AdapterInfo* info = catalogue_->find(name);
-  if (info == nullptr) throw std::invalid_argument("adapter '" + name + "': unknown");
-  if (!info->available) throw std::invalid_argument("adapter '" + name + "' is unavailable: " + info->reason);
-  auto adapter = load(*info);
+  auto adapter = load(name, wanted);
   ++loads_;
-  lru_.emplace_front(name, adapter);
+  lru_.remove_if([&](const Resident& r) { return r.name == name; });  // an older file's: no new job asks for it
+  lru_.push_front({name, wanted, adapter});
   while (lru_.size() > max_resident_) lru_.pop_back();
   return adapter;
 }
 
 std::vector<ActiveAdapter> AdapterBank::activate(const std::vector<AdapterRequest>& request) {
   std::vector<ActiveAdapter> out;
-  for (const ResolvedAdapter& r : catalogue_->resolve(request)) out.push_back({acquire(r.name), r.scale});
+  for (const ResolvedAdapter& r : catalogue_->resolve(request)) out.push_back({acquire(r.name, r.sha256), r.scale});
   return out;
 }
 
 std::vector<std::string> AdapterBank::resident() const {
   const std::lock_guard<std::mutex> lock(mutex_);
   std::vector<std::string> names;
-  for (const auto& entry : lru_) names.push_back(entry.first);
+  for (const Resident& r : lru_) names.push_back(r.name);
   return names;
 }
 

@@ -1,19 +1,23 @@
-// Adapters chosen per call (issue 33): a directory of LoRA files (--lora-dir), catalogued once from their headers,
-// loaded onto a replica's device on first use and kept there in a bounded bank. The model's weights never change: the
+// Adapters chosen per call (issue 33): a directory of LoRA files (--lora-dir), catalogued from their headers, loaded
+// onto a replica's device on first use and kept there in a bounded bank. The model's weights never change: the
 // adapters of a call are applied unmerged (TransformerForwardArgs::adapters).
 //
 // AdapterCatalogue: one per process (replicas may share it). Every *.safetensors file of the directory (not its
-// subdirectories) is an adapter named by its file name without ".safetensors". Construction reads only headers, never
+// subdirectories) is an adapter named by its file name without ".safetensors". An entry reads only the header, never
 // a tensor: it maps the keys (model/lora.h), checks that every update targets a linear layer of the model with the
 // implied shape, and then (only for a file that fits) records the file's SHA-256 (streamed, 1 MiB at a time). A
 // damaged or unfitting file is listed as unavailable with the reason; with `strict` construction throws naming it
 // instead. Names and reasons are valid UTF-8 (model/utf8_text.h): a file name that is not is listed escaped (\xNN) and
 // unavailable.
+// The directory is the truth and the catalogue follows it while serving: resolve() looks at each file it is asked for
+// (a new one is catalogued, one whose size, time or inode changed is read and hashed again, a removed one is
+// forgotten), and rescan() does so for the whole directory (SIGHUP). Unchanged files are never read again.
 //
-// AdapterBank: one per replica device. acquire(name) reads an adapter's tensors on first use (re-hashing the file: one
-// whose SHA-256 no longer equals the catalogue's was replaced after the start and is refused), places them on the
-// device in the model's dtypes and keeps at most max_resident adapters; the least recently used one leaves first.
-// A call keeps the adapters it was given (shared pointers), also when the bank lets them go meanwhile.
+// AdapterBank: one per replica device. acquire(name, sha256) reads an adapter's file into memory once (the bytes
+// hashed are the bytes used: a file rewritten later changes nothing resident), refuses it when its SHA-256 is not the
+// one asked for (the job was accepted with another file), places it on the device in the model's dtypes and keeps at
+// most max_resident adapters; the least recently used one leaves first. A call keeps the adapters it was given
+// (shared pointers), also when the bank lets them go meanwhile.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -23,6 +27,7 @@
 #include <list>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -71,35 +76,47 @@ struct AdapterCatalogueOptions {
   bool strict = false;  // throw on the first unavailable file instead of listing it
 };
 
+// What rescan() found.
+struct CatalogueChanges {
+  int64_t added = 0, changed = 0, removed = 0;
+};
+
 class AdapterCatalogue {
  public:
   // Throws std::invalid_argument when `directory` is not a readable directory, and with `strict` naming the first
   // unavailable adapter and why.
   AdapterCatalogue(const std::string& directory, const TransformerConfig& config,
                    const AdapterCatalogueOptions& options = {});
+  ~AdapterCatalogue();
 
   const std::string& directory() const { return directory_; }
-  const std::vector<AdapterInfo>& adapters() const { return adapters_; }  // sorted by name
-  const AdapterInfo* find(const std::string& name) const;                 // nullptr when there is none
+  std::vector<AdapterInfo> adapters() const;                    // as last looked at, sorted by name
+  std::optional<AdapterInfo> find(const std::string& name) const;  // as last looked at
   const std::vector<checkpoint::ParamSpec>& specs() const { return specs_; }
 
-  // Validates a request's adapters, in order. Throws std::invalid_argument naming the field as the caller names the
-  // list (`field`, `field`[i].name, `field`[i].scale) and the adapter: more than kMaxAdaptersPerRequest, an unknown
-  // or unavailable name, a name longer than kMaxAdapterNameBytes (not echoed), a scale that is not finite or beyond
-  // +-kMaxAdapterScale, a name given twice.
+  // Validates a request's adapters, in order, each file looked at now (see above). Throws std::invalid_argument
+  // naming the field as the caller names the list (`field`, `field`[i].name, `field`[i].scale) and the adapter: more
+  // than kMaxAdaptersPerRequest, an unknown or unavailable name, a name longer than kMaxAdapterNameBytes (not
+  // echoed), a scale that is not finite or beyond +-kMaxAdapterScale, a name given twice.
   std::vector<ResolvedAdapter> resolve(const std::vector<AdapterRequest>& request,
                                        const std::string& field = "adapters") const;
+
+  // Looks at the whole directory again. Throws std::invalid_argument when it cannot be listed (the catalogue stays).
+  CatalogueChanges rescan() const;
 
   // What the file holds now fits the model as an adapter per call (also checked at load: the file may have changed):
   // every update targets a linear layer's weight or bias with the implied shape. Throws std::invalid_argument.
   void check_fits(const std::string& path, const LoraLayout& layout) const;
 
  private:
+  struct State;
+  std::optional<AdapterInfo> refresh(const std::string& name) const;
+
   std::string directory_;
   std::string shown_directory_;  // directory_ made valid UTF-8, for messages and logs
   std::vector<checkpoint::ParamSpec> specs_;
   std::vector<std::string> linear_modules_;  // sorted
-  std::vector<AdapterInfo> adapters_;
+  std::unique_ptr<State> state_;             // the entries, behind their own locks
 };
 
 class AdapterBank {
@@ -109,10 +126,11 @@ class AdapterBank {
   AdapterBank(std::shared_ptr<const AdapterCatalogue> catalogue, c10::Device device, at::ScalarType compute_dtype,
               size_t max_resident = kDefaultMaxResident);
 
-  // The adapter's tensors on the device (unit scale: ActiveAdapter::scale scales them). Loads it when it is not
-  // resident. Throws std::invalid_argument for an unknown or unavailable name, std::runtime_error naming the adapter
-  // when its file changed since the catalogue read it or cannot be read.
-  std::shared_ptr<const LoraAdapter> acquire(const std::string& name);
+  // The adapter's tensors on the device (unit scale: ActiveAdapter::scale scales them), from the file whose SHA-256
+  // is `sha256` (empty: the one the catalogue lists now). Loads it when it is not resident. Throws
+  // std::invalid_argument for an unknown or unavailable name, std::runtime_error naming the adapter when its file is
+  // not that one any more or cannot be read.
+  std::shared_ptr<const LoraAdapter> acquire(const std::string& name, const std::string& sha256 = "");
   // resolve() then acquire() of each: what TransformerForwardArgs::adapters takes.
   std::vector<ActiveAdapter> activate(const std::vector<AdapterRequest>& request);
 
@@ -122,14 +140,18 @@ class AdapterBank {
   const AdapterCatalogue& catalogue() const { return *catalogue_; }
 
  private:
-  std::shared_ptr<const LoraAdapter> load(const AdapterInfo& info) const;
+  std::shared_ptr<const LoraAdapter> load(const std::string& name, const std::string& sha256) const;
+  struct Resident {
+    std::string name, sha256;
+    std::shared_ptr<const LoraAdapter> adapter;
+  };
 
   std::shared_ptr<const AdapterCatalogue> catalogue_;
   c10::Device device_;
   at::ScalarType dtype_;
   size_t max_resident_;
   mutable std::mutex mutex_;  // guards everything below; held while an adapter loads
-  std::list<std::pair<std::string, std::shared_ptr<const LoraAdapter>>> lru_;  // front: the most recently used
+  std::list<Resident> lru_;  // front: the most recently used
   int64_t loads_ = 0;
 };
 

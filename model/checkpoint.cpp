@@ -303,13 +303,18 @@ StateDict place_strict(const std::map<std::string, at::Tensor>& tensors, const s
     }
     const at::Tensor& src = value.defined() ? value : stored;
     const at::ScalarType target = placed_dtype(spec, options);
+    at::Tensor placed;
     if (device.is_cpu()) {
-      out[spec.name] = src.to(target);  // a view of the mapping (no copy) when the dtype already matches
+      placed = src.to(target);
+      // A weight never views a file's mapping: a file rewritten in place would change it, a truncated one would fault.
+      if (safetensors::views_mapping(placed)) placed = placed.clone();
     } else {
       // Stored bytes go to the device as they are and are converted there: one tensor at a time, no converted
       // host copy of the whole model.
-      out[spec.name] = src.to(device).to(target);
+      placed = src.to(device).to(target);
     }
+    safetensors::release_mapped_pages(stored);  // copied: its pages leave the RSS (a no-op for memory we own)
+    out[spec.name] = std::move(placed);
   }
   return out;
 }

@@ -113,8 +113,10 @@ MatchProblems match_specs(const std::map<std::string, at::Tensor>& tensors, cons
 
 // Strictly places `tensors` (internal name -> CPU tensor, e.g. mapped views) according to `specs`.
 // Throws CheckpointError("<context>: ...all problems...") unless every spec is matched exactly once by shape.
-// No copy is made when a tensor already has the target dtype and device (it keeps viewing the mapping); on CUDA
-// the stored bytes go to the device first and are converted there (no full converted copy on the host).
+// Every placed tensor is memory of its own, never a view of a file's mapping (a checkpoint rewritten in place while
+// serving changes nothing); each stored tensor's mapped pages are released once it is placed, so the RSS holds the
+// weights and one stored tensor at a time. On CUDA the stored bytes go to the device first and are converted there
+// (no full converted copy on the host).
 StateDict place_strict(const std::map<std::string, at::Tensor>& tensors, const std::vector<ParamSpec>& specs,
                        const PlaceOptions& options, const std::string& context);
 StateDict place_strict(const std::map<std::string, at::Tensor>& tensors, const std::vector<ParamSpec>& specs,

@@ -508,7 +508,7 @@ LoraAdapter read_lora(const LoraSpec& spec) {
   const Reader r(spec.path);
   if (!std::isfinite(spec.scale)) r.fail_file("scale must be finite");
   try {
-    return read_lora(spec, *safetensors::File::open(spec.path));
+    return read_lora(spec, *safetensors::File::read(spec.path));
   } catch (const safetensors::FormatError& e) {
     throw std::invalid_argument(std::string("LoRA: ") + e.what());
   }

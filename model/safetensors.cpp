@@ -271,32 +271,82 @@ void parse_header(const std::string& path, const std::string& text, uint64_t hea
   }
 }
 
-std::shared_ptr<File> File::open(const std::string& path) {
-  std::shared_ptr<File> file(new File());
-  file->path_ = path;
-  file->self_ = file;
+namespace {
 
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+// Opens `path` for reading and returns its descriptor and size (at least 8 bytes).
+int open_for_reading(const std::string& path, uint64_t* size) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) fail(path, std::string("cannot open: ") + std::strerror(errno));
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
+    const int error = errno;
     ::close(fd);
-    fail(path, std::string("cannot stat: ") + std::strerror(errno));
+    fail(path, std::string("cannot stat: ") + std::strerror(error));
   }
-  file->size_ = static_cast<uint64_t>(st.st_size);
-  if (file->size_ < 8) {
+  *size = static_cast<uint64_t>(st.st_size);
+  if (*size < 8) {
     ::close(fd);
-    fail(path, "file is " + std::to_string(file->size_) + " bytes, too short for a header (truncated?)");
+    fail(path, "file is " + std::to_string(*size) + " bytes, too short for a header (truncated?)");
   }
-  // Private, writable, copy-on-write: an accidental in-place op on a view changes memory, never the file.
-  void* map = ::mmap(nullptr, file->size_, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
-  ::close(fd);
-  if (map == MAP_FAILED) fail(path, std::string("cannot mmap: ") + std::strerror(errno));
-  file->map_ = map;
-  {
+  return fd;
+}
+
+// Reads all `size` bytes of `fd` into `to`; a file that ends early or grows meanwhile was rewritten while it was
+// read, and is refused (what was read would be neither the old file nor the new one).
+void read_exactly(const std::string& path, int fd, uint8_t* to, uint64_t size) {
+  uint64_t done = 0;
+  while (done < size) {
+    const size_t want = static_cast<size_t>(std::min<uint64_t>(size - done, uint64_t{1} << 30));
+    const ssize_t got = ::pread(fd, to + done, want, static_cast<off_t>(done));
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) fail(path, std::string("cannot read: ") + std::strerror(errno));
+    if (got == 0) {
+      fail(path, "ended after " + std::to_string(done) + " of " + std::to_string(size) +
+                     " bytes: it was truncated or rewritten while it was read");
+    }
+    done += static_cast<uint64_t>(got);
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) != size) {
+    fail(path, "changed size while it was read (rewritten in place?)");
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<File> File::open(const std::string& path) { return open_as(path, Backing::kMapping); }
+
+std::shared_ptr<File> File::read(const std::string& path) { return open_as(path, Backing::kOwnedCopy); }
+
+std::shared_ptr<File> File::open_as(const std::string& path, Backing backing) {
+  std::shared_ptr<File> file(new File());
+  file->path_ = path;
+  file->self_ = file;
+  file->backing_ = backing;
+
+  const int fd = open_for_reading(path, &file->size_);
+  // Private and writable either way: an accidental in-place op on a view changes memory, never the file.
+  void* map = backing == Backing::kMapping
+                  ? ::mmap(nullptr, file->size_, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0)
+                  : ::mmap(nullptr, file->size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (map == MAP_FAILED) {
+    const int error = errno;
+    ::close(fd);
+    fail(path, std::string("cannot mmap: ") + std::strerror(error));
+  }
+  file->map_ = map;  // unmapped by ~File from here on, also when reading or parsing throws
+  if (backing == Backing::kOwnedCopy) {
+    try {
+      read_exactly(path, fd, static_cast<uint8_t*>(map), file->size_);
+    } catch (...) {
+      ::close(fd);
+      throw;
+    }
+  } else {
     const std::lock_guard<std::mutex> lock(g_mappings_mutex);
     g_mappings[reinterpret_cast<uintptr_t>(map)] = reinterpret_cast<uintptr_t>(map) + file->size_;
   }
+  ::close(fd);
 
   const auto* bytes = static_cast<const uint8_t*>(map);
   const uint64_t header_len = checked_header_length(path, bytes, file->size_);
@@ -329,11 +379,21 @@ Header read_header(const std::string& path) {
 
 File::~File() {
   if (map_ == nullptr) return;
-  {
+  if (backing_ == Backing::kMapping) {
     const std::lock_guard<std::mutex> lock(g_mappings_mutex);
     g_mappings.erase(reinterpret_cast<uintptr_t>(map_));
   }
   ::munmap(map_, size_);
+}
+
+bool views_mapping(const at::Tensor& tensor) {
+  if (!tensor.defined() || !tensor.device().is_cpu() || tensor.storage().nbytes() == 0) return false;
+  const auto begin = reinterpret_cast<uintptr_t>(tensor.storage().data_ptr().get());
+  const std::lock_guard<std::mutex> lock(g_mappings_mutex);
+  auto it = g_mappings.upper_bound(begin);
+  if (it == g_mappings.begin()) return false;
+  --it;
+  return begin >= it->first && begin < it->second;
 }
 
 bool release_mapped_pages(const at::Tensor& view) {

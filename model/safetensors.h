@@ -1,4 +1,4 @@
-// safetensors reader and writer of our own: memory-mapped, validated, zero-copy where the caller allows it.
+// safetensors reader and writer of our own: memory-mapped or read into memory, validated.
 //
 // Format: 8-byte little-endian header length N, N bytes of JSON ({name: {dtype, shape, data_offsets:[begin,end]},
 // "__metadata__": {str: str}}), then the data area. Offsets are relative to the data area.
@@ -43,11 +43,18 @@ struct TensorInfo {
   int64_t numel() const;
 };
 
-// An open, validated, memory-mapped safetensors file. Tensors returned by tensor() share the mapping (read-only
-// pages, kept alive by the tensor's deleter); clone() them before writing.
+// An open, validated safetensors file, in one of two backings:
+// - open(): the file's private mapping, paged in on use. Its pages show the file as it is on disk, also after an
+//   in-place rewrite, and a truncated file faults (SIGBUS) on the pages it lost: read what you need and copy what you
+//   keep (place_strict copies every tensor that would view a mapping), then drop the File. For checkpoints, read once.
+// - read(): the whole file read into memory the File owns (pread, refused when the file changes size meanwhile).
+//   Nothing done to the file afterwards changes its bytes, and bytes() are exactly what every tensor() views: hash them
+//   to know what is used. For files whose tensors are kept while serving (adapters chosen per call).
+// Tensors returned by tensor() view the backing (kept alive by the tensor's deleter); clone() them before writing.
 class File {
  public:
   static std::shared_ptr<File> open(const std::string& path);
+  static std::shared_ptr<File> read(const std::string& path);
   ~File();
   File(const File&) = delete;
   File& operator=(const File&) = delete;
@@ -60,15 +67,18 @@ class File {
   std::vector<std::string> names() const;
   uint64_t file_size() const { return size_; }
 
-  // A CPU tensor viewing the mapped bytes (no copy). Throws FormatError naming file and tensor when absent.
+  // A CPU tensor viewing the backing's bytes (no copy). Throws FormatError naming file and tensor when absent.
   at::Tensor tensor(const std::string& name) const;
-  // Raw bytes of one tensor inside the mapping.
+  // Raw bytes of one tensor inside the backing.
   const uint8_t* data(const TensorInfo& info) const;
-  // The whole mapped file, header included (file_size() bytes): what was read, e.g. to hash it.
+  // The whole file as read, header included (file_size() bytes): with read(), what every tensor views.
   const uint8_t* bytes() const { return static_cast<const uint8_t*>(map_); }
 
  private:
+  enum class Backing { kMapping, kOwnedCopy };
+  static std::shared_ptr<File> open_as(const std::string& path, Backing backing);
   File() = default;
+  Backing backing_ = Backing::kMapping;
   std::string path_;
   void* map_ = nullptr;
   uint64_t size_ = 0;
@@ -111,6 +121,10 @@ void save_streaming(const std::string& path, const std::vector<SaveItem>& items,
 // Writes tensors (any device, any layout; stored contiguous, little-endian) in the given order.
 void save(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
           const std::map<std::string, std::string>& metadata = {});
+
+// Whether a CPU tensor's storage lies inside an open File's mapping (open(), not read()): what must be copied before
+// it is kept, since the file may change under it.
+bool views_mapping(const at::Tensor& tensor);
 
 // Drops the resident pages wholly inside a tensor that views an open File's mapping, once its bytes have been decoded
 // or copied (an fp8 load): they stop counting in the RSS and would be read from the file again if touched. Returns

@@ -216,22 +216,20 @@ LoadedTransformer load_transformer(const std::string& path, const TransformerLoa
       merge_loras(adapters, name, value);
       ++merged;
     }
-    // The stored bytes are done with: their pages leave the RSS (the value is new memory; nothing views them).
-    safetensors::release_mapped_pages(stored);
-    return value;
+    return value;  // place_strict releases the stored bytes' pages once the value is placed
   };
-  int64_t views = 0, converted = 0, islands = 0;
+  int64_t copied = 0, converted = 0, islands = 0;
   for (const auto& spec : specs) {
     const at::Tensor& t = a.tensors.at(spec.name);
     islands += spec.keep_fp32 ? 1 : 0;
     const bool same = t.scalar_type() == checkpoint::placed_dtype(spec, place) && !a.decodings.count(spec.name) &&
                       std::none_of(adapters.begin(), adapters.end(),
                                    [&](const LoraAdapter& x) { return x.updates.count(spec.name) != 0; });
-    (device.is_cpu() && same ? views : converted) += 1;
+    (device.is_cpu() && same ? copied : converted) += 1;
   }
   checkpoint::StateDict weights =
       checkpoint::place_strict(a.tensors, specs, place, "transformer checkpoint '" + a.path + "'", a.origins);
-  a.tensors.clear();  // converted tensors no longer need the mapping; zero-copy ones keep it alive themselves
+  a.tensors.clear();  // every placed weight is memory of its own: the mapping goes here
   for (const auto& adapter : adapters) {
     a.report.loras.push_back(lora_report(adapter));
     const LoraReport& r = a.report.loras.back();
@@ -241,10 +239,10 @@ LoadedTransformer load_transformer(const std::string& path, const TransformerLoa
                              (r.ignored ? ", " + std::to_string(r.ignored) + " keys ignored as diffusers does" : ""));
   }
   a.report.notes.push_back("placed on " + device.str() + " as " + dtype_name + ": " + std::to_string(islands) +
-                           " fp32-island tensors kept float32, " + std::to_string(converted) + " copied/converted" +
+                           " fp32-island tensors kept float32, " + std::to_string(converted) + " converted" +
                            (a.report.fp8_tensors ? " (" + std::to_string(a.report.fp8_tensors) + " from fp8)" : "") +
                            (merged ? " (" + std::to_string(merged) + " with LoRA merged)" : "") + ", " +
-                           std::to_string(views) + " zero-copy views of the file");
+                           std::to_string(copied) + " copied out of the file as they are");
 
   LoadedTransformer out;
   out.model = std::make_unique<SkyReelsV2Transformer>(*a.config, std::move(weights), device, dtype);

@@ -1,7 +1,8 @@
 // Adapters per call (issue 33): the LoRA fixtures of tests/data/lora applied unmerged in the forward give the model of
 // diffusers' merge within 1e-4 and our merged forward within 1e-5, never touch the weights, and come and go between
 // calls without a trace; the catalogue of a --lora-dir reads headers and digests only and lists what does not fit;
-// the bank per device keeps a bounded set, least recently used first out, and refuses a file replaced after the start;
+// the bank per device keeps a bounded set, least recently used first out, and computes with the file a job was
+// accepted with or fails it; files added or replaced while serving are seen without a restart;
 // `skyreels forward --lora-dir D --adapter NAME:SCALE` computes what `--lora D/NAME.safetensors:SCALE` computes.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -113,9 +114,9 @@ std::string with_header(const std::string& header) {
   return bytes + header;
 }
 
-const AdapterInfo& info_of(const AdapterCatalogue& catalogue, const std::string& name) {
-  const AdapterInfo* info = catalogue.find(name);
-  if (info == nullptr) throw std::runtime_error("no adapter '" + name + "' in the catalogue");
+AdapterInfo info_of(const AdapterCatalogue& catalogue, const std::string& name) {
+  const std::optional<AdapterInfo> info = catalogue.find(name);
+  if (!info) throw std::runtime_error("no adapter '" + name + "' in the catalogue");
   return *info;
 }
 
@@ -289,7 +290,7 @@ TEST(AdapterCatalogue, ListsEveryFileWithItsDigestFormatRankAndParameters) {
   EXPECT_EQ(catalogue->adapters()[0].name, "diffusers_format");  // sorted by name
   for (const auto& [name, format] : std::map<std::string, std::string>{
            {"diffusers_format", "diffusers"}, {"original_format", "original"}, {"musubi_format", "musubi"}}) {
-    const AdapterInfo& info = info_of(*catalogue, name);
+    const AdapterInfo info = info_of(*catalogue, name);
     EXPECT_TRUE(info.available) << info.reason;
     EXPECT_EQ(info.sha256, sha256_file(fixture(name)));
     EXPECT_EQ(info.format, format);
@@ -297,7 +298,7 @@ TEST(AdapterCatalogue, ListsEveryFileWithItsDigestFormatRankAndParameters) {
     EXPECT_EQ(info.parameters, static_cast<int64_t>(expected(name).size()));
     EXPECT_EQ(info.bytes, fs::file_size(fixture(name)));
   }
-  EXPECT_EQ(catalogue->find("notes"), nullptr);
+  EXPECT_FALSE(catalogue->find("notes").has_value());
 }
 
 TEST(AdapterCatalogue, DamagedFilesAreListedUnavailableWithTheReasonAndRefusedUnderStrict) {
@@ -308,11 +309,11 @@ TEST(AdapterCatalogue, DamagedFilesAreListedUnavailableWithTheReasonAndRefusedUn
   write_bytes(dir + "/garbage.safetensors", with_header("{this is not json"));
   const auto catalogue = catalogue_of(dir, base);
   EXPECT_TRUE(info_of(*catalogue, "musubi_format").available);
-  const AdapterInfo& truncated = info_of(*catalogue, "truncated");
+  const AdapterInfo truncated = info_of(*catalogue, "truncated");
   EXPECT_FALSE(truncated.available);
   EXPECT_HAS(truncated.reason, "truncated.safetensors': header length");
   EXPECT_HAS(truncated.reason, "is past the end of the file");
-  const AdapterInfo& garbage = info_of(*catalogue, "garbage");
+  const AdapterInfo garbage = info_of(*catalogue, "garbage");
   EXPECT_FALSE(garbage.available);
   EXPECT_HAS(garbage.reason, "garbage.safetensors'");
   EXPECT_EQ(garbage.sha256, "") << "a refused header is not hashed (issue 46: the header is read first)";
@@ -340,15 +341,16 @@ TEST(AdapterCatalogue, ANonUtf8FileNameOrHeaderIsListedUnavailableWithItsTextEsc
   }
   EXPECT_TRUE(info_of(*catalogue, "musubi_format").available);
   // Two entries named bad\xff: the file spelled so is available and is the one a request finds.
-  const AdapterInfo& literal = info_of(*catalogue, "bad\\xff");
+  const AdapterInfo literal = info_of(*catalogue, "bad\\xff");
   EXPECT_TRUE(literal.available) << literal.reason;
   EXPECT_EQ(catalogue->resolve({{"bad\\xff", 1.0}}).at(0).sha256, literal.sha256);
-  const auto escaped = std::find_if(catalogue->adapters().begin(), catalogue->adapters().end(),
+  const std::vector<AdapterInfo> all = catalogue->adapters();
+  const auto escaped = std::find_if(all.begin(), all.end(),
                                     [](const AdapterInfo& a) { return a.name == "bad\\xff" && !a.available; });
-  ASSERT_NE(escaped, catalogue->adapters().end());
+  ASSERT_NE(escaped, all.end());
   EXPECT_HAS(escaped->reason, "file name 'bad\\xff.safetensors' is not valid UTF-8");
   EXPECT_EQ(escaped->path, dir + "/bad\xff.safetensors") << "the path stays the file's own bytes";
-  const AdapterInfo& garbled = info_of(*catalogue, "garbled");
+  const AdapterInfo garbled = info_of(*catalogue, "garbled");
   EXPECT_FALSE(garbled.available);
   EXPECT_HAS(garbled.reason, "last read: '\"transformer.blocks.0.\\xff'");  // nlohmann quotes the byte
   EXPECT_HAS(error_of([&] { catalogue->resolve({{"garbled", 1.0}}); }), "blocks.0.\\xff");
@@ -390,7 +392,7 @@ TEST(AdapterCatalogue, AnAdapterWhoseShapesDoNotFitTheModelNamesTheKeyAndBothSha
   st::save(dir + "/nine_blocks.safetensors", {{"transformer.blocks.8.attn1.to_q.lora_A.weight", at::randn({1, 24})},
                                               {"transformer.blocks.8.attn1.to_q.lora_B.weight", at::randn({24, 1})}});
   const auto catalogue = catalogue_of(dir, base);
-  const AdapterInfo& wide = info_of(*catalogue, "wide");
+  const AdapterInfo wide = info_of(*catalogue, "wide");
   EXPECT_FALSE(wide.available);
   EXPECT_HAS(wide.reason,
              "key 'transformer.blocks.0.attn1.to_q.lora_A.weight': implies [30, 24] for "
@@ -418,7 +420,8 @@ TEST(AdapterCatalogue, AThousandSmallFilesAreCataloguedWithoutLoadingAny) {
   for (int i = 0; i < 1000; ++i) write_tiny_adapter(dir + "/a" + std::to_string(1000 + i) + ".safetensors");
   AdapterBank bank = bank_for(dir, base);
   EXPECT_EQ(bank.catalogue().adapters().size(), 1000u);
-  EXPECT_TRUE(std::all_of(bank.catalogue().adapters().begin(), bank.catalogue().adapters().end(),
+  const std::vector<AdapterInfo> all = bank.catalogue().adapters();
+  EXPECT_TRUE(std::all_of(all.begin(), all.end(),
                           [](const AdapterInfo& a) { return a.available && a.sha256.size() == 64; }));
   EXPECT_TRUE(bank.resident().empty());
   EXPECT_EQ(bank.loads(), 0);
@@ -482,19 +485,105 @@ TEST(AdapterBank, KeepsAtMostMaxResidentAndTheLeastRecentlyUsedLeavesFirst) {
   EXPECT_HAS(error_of([&] { bank.acquire("nope"); }), "adapter 'nope': unknown");
 }
 
-TEST(AdapterBank, AFileReplacedAfterTheCatalogueReadItIsRefusedNamingTheAdapter) {
+// What a job was accepted with is what it computes with: the file replaced after the catalogue hashed it fails that
+// job naming the adapter (never another file's weights), and the next request takes the new file by its new digest.
+TEST(AdapterBank, AFileReplacedAfterAJobWasAcceptedFailsThatJobByNameAndTheNextRequestTakesTheNewFile) {
   const auto base = load_with({});
   const std::string dir = lora_dir({"musubi_format", "original_format"});
   AdapterBank bank = bank_for(dir, base);
+  const std::string accepted = bank.catalogue().resolve({{"musubi_format", 1.0}}).at(0).sha256;
+  EXPECT_EQ(accepted, sha256_file(fixture("musubi_format")));
   fs::copy(fixture("diffusers_format"), dir + "/musubi_format.safetensors", fs::copy_options::overwrite_existing);
-  const std::string error = error_of([&] { bank.acquire("musubi_format"); });
-  EXPECT_HAS(error,
-             "adapter 'musubi_format': file '" + dir + "/musubi_format.safetensors' changed since --lora-dir was read");
-  EXPECT_HAS(error, sha256_file(fixture("musubi_format")));
+  const std::string error = error_of([&] { bank.acquire("musubi_format", accepted); });
+  EXPECT_HAS(error, "adapter 'musubi_format' is not the file this job was accepted with (sha256 " + accepted + ")");
+  EXPECT_HAS(error, sha256_file(fixture("diffusers_format")));
   EXPECT_TRUE(bank.resident().empty());
   EXPECT_EQ(bank.loads(), 0);
-  bank.acquire("original_format");  // the others still load
+  const std::string now = bank.catalogue().resolve({{"musubi_format", 1.0}}).at(0).sha256;
+  EXPECT_EQ(now, sha256_file(fixture("diffusers_format"))) << "a new request gets the new file's digest";
+  const auto adapter = bank.acquire("musubi_format", now);
   EXPECT_EQ(bank.loads(), 1);
+  EXPECT_EQ(bank.activate({{"musubi_format", 1.0}}).at(0).adapter, adapter) << "resident under its new digest";
+  bank.acquire("original_format");  // the others still load
+  EXPECT_EQ(bank.loads(), 2);
+}
+
+// Operators add, replace and remove adapters while serving: the first request that names a new file finds it, one
+// whose file is gone is refused as unknown, and a rescan (SIGHUP) lists what changed without reading unchanged files.
+TEST(AdapterCatalogue, FilesAddedChangedOrRemovedWhileServingAreSeenWithoutARestart) {
+  const auto base = load_with({});
+  const std::string dir = lora_dir({"musubi_format"});
+  const auto catalogue = catalogue_of(dir, base);
+  EXPECT_FALSE(catalogue->find("original_format").has_value());
+  fs::copy(fixture("original_format"), dir + "/original_format.safetensors");
+  const auto added = catalogue->resolve({{"original_format", 0.5}});
+  EXPECT_EQ(added.at(0).sha256, sha256_file(fixture("original_format")));
+  EXPECT_TRUE(info_of(*catalogue, "original_format").available) << "listed once a request found it";
+  fs::remove(dir + "/original_format.safetensors");
+  EXPECT_HAS(error_of([&] { catalogue->resolve({{"original_format", 1.0}}); }),
+             "adapters[0].name: unknown adapter 'original_format'");
+  EXPECT_FALSE(catalogue->find("original_format").has_value());
+  EXPECT_HAS(error_of([&] { catalogue->resolve({{"../lora-dir/musubi_format", 1.0}}); }), "unknown adapter");
+
+  fs::copy(fixture("diffusers_format"), dir + "/diffusers_format.safetensors");
+  fs::copy(fixture("diffusers_format"), dir + "/musubi_format.safetensors", fs::copy_options::overwrite_existing);
+  const CatalogueChanges changes = catalogue->rescan();
+  EXPECT_EQ(changes.added, 1);
+  EXPECT_EQ(changes.changed, 1);
+  EXPECT_EQ(changes.removed, 0);
+  EXPECT_EQ(info_of(*catalogue, "musubi_format").sha256, sha256_file(fixture("diffusers_format")));
+  fs::remove(dir + "/diffusers_format.safetensors");
+  const CatalogueChanges again = catalogue->rescan();
+  EXPECT_EQ(again.added + again.changed, 0) << "unchanged files are not read again";
+  EXPECT_EQ(again.removed, 1);
+  EXPECT_EQ(catalogue->adapters().size(), 1u);
+}
+
+// The bytes hashed are the bytes used: a resident adapter is memory of its own, so a file rewritten in place (same
+// size, other values) or truncated under it changes nothing it computes and faults nothing. (With the file's mapping
+// a float32 adapter on CPU viewed the file: the rewrite showed through, the truncation raised SIGBUS.)
+TEST(AdapterBank, AResidentAdapterIsItsOwnMemoryAFileRewrittenInPlaceOrTruncatedChangesNothing) {
+  const auto base = load_with({});
+  const std::string dir = lora_dir({"musubi_format"});
+  AdapterBank bank = bank_for(dir, base);
+  const std::vector<ActiveAdapter> active = bank.activate({{"musubi_format", 1.0}});
+  const at::Tensor before = forward(*base.model, active);
+  const std::string path = dir + "/musubi_format.safetensors";
+  const auto size = static_cast<std::streamoff>(fs::file_size(path));
+  {
+    std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);  // in place: no truncation, no rename
+    file.seekp(size - 4096);
+    const std::string noise(4096, '\x7f');
+    file.write(noise.data(), static_cast<std::streamsize>(noise.size()));
+  }
+  EXPECT_TRUE(at::equal(forward(*base.model, active), before)) << "the rewrite showed through";
+  fs::resize_file(path, 16);
+  EXPECT_TRUE(at::equal(forward(*base.model, active), before));
+  const std::string accepted = sha256_file(fixture("musubi_format"));  // what a job accepted earlier names
+  EXPECT_TRUE(at::equal(forward(*base.model, {{bank.acquire("musubi_format", accepted), 1.0}}), before))
+      << "resident: not read again";
+  EXPECT_EQ(bank.loads(), 1);
+  EXPECT_HAS(error_of([&] { bank.activate({{"musubi_format", 1.0}}); }), "is unavailable");  // a new job: refused
+}
+
+// The same for the model's own weights: a float32 checkpoint on CPU is copied out of its mapping at load.
+TEST(LoadedWeights, ACheckpointRewrittenInPlaceAfterTheLoadChangesNoWeight) {
+  const std::string dir = temp_dir("rewritten-model");
+  fs::copy(base_dir() + "/config.json", dir + "/config.json");
+  fs::copy(base_dir() + "/diffusion_pytorch_model.safetensors", dir + "/diffusion_pytorch_model.safetensors");
+  const auto loaded = load_with({}, "float32", dir);
+  const at::Tensor before = forward(*loaded.model);
+  const std::string path = dir + "/diffusion_pytorch_model.safetensors";
+  const auto size = static_cast<std::streamoff>(fs::file_size(path));
+  {
+    std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
+    const std::string noise(static_cast<size_t>(size / 2), '\x7f');
+    file.seekp(size - static_cast<std::streamoff>(noise.size()));
+    file.write(noise.data(), static_cast<std::streamsize>(noise.size()));
+  }
+  EXPECT_TRUE(at::equal(forward(*loaded.model), before)) << "a weight viewed the file";
+  fs::resize_file(path, 16);
+  EXPECT_TRUE(at::equal(forward(*loaded.model), before));
 }
 
 // ---- the CLI -------------------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 // Issue 33, served: LoRA adapters chosen per request from --lora-dir, applied unmerged on a two-replica server. Jobs
 // with different adapters (and one with none) at once each equal `skyreels generate --lora-dir --adapter` bit for
 // bit, with no restart and the loads counted; a job killed mid-run resumes bit-identical; a resumed job whose adapter
-// file changed fails naming the adapter; bad choices are refused naming the field.
+// file changed fails naming the adapter; bad choices are refused naming the field. Issue 46: files added or replaced
+// in --lora-dir while serving are taken without a restart, and a file (adapter or model) rewritten in place under a
+// running job changes nothing it computes.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -17,9 +19,11 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "model/safetensors.h"
+#include "model/sha256.h"
 #include "server/replica/demo_model.h"
 #include "tests/pg_fixture.h"
 #include "tests/test_server_harness.h"
@@ -353,26 +357,135 @@ TEST(ServedAdaptersDurable, AKilledJobResumesBitIdenticalAndAChangedAdapterFails
   }
 }
 
-// An adapter file replaced after the start, before a replica first loads it: the job that uses it fails naming the
-// adapter (never a video with other weights), the replica is not blamed, and a job without adapters still succeeds.
-TEST(ServedAdaptersDurable, AnAdapterFileReplacedWhileTheServerRunsFailsItsJobByNameAndNoOtherJob) {
+// `cp other.safetensors FILE`: the same inode truncated and written again, as operators replace files in place.
+void rewrite_in_place(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+std::string bytes_of(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+pb::Job get_job(ServerProcess& server, const std::string& id) {
+  auto ctx = server.client().context(10);
+  pb::GetJobRequest request;
+  request.set_job_id(id);
+  pb::Job job;
+  EXPECT_TRUE(server.client().stub().GetJob(ctx.get(), request, &job).ok());
+  return job;
+}
+
+// A job accepted with one file computes with that file or fails naming it: the file replaced before the replica
+// reads it fails that job (never a video of other weights; the replica is not blamed), a job without adapters still
+// succeeds, and the next job naming the adapter takes the new file by its new digest, without a restart.
+TEST(ServedAdaptersLive, AFileReplacedAfterItsJobWasAcceptedFailsThatJobByNameAndTheNextJobTakesTheNewFile) {
   const std::string lora_dir = temp_dir("adapters-replaced");
   std::filesystem::copy_file(setup().lora_dir + "/style.safetensors", lora_dir + "/style.safetensors");
-  ServerProcess server({"--demo", "--devices", "cpu", "--dtype", "float32", "--lora-dir", lora_dir});
-  write_adapter(lora_dir + "/style.safetensors", 98);  // catalogued at start, replaced before any load
-  const pb::Job failed =
-      wait_job(server.client(), submit(server.client(), with_adapters(3331, {{"style", 1.0}})).job_id(), 180s);
+  ServerProcess server({"--demo", "--devices", "cpu", "--dtype", "float32", "--lora-dir", lora_dir,
+                        "--step-delay-ms", "200"});
+  // A job without adapters holds the one replica for seconds (4 chunks of 3 steps of at least 200 ms)...
+  const std::string plain = submit(server.client(), with_adapters(3332, {})).job_id();
+  watch_until(server.client(), plain, 0, [](const pb::JobEvent& e) { return e.has_chunk_started(); });
+  // ...while a job with `style` is accepted and its file replaced before any replica reads it.
+  const std::string accepted = submit(server.client(), with_adapters(3331, {{"style", 1.0}})).job_id();
+  write_adapter(lora_dir + "/style.safetensors", 98);
+  const pb::Job failed = wait_job(server.client(), accepted, 180s);
   EXPECT_EQ(failed.state(), pb::JOB_STATE_FAILED);
-  EXPECT_NE(failed.error().message().find("style"), std::string::npos) << failed.error().message();
+  EXPECT_NE(failed.error().message().find("adapter 'style' is not the file this job was accepted with"),
+            std::string::npos)
+      << failed.error().message();
   EXPECT_EQ(failed.retries(), 0) << "the job's fault, not the replica's: " << failed.error().message();
-  const pb::Job plain = wait_job(server.client(), submit(server.client(), with_adapters(3332, {})).job_id(), 180s);
-  EXPECT_EQ(plain.state(), pb::JOB_STATE_SUCCEEDED) << plain.error().message();
+  EXPECT_EQ(wait_job(server.client(), plain, 180s).state(), pb::JOB_STATE_SUCCEEDED);
+
+  const pb::SubmitJobRequest next = with_adapters(3333, {{"style", 1.0}});
+  const std::string id = submit(server.client(), next).job_id();
+  const pb::Job done = wait_job(server.client(), id, 180s);
+  ASSERT_EQ(done.state(), pb::JOB_STATE_SUCCEEDED) << done.error().message();
+  EXPECT_EQ(done.params().loras(0).sha256(), model::sha256_file(lora_dir + "/style.safetensors"));
+  const at::Tensor served = download_latents(server.client(), id);
+  const at::Tensor expected = generate_reference(next, lora_dir);  // the new file
+  EXPECT_TRUE(at::equal(served, expected)) << "max |served - generate| = " << max_abs_diff(served, expected);
   auto ctx = server.client().context(10);
   pb::ServerInfo info;
   ASSERT_TRUE(server.client().stub().GetServerInfo(ctx.get(), pb::GetServerInfoRequest(), &info).ok());
   ASSERT_EQ(info.replicas_size(), 1);
   EXPECT_TRUE(info.replicas(0).healthy());
   EXPECT_EQ(info.replicas(0).failures(), 0);
+}
+
+// An adapter dropped into --lora-dir while serving: the first job naming it runs with it (equal to generate with
+// it), and SIGHUP lists new files in GetServerInfo without a job.
+TEST(ServedAdaptersLive, AnAdapterAddedWhileServingIsUsableWithoutARestartAndSighupListsIt) {
+  const std::string lora_dir = temp_dir("adapters-added");
+  std::filesystem::copy_file(setup().lora_dir + "/style.safetensors", lora_dir + "/style.safetensors");
+  ServerProcess server({"--demo", "--devices", "cpu", "--dtype", "float32", "--lora-dir", lora_dir});
+  std::filesystem::copy_file(setup().lora_dir + "/subject.safetensors", lora_dir + "/subject.safetensors");
+  const pb::SubmitJobRequest request = with_adapters(3341, {{"subject", 0.9}});
+  const std::string id = submit(server.client(), request).job_id();
+  const pb::Job done = wait_job(server.client(), id, 180s);
+  ASSERT_EQ(done.state(), pb::JOB_STATE_SUCCEEDED) << done.error().message();
+  const at::Tensor served = download_latents(server.client(), id);
+  const at::Tensor expected = generate_reference(request, lora_dir);
+  EXPECT_TRUE(at::equal(served, expected)) << "max |served - generate| = " << max_abs_diff(served, expected);
+
+  write_adapter(lora_dir + "/late.safetensors", 13);
+  auto listed = [&] {
+    auto ctx = server.client().context(10);
+    pb::ServerInfo info;
+    EXPECT_TRUE(server.client().stub().GetServerInfo(ctx.get(), pb::GetServerInfoRequest(), &info).ok());
+    std::set<std::string> names;
+    for (const auto& a : info.model().adapters()) {
+      if (a.available()) names.insert(a.name());
+    }
+    return names;
+  };
+  EXPECT_EQ(listed(), (std::set<std::string>{"style", "subject"}));
+  server.signal(SIGHUP);
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  while (listed().count("late") == 0 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(50ms);
+  EXPECT_EQ(listed(), (std::set<std::string>{"late", "style", "subject"}));
+}
+
+// The bytes a job computes with are the bytes that were hashed: the adapter file and the model file rewritten in
+// place (truncated, then other bytes) while a float32 job runs on CPU change nothing it computes and crash nothing.
+// (Before, both were views of the files' private mappings: the job went on with the new bytes under the old digest,
+// and some rewrites killed the server with SIGBUS.)
+TEST(ServedAdaptersLive, AnAdapterAndTheModelRewrittenInPlaceUnderARunningJobChangeNothingItComputes) {
+  const std::string dir = temp_dir("adapters-rewritten");
+  const std::string lora_dir = dir + "/loras", model_dir = dir + "/model", kept = dir + "/kept";
+  for (const auto& d : {lora_dir, kept}) std::filesystem::create_directories(d);
+  std::filesystem::copy_file(setup().lora_dir + "/style.safetensors", lora_dir + "/style.safetensors");
+  std::filesystem::copy_file(setup().lora_dir + "/style.safetensors", kept + "/style.safetensors");
+  server::write_tiny_model(model_dir);
+  ServerProcess server({"--model", model_dir, "--devices", "cpu", "--dtype", "float32", "--lora-dir", lora_dir,
+                        "--step-delay-ms", "100"});
+  const pb::SubmitJobRequest request = with_adapters(3351, {{"style", 0.8}});
+  const std::string id = submit(server.client(), request).job_id();
+  watch_until(server.client(), id, 0, [](const pb::JobEvent& e) { return e.has_chunk_finished(); });
+
+  const std::string other_adapter = dir + "/other.safetensors";
+  write_adapter(other_adapter, 99);
+  std::string model_file;
+  for (const auto& entry : std::filesystem::directory_iterator(model_dir)) {
+    if (entry.path().extension() == ".safetensors") model_file = entry.path().string();
+  }
+  ASSERT_FALSE(model_file.empty());
+  const std::string model_bytes = bytes_of(model_file);
+  rewrite_in_place(lora_dir + "/style.safetensors", "");  // truncated first, as `cp` does
+  rewrite_in_place(model_file, model_bytes.substr(0, 64));
+  std::this_thread::sleep_for(300ms);
+  rewrite_in_place(lora_dir + "/style.safetensors", bytes_of(other_adapter));
+  rewrite_in_place(model_file, std::string(model_bytes.size(), '\x7f'));
+
+  const pb::Job done = wait_job(server.client(), id, 180s);
+  ASSERT_EQ(done.state(), pb::JOB_STATE_SUCCEEDED) << done.error().message();
+  EXPECT_EQ(done.retries(), 0);
+  EXPECT_EQ(done.params().loras(0).sha256(), model::sha256_file(kept + "/style.safetensors"));
+  const at::Tensor served = download_latents(server.client(), id);
+  const at::Tensor expected = generate_reference(request, kept);  // the files as they were when it was accepted
+  EXPECT_TRUE(at::equal(served, expected)) << "max |served - generate| = " << max_abs_diff(served, expected);
+  EXPECT_EQ(get_job(server, id).state(), pb::JOB_STATE_SUCCEEDED) << "the server still answers";
 }
 
 TEST(ServedAdaptersStart, AServerWithoutLoraDirRefusesAdaptersAndStrictRefusesADamagedFile) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "model/adapter_bank.h"
 #include "model/utf8_text.h"
 
 namespace skyreels::server::api {
@@ -64,7 +65,7 @@ Status VideoServiceImpl::GetServerInfo(ServerContext* ctx, const pb::GetServerIn
   model->set_image_dim(transformer.image_dim.value_or(0));
   model->set_first_last_frame(config_.model.first_last_frame);
   if (config_.adapters) {
-    for (const auto& a : m.adapters) {
+    for (const auto& a : config_.adapters->adapters()) {  // as the catalogue last looked at --lora-dir
       auto* info = model->add_adapters();
       // Text from files and their names: valid UTF-8 (the catalogue escapes it already; a proto3 string that is not
       // fails every client's GetServerInfo).

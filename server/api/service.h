@@ -45,12 +45,6 @@ struct ModelSummary {
     int64_t max_rank = 0;
   };
   std::vector<Lora> loras;  // --lora adapters merged at load, in order
-  struct Adapter {  // --lora-dir: an adapter a request may choose (model::AdapterInfo)
-    std::string name, sha256, format, reason;
-    int64_t rank = 0, parameters = 0;
-    bool available = false;
-  };
-  std::vector<Adapter> adapters;
 };
 
 // Caps that keep one client from starving the others or the server (flags of the same names; defaults here only).

@@ -132,7 +132,8 @@ int serve(const Options& o, Signals& signals) {
                !o.tls_cert.empty(), keys.enabled(), replicas.names.size(), SKYREELS_VERSION);
   {
     std::lock_guard<std::mutex> lock(signals.mu);
-    signals.on_reload = [&keys] {
+    signals.on_reload = [&keys, catalogue = model->catalogue] {
+      if (catalogue) rescan_adapters(*catalogue);
       keys.reload();
       spdlog::info("event=api_keys_loaded count={}", keys.size());
     };

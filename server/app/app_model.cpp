@@ -67,8 +67,9 @@ std::shared_ptr<const skyreels::model::AdapterCatalogue> catalogue_adapters(
   } catch (const std::invalid_argument& e) {
     throw UsageError(std::string("--lora-dir: ") + e.what());
   }
+  const std::vector<skyreels::model::AdapterInfo> adapters = catalogue->adapters();
   int64_t available = 0;
-  for (const auto& a : catalogue->adapters()) {
+  for (const auto& a : adapters) {
     available += a.available;
     if (a.available) {
       spdlog::info("event=adapter name={} sha256={} format={} rank={} parameters={}", a.name, a.sha256, a.format,
@@ -78,7 +79,7 @@ std::shared_ptr<const skyreels::model::AdapterCatalogue> catalogue_adapters(
     }
   }
   spdlog::info("event=adapters_catalogued dir={} adapters={} available={} seconds={:.3f}", o.lora_dir,
-               catalogue->adapters().size(), available, std::chrono::duration<double>(Clock::now() - t0).count());
+               adapters.size(), available, std::chrono::duration<double>(Clock::now() - t0).count());
   return catalogue;
 }
 
@@ -116,6 +117,17 @@ std::unique_ptr<CheckedModel> check_model(const Options& o) {
   }
   m->catalogue = catalogue_adapters(o, m->mapped.config);
   return m;
+}
+
+void rescan_adapters(const skyreels::model::AdapterCatalogue& catalogue) {
+  try {
+    const auto t0 = Clock::now();
+    const skyreels::model::CatalogueChanges c = catalogue.rescan();
+    spdlog::info("event=adapters_rescanned added={} changed={} removed={} seconds={:.3f}", c.added, c.changed,
+                 c.removed, std::chrono::duration<double>(Clock::now() - t0).count());
+  } catch (const std::exception& e) {
+    spdlog::error("event=adapters_rescan_failed error=\"{}\" (the adapters as last read stay listed)", e.what());
+  }
 }
 
 Replicas make_replicas(const Options& o, const CheckedModel& model,
@@ -187,11 +199,6 @@ ServiceConfig service_config(const Options& o, const CheckedModel& model, const 
   for (const auto& a : model.adapters) {
     const auto r = skyreels::model::lora_report(a);
     summary.loras.push_back({r.path, r.scale, r.format, r.parameters, r.max_rank});
-  }
-  if (model.catalogue) {
-    for (const auto& a : model.catalogue->adapters()) {
-      summary.adapters.push_back({a.name, a.sha256, a.format, a.reason, a.rank, a.parameters, a.available});
-    }
   }
   c.replicas = replicas.descriptions;
   c.api_keys = &keys;

@@ -49,7 +49,7 @@ using Options = ServerOptions;
 
 // ---- signals, readiness and the drain (app_lifecycle.cpp) ------------------------------------------------------
 
-// SIGTERM / SIGINT, counted; SIGHUP calls on_reload (re-reads the API key file).
+// SIGTERM / SIGINT, counted; SIGHUP calls on_reload (looks at --lora-dir again, re-reads the API key file).
 struct Signals {
   std::mutex mu;
   std::condition_variable cv;
@@ -94,6 +94,8 @@ struct CheckedModel {
 };
 
 std::unique_ptr<CheckedModel> check_model(const Options& o);
+// SIGHUP: the whole --lora-dir looked at again (new, changed and removed files); a failure is logged, not thrown.
+void rescan_adapters(const skyreels::model::AdapterCatalogue& catalogue);
 
 // One ModelReplica per planned device. Metrics come later (`work_sink`); replicas only report once they run chunks.
 struct Replicas {

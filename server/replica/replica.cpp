@@ -224,7 +224,8 @@ std::vector<model::ActiveAdapter> ModelReplica::activate_adapters(const std::vec
   if (loras.empty()) return active;
   if (!bank_) throw std::invalid_argument("loras: replica " + options_.name + " has no adapters (--lora-dir)");
   const int64_t loads_before = bank_->loads();
-  for (const AdapterChoice& a : loras) active.push_back({bank_->acquire(a.name), a.scale.value_or(1.0)});
+  // The file each was accepted with (its recorded SHA-256): one changed since then fails the job naming it.
+  for (const AdapterChoice& a : loras) active.push_back({bank_->acquire(a.name, a.sha256), a.scale.value_or(1.0)});
   AdapterResidency now{bank_->resident(), bank_->loads(), true};
   {
     std::lock_guard<std::mutex> lock(residency_mu_);
