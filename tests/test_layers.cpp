@@ -8,6 +8,7 @@
 #include <fstream>
 #include <map>
 #include <regex>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -102,6 +103,64 @@ TEST(Layers, ServerIncludesPointDownTheOrder) {
   }
   EXPECT_TRUE(against.empty()) << against.size() << " include(s) against the layer order of server/README.md:\n"
                                << ::testing::PrintToString(against);
+}
+
+// server/CMakeLists.txt's libraries: skyreels_server_<folder> for each folder, its sources from that folder only,
+// linking only the libraries of lower ranks (so the build graph is the picture above, and a link against the order
+// fails here as an include would).
+struct CmakeCall {
+  std::string command;            // add_library, target_link_libraries
+  std::vector<std::string> args;  // whitespace-separated words, comments dropped
+};
+
+std::vector<CmakeCall> cmake_calls(const std::string& path) {
+  std::ifstream in(path);
+  std::string text, line;
+  while (std::getline(in, line)) text += line.substr(0, line.find('#')) + "\n";
+  std::vector<CmakeCall> calls;
+  const std::regex call(R"(([a-z_]+)\(([^)]*)\))");
+  for (auto it = std::sregex_iterator(text.begin(), text.end(), call); it != std::sregex_iterator(); ++it) {
+    CmakeCall c{(*it)[1].str(), {}};
+    std::istringstream words((*it)[2].str());
+    for (std::string w; words >> w;) c.args.push_back(w);
+    calls.push_back(c);
+  }
+  return calls;
+}
+
+std::string folder_library(const std::string& folder) { return "skyreels_server_" + folder.substr(7); }
+
+TEST(Layers, EachServerFolderIsOneLibraryBuiltFromItsOwnFilesLinkingOnlyLowerRanks) {
+  const auto calls = cmake_calls(source_root() + "/server/CMakeLists.txt");
+  std::map<std::string, std::string> folder_of;  // library -> folder
+  for (const auto& rank : kServerRanks) {
+    for (const auto& folder : rank) {
+      if (folder != "server/main.cpp") folder_of[folder_library(folder)] = folder;
+    }
+  }
+  std::map<std::string, int> defined;
+  for (const auto& c : calls) {
+    if (c.command != "add_library" || c.args.empty() || folder_of.count(c.args[0]) == 0) continue;
+    const std::string folder = folder_of[c.args[0]].substr(7) + "/";
+    ++defined[c.args[0]];
+    for (size_t i = 2; i < c.args.size(); ++i) {
+      const std::string& source = c.args[i];
+      if (source.find(".cpp") == std::string::npos || source.rfind("${CMAKE_CURRENT_BINARY_DIR}/", 0) == 0) continue;
+      EXPECT_EQ(source.rfind(folder, 0), 0u) << c.args[0] << " compiles " << source << ", which is not in " << folder;
+    }
+  }
+  for (const auto& [library, folder] : folder_of) EXPECT_EQ(defined[library], 1) << folder << " has no library " << library;
+  int links_checked = 0;
+  for (const auto& c : calls) {
+    if (c.command != "target_link_libraries" || c.args.empty() || folder_of.count(c.args[0]) == 0) continue;
+    const int from = rank_of(folder_of[c.args[0]]);
+    for (size_t i = 1; i < c.args.size(); ++i) {
+      if (folder_of.count(c.args[i]) == 0) continue;
+      ++links_checked;
+      EXPECT_GT(rank_of(folder_of[c.args[i]]), from) << c.args[0] << " links " << c.args[i] << ", which is not below it";
+    }
+  }
+  EXPECT_GE(links_checked, 10) << "the check read no links";
 }
 
 TEST(Layers, OnlyTheTransportsAndTheAssemblyUseGrpcAndLibmicrohttpd) {

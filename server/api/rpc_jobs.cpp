@@ -8,7 +8,7 @@ Status VideoServiceImpl::GetJob(ServerContext* ctx, const pb::GetJobRequest* req
   if (Status s = authenticate(ctx, &caller, false); !s.ok()) return s;
   if (Status s = check_job_id(request->job_id()); !s.ok()) return s;
   return store_guard(request->job_id(), [&] {
-    auto job = scheduler_.get(request->job_id(), caller.owner);
+    auto job = reads_.get(request->job_id(), caller.owner);
     if (!job) return job_not_found(request->job_id(), caller.owner);
     job_to_proto(*job, response);
     return Status::OK;
@@ -21,7 +21,7 @@ Status VideoServiceImpl::CancelJob(ServerContext* ctx, const pb::CancelJobReques
   if (Status s = authenticate(ctx, &caller, false); !s.ok()) return s;
   if (Status s = check_job_id(request->job_id()); !s.ok()) return s;
   return store_guard(request->job_id(), [&] {
-    auto job = scheduler_.cancel(request->job_id(), caller.owner);
+    auto job = commands_.cancel(request->job_id(), caller.owner);
     if (!job) return job_not_found(request->job_id(), caller.owner);
     job_to_proto(*job, response);
     return Status::OK;
@@ -34,7 +34,7 @@ Status VideoServiceImpl::DeleteJob(ServerContext* ctx, const pb::DeleteJobReques
   if (Status s = authenticate(ctx, &caller, false); !s.ok()) return s;
   if (Status s = check_job_id(request->job_id()); !s.ok()) return s;
   return store_guard(request->job_id(), [&] {
-    auto job = scheduler_.remove(request->job_id(), caller.owner);
+    auto job = commands_.remove(request->job_id(), caller.owner);
     if (!job) return job_not_found(request->job_id(), caller.owner);
     job_to_proto(*job, response);
     return Status::OK;
@@ -57,7 +57,7 @@ Status VideoServiceImpl::ListJobs(ServerContext* ctx, const pb::ListJobsRequest*
   std::vector<JobSnapshot> matching;
   std::vector<JobSnapshot> all;
   if (Status s = store_guard("", [&] {
-        all = scheduler_.list(caller.owner);
+        all = reads_.list(caller.owner);
         return Status::OK;
       });
       !s.ok()) {
@@ -74,10 +74,10 @@ Status VideoServiceImpl::ListJobs(ServerContext* ctx, const pb::ListJobsRequest*
 }
 
 Status VideoServiceImpl::job_not_found(const std::string& id, const std::string& owner) const {
-  if (auto reason = scheduler_.dropped(id, owner); reason && reason->rfind("deleted", 0) == 0) {
+  if (auto reason = reads_.dropped(id, owner); reason && reason->rfind("deleted", 0) == 0) {
     return Status(StatusCode::NOT_FOUND, "job '" + log_escape(id, kMaxJobIdBytes) + "' was " + *reason);
   }
-  if (auto reason = scheduler_.dropped(id, owner)) {
+  if (auto reason = reads_.dropped(id, owner)) {
     return Status(StatusCode::NOT_FOUND, "job '" + log_escape(id, kMaxJobIdBytes) +
                                              "' was dropped by retention (" + *reason + ")");
   }
@@ -149,7 +149,7 @@ void VideoServiceImpl::event_to_proto(const std::string& id, const std::string& 
       c->set_replica(e.replica);
       c->set_seconds(e.seconds);
       work_to_proto(e.work, c->mutable_transformer_work());
-      if (auto job = scheduler_.get(id, owner)) {
+      if (auto job = reads_.get(id, owner)) {
         const ChunkLayout layout = chunk_layout(*job, e.chunk);
         c->set_latent_frame_begin(static_cast<int32_t>(layout.latent_begin));
         c->set_latent_frame_end(static_cast<int32_t>(layout.latent_end));
@@ -166,7 +166,7 @@ void VideoServiceImpl::event_to_proto(const std::string& id, const std::string& 
       break;
     }
     case EventType::Finished: {
-      if (auto job = scheduler_.get(id, owner)) job_to_proto(*job, out->mutable_finished()->mutable_job());
+      if (auto job = reads_.get(id, owner)) job_to_proto(*job, out->mutable_finished()->mutable_job());
       break;
     }
     case EventType::Webhook: {

@@ -14,7 +14,7 @@ Status VideoServiceImpl::DownloadResult(ServerContext* ctx, const pb::DownloadRe
   const std::string& owner = caller.owner;
   std::optional<JobSnapshot> job;
   if (Status s = store_guard(request->job_id(), [&] {
-        job = scheduler_.get(request->job_id(), owner);
+        job = reads_.get(request->job_id(), owner);
         return job ? Status::OK : job_not_found(request->job_id(), caller.owner);
       });
       !s.ok()) {
@@ -27,7 +27,7 @@ Status VideoServiceImpl::DownloadResult(ServerContext* ctx, const pb::DownloadRe
   for (int64_t chunk = request->from_chunk(); chunk < job->chunk_count; ++chunk) {
     while (true) {
       if (ctx->IsCancelled()) return Status(StatusCode::CANCELLED, "client cancelled the download");
-      job = scheduler_.wait_chunks(request->job_id(), owner, chunk, Clock::now() + kPoll);
+      job = reads_.wait_chunks(request->job_id(), owner, chunk, Clock::now() + kPoll);
       if (!job) return job_not_found(request->job_id(), caller.owner);
       if (job->chunks_done > chunk) break;
       if (is_terminal(job->state)) {
@@ -64,7 +64,7 @@ Status VideoServiceImpl::store_unreadable(const std::string& id, const StoreErro
 Status VideoServiceImpl::latents_size(const JobSnapshot& job, int64_t chunk, int64_t* size) {
   std::optional<int64_t> stored;
   try {
-    stored = scheduler_.result_size(job.id, job.owner, JobStore::Blob::chunk, chunk);
+    stored = reads_.result_size(job.id, job.owner, JobStore::Blob::chunk, chunk);
   } catch (const StoreError& e) {
     return store_unreadable(job.id, e);
   }
@@ -72,7 +72,7 @@ Status VideoServiceImpl::latents_size(const JobSnapshot& job, int64_t chunk, int
     *size = *stored;
     return Status::OK;
   }
-  if (!scheduler_.get(job.id, job.owner)) return job_not_found(job.id, job.owner);  // dropped meanwhile
+  if (!reads_.get(job.id, job.owner)) return job_not_found(job.id, job.owner);  // dropped meanwhile
   return Status(StatusCode::INTERNAL, "job " + job.id + ": chunk " + std::to_string(chunk) +
                                           " is done but its result is not in the job store");
 }
@@ -84,7 +84,7 @@ Status VideoServiceImpl::video_size(ServerContext* ctx, const std::string& id, c
   }
   bool made = false;  // the worker says the segment was stored (or that it has nothing to make)
   while (!ctx->IsCancelled()) {
-    const auto job = scheduler_.get(id, owner);
+    const auto job = reads_.get(id, owner);
     if (!job) return job_not_found(id, owner);
     if (!job->description) {  // its latents still download
       return Status(StatusCode::FAILED_PRECONDITION,
@@ -92,7 +92,7 @@ Status VideoServiceImpl::video_size(ServerContext* ctx, const std::string& id, c
     }
     std::optional<int64_t> stored;
     try {
-      stored = scheduler_.result_size(id, owner, JobStore::Blob::segment, chunk);
+      stored = reads_.result_size(id, owner, JobStore::Blob::segment, chunk);
     } catch (const StoreError& e) {
       return store_unreadable(id, e);
     }
@@ -114,7 +114,7 @@ Status VideoServiceImpl::video_size(ServerContext* ctx, const std::string& id, c
 
 Status VideoServiceImpl::flush_results(ServerContext* ctx, const std::string& id, const std::string& owner, pb::ResultFormat format,
                      int64_t* sent, grpc::ServerWriter<pb::GenerateResponse>* writer) {
-  const auto job = scheduler_.get(id, owner);
+  const auto job = reads_.get(id, owner);
   if (!job) return Status::OK;
   while (*sent < job->chunks_done) {
     if (Status s = send_chunk(ctx, *job, *sent, format, writer, generate_slot); !s.ok()) return s;

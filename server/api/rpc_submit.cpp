@@ -30,10 +30,10 @@ Status VideoServiceImpl::Generate(ServerContext* ctx, const pb::GenerateRequest*
   int64_t sent_chunks = 0;
   while (true) {
     if (ctx->IsCancelled()) {
-      scheduler_.cancel(id, owner);  // nobody is listening any more
+      commands_.cancel(id, owner);  // nobody is listening any more
       return Status(StatusCode::CANCELLED, "client cancelled: job " + id + " cancelled");
     }
-    const EventBatch batch = scheduler_.wait_events(id, owner, after, Clock::now() + kPoll);
+    const EventBatch batch = reads_.wait_events(id, owner, after, Clock::now() + kPoll);
     if (!batch.found) return job_not_found(id, owner);
     for (const auto& event : batch.events) {
       after = event.sequence;
@@ -54,7 +54,7 @@ Status VideoServiceImpl::Generate(ServerContext* ctx, const pb::GenerateRequest*
       }
     }
     if (batch.finished) {
-      const auto job = scheduler_.get(id, owner);
+      const auto job = reads_.get(id, owner);
       if (!job || job->state == JobState::Succeeded) return Status::OK;
       return Status(to_code(job->error_kind), "job " + id + " " + job_state_name(job->state) + ": " + job->error);
     }
@@ -111,7 +111,7 @@ TextEncoderFn VideoServiceImpl::gated_text_encoder() {
 }
 
 Status VideoServiceImpl::submit(ServerContext* ctx, const pb::SubmitJobRequest& request, const Caller& caller, SubmitResult* result) {
-  if (scheduler_.draining()) {
+  if (lifecycle_.draining()) {
     return reject(kRejectDraining, StatusCode::UNAVAILABLE,
                   "server is draining (shutting down): submit to another replica");
   }
@@ -132,7 +132,7 @@ Status VideoServiceImpl::submit(ServerContext* ctx, const pb::SubmitJobRequest& 
   std::shared_ptr<ModelJob> job;
   try {
     // Admission first: a job that would be refused costs no text encoding and no image / video decoding.
-    scheduler_.check_admission(spec);
+    commands_.check_admission(spec);
     // Decoding pixels holds up to --max-frames frames per request: bounded like text encodes, refused when full.
     const pb::JobSpec& wanted = request.spec();
     std::unique_ptr<ConcurrencyGate::Pass> decode_pass;
@@ -170,7 +170,7 @@ Status VideoServiceImpl::submit(ServerContext* ctx, const pb::SubmitJobRequest& 
   spec.description = job->description();
   spec.durable_request = durable_request(request, resolved_inputs(*job));
   try {
-    *result = scheduler_.submit(std::move(spec));
+    *result = commands_.submit(std::move(spec));
   } catch (const AdmissionError& e) {
     return admission_refused(ctx, e);
   }
@@ -188,7 +188,7 @@ Status VideoServiceImpl::submit(ServerContext* ctx, const pb::SubmitJobRequest& 
 }
 
 Status VideoServiceImpl::stop_generate(const std::string& id, const std::string& owner, const Status& why) {
-  scheduler_.cancel(id, owner);
+  commands_.cancel(id, owner);
   if (why.error_code() == StatusCode::CANCELLED) {
     return Status(StatusCode::CANCELLED, "client went away: job " + id + " cancelled");
   }

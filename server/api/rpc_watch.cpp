@@ -72,7 +72,7 @@ struct WatchReactor::Core : std::enable_shared_from_this<WatchReactor::Core> {
     // Events first; a preview only when none is waiting (a slow watcher skips to the latest preview).
     std::optional<LatestPreview> preview;
     if (read_more && read.empty() && !done && !finish && looked_up && !skip_previews) {
-      preview = service.scheduler_.latest_preview(id, preview_after);
+      preview = service.reads_.latest_preview(id, preview_after);
       if (preview && preview->image->chunk <= finished_through) {  // its frames are out: never sent after them
         preview_after = preview->serial;
         preview.reset();
@@ -128,7 +128,7 @@ struct WatchReactor::Core : std::enable_shared_from_this<WatchReactor::Core> {
     if (!looked_up) {
       // The replay starts with the job's lookup: NOT_FOUND, or UNAVAILABLE while the store cannot say.
       const Status found = service.store_guard(id, [&] {
-        return service.scheduler_.get(id, owner) ? Status::OK : service.job_not_found(id, owner);
+        return service.reads_.get(id, owner) ? Status::OK : service.job_not_found(id, owner);
       });
       if (!found.ok()) {
         *finish = found;
@@ -136,7 +136,7 @@ struct WatchReactor::Core : std::enable_shared_from_this<WatchReactor::Core> {
       }
       looked_up = true;
     }
-    const EventBatch batch = service.scheduler_.wait_events(id, owner, after, Clock::now());
+    const EventBatch batch = service.reads_.wait_events(id, owner, after, Clock::now());
     if (!batch.found) {
       *finish = service.job_not_found(id, owner);
       return;
@@ -171,7 +171,7 @@ WatchReactor* WatchReactor::start(VideoServiceImpl& service, const pb::WatchJobR
   core->slot = std::move(slot);
   auto* reactor = new WatchReactor(core);
   core->reactor = reactor;
-  core->token = service.scheduler_.subscribe(core->id, [weak = std::weak_ptr<Core>(core)] {
+  core->token = service.reads_.subscribe(core->id, [weak = std::weak_ptr<Core>(core)] {
     if (auto c = weak.lock()) c->notify();
   });
   core->notify();  // the lookup and the replay
@@ -190,7 +190,7 @@ void WatchReactor::OnWriteDone(bool ok) {
 void WatchReactor::OnCancel() { core_->cancel(false); }
 
 void WatchReactor::OnDone() {
-  core_->service.scheduler_.unsubscribe(core_->id, core_->token);
+  core_->service.reads_.unsubscribe(core_->id, core_->token);
   core_->slot.reset();  // the stream's place is free again
   delete this;
 }

@@ -29,8 +29,11 @@ std::vector<std::string> conditionings(const ServiceConfig& config) {
 }
 }  // namespace
 
-VideoServiceImpl::VideoServiceImpl(JobQueue& jobs, ServiceConfig config)
-    : scheduler_(jobs),
+VideoServiceImpl::VideoServiceImpl(JobCommands& commands, JobReads& reads, const QueueLifecycle& lifecycle,
+                                   ServiceConfig config)
+    : commands_(commands),
+      reads_(reads),
+      lifecycle_(lifecycle),
       config_(std::move(config)),
       streams_(config_.transport.max_streams, config_.transport.max_streams_per_client),
       encodes_(config_.transport.max_concurrent_encodes),
@@ -87,7 +90,7 @@ Status VideoServiceImpl::GetServerInfo(ServerContext* ctx, const pb::GetServerIn
     l->set_parameters(lora.parameters);
     l->set_max_rank(static_cast<int32_t>(lora.max_rank));
   }
-  const auto statuses = scheduler_.replicas();
+  const auto statuses = lifecycle_.replicas();
   for (size_t i = 0; i < statuses.size(); ++i) {
     auto* r = response->add_replicas();
     r->set_name(statuses[i].name);
@@ -105,23 +108,23 @@ Status VideoServiceImpl::GetServerInfo(ServerContext* ctx, const pb::GetServerIn
     }
   }
   auto* limits = response->mutable_limits();
-  limits->set_max_queue(static_cast<int32_t>(scheduler_.options().max_jobs));
+  limits->set_max_queue(static_cast<int32_t>(lifecycle_.options().max_jobs));
   limits->set_max_frames(config_.limits.max_frames);
   limits->set_max_height(config_.limits.max_height);
   limits->set_max_width(config_.limits.max_width);
   limits->set_max_steps(config_.limits.max_steps);
   limits->set_max_text_tokens(config_.limits.max_text_tokens);
-  limits->set_chunk_retries(scheduler_.options().chunk_retries);
+  limits->set_chunk_retries(lifecycle_.options().chunk_retries);
   limits->set_max_request_bytes(config_.max_request_bytes);
   limits->set_max_chunk_tokens(config_.limits.max_chunk_tokens);
   limits->set_max_job_work(config_.limits.max_job_work);
   limits->set_max_chunks(config_.limits.max_chunks);
   response->set_vae_available(config_.vae_available);
   response->set_text_encoder_available(static_cast<bool>(config_.text_encoder));
-  response->set_ready(scheduler_.ready());
-  response->set_draining(scheduler_.draining());
-  response->set_queued_jobs(static_cast<int32_t>(scheduler_.queued_jobs()));
-  response->set_running_jobs(static_cast<int32_t>(scheduler_.running_jobs()));
+  response->set_ready(lifecycle_.ready());
+  response->set_draining(lifecycle_.draining());
+  response->set_queued_jobs(static_cast<int32_t>(lifecycle_.queued_jobs()));
+  response->set_running_jobs(static_cast<int32_t>(lifecycle_.running_jobs()));
   response->set_api_keys_required(config_.api_keys != nullptr && config_.api_keys->enabled());
   response->set_image_encoder_available(config_.image_encoder != nullptr);
   for (const std::string& kind : conditionings(config_)) response->add_conditionings(kind);
@@ -225,7 +228,7 @@ JobParts job_parts(const ServiceConfig& config, TextEncoderFn text_encoder) {
 }
 
 std::unique_ptr<grpc::Service> make_video_service(JobQueue& jobs, ServiceConfig config) {
-  return std::make_unique<VideoServiceImpl>(jobs, std::move(config));
+  return std::make_unique<VideoServiceImpl>(jobs, jobs, jobs, std::move(config));
 }
 
 }  // namespace skyreels::server

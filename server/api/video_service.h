@@ -94,7 +94,8 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
  public:
   friend class WatchReactor;
 
-  VideoServiceImpl(JobQueue& jobs, ServiceConfig config);
+  // The three seams of the queue it uses (job_queue.h), named apart so that each call says which it is.
+  VideoServiceImpl(JobCommands& commands, JobReads& reads, const QueueLifecycle& lifecycle, ServiceConfig config);
 
   Status SubmitJob(ServerContext* ctx, const pb::SubmitJobRequest* request, pb::SubmitJobResponse* response) override;
 
@@ -176,7 +177,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
       if (n > 0) {
         std::optional<std::string> piece;
         try {
-          piece = scheduler_.result_range(job.id, job.owner, kind, chunk, offset, n);
+          piece = reads_.result_range(job.id, job.owner, kind, chunk, offset, n);
         } catch (const StoreError& e) {
           return store_unreadable(job.id, e);
         }
@@ -250,7 +251,9 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
 
   Status gone(const std::string& id, const std::string& owner);
 
-  JobQueue& scheduler_;
+  JobCommands& commands_;         // submit, cancel, delete
+  JobReads& reads_;               // jobs, events, previews, results
+  const QueueLifecycle& lifecycle_;  // readiness, drain, replicas (GetServerInfo)
   ServiceConfig config_;
   StreamLimiter streams_;
   ConcurrencyGate encodes_;  // text prompts being encoded

@@ -26,7 +26,7 @@
 #include "server/http/http_server.h"
 #include "server/http/metrics_port.h"
 #include "server/metrics/metrics.h"
-#include "server/queue/restore_job.h"
+#include "server/app/restore_job.h"
 #include "server/queue/scheduler.h"
 #include "server/store/job_store_timed.h"
 

@@ -1,7 +1,7 @@
 // A job's request as the job store keeps it (the durable request) and the codec it is read back with: the bytes a
 // submission is stored as, so that any pod can re-create the job later (after a restart, a takeover, an eviction),
 // and skyreels.v1.JobSpec -> JobRequest, which the submit path and that re-creation share. Protobuf messages, no
-// gRPC (the transport hands the messages over; queue/restore_job.h re-creates the job).
+// gRPC (the transport hands the messages over; app/restore_job.h re-creates the job).
 #pragma once
 
 #include <cstddef>

@@ -1,4 +1,4 @@
-#include "server/queue/restore_job.h"
+#include "server/app/restore_job.h"
 
 #include <spdlog/spdlog.h>
 

@@ -1,10 +1,9 @@
 // A job's payload re-created from its durable request and committed chunks: the Scheduler's JobLoader, for a chunk
 // of a job whose payload is not on this server (after a restart, another pod's, or evicted).
 //
-// It lives here, on the queue's side of ModelJob: job/ holds the durable request's codec but sits below replica/, and
-// a restore makes a ModelJob (replica/) and answers the queue's RestoredJob; the transport (api/) has no part in it.
-// The Scheduler itself stays payload-blind: it never includes this file; the assembly (app/) hands it over as the
-// loader.
+// It lives in the assembly, which hands it to the Scheduler as the loader: a restore makes a ModelJob (replica/) and
+// answers the queue's RestoredJob, so it sits above both; the Scheduler stays payload-blind (and queue/ builds without
+// replica/), and the transport (api/) has no part in it.
 #pragma once
 
 #include <vector>
