@@ -13,10 +13,12 @@
 #include <sstream>
 #include <thread>
 
+#include "server/store/job_lease.h"
 #include "server/store/job_store_memory.h"
 #include "server/store/job_store_timed.h"
 #include "server/metrics/metric_families.h"
 #include "server/metrics/metrics.h"
+#include "tests/stored_jobs.h"
 #include "tests/deploy_support.h"
 #include "tests/test_util.h"
 
@@ -1086,11 +1088,54 @@ TEST(StoreMetrics, TimedStoreReportsEveryCallWithItsOperationAlsoWhenTheCallFail
   EXPECT_EQ(reported_ops(std::make_unique<FailingStore>()), all);
 }
 
+// The leases are timed like the records: every LeaseStore call that reaches the store, by its name, and records()
+// hands out the records timed.
+TEST(StoreMetrics, TimedLeaseStoreReportsEveryLeaseCallAndTimesTheRecordsItHolds) {
+  auto leases = server::lease_store_over(std::make_unique<server::MemoryJobStore>(), "finished");
+  std::vector<std::string> ops;
+  server::TimedLeaseStore timed(*leases, [&](const char* op, double seconds) {
+    EXPECT_GE(seconds, 0.0);
+    ops.push_back(op);
+  });
+  const server::StoredJob job = make_job("j1", 0, 0, 0, 1);
+  const auto ttl = std::chrono::milliseconds(10000);
+  timed.candidates(10);
+  const auto lease = timed.try_lease("j1", "cpu:0", ttl, 1);
+  timed.report_replica("cpu:0", {}, true);
+  timed.replica_reports(ttl);
+  timed.insert_job_once(job, {});
+  const auto leased = timed.try_lease("j1", "cpu:0", ttl, 1);
+  ASSERT_TRUE(leased.has_value()) << "a leased chunk to renew, commit and release";
+  timed.renew(*leased, ttl);
+  timed.release(*leased);
+  const auto again = timed.try_lease("j1", "cpu:0", ttl, 1);
+  ASSERT_TRUE(again.has_value());
+  timed.commit(*again, {0, "cpu:0", 1, "bytes"}, {});
+  timed.expire_deadlines();
+  timed.finished_to_retire(0, 10);
+  timed.request_cancel("j1", "alice");
+  timed.admission_counts("alice");
+  timed.queue_depth();
+  timed.jobs_of("alice");
+  timed.load_job("j1", false);
+  timed.append_events("j1", {"event"});
+  timed.reserve_sequences("j1", 1);
+  timed.publish_step("j1", {1, "step"});
+  const std::set<std::string> reported(ops.begin(), ops.end());
+  EXPECT_EQ(reported, std::set<std::string>(std::begin(server::kLeaseStoreOps), std::end(server::kLeaseStoreOps)));
+  EXPECT_FALSE(lease.has_value()) << "nothing was stored yet";
+  ops.clear();
+  timed.records().load_jobs();
+  EXPECT_EQ(ops, std::vector<std::string>{"load_jobs"}) << "the records it holds are timed too";
+}
+
 TEST(StoreMetrics, ContractListsEveryStoreOperationAsTheOpLabel) {
   const MetricSpec& spec = contract().metrics.at("skyreels_job_store_seconds");
   EXPECT_EQ(spec.type, "histogram");
   EXPECT_EQ(spec.label, "op");
-  EXPECT_EQ(spec.label_values, std::set<std::string>(std::begin(server::kJobStoreOps), std::end(server::kJobStoreOps)));
+  std::set<std::string> ops(std::begin(server::kJobStoreOps), std::end(server::kJobStoreOps));
+  ops.insert(std::begin(server::kLeaseStoreOps), std::end(server::kLeaseStoreOps));
+  EXPECT_EQ(spec.label_values, ops);
 }
 
 // --- the metric family table (server/metrics/metric_families.*) against the contract --------------------------------

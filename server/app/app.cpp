@@ -76,14 +76,15 @@ int serve(const Options& o, Signals& signals) {
   Metrics metrics(replicas.names, SKYREELS_VERSION, skyreels::model::describe_loras(o.loras));
   work_sink->store(&metrics);
   const std::shared_ptr<void> unsink(nullptr, [work_sink](void*) { work_sink->store(nullptr); });
-  // The records everything above reads and writes, timed (skyreels_job_store_seconds) from their first use on; the
-  // leases' own calls (claim, renew, commit, ...) are not timed.
-  TimedJobStore store(leases->records(), metrics.store_call_report());
+  // The store as everything above uses it, timed (skyreels_job_store_seconds) from its first use on: the leases'
+  // calls (claim, renew, commit, ...) and the records they hold (jobs, chunks, events, segments).
+  TimedLeaseStore timed_leases(*leases, metrics.store_call_report());
+  JobStore& store = timed_leases.records();
   ModelParts parts = load_model_parts(o, *model, replicas, store, metrics);
   const TextEncoderFn& text_encoder = parts.text_encoder;
   const std::unique_ptr<VideoEncoder>& video = parts.video;
   const std::shared_ptr<const ImageEncoder>& image_encoder = parts.image_encoder;
-  std::unique_ptr<WebhookSender> webhooks = make_webhooks(o, store, *leases, metrics);
+  std::unique_ptr<WebhookSender> webhooks = make_webhooks(o, store, timed_leases, metrics);
   const std::unique_ptr<http::HttpServer> metrics_port =
       http::serve_metrics(o.metrics_listen, [&metrics] { return metrics.render(); });
 
@@ -104,7 +105,7 @@ int serve(const Options& o, Signals& signals) {
     };
   }
   // The service and the drain see only the JobQueue seam.
-  std::unique_ptr<JobQueue> jobs = make_queue(o, replicas, store, *leases, config);
+  std::unique_ptr<JobQueue> jobs = make_queue(o, replicas, store, timed_leases, config);
   // The queue's one stream of scheduler events, consumed by metrics, MP4s (every commit the queue sees, also those
   // of chunks another pod ran) and webhooks, each from now until the queue goes.
   EventStream& events = jobs->events();

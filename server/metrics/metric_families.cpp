@@ -35,6 +35,13 @@ MetricFamily single(MetricId id, const char* name, MetricType type, const char* 
   return {id, name, type, help, {}, Series::Single, {}, std::move(buckets)};
 }
 
+// skyreels_job_store_seconds' `op` values: every JobStore call, then every LeaseStore call (job_store_timed.h).
+std::vector<std::string> store_ops() {
+  std::vector<std::string> ops(std::begin(kJobStoreOps), std::end(kJobStoreOps));
+  ops.insert(ops.end(), std::begin(kLeaseStoreOps), std::end(kLeaseStoreOps));
+  return ops;
+}
+
 MetricFamily by_value(MetricId id, const char* name, MetricType type, const char* help, const char* label,
                       std::vector<std::string> values, Buckets buckets = {}) {
   return {id, name, type, help, {label}, Series::Values, std::move(values), std::move(buckets)};
@@ -98,8 +105,8 @@ std::vector<MetricFamily> service_families() {
       single(M::TextCacheBytes, "skyreels_text_embedding_cache_bytes", kGauge,
              "Bytes of embeddings held by the text encoder's cache"),
       by_value(M::JobStoreSeconds, "skyreels_job_store_seconds", kHistogram,
-               "Job store calls (SQLite, PostgreSQL), by operation", "op",
-               {std::begin(kJobStoreOps), std::end(kJobStoreOps)}, kStoreCall),
+               "Job store calls (SQLite, PostgreSQL), records and leases, by operation", "op",
+               store_ops(), kStoreCall),
       single(M::LeaseTakeovers, "skyreels_lease_takeovers_total", kCounter,
              "Jobs taken over from a pod whose lease ran out"),
       single(M::GlobalQueueDepth, "skyreels_global_queue_depth", kGauge,

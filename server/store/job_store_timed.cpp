@@ -93,4 +93,87 @@ std::optional<std::string> TimedJobStore::load_blob_range(const std::string& job
   return timed("load_blob_range", [&] { return inner_.load_blob_range(job_id, kind, index, offset, length); });
 }
 
+TimedLeaseStore::TimedLeaseStore(LeaseStore& inner, StoreCallReport report)
+    : inner_(inner), report_(report), records_(inner.records(), std::move(report)) {}
+
+template <typename Call>
+auto TimedLeaseStore::timed(const char* op, Call&& call) const {
+  const CallTimer timer(report_, op);
+  return call();
+}
+
+std::vector<policy::ReadyJob> TimedLeaseStore::candidates(int64_t limit) const {
+  return timed("candidates", [&] { return inner_.candidates(limit); });
+}
+
+std::optional<ChunkLease> TimedLeaseStore::try_lease(const std::string& job_id, const std::string& replica,
+                                                     std::chrono::milliseconds ttl, int64_t charge) {
+  return timed("try_lease", [&] { return inner_.try_lease(job_id, replica, ttl, charge); });
+}
+
+void TimedLeaseStore::report_replica(const std::string& replica, const std::vector<std::string>& resident, bool idle) {
+  timed("report_replica", [&] { inner_.report_replica(replica, resident, idle); });
+}
+
+std::vector<policy::ReplicaReport> TimedLeaseStore::replica_reports(std::chrono::milliseconds within) const {
+  return timed("replica_reports", [&] { return inner_.replica_reports(within); });
+}
+
+LeaseRenewal TimedLeaseStore::renew(const ChunkLease& lease, std::chrono::milliseconds ttl) {
+  return timed("renew", [&] { return inner_.renew(lease, ttl); });
+}
+
+LeaseCommit TimedLeaseStore::commit(const ChunkLease& lease, const StoredChunk& chunk,
+                                    const std::vector<std::string>& events) {
+  return timed("commit", [&] { return inner_.commit(lease, chunk, events); });
+}
+
+bool TimedLeaseStore::release(const ChunkLease& lease) {
+  return timed("release", [&] { return inner_.release(lease); });
+}
+
+std::vector<std::string> TimedLeaseStore::expire_deadlines() {
+  return timed("expire_deadlines", [&] { return inner_.expire_deadlines(); });
+}
+
+std::vector<LeaseStore::Retired> TimedLeaseStore::finished_to_retire(int64_t finished_before_ms, int64_t keep) const {
+  return timed("finished_to_retire", [&] { return inner_.finished_to_retire(finished_before_ms, keep); });
+}
+
+CancelState TimedLeaseStore::request_cancel(const std::string& job_id, const std::string& owner) {
+  return timed("request_cancel", [&] { return inner_.request_cancel(job_id, owner); });
+}
+
+InsertOutcome TimedLeaseStore::insert_job_once(const StoredJob& job, AdmissionLimits limits) {
+  return timed("insert_job_once", [&] { return inner_.insert_job_once(job, limits); });
+}
+
+AdmissionCounts TimedLeaseStore::admission_counts(const std::string& client) const {
+  return timed("admission_counts", [&] { return inner_.admission_counts(client); });
+}
+
+int64_t TimedLeaseStore::queue_depth() const {
+  return timed("queue_depth", [&] { return inner_.queue_depth(); });
+}
+
+std::vector<StoredJob> TimedLeaseStore::jobs_of(const std::string& owner) const {
+  return timed("jobs_of", [&] { return inner_.jobs_of(owner); });
+}
+
+std::optional<StoredJob> TimedLeaseStore::load_job(const std::string& job_id, bool with_request) const {
+  return timed("load_job", [&] { return inner_.load_job(job_id, with_request); });
+}
+
+std::vector<uint64_t> TimedLeaseStore::append_events(const std::string& job_id, const std::vector<std::string>& events) {
+  return timed("append_events", [&] { return inner_.append_events(job_id, events); });
+}
+
+uint64_t TimedLeaseStore::reserve_sequences(const std::string& job_id, int64_t count) {
+  return timed("reserve_sequences", [&] { return inner_.reserve_sequences(job_id, count); });
+}
+
+void TimedLeaseStore::publish_step(const std::string& job_id, const StoredEvent& event) {
+  timed("publish_step", [&] { inner_.publish_step(job_id, event); });
+}
+
 }  // namespace skyreels::server

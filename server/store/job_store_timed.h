@@ -1,11 +1,11 @@
-// A JobStore that times every call of another one and reports the operation and its duration (for
-// skyreels_job_store_seconds), whatever the backend. Failed calls are reported too: a timeout is latency as well.
-// It times the records only: the lease store (job_lease.h) is a store of its own, and whoever assembles the two says
-// which of them is timed (app.cpp: the records the layers above use; the leases are not timed).
+// Store timing, for skyreels_job_store_seconds: TimedJobStore times every call of a JobStore, TimedLeaseStore every
+// call of a LeaseStore (and hands out its records timed), whatever the backend. Failed calls are reported too: a
+// timeout is latency as well. The assembly (app.cpp) wraps the lease store it opened, so both are timed, visibly.
 #pragma once
 
 #include <functional>
 
+#include "server/store/job_lease.h"
 #include "server/store/job_store.h"
 
 namespace skyreels::server {
@@ -18,7 +18,15 @@ inline constexpr const char* kJobStoreOps[] = {"insert_job",   "update_job",  "c
                                                "load_chunk_bytes", "put_segment", "load_segment",
                                                "blob_size",    "load_blob_range"};
 
-// Receives `op` (one of kJobStoreOps, a string literal) and the call's wall-clock seconds, on the calling thread.
+// The lease store's calls that reach the store (the method's name; records() is timed as above, and shared(),
+// reachable(), now_ms() and listen() are answers of the process, not calls).
+inline constexpr const char* kLeaseStoreOps[] = {
+    "candidates",      "try_lease",   "report_replica",    "replica_reports",   "renew",         "commit",
+    "release",         "expire_deadlines", "finished_to_retire", "request_cancel", "insert_job_once",
+    "admission_counts", "queue_depth", "jobs_of",           "load_job",          "append_events", "reserve_sequences",
+    "publish_step"};
+
+// Receives `op` (one of kJobStoreOps or kLeaseStoreOps, a string literal) and the call's wall-clock seconds, on the calling thread.
 using StoreCallReport = std::function<void(const char* op, double seconds)>;
 
 class TimedJobStore final : public JobStore {
@@ -36,6 +44,45 @@ class TimedJobStore final : public JobStore {
 
   JobStore& inner_;
   StoreCallReport report_;
+};
+
+class TimedLeaseStore final : public LeaseStore {
+ public:
+  // `inner` must outlive this.
+  TimedLeaseStore(LeaseStore& inner, StoreCallReport report);
+
+  JobStore& records() override { return records_; }  // timed
+  std::vector<policy::ReadyJob> candidates(int64_t limit) const override;
+  std::optional<ChunkLease> try_lease(const std::string& job_id, const std::string& replica,
+                                      std::chrono::milliseconds ttl, int64_t charge) override;
+  void report_replica(const std::string& replica, const std::vector<std::string>& resident, bool idle) override;
+  std::vector<policy::ReplicaReport> replica_reports(std::chrono::milliseconds within) const override;
+  LeaseRenewal renew(const ChunkLease& lease, std::chrono::milliseconds ttl) override;
+  LeaseCommit commit(const ChunkLease& lease, const StoredChunk& chunk, const std::vector<std::string>& events) override;
+  bool release(const ChunkLease& lease) override;
+  std::vector<std::string> expire_deadlines() override;
+  std::vector<Retired> finished_to_retire(int64_t finished_before_ms, int64_t keep) const override;
+  CancelState request_cancel(const std::string& job_id, const std::string& owner) override;
+  InsertOutcome insert_job_once(const StoredJob& job, AdmissionLimits limits) override;
+  AdmissionCounts admission_counts(const std::string& client) const override;
+  int64_t queue_depth() const override;
+  std::vector<StoredJob> jobs_of(const std::string& owner) const override;
+  bool shared() const override { return inner_.shared(); }
+  std::optional<StoredJob> load_job(const std::string& job_id, bool with_request) const override;
+  std::vector<uint64_t> append_events(const std::string& job_id, const std::vector<std::string>& events) override;
+  uint64_t reserve_sequences(const std::string& job_id, int64_t count) override;
+  void publish_step(const std::string& job_id, const StoredEvent& event) override;
+  std::unique_ptr<ChangeListener> listen() override { return inner_.listen(); }
+  bool reachable() const override { return inner_.reachable(); }
+  int64_t now_ms() const override { return inner_.now_ms(); }
+
+ private:
+  template <typename Call>
+  auto timed(const char* op, Call&& call) const;
+
+  LeaseStore& inner_;
+  StoreCallReport report_;
+  TimedJobStore records_;
 };
 
 }  // namespace skyreels::server
