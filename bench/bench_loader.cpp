@@ -4,7 +4,8 @@
 // then times, on CPU:
 //   read    read() of the whole file into one buffer (the floor for getting the bytes into memory)
 //   fp32    load_transformer(float32): header parse, mapping, strict check, BF16 -> F32 conversion, model object
-//   bf16    load_transformer(bfloat16): the same, but non-island tensors stay zero-copy views of the mapping
+//   bf16    load_transformer(bfloat16): the same, but non-island tensors are copied as they are (no conversion; no
+//           weight views the file's mapping since issue 46)
 //   bf16+touch  bf16 followed by one pass over every weight (what the first forward would page in)
 // and prints each time and its ratio to `read`. The page cache is not dropped (that needs root and would disturb
 // other processes); the residency of the file in the page cache (mincore) is printed before each measurement.
@@ -12,7 +13,7 @@
 // Then fp8 against bf16 (issue 23): the same checkpoint converted to F8_E4M3 (`convert --dtype float8_e4m3fn`), and a
 // random rank-32 LoRA (diffusers keys, every attention and FFN linear of every block, BF16). Each of bf16, fp8,
 // bf16+LoRA and fp8+LoRA is loaded as bfloat16 in a fresh process of its own (so that its peak RSS is its own),
-// followed by one pass over every weight (which pages in the zero-copy views of a bf16 load); printed: load seconds,
+// followed by one pass over every weight (the first forward's reads); printed: load seconds,
 // touch seconds, and the child's peak RSS.
 // The scratch folder is deleted at the end unless --keep.
 //
@@ -118,7 +119,7 @@ double read_whole_file(const std::string& path, uint64_t& bytes_read) {
   return t;
 }
 
-// Reads every byte of every weight once (pages in zero-copy views, like a first forward would).
+// Reads every byte of every weight once, like a first forward would.
 double touch_all(const skyreels::model::SkyReelsV2Transformer& model) {
   double checksum = 0;
   const double t = seconds([&] {

@@ -402,7 +402,9 @@ TEST(ServedAdaptersLive, AFileReplacedAfterItsJobWasAcceptedFailsThatJobByNameAn
   const std::string id = submit(server.client(), next).job_id();
   const pb::Job done = wait_job(server.client(), id, 180s);
   ASSERT_EQ(done.state(), pb::JOB_STATE_SUCCEEDED) << done.error().message();
-  EXPECT_EQ(done.params().loras(0).sha256(), model::sha256_file(lora_dir + "/style.safetensors"));
+  const pb::Job record = get_job(server, id);  // GetJob: the resolved params, with each adapter's digest
+  ASSERT_EQ(record.params().loras_size(), 1) << record.DebugString();
+  EXPECT_EQ(record.params().loras(0).sha256(), model::sha256_file(lora_dir + "/style.safetensors"));
   const at::Tensor served = download_latents(server.client(), id);
   const at::Tensor expected = generate_reference(next, lora_dir);  // the new file
   EXPECT_TRUE(at::equal(served, expected)) << "max |served - generate| = " << max_abs_diff(served, expected);
@@ -463,6 +465,9 @@ TEST(ServedAdaptersLive, AnAdapterAndTheModelRewrittenInPlaceUnderARunningJobCha
   const pb::SubmitJobRequest request = with_adapters(3351, {{"style", 0.8}});
   const std::string id = submit(server.client(), request).job_id();
   watch_until(server.client(), id, 0, [](const pb::JobEvent& e) { return e.has_chunk_finished(); });
+  const pb::Job accepted = get_job(server, id);  // the resolved params, with the digest it was accepted with
+  ASSERT_EQ(accepted.params().loras_size(), 1) << accepted.DebugString();
+  EXPECT_EQ(accepted.params().loras(0).sha256(), model::sha256_file(kept + "/style.safetensors"));
 
   const std::string other_adapter = dir + "/other.safetensors";
   write_adapter(other_adapter, 99);
@@ -481,7 +486,6 @@ TEST(ServedAdaptersLive, AnAdapterAndTheModelRewrittenInPlaceUnderARunningJobCha
   const pb::Job done = wait_job(server.client(), id, 180s);
   ASSERT_EQ(done.state(), pb::JOB_STATE_SUCCEEDED) << done.error().message();
   EXPECT_EQ(done.retries(), 0);
-  EXPECT_EQ(done.params().loras(0).sha256(), model::sha256_file(kept + "/style.safetensors"));
   const at::Tensor served = download_latents(server.client(), id);
   const at::Tensor expected = generate_reference(request, kept);  // the files as they were when it was accepted
   EXPECT_TRUE(at::equal(served, expected)) << "max |served - generate| = " << max_abs_diff(served, expected);
