@@ -486,7 +486,8 @@ TEST(HttpPageTest, ThePageInChromiumShowsProgressPreviewsAndPlaysTheVideoBeforeT
   const int http_port = free_port();
   ServerProcess server({"--demo", "--vae", "demo", "--devices", "cpu", "--dtype", "float32", "--text-encoder",
                         encoder_dir, "--tokenizer", golden_path("umt5_encoder/e3_prompts_to_embeds/tokenizer"),
-                        "--http-listen", "127.0.0.1:" + std::to_string(http_port), "--step-delay-ms", "150"});
+                        "--http-listen", "127.0.0.1:" + std::to_string(http_port), "--enable-test-hooks",
+                        "--step-delay-ms", "150"});
   const std::string page = http_exchange(http_port, "GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
   ASSERT_EQ(status_of(page), 200);
   EXPECT_NE(page.find("text/html"), std::string::npos);
@@ -541,8 +542,8 @@ TEST(HttpAdmissionTest, CapsCountEachClientAddressAndRefusalsCarryRetryAfter) {
   const int http_port = free_port();
   ServerProcess server({"--demo", "--devices", "cpu", "--dtype", "float32", "--text-encoder", encoder_dir,
                         "--tokenizer", golden_path("umt5_encoder/e3_prompts_to_embeds/tokenizer"), "--http-listen",
-                        "127.0.0.1:" + std::to_string(http_port), "--max-jobs-per-client", "1", "--step-delay-ms",
-                        "100"});
+                        "127.0.0.1:" + std::to_string(http_port), "--max-jobs-per-client", "1", "--enable-test-hooks",
+                        "--step-delay-ms", "100"});
   const std::string video = R"({"prompt":"A dog runs.","size":"48x32","seconds":2,"fps":8,"num_inference_steps":20})";
   const std::string first = http_exchange(http_port, json_post("/v1/videos", video, "key-1"));
   ASSERT_EQ(status_of(first), 200) << first;

@@ -88,6 +88,8 @@ const std::map<std::string, MovedBy>& moved_by() {
        {"test_server_adapters.cpp", "ServedAdapters.JobsWithDifferentAdaptersAtOnceEachEqualGenerateWithTheirAdapters"}},
       {"skyreels_adapter_jobs_total",
        {"test_server_adapters.cpp", "ServedAdapters.JobsWithDifferentAdaptersAtOnceEachEqualGenerateWithTheirAdapters"}},
+      {"skyreels_test_hooks_enabled",
+       {"test_server_hardening_exec.cpp", "TestHooks.WithEnableTestHooksTheServerSaysSoInItsLogServerInfoAndMetrics"}},
   };
   return table;
 }

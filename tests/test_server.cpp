@@ -84,6 +84,8 @@ TEST_F(ServerTest, ServerInfoDescribesTheModelAndBothReplicas) {
   }
   EXPECT_TRUE(info.ready());
   EXPECT_FALSE(info.text_encoder_available());
+  EXPECT_FALSE(info.test_hooks_enabled());
+  EXPECT_EQ(info.test_hooks_size(), 0);
 }
 
 // ---- two CPU replicas, each step slowed down so that submitted jobs overlap --------------------------------------
@@ -96,7 +98,7 @@ class HandoffServerTest : public SharedServerSuite<HandoffServerTest> {
   static std::unique_ptr<ServerProcess> start() {
     return std::make_unique<ServerProcess>(std::vector<std::string>{"--demo", "--devices", "cpu,cpu", "--dtype",
                                                                     "float32", "--handoff-cost-seconds", "0",
-                                                                    "--step-delay-ms", "25"});
+                                                                    "--enable-test-hooks", "--step-delay-ms", "25"});
   }
 };
 
@@ -426,6 +428,7 @@ TEST_F(ServerTest, MetricsExposeEveryContractMetric) {
             1);
   EXPECT_EQ(metric_value(text, "skyreels_replicas_ready"), 2);
   EXPECT_EQ(metric_value(text, "skyreels_replica_healthy{replica=\"cpu:0\"}"), 1);
+  EXPECT_EQ(metric_value(text, "skyreels_test_hooks_enabled"), 0) << "started without --enable-test-hooks";
   http_get(server_->metrics_port(), "/other", &status);
   EXPECT_EQ(status, 404);
 }
@@ -435,8 +438,8 @@ TEST_F(ServerTest, MetricsExposeEveryContractMetric) {
 class SlowServerTest : public SharedServerSuite<SlowServerTest> {
  public:
   static std::unique_ptr<ServerProcess> start() {
-    return std::make_unique<ServerProcess>(
-        std::vector<std::string>{"--demo", "--devices", "cpu,cpu", "--step-delay-ms", "40", "--max-queue", "3"});
+    return std::make_unique<ServerProcess>(std::vector<std::string>{
+        "--demo", "--devices", "cpu,cpu", "--enable-test-hooks", "--step-delay-ms", "40", "--max-queue", "3"});
   }
 };
 
@@ -495,8 +498,9 @@ TEST_F(SlowServerTest, FullQueueAnswersResourceExhaustedWithARetryHint) {
 // ---- fault injection: the second replica fails every chunk --------------------------------------------------------
 
 TEST(FaultServerTest, ChunksFailingOnAReplicaAreRetriedElsewhereWithAnUnchangedResultAndTheReplicaIsTakenOut) {
-  ServerProcess server({"--demo", "--devices", "cpu,cpu", "--dtype", "float32", "--fault-inject", "cpu:1@1+",
-                        "--replica-failure-limit", "2", "--chunk-retries", "2", "--handoff-cost-seconds", "0"});
+  ServerProcess server({"--demo", "--devices", "cpu,cpu", "--dtype", "float32", "--enable-test-hooks", "--fault-inject",
+                        "cpu:1@1+", "--replica-failure-limit", "2", "--chunk-retries", "2", "--handoff-cost-seconds",
+                        "0"});
   std::vector<pb::SubmitJobRequest> requests;
   std::vector<std::string> ids;
   for (uint64_t seed : {301, 302, 303}) {
@@ -530,8 +534,8 @@ TEST(FaultServerTest, ChunksFailingOnAReplicaAreRetriedElsewhereWithAnUnchangedR
 // retry runs on the other replica, whose previous chunk for this job ran elsewhere: a handoff; chunk 2 the same way
 // back. The video is unchanged.
 TEST(FaultServerTest, AChunkRetriedOnTheOtherReplicaCountsAHandoff) {
-  ServerProcess server({"--demo", "--devices", "cpu,cpu", "--dtype", "float32", "--fault-inject", "cpu:0@2,cpu:1@2",
-                        "--replica-failure-limit", "3", "--chunk-retries", "2"});
+  ServerProcess server({"--demo", "--devices", "cpu,cpu", "--dtype", "float32", "--enable-test-hooks", "--fault-inject",
+                        "cpu:0@2,cpu:1@2", "--replica-failure-limit", "3", "--chunk-retries", "2"});
   const pb::SubmitJobRequest request = long_video_request(311);
   const pb::Job job = wait_job(server.client(), submit(server.client(), request).job_id());
   ASSERT_EQ(job.state(), pb::JOB_STATE_SUCCEEDED) << job.error().message();
@@ -584,7 +588,7 @@ TEST(LoraServerTest, ADamagedAdapterStopsTheStartNamingItsKey) {
 // ---- drain on SIGTERM -------------------------------------------------------------------------------------------
 
 TEST(DrainTest, SigtermRefusesNewJobsFinishesAcceptedOnesAndExitsZero) {
-  ServerProcess server({"--demo", "--devices", "cpu,cpu", "--step-delay-ms", "20"});
+  ServerProcess server({"--demo", "--devices", "cpu,cpu", "--enable-test-hooks", "--step-delay-ms", "20"});
   std::vector<std::string> ids;
   for (uint64_t seed : {400, 401, 402}) ids.push_back(submit(server.client(), long_video_request(seed, 5)).job_id());
   first_event_of_type(server.client(), ids[0], pb::JobEvent::kStep);
@@ -607,7 +611,8 @@ TEST(DrainTest, SigtermRefusesNewJobsFinishesAcceptedOnesAndExitsZero) {
 }
 
 TEST(DrainTest, JobsStillRunningAtTheDrainTimeoutEndUnavailable) {
-  ServerProcess server({"--demo", "--devices", "cpu", "--step-delay-ms", "50", "--drain-timeout-seconds", "1"});
+  ServerProcess server(
+      {"--demo", "--devices", "cpu", "--enable-test-hooks", "--step-delay-ms", "50", "--drain-timeout-seconds", "1"});
   const std::string id = submit(server.client(), long_video_request(410, 50)).job_id();  // ~10 s of work
   first_event_of_type(server.client(), id, pb::JobEvent::kStep);
   server.signal(SIGTERM);

@@ -106,10 +106,10 @@ class ServedAdapters : public SharedServerSuite<ServedAdapters> {
  public:
   static std::unique_ptr<ServerProcess> start() {
     http_port_ = free_port();
-    return std::make_unique<ServerProcess>(std::vector<std::string>{
-        "--demo", "--devices", "cpu,cpu", "--dtype", "float32", "--lora-dir", setup().lora_dir,
-        "--max-resident-adapters", "1", "--step-delay-ms", "20", "--http-listen",
-        "127.0.0.1:" + std::to_string(http_port_)});
+    return std::make_unique<ServerProcess>(
+        std::vector<std::string>{"--demo", "--devices", "cpu,cpu", "--dtype", "float32", "--lora-dir", setup().lora_dir,
+                                 "--max-resident-adapters", "1", "--enable-test-hooks", "--step-delay-ms", "20",
+                                 "--http-listen", "127.0.0.1:" + std::to_string(http_port_)});
   }
   static inline int http_port_ = 0;
 };
@@ -312,8 +312,8 @@ TEST(ServedAdaptersPlacement, AcrossPodsAJobRunsWhereItsAdapterIsResident) {
 // A job with adapters on a store that survives a SIGKILL: it resumes bit-identical; with its adapter file changed
 // meanwhile, the resumed job fails naming the adapter instead of making another video.
 std::vector<std::string> durable_args(const std::string& store, const std::string& lora_dir) {
-  return {"--demo", "--devices", "cpu", "--dtype", "float32", "--lora-dir", lora_dir, "--step-delay-ms", "60",
-          "--job-store", "sqlite:" + store};
+  return {"--demo", "--devices", "cpu", "--dtype", "float32", "--lora-dir", lora_dir, "--enable-test-hooks",
+          "--step-delay-ms", "60", "--job-store", "sqlite:" + store};
 }
 
 // Submits, waits for chunk 0 to finish, SIGKILLs the server; returns the job id.

@@ -99,9 +99,9 @@ class ConditioningServerTest : public SharedServerSuite<ConditioningServerTest> 
   // Slowed steps so that the three jobs overlap and chunks move between the two replicas.
   static std::unique_ptr<ServerProcess> start() {
     const std::string dir = golden_path(kI2v) + "/weights";
-    return std::make_unique<ServerProcess>(
-        std::vector<std::string>{"--model", dir + "/diffusers", "--vae", dir + "/vae", "--devices", "cpu,cpu",
-                                 "--dtype", "float32", "--handoff-cost-seconds", "0", "--step-delay-ms", "25"});
+    return std::make_unique<ServerProcess>(std::vector<std::string>{
+        "--model", dir + "/diffusers", "--vae", dir + "/vae", "--devices", "cpu,cpu", "--dtype", "float32",
+        "--handoff-cost-seconds", "0", "--enable-test-hooks", "--step-delay-ms", "25"});
   }
 };
 
@@ -138,7 +138,7 @@ TEST_F(ConditioningServerTest, ImageToVideoAndVideoExtensionAcrossReplicasEqualT
   // the first chunk's stored result.
   const std::string dir = golden_path(kI2v) + "/weights";
   ServerProcess faulty({"--model", dir + "/diffusers", "--vae", dir + "/vae", "--devices", "cpu,cpu", "--dtype",
-                        "float32", "--handoff-cost-seconds", "0", "--fault-inject", "cpu:0@2"});
+                        "float32", "--handoff-cost-seconds", "0", "--enable-test-hooks", "--fault-inject", "cpu:0@2"});
   const std::string id = submit(faulty.client(), video_request(77)).job_id();
   const pb::Job job = wait_job(faulty.client(), id, std::chrono::seconds(120));
   ASSERT_EQ(job.state(), pb::JOB_STATE_SUCCEEDED) << job.error().message();

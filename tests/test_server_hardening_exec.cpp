@@ -1,6 +1,7 @@
 // Issue 12 ("A pod that no client can take down"), its execution half, against the real skyreels-server binary on
 // 127.0.0.1 with the --demo model: replicas heal and liveness means something (item 3), admission refuses work that
 // cannot run and cancellation acts inside a forward (item 4), shutdown ends (item 5), MP4 only on demand (item 6).
+// Issue 46: the test hooks the suites use are refused at start unless --enable-test-hooks, which shows everywhere.
 // Items 9 and 12 are unit-level (test_diffusion_forcing, test_server_units); the scheduler's policy is in
 // test_scheduler (SchedulerHealing).
 //
@@ -11,7 +12,11 @@
 
 #include <chrono>
 #include <cmath>
+#include <fstream>
 #include <functional>
+#include <initializer_list>
+#include <map>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -64,7 +69,8 @@ double seconds_since(Clock::time_point t0) { return std::chrono::duration<double
 TEST(ReplicaHealing, AnOutOfMemoryChunkFailsItsJobResourceExhaustedAndTheReplicaKeepsServing) {
   // Three out-of-memory chunks in a row on the only replica: with --replica-failure-limit 3 a device error would
   // have taken it out.
-  ServerProcess server({"--demo", "--devices", "cpu", "--fault-inject", "cpu:0@1:oom,cpu:0@2:oom,cpu:0@3:oom"});
+  ServerProcess server(
+      {"--demo", "--devices", "cpu", "--enable-test-hooks", "--fault-inject", "cpu:0@1:oom,cpu:0@2:oom,cpu:0@3:oom"});
   for (uint64_t seed : {1201, 1202, 1203}) {
     const pb::Job job = wait_job(server.client(), submit(server.client(), long_video_request(seed, 2)).job_id());
     EXPECT_EQ(job.state(), pb::JOB_STATE_FAILED);
@@ -81,8 +87,8 @@ TEST(ReplicaHealing, AnOutOfMemoryChunkFailsItsJobResourceExhaustedAndTheReplica
 }
 
 TEST(ReplicaHealing, AReplicaTakenOutIsNotReadyThenPassesItsReTestAndServesAgain) {
-  ServerProcess server({"--demo", "--devices", "cpu", "--fault-inject", "cpu:0@1,cpu:0@2,cpu:0@3", "--chunk-retries",
-                        "2", "--replica-retest-seconds", "3"});
+  ServerProcess server({"--demo", "--devices", "cpu", "--enable-test-hooks", "--fault-inject",
+                        "cpu:0@1,cpu:0@2,cpu:0@3", "--chunk-retries", "2", "--replica-retest-seconds", "3"});
   const pb::Job failed = wait_job(server.client(), submit(server.client(), long_video_request(1210, 2)).job_id());
   ASSERT_EQ(failed.state(), pb::JOB_STATE_FAILED);
   EXPECT_EQ(failed.retries(), 2);
@@ -104,9 +110,9 @@ TEST(ReplicaHealing, AReplicaTakenOutIsNotReadyThenPassesItsReTestAndServesAgain
 
 TEST(ReplicaHealing, WithNoHealthyReplicaForTheGraceLivenessTurnsNotServing) {
   // "dead": the replica's chunks fail and so do its re-tests.
-  ServerProcess server({"--demo", "--devices", "cpu", "--fault-inject", "cpu:0@1+:dead", "--chunk-retries", "2",
-                        "--replica-retest-seconds", "0.2", "--replica-retest-max-seconds", "0.5",
-                        "--liveness-grace-seconds", "3"});
+  ServerProcess server({"--demo", "--devices", "cpu", "--enable-test-hooks", "--fault-inject", "cpu:0@1+:dead",
+                        "--chunk-retries", "2", "--replica-retest-seconds", "0.2", "--replica-retest-max-seconds",
+                        "0.5", "--liveness-grace-seconds", "3"});
   const pb::Job failed = wait_job(server.client(), submit(server.client(), long_video_request(1220, 2)).job_id());
   const auto out = Clock::now();
   ASSERT_EQ(failed.state(), pb::JOB_STATE_FAILED);
@@ -185,7 +191,7 @@ class LongForwardTest : public SharedServerSuite<LongForwardTest> {
  public:
   static std::unique_ptr<ServerProcess> start() {
     return std::make_unique<ServerProcess>(
-        std::vector<std::string>{"--demo", "--devices", "cpu", "--block-delay-ms", "1500"});
+        std::vector<std::string>{"--demo", "--devices", "cpu", "--enable-test-hooks", "--block-delay-ms", "1500"});
   }
 };
 
@@ -213,7 +219,8 @@ TEST_F(LongForwardTest, ADeadlineEndsTheJobInsideTheForward) {
 // ---- item 5: shutdown ends -----------------------------------------------------------------------------------------
 
 TEST(ShutdownEnds, AfterTheDrainTimeoutALongForwardStopsAtItsNextBlockAndTheProcessExits) {
-  ServerProcess server({"--demo", "--devices", "cpu", "--block-delay-ms", "2000", "--drain-timeout-seconds", "1"});
+  ServerProcess server({"--demo", "--devices", "cpu", "--enable-test-hooks", "--block-delay-ms", "2000",
+                        "--drain-timeout-seconds", "1"});
   const std::string id = submit(server.client(), long_video_request(1500, 2)).job_id();
   first_event_of_type(server.client(), id, pb::JobEvent::kChunkStarted);
   const auto t0 = Clock::now();
@@ -229,7 +236,8 @@ TEST(ShutdownEnds, AfterTheDrainTimeoutALongForwardStopsAtItsNextBlockAndTheProc
 }
 
 TEST(ShutdownEnds, ABlockThatDoesNotEndIsAbandonedAfterABoundedWaitWithAClearLogLine) {
-  ServerProcess server({"--demo", "--devices", "cpu", "--block-delay-ms", "60000", "--drain-timeout-seconds", "1"});
+  ServerProcess server({"--demo", "--devices", "cpu", "--enable-test-hooks", "--block-delay-ms", "60000",
+                        "--drain-timeout-seconds", "1"});
   const std::string id = submit(server.client(), long_video_request(1510, 2)).job_id();
   first_event_of_type(server.client(), id, pb::JobEvent::kChunkStarted);
   const auto t0 = Clock::now();
@@ -242,7 +250,7 @@ TEST(ShutdownEnds, ABlockThatDoesNotEndIsAbandonedAfterABoundedWaitWithAClearLog
 // ---- item 6: no work nobody asked for ------------------------------------------------------------------------------
 
 TEST(Mp4OnDemand, OnlyJobsThatAskForMp4AreDecodedAndEndedJobsDropTheirDecode) {
-  ServerProcess server({"--demo", "--vae", "demo", "--devices", "cpu", "--step-delay-ms", "20"});
+  ServerProcess server({"--demo", "--vae", "demo", "--devices", "cpu", "--enable-test-hooks", "--step-delay-ms", "20"});
   std::vector<std::string> plain;
   for (uint64_t seed : {1600, 1601, 1602})
     plain.push_back(submit(server.client(), long_video_request(seed, 2)).job_id());
@@ -296,6 +304,120 @@ TEST(Mp4OnDemand, OnlyJobsThatAskForMp4AreDecodedAndEndedJobsDropTheirDecode) {
   const double encoded = metric(server, "skyreels_video_chunks_encoded_total");
   std::this_thread::sleep_for(500ms);
   EXPECT_EQ(metric(server, "skyreels_video_chunks_encoded_total"), encoded) << "idle: no decode left running";
+}
+
+// ---- issue 46: test hooks only behind --enable-test-hooks ---------------------------------------------------------
+
+const std::vector<std::string> kDemo = {"--demo", "--devices", "cpu"};
+
+std::vector<std::string> demo_with(const std::vector<std::string>& more) {
+  std::vector<std::string> args = kDemo;
+  args.insert(args.end(), more.begin(), more.end());
+  return args;
+}
+
+// Variables for the servers a test starts (a child inherits them at its fork), unset again at the scope's end.
+class ScopedEnv {
+ public:
+  ScopedEnv(std::initializer_list<std::pair<const std::string, std::string>> vars) : vars_(vars) {
+    for (const auto& [name, value] : vars_) ::setenv(name.c_str(), value.c_str(), 1);
+  }
+  ~ScopedEnv() {
+    for (const auto& [name, value] : vars_) ::unsetenv(name.c_str());
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  std::map<std::string, std::string> vars_;
+};
+
+// Starts skyreels-server expecting it to refuse at once, a usage error (exit status 2); returns what it printed.
+std::string refused_start(const std::vector<std::string>& args) {
+  ServerProcess server(args, /*wait_ready=*/false);
+  EXPECT_EQ(server.wait_exit(30s), 2) << server.log();
+  return server.log();
+}
+
+// The flag table's group "test hooks" as `skyreels-server --print-flags` lists it (its switch apart): flag -> variable.
+std::map<std::string, std::string> test_hook_flags() {
+  std::string out;
+  EXPECT_EQ(run_command(bin_path("skyreels-server") + " --print-flags", &out), 0) << out;
+  std::map<std::string, std::string> hooks;
+  std::istringstream lines(out);
+  for (std::string line; std::getline(lines, line);) {
+    std::vector<std::string> cells;
+    std::istringstream row(line);
+    for (std::string cell; std::getline(row, cell, '\t');) cells.push_back(cell);
+    if (cells.size() == 6 && cells[5] == "test hooks" && cells[0] != "--enable-test-hooks") hooks[cells[0]] = cells[1];
+  }
+  return hooks;
+}
+
+// A value each hook takes (so that the refusal, not the value, is what stops the start).
+const std::map<std::string, std::string> kHookValues = {{"--fault-inject", "cpu:0@1"},
+                                                        {"--step-delay-ms", "50"},
+                                                        {"--block-delay-ms", "50"},
+                                                        {"--job-store-max-growth-pages", "24"}};
+
+// A stray hook in a production pod spec, flag or variable, stops the start instead of slowing or failing every job
+// unnoticed (before: `SKYREELS_STEP_DELAY_MS=50 skyreels-server --demo` served, every step 50 ms slower).
+TEST(TestHooks, EachHookFlagOrVariableWithoutEnableTestHooksStopsTheStartNamingIt) {
+  const auto hooks = test_hook_flags();
+  ASSERT_EQ(hooks.size(), kHookValues.size()) << "a test hook without a value in kHookValues";
+  for (const auto& [flag, variable] : hooks) {
+    ASSERT_EQ(kHookValues.count(flag), 1u) << flag;
+    const std::string& value = kHookValues.at(flag);
+    std::string log = refused_start(demo_with({flag, value}));
+    EXPECT_NE(log.find(flag + " is a test hook, refused without --enable-test-hooks on the command line"),
+              std::string::npos)
+        << log;
+    {
+      const ScopedEnv env{{variable, value}};
+      log = refused_start(kDemo);
+    }
+    EXPECT_NE(log.find(variable + " is a test hook, refused without --enable-test-hooks"), std::string::npos) << log;
+  }
+}
+
+// The switch itself has no variable: a pod spec cannot turn the hooks on from its environment.
+TEST(TestHooks, EnableTestHooksCountsOnlyOnTheCommandLine) {
+  const ScopedEnv env{{"SKYREELS_ENABLE_TEST_HOOKS", "1"}, {"SKYREELS_STEP_DELAY_MS", "50"}};
+  const std::string log = refused_start(kDemo);
+  EXPECT_NE(log.find("SKYREELS_STEP_DELAY_MS is a test hook"), std::string::npos) << log;
+}
+
+// A server that requires API keys is a production server.
+TEST(TestHooks, EnableTestHooksIsRefusedWithApiKeys) {
+  const std::string keys = temp_dir("hook-keys") + "/keys";
+  std::ofstream(keys) << "hooks-key-" << std::string(32, 'k') << " tester\n";
+  std::string log = refused_start(demo_with({"--enable-test-hooks", "--api-keys", keys}));
+  EXPECT_NE(log.find("--enable-test-hooks and --api-keys exclude each other"), std::string::npos) << log;
+  {
+    const ScopedEnv env{{"SKYREELS_API_KEYS", keys}};
+    log = refused_start(demo_with({"--enable-test-hooks"}));
+  }
+  EXPECT_NE(log.find("--enable-test-hooks and SKYREELS_API_KEYS exclude each other"), std::string::npos) << log;
+}
+
+// With the switch the hooks work, and the server says so wherever one looks: its log, GetServerInfo (gRPC and HTTP)
+// and /metrics (a server without it: ServerTest.MetricsExposeEveryContractMetric).
+TEST(TestHooks, WithEnableTestHooksTheServerSaysSoInItsLogServerInfoAndMetrics) {
+  const int http_port = free_port();
+  ServerProcess server(demo_with(
+      {"--enable-test-hooks", "--step-delay-ms", "5", "--http-listen", "127.0.0.1:" + std::to_string(http_port)}));
+  const pb::ServerInfo info = server_info(server.client());
+  EXPECT_TRUE(info.test_hooks_enabled());
+  ASSERT_EQ(info.test_hooks_size(), 1);
+  EXPECT_EQ(info.test_hooks(0), "--step-delay-ms=5");
+  EXPECT_EQ(metric(server, "skyreels_test_hooks_enabled"), 1);
+  EXPECT_NE(server.log().find("event=test_hooks_enabled hooks=\"--step-delay-ms=5\""), std::string::npos)
+      << server.log();
+  const std::string json = http_get(http_port, "/skyreels/v1/server-info");
+  EXPECT_NE(json.find("\"test_hooks_enabled\":true"), std::string::npos) << json;
+  EXPECT_NE(json.find("\"test_hooks\":[\"--step-delay-ms=5\"]"), std::string::npos) << json;
+  EXPECT_EQ(wait_job(server.client(), submit(server.client(), long_video_request(1700, 2)).job_id()).state(),
+            pb::JOB_STATE_SUCCEEDED);
 }
 
 }  // namespace

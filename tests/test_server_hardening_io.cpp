@@ -66,6 +66,13 @@ void cancel(server::Client& client, const std::string& id) {
 // A job that runs for tens of seconds on a server with --step-delay-ms (cancelled by the tests when done).
 pb::SubmitJobRequest long_running_request(uint64_t seed) { return long_video_request(seed, 50, 1.0); }
 
+// A server with API keys is a production server and takes no test hook (--step-delay-ms): its jobs last by their own
+// work instead, 1000 steps per chunk (a minute or more of the demo model's CPU time; cancelled by the tests when done).
+constexpr int64_t kLongComputingSteps = 1000;
+pb::SubmitJobRequest long_computing_request(uint64_t seed) {
+  return long_video_request(seed, kLongComputingSteps, 1.0);
+}
+
 double metric(const ServerProcess& server, const std::string& name) {
   return metric_value(http_get(server.metrics_port(), "/metrics"), name);
 }
@@ -220,8 +227,8 @@ TEST(HardeningIo, Item1_NestedSafetensorsHeaderIsRefusedAtOnceWithoutGrowingTheS
 // ---- 2. streams cannot starve the server --------------------------------------------------------------------------
 
 TEST(HardeningIo, Item2_SixHundredWatchersHoldNoThreadAndUnaryCallsKeepWorking) {
-  ServerProcess server({"--demo", "--devices", "cpu", "--step-delay-ms", "100", "--max-streams", "1000",
-                        "--max-streams-per-client", "1000"});
+  ServerProcess server({"--demo", "--devices", "cpu", "--enable-test-hooks", "--step-delay-ms", "100", "--max-streams",
+                        "1000", "--max-streams-per-client", "1000"});
   const std::string id = submit(server.client(), long_running_request(10)).job_id();
   const int64_t threads_before = proc_status(server.pid(), "Threads");
   {
@@ -245,16 +252,17 @@ class CappedServerTest : public SharedServerSuite<CappedServerTest> {
     const std::string dir = temp_dir("capped-keys");
     std::ofstream(dir + "/keys") << kAlice << " alice max_priority=2 max_jobs=2 max_streams=3\n" << kBob << " bob\n";
     return std::make_unique<ServerProcess>(
-        std::vector<std::string>{"--demo", "--devices", "cpu", "--step-delay-ms", "100", "--api-keys", dir + "/keys",
-                                 "--max-streams", "6", "--max-streams-per-client", "4", "--max-jobs-per-client", "3"},
+        std::vector<std::string>{"--demo", "--devices", "cpu", "--max-steps", std::to_string(kLongComputingSteps),
+                                 "--api-keys", dir + "/keys", "--max-streams", "6", "--max-streams-per-client", "4",
+                                 "--max-jobs-per-client", "3"},
         true, kAlice);
   }
 };
 
 TEST_F(CappedServerTest, Item2_StreamsAreCappedPerClientAndInTotalAndOnlyTheNewStreamIsRefused) {
   auto bob = server_->client_with_key(kBob);
-  const std::string alice_job = submit(server_->client(), long_running_request(20)).job_id();
-  const std::string bob_job = submit(*bob, long_running_request(21)).job_id();
+  const std::string alice_job = submit(server_->client(), long_computing_request(20)).job_id();
+  const std::string bob_job = submit(*bob, long_computing_request(21)).job_id();
   const double per_client_before = metric(*server_, "skyreels_streams_rejected_total{reason=\"per_client\"}");
   const double total_before = metric(*server_, "skyreels_streams_rejected_total{reason=\"total\"}");
   {
@@ -306,7 +314,7 @@ TEST_F(CappedServerTest, Item10_QueuedJobsAreCappedPerClientAndPriorityPerKey) {
   grpc::Status status;
   for (int i = 0; i < 3; ++i) {
     pb::SubmitJobResponse response;
-    status = submit_status(server_->client(), long_running_request(30 + i), &response, &retry_after);
+    status = submit_status(server_->client(), long_computing_request(30 + i), &response, &retry_after);
     if (status.ok()) admitted.emplace_back(&server_->client(), response.job().job_id());
   }
   EXPECT_EQ(admitted.size(), 2u);
@@ -316,7 +324,7 @@ TEST_F(CappedServerTest, Item10_QueuedJobsAreCappedPerClientAndPriorityPerKey) {
   // bob: --max-jobs-per-client 3, unaffected by alice's jobs.
   for (int i = 0; i < 4; ++i) {
     pb::SubmitJobResponse response;
-    status = submit_status(*bob, long_running_request(40 + i), &response);
+    status = submit_status(*bob, long_computing_request(40 + i), &response);
     if (status.ok()) admitted.emplace_back(bob.get(), response.job().job_id());
   }
   EXPECT_EQ(admitted.size(), 5u);
@@ -370,9 +378,10 @@ class TextServerIoTest : public SharedServerSuite<TextServerIoTest> {
   static std::unique_ptr<ServerProcess> start() {
     const std::string encoder_dir = temp_dir("tiny-umt5-io");
     model::write_tiny_text_encoder(encoder_dir, 32, 7);
-    return std::make_unique<ServerProcess>(std::vector<std::string>{
-        "--demo", "--devices", "cpu", "--step-delay-ms", "100", "--max-queue", "1", "--max-concurrent-encodes", "1",
-        "--text-encoder", encoder_dir, "--tokenizer", golden_path("umt5_encoder/e3_prompts_to_embeds/tokenizer")});
+    return std::make_unique<ServerProcess>(
+        std::vector<std::string>{"--demo", "--devices", "cpu", "--enable-test-hooks", "--step-delay-ms", "100",
+                                 "--max-queue", "1", "--max-concurrent-encodes", "1", "--text-encoder", encoder_dir,
+                                 "--tokenizer", golden_path("umt5_encoder/e3_prompts_to_embeds/tokenizer")});
   }
 };
 
@@ -642,7 +651,8 @@ TEST_F(IoServerTest, Item11_AnotherTimeoutUnderTheSameIdempotencyKeyIsAnotherReq
 }
 
 TEST(HardeningIo, Item11_AFailedMp4EndsGenerateWithInternalNotClientWentAway) {
-  ServerProcess server({"--demo", "--vae", "demo", "--devices", "cpu", "--fault-inject", "vae@1"});
+  ServerProcess server(
+      {"--demo", "--vae", "demo", "--devices", "cpu", "--enable-test-hooks", "--fault-inject", "vae@1"});
   pb::GenerateRequest generate;
   *generate.mutable_job() = long_video_request(140, 1);
   generate.mutable_job()->mutable_spec()->mutable_params()->set_height(64);

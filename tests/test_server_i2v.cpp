@@ -296,7 +296,8 @@ TEST(ServedI2vDurable, ASigkillMidVideoResumesBitIdentical) {
   const std::string store = "sqlite:" + temp_dir("i2v-store") + "/jobs.sqlite";
   constexpr int64_t kSlowSteps = 8;
   std::vector<std::string> args = server_args();
-  for (const char* a : {"--devices", "cpu", "--step-delay-ms", "300", "--job-store"}) args.emplace_back(a);
+  for (const char* a : {"--devices", "cpu", "--enable-test-hooks", "--step-delay-ms", "300", "--job-store"})
+    args.emplace_back(a);
   args.push_back(store);
   std::string id;
   {
@@ -322,7 +323,7 @@ TEST(ServedI2vDurable, ASigkillMidVideoResumesBitIdentical) {
 // Cancelling acts within a step, as for a diffusion-forcing chunk (the pipeline polls between transformer blocks).
 TEST(ServedI2vDurable, CancellingARunningVideoStopsItWithinAStep) {
   std::vector<std::string> args = server_args();
-  for (const char* a : {"--devices", "cpu", "--step-delay-ms", "300"}) args.emplace_back(a);
+  for (const char* a : {"--devices", "cpu", "--enable-test-hooks", "--step-delay-ms", "300"}) args.emplace_back(a);
   ServerProcess server(args);
   const std::string id = submit(server.client(), i2v_request(3405, 20)).job_id();  // 20 steps: >= 6 s
   first_event_of_type(server.client(), id, pb::JobEvent::kStep);

@@ -33,11 +33,17 @@ namespace {
 namespace pb = skyreels::v1;
 using namespace std::chrono_literals;
 
-// A pod: one CPU replica (float32, as `skyreels generate` runs), slowed so that a kill or a pause lands mid-chunk.
+// A pod: one CPU replica (float32, as `skyreels generate` runs), slowed so that a kill or a pause lands mid-chunk
+// (step_delay_ms > 0: a test hook, which a pod with API keys cannot take).
 // The store's URL comes from $SKYREELS_JOB_STORE, as in the Kubernetes overlay (no password in the process list).
 std::vector<std::string> pod_args(const std::string& pod, double lease_seconds, int step_delay_ms) {
-  return {"--demo",      "--devices",  "cpu", "--dtype", "float32", "--pod-name", pod, "--lease-seconds",
-          std::to_string(lease_seconds), "--step-delay-ms", std::to_string(step_delay_ms)};
+  std::vector<std::string> args = {"--demo",  "--devices",       "cpu",
+                                   "--dtype", "float32",         "--pod-name",
+                                   pod,       "--lease-seconds", std::to_string(lease_seconds)};
+  if (step_delay_ms > 0) {
+    args.insert(args.end(), {"--enable-test-hooks", "--step-delay-ms", std::to_string(step_delay_ms)});
+  }
+  return args;
 }
 
 class Cluster {
@@ -530,16 +536,24 @@ std::vector<std::string> tenant_key_args() {
   return {"--api-keys", file};
 }
 
+// Six chunks of 10 steps: a chunk takes far longer than the seven submissions, so that B's job competes with A's from
+// their start. By the chunks' own work: servers with API keys take no test hook (--step-delay-ms).
+pb::SubmitJobRequest tenant_request(uint64_t seed) {
+  pb::SubmitJobRequest request = six_chunk_request(seed);
+  request.mutable_spec()->mutable_params()->set_num_inference_steps(10);
+  return request;
+}
+
 // Tenant A (alice) submits 6 jobs of 6 chunks, spread over `pods`, then tenant B (bob) one job of 6 chunks through
 // the last pod. Returns how many of A's 36 chunks were done when B's job finished.
 int64_t a_chunks_done_when_b_finishes(const std::vector<ServerProcess*>& pods) {
   std::vector<std::string> a_jobs;
   for (int i = 0; i < 6; ++i) {
     ServerProcess& pod = *pods[static_cast<size_t>(i) % pods.size()];
-    a_jobs.push_back(submit(pod.client(), six_chunk_request(1900 + static_cast<uint64_t>(i))).job_id());
+    a_jobs.push_back(submit(pod.client(), tenant_request(1900 + static_cast<uint64_t>(i))).job_id());
   }
   auto bob = pods.back()->client_with_key(kBobKey);
-  const std::string b_job = submit(*bob, six_chunk_request(1999)).job_id();
+  const std::string b_job = submit(*bob, tenant_request(1999)).job_id();
   const pb::Job b_done = wait_job(*bob, b_job, 240s);
   EXPECT_EQ(b_done.state(), pb::JOB_STATE_SUCCEEDED) << b_done.error().message();
   int64_t a_done = 0;
@@ -552,7 +566,7 @@ int64_t a_chunks_done_when_b_finishes(const std::vector<ServerProcess*>& pods) {
 }
 
 TEST(FairShare, ATenantsOneJobFinishesBeforeHalfOfAnotherTenantsSixOnOneServer) {
-  std::vector<std::string> args = {"--demo", "--devices", "cpu", "--dtype", "float32", "--step-delay-ms", "20"};
+  std::vector<std::string> args = {"--demo", "--devices", "cpu", "--dtype", "float32"};
   const auto keys = tenant_key_args();
   args.insert(args.end(), keys.begin(), keys.end());
   ServerProcess server(args, true, kAliceKey);
@@ -560,7 +574,7 @@ TEST(FairShare, ATenantsOneJobFinishesBeforeHalfOfAnotherTenantsSixOnOneServer) 
 }
 
 TEST(FairShare, ATenantsOneJobFinishesBeforeHalfOfAnotherTenantsSixOverTwoPods) {
-  Cluster cluster(2, 5.0, 20, tenant_key_args(), kAliceKey);
+  Cluster cluster(2, 5.0, /*step_delay_ms=*/0, tenant_key_args(), kAliceKey);
   EXPECT_LT(a_chunks_done_when_b_finishes({&cluster.pod(0), &cluster.pod(1)}), 18);
 }
 

@@ -27,8 +27,8 @@ namespace pb = skyreels::v1;
 class ServedPreviews : public SharedServerSuite<ServedPreviews> {
  public:
   static std::unique_ptr<ServerProcess> start() {
-    return std::make_unique<ServerProcess>(
-        std::vector<std::string>{"--demo", "--devices", "cpu", "--dtype", "float32", "--step-delay-ms", "60"});
+    return std::make_unique<ServerProcess>(std::vector<std::string>{"--demo", "--devices", "cpu", "--dtype", "float32",
+                                                                    "--enable-test-hooks", "--step-delay-ms", "60"});
   }
 };
 

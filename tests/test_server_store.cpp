@@ -30,11 +30,11 @@ namespace {
 namespace pb = skyreels::v1;
 using namespace std::chrono_literals;
 
-// One replica (all cores, float32) as `skyreels generate` runs, slowed so that a kill lands mid-job.
+// One replica (all cores, float32) as `skyreels generate` runs, slowed so that a kill lands mid-job (test hooks on:
+// the tests below add others).
 std::vector<std::string> store_args(const std::string& store, int step_delay_ms = 60) {
-  return {"--demo",          "--devices",       "cpu",
-          "--dtype",         "float32",         "--job-store",
-          "sqlite:" + store, "--step-delay-ms", std::to_string(step_delay_ms)};
+  return {"--demo", "--devices", "cpu", "--dtype", "float32", "--job-store", "sqlite:" + store, "--enable-test-hooks",
+          "--step-delay-ms", std::to_string(step_delay_ms)};
 }
 
 std::string new_store() { return temp_dir("job-store") + "/jobs.sqlite"; }
@@ -462,14 +462,14 @@ TEST(JobStore, AJobDroppedByRetentionSaysSoAcrossARestart) {
   EXPECT_EQ(status.error_message().find("dropped"), std::string::npos) << status.error_message();
 }
 
-// A full disk (the store capped by SKYREELS_JOB_STORE_MAX_GROWTH_PAGES, so SQLite answers SQLITE_FULL): a job whose
+// A full disk (the store capped by --job-store-max-growth-pages, so SQLite answers SQLITE_FULL): a job whose
 // chunk cannot be committed fails INTERNAL naming the reason, a submission that cannot be stored is refused with
 // UNAVAILABLE, and the process keeps serving.
 TEST(JobStore, AFullDiskFailsTheJobOrTheSubmitNeverTheProcess) {
   const std::string store = new_store();
-  ::setenv("SKYREELS_JOB_STORE_MAX_GROWTH_PAGES", "24", 1);  // a small job fits; its 320 KiB chunk does not
-  ServerProcess server(store_args(store, 0));
-  ::unsetenv("SKYREELS_JOB_STORE_MAX_GROWTH_PAGES");
+  std::vector<std::string> args = store_args(store, 0);
+  args.insert(args.end(), {"--job-store-max-growth-pages", "24"});  // a small job fits; its 320 KiB chunk does not
+  ServerProcess server(args);
   pb::SubmitJobRequest request = long_video_request(1340);
   auto* p = request.mutable_spec()->mutable_params();
   p->set_num_frames(17);

@@ -26,8 +26,8 @@ using namespace std::chrono_literals;
 // One replica (all cores, float32) as `skyreels generate` runs, slowed so that a kill lands mid-job; no --job-store.
 // A short lease: the chunk the killed pod held is taken over 2 s after its last heartbeat.
 std::vector<std::string> pod_args(int step_delay_ms = 60) {
-  return {"--demo",        "--devices", "cpu", "--dtype", "float32", "--step-delay-ms", std::to_string(step_delay_ms),
-          "--lease-seconds", "2"};
+  return {"--demo", "--devices", "cpu", "--dtype", "float32", "--enable-test-hooks", "--step-delay-ms",
+          std::to_string(step_delay_ms), "--lease-seconds", "2"};
 }
 
 // $SKYREELS_JOB_STORE for the servers this test starts, unset again at the end of the test.

@@ -222,9 +222,20 @@ struct TwoPods {
     ::setenv("SKYREELS_JOB_STORE", pg.url().c_str(), 1);
     const std::string secret = secret_file();
     auto pod = [&](const std::string& name) {
-      std::vector<std::string> args = {"--demo", "--devices", "cpu", "--pod-name", name, "--lease-seconds", "2",
-                                       "--step-delay-ms", std::to_string(step_delay_ms), "--webhook-secret-file",
-                                       secret, "--webhook-allow-hosts", "127.0.0.1"};
+      std::vector<std::string> args = {"--demo",
+                                       "--devices",
+                                       "cpu",
+                                       "--pod-name",
+                                       name,
+                                       "--lease-seconds",
+                                       "2",
+                                       "--enable-test-hooks",
+                                       "--step-delay-ms",
+                                       std::to_string(step_delay_ms),
+                                       "--webhook-secret-file",
+                                       secret,
+                                       "--webhook-allow-hosts",
+                                       "127.0.0.1"};
       args.insert(args.end(), extra.begin(), extra.end());
       return std::make_unique<ServerProcess>(args);
     };

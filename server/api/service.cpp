@@ -128,6 +128,8 @@ Status VideoServiceImpl::GetServerInfo(ServerContext* ctx, const pb::GetServerIn
   response->set_api_keys_required(config_.api_keys != nullptr && config_.api_keys->enabled());
   response->set_image_encoder_available(config_.image_encoder != nullptr);
   for (const std::string& kind : conditionings(config_)) response->add_conditionings(kind);
+  response->set_test_hooks_enabled(config_.test_hooks_enabled);
+  for (const std::string& hook : config_.test_hooks) response->add_test_hooks(model::utf8_escape(hook));
   return Status::OK;
 }
 

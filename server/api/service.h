@@ -82,6 +82,8 @@ struct ServiceConfig {
   const ApiKeys* api_keys = nullptr;
   ApiMetrics* metrics = nullptr;
   TransportLimits transport;
+  bool test_hooks_enabled = false;      // --enable-test-hooks (GetServerInfo)
+  std::vector<std::string> test_hooks;  // the test hooks in effect, "--step-delay-ms=50" (GetServerInfo)
   // Why a job's webhook (URL, event names) is refused, "" when it is fine; unset: this server sends no webhooks.
   std::function<std::string(const std::string& url, const std::vector<std::string>& events)> check_webhook;
 };

@@ -43,9 +43,19 @@ std::chrono::milliseconds to_millis(double seconds) {
 std::unique_ptr<LeaseStore> open_store(const Options& o) {
   const std::string spec =
       o.job_store.empty() ? "sqlite:" + (std::filesystem::path(o.data_dir) / "jobs.sqlite").string() : o.job_store;
-  std::unique_ptr<LeaseStore> leases = with_leases(open_job_store(spec));
+  std::unique_ptr<LeaseStore> leases = with_leases(open_job_store(spec, o.job_store_max_growth_pages));
   spdlog::info("event=job_store store={} durable={}", leases->records().describe(), leases->records().durable());
   return leases;
+}
+
+// Loud on purpose: a test server (--enable-test-hooks) must not pass for a production one in its log.
+void announce_test_hooks(const Options& o) {
+  if (!o.enable_test_hooks) return;
+  std::string hooks;
+  for (const std::string& hook : active_test_hooks(o)) hooks += (hooks.empty() ? "" : " ") + hook;
+  spdlog::warn("event=test_hooks_enabled hooks=\"{}\" (--enable-test-hooks: jobs may fail or slow down on purpose; "
+               "a test server, never a production one)",
+               hooks);
 }
 
 // The one job queue over the store; payloads are re-created from the store (after a restart, where expired leases
@@ -67,6 +77,7 @@ std::unique_ptr<JobQueue> make_queue(const Options& o, Replicas& replicas, JobSt
 }
 
 int serve(const Options& o, Signals& signals) {
+  announce_test_hooks(o);
   const std::unique_ptr<LeaseStore> leases = open_store(o);
   const std::unique_ptr<CheckedModel> model = check_model(o);
   auto work_sink = std::make_shared<std::atomic<Metrics*>>(nullptr);
@@ -74,6 +85,7 @@ int serve(const Options& o, Signals& signals) {
 
   // ---- metrics and the optional model parts ----
   Metrics metrics(replicas.names, SKYREELS_VERSION, skyreels::model::describe_loras(o.loras));
+  metrics.set_test_hooks_enabled(o.enable_test_hooks);
   work_sink->store(&metrics);
   const std::shared_ptr<void> unsink(nullptr, [work_sink](void*) { work_sink->store(nullptr); });
   // The store as everything above uses it, timed (skyreels_job_store_seconds) from its first use on: the leases'

@@ -213,6 +213,8 @@ ServiceConfig service_config(const Options& o, const CheckedModel& model, const 
   }
   c.metrics = &metrics;
   c.transport = o.transport;
+  c.test_hooks_enabled = o.enable_test_hooks;
+  c.test_hooks = active_test_hooks(o);
   return c;
 }
 

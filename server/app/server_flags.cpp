@@ -19,6 +19,7 @@ const char* const kNetwork = "network";
 const char* const kLimits = "limits";
 const char* const kDurable = "jobs that survive a restart";
 const char* const kHooks = "test hooks";
+const char* const kEnableTestHooks = "enable-test-hooks";  // the one flag that unlocks the rest of kHooks
 const char* const kOther = "other";
 
 std::string format_number(double v) {
@@ -353,9 +354,33 @@ void add_durable_flags(std::vector<ServerFlag>& flags) {
   });
 }
 
+ServerFlag command_line_only(ServerFlag f) {
+  f.command_line_only = true;
+  return f;
+}
+
+// --job-store-max-growth-pages: unset (-1) shows as no value, as an unset text flag does.
+ServerFlag growth_pages_flag() {
+  ServerFlag f = with_default(
+      integer("job-store-max-growth-pages", &O::job_store_max_growth_pages, 0, int64_t{1} << 40, kHooks, "N",
+              "a sqlite: job store's file may grow by N pages (of 4 KiB) at most; past them SQLite answers "
+              "SQLITE_FULL, as on a full disk"),
+      "no cap");
+  f.current = [](const O& o) {
+    return o.job_store_max_growth_pages < 0 ? std::string() : std::to_string(o.job_store_max_growth_pages);
+  };
+  return f;
+}
+
 // test hooks
 void add_test_hook_flags(std::vector<ServerFlag>& flags) {
   flags.insert(flags.end(), {
+      command_line_only(toggle(
+          kEnableTestHooks, &O::enable_test_hooks, kHooks,
+          "allow the flags below (command line only: it has no environment variable, and without it any of them, "
+          "or its SKYREELS_ variable, stops the start with exit status 2); a warning at start, GetServerInfo "
+          "(test_hooks_enabled, test_hooks) and skyreels_test_hooks_enabled 1 say so; refused with --api-keys. "
+          "Tests only: the hooks fail or slow jobs on purpose")),
       text("fault-inject", &O::fault_inject, kHooks, "SPEC",
            "REPLICA@N[+][:KIND],...: the N-th chunk run on REPLICA (e.g. cpu:1@2) fails after its first step ('+': "
            "and every later run); KIND error (default), oom (an out-of-memory error: the job fails "
@@ -366,6 +391,7 @@ void add_test_hook_flags(std::vector<ServerFlag>& flags) {
       integer("block-delay-ms", &O::block_delay_ms, 0, 600000, kHooks, "N",
               "sleep N ms at every stop check, i.e. after every transformer block and before every step (a long "
               "forward, for tests)"),
+      growth_pages_flag(),
   });
 }
 
@@ -414,8 +440,9 @@ const char* const kSynopsis = R"(usage: skyreels-server --model DIR [flags]
 
 Serves SkyReels-V2 video generation (diffusion forcing; text-to-video and image-to-video checkpoints) over gRPC
 (skyreels.v1.VideoService), one model replica per device, with grpc.health.v1 (service "" = readiness, "liveness"),
-server reflection and Prometheus metrics. Every flag also reads the environment variable SKYREELS_<NAME> (--max-queue:
-SKYREELS_MAX_QUEUE; --lora: comma-separated); the command line wins. --print-flags lists them with their values.
+server reflection and Prometheus metrics. Every flag but --enable-test-hooks also reads the environment variable
+SKYREELS_<NAME> (--max-queue: SKYREELS_MAX_QUEUE; --lora: comma-separated); the command line wins. --print-flags lists
+them with their values.
 )";
 
 const char* const kShutdown = R"(
@@ -461,6 +488,94 @@ std::string default_pod_name(const std::function<const char*(const char*)>& gete
   char host[256] = {};
   if (gethostname(host, sizeof host - 1) == 0 && host[0] != '\0') return host;
   return "pod";
+}
+
+// Per row of the table, where its value came from: "--name", "SKYREELS_NAME", or "" (the default).
+using Sources = std::vector<std::string>;
+
+Sources flags_on_command_line(int argc, char** argv) {
+  Sources given(server_flags().size());
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    for (size_t k = 0; k < server_flags().size(); ++k) {
+      std::string unused;
+      bool inline_value = false;
+      if (names(server_flags()[k], arg, &unused, &inline_value)) given[k] = "--" + server_flags()[k].name;
+    }
+  }
+  return given;
+}
+
+// Each flag's variable, unless the command line names the flag (`given`) or it has none; records those it applies.
+void apply_environment(ServerOptions& o, const std::function<const char*(const char*)>& getenv, Sources& given) {
+  for (size_t k = 0; k < server_flags().size(); ++k) {
+    const ServerFlag& f = server_flags()[k];
+    if (!given[k].empty() || f.command_line_only) continue;
+    const char* env = getenv(f.env().c_str());
+    if (env == nullptr || *env == '\0') continue;
+    given[k] = f.env();
+    if (!f.repeatable) {
+      apply(f, o, env, f.env());
+      continue;
+    }
+    std::stringstream list(env);
+    for (std::string item; std::getline(list, item, ',');) {
+      if (!item.empty()) apply(f, o, item, f.env());
+    }
+  }
+}
+
+void apply_command_line(ServerOptions& o, int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const ServerFlag* flag = nullptr;
+    std::string value;
+    bool inline_value = false;
+    for (const ServerFlag& f : server_flags()) {
+      if (names(f, arg, &value, &inline_value)) {
+        flag = &f;
+        break;
+      }
+    }
+    if (flag == nullptr) throw UsageError("unknown flag '" + arg + "'");
+    if (flag->value.empty() && !inline_value) {
+      value = "true";  // a switch
+    } else if (!inline_value) {
+      if (i + 1 >= argc) throw UsageError("--" + flag->name + ": needs a value");
+      value = argv[++i];
+    }
+    apply(*flag, o, value, "--" + flag->name);
+  }
+}
+
+const std::string& source_of(const Sources& given, const std::string& name) {
+  for (size_t k = 0; k < server_flags().size(); ++k) {
+    if (server_flags()[k].name == name) return given[k];
+  }
+  throw std::logic_error("no flag --" + name);
+}
+
+// A test hook fails or slows jobs on purpose: one stray flag or variable in a production pod spec must stop the start,
+// not go unnoticed. Only --enable-test-hooks on the command line unlocks them, and a server that requires API keys is
+// a production one.
+void check_test_hooks(const ServerOptions& o, const Sources& given) {
+  std::vector<std::string> hooks;
+  for (size_t k = 0; k < server_flags().size(); ++k) {
+    const ServerFlag& f = server_flags()[k];
+    if (f.group == kHooks && f.name != kEnableTestHooks && !given[k].empty()) hooks.push_back(given[k]);
+  }
+  if (!o.enable_test_hooks && !hooks.empty()) {
+    std::string names;
+    for (const std::string& h : hooks) names += (names.empty() ? "" : ", ") + h;
+    throw UsageError(names + (hooks.size() == 1 ? " is a test hook" : " are test hooks") +
+                     ", refused without --enable-test-hooks on the command line (test hooks fail or slow jobs on "
+                     "purpose)");
+  }
+  if (o.enable_test_hooks && !o.api_keys.empty()) {
+    throw UsageError("--enable-test-hooks and " + source_of(given, "api-keys") +
+                     " exclude each other: a server that requires API keys is a production server, and test hooks "
+                     "are for tests only");
+  }
 }
 
 void check_between_flags(ServerOptions& o, const std::function<const char*(const char*)>& getenv) {
@@ -513,50 +628,25 @@ ServerOptions parse_server_flags(int argc, char** argv, const std::function<cons
       getenv_fn ? getenv_fn : [](const char* name) { return static_cast<const char*>(std::getenv(name)); };
   ServerOptions o;
   // The environment first (a repeatable flag's variable is a comma-separated list), the command line over it.
-  std::vector<bool> on_command_line(server_flags().size(), false);
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    for (size_t k = 0; k < server_flags().size(); ++k) {
-      std::string unused;
-      bool inline_value = false;
-      if (names(server_flags()[k], arg, &unused, &inline_value)) on_command_line[k] = true;
-    }
+  Sources given = flags_on_command_line(argc, argv);
+  apply_environment(o, getenv, given);
+  apply_command_line(o, argc, argv);
+  if (check) {
+    check_test_hooks(o, given);
+    check_between_flags(o, getenv);
   }
-  for (size_t k = 0; k < server_flags().size(); ++k) {
-    const ServerFlag& f = server_flags()[k];
-    const char* env = getenv(f.env().c_str());
-    if (on_command_line[k] || env == nullptr || *env == '\0') continue;
-    if (!f.repeatable) {
-      apply(f, o, env, f.env());
-      continue;
-    }
-    std::stringstream list(env);
-    for (std::string item; std::getline(list, item, ',');) {
-      if (!item.empty()) apply(f, o, item, f.env());
-    }
-  }
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    const ServerFlag* flag = nullptr;
-    std::string value;
-    bool inline_value = false;
-    for (const ServerFlag& f : server_flags()) {
-      if (names(f, arg, &value, &inline_value)) {
-        flag = &f;
-        break;
-      }
-    }
-    if (flag == nullptr) throw UsageError("unknown flag '" + arg + "'");
-    if (flag->value.empty() && !inline_value) {
-      value = "true";  // a switch
-    } else if (!inline_value) {
-      if (i + 1 >= argc) throw UsageError("--" + flag->name + ": needs a value");
-      value = argv[++i];
-    }
-    apply(*flag, o, value, "--" + flag->name);
-  }
-  if (check) check_between_flags(o, getenv);
   return o;
+}
+
+std::vector<std::string> active_test_hooks(const ServerOptions& options) {
+  const ServerOptions defaults;
+  std::vector<std::string> hooks;
+  for (const ServerFlag& f : server_flags()) {
+    if (f.group != kHooks || f.name == kEnableTestHooks) continue;
+    const std::string value = f.current(options);
+    if (value != f.current(defaults)) hooks.push_back("--" + f.name + "=" + value);
+  }
+  return hooks;
 }
 
 std::string print_server_flags(const ServerOptions& options) {
@@ -564,8 +654,8 @@ std::string print_server_flags(const ServerOptions& options) {
   for (const ServerFlag& f : server_flags()) {
     std::string value = f.current(options);
     if (f.secret && !value.empty()) value = "(set)";
-    out += "--" + f.name + "\t" + f.env() + "\t" + value + "\t" + f.default_text + "\t" + f.bounds + "\t" + f.group +
-           "\n";
+    const std::string env = f.command_line_only ? "(none)" : f.env();
+    out += "--" + f.name + "\t" + env + "\t" + value + "\t" + f.default_text + "\t" + f.bounds + "\t" + f.group + "\n";
   }
   return out;
 }

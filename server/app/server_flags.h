@@ -55,9 +55,11 @@ struct ServerOptions {
   std::string job_store;  // empty: sqlite:<data_dir>/jobs.sqlite
   std::string pod_name;   // empty: $HOSTNAME, else the host name
   double lease_seconds = 30;
-  // test hooks
+  // test hooks: refused at start unless enable_test_hooks (--enable-test-hooks, command line only)
+  bool enable_test_hooks = false;
   std::string fault_inject;
   int64_t step_delay_ms = 0, block_delay_ms = 0;
+  int64_t job_store_max_growth_pages = -1;  // < 0: no cap (a SQLite store only)
   // other
   std::string log_level = "info";
 };
@@ -76,6 +78,7 @@ struct ServerFlag {
   std::string bounds;       // "[1, 1000000]" for numbers ("" : none)
   bool repeatable = false;  // --lora: each occurrence adds one (the environment variable: comma-separated)
   bool secret = false;      // --print-flags shows only whether it is set
+  bool command_line_only = false;  // no environment variable (--enable-test-hooks: a stray variable must not count)
   std::function<void(ServerOptions&, const std::string& value)> apply;  // throws UsageError without the flag's name
   std::function<std::string(const ServerOptions&)> current;            // the value in effect, as text
 
@@ -89,13 +92,17 @@ const std::vector<ServerFlag>& server_flags();
 std::string server_usage();
 
 // Flags from `argv` over the environment (`getenv`; each flag's SKYREELS_<NAME>), then the checks between flags
-// (--model or --demo, TLS and webhook pairs, lease floor) unless `check` is false. Throws UsageError naming the flag
-// (or the environment variable) and what it expects. --help, --version and --print-flags are the caller's.
+// (--model or --demo, TLS and webhook pairs, lease floor; a test hook given without --enable-test-hooks, or
+// --enable-test-hooks with --api-keys) unless `check` is false. Throws UsageError naming the flag (or the environment
+// variable) and what it expects. --help, --version and --print-flags are the caller's.
 ServerOptions parse_server_flags(int argc, char** argv,
                                  const std::function<const char*(const char*)>& getenv = nullptr, bool check = true);
 
-// `--print-flags`: a line per flag: --name, SKYREELS_NAME, the value in effect (secrets: "(set)"), the default, the
-// bounds and the group, tab-separated after a header line.
+// The test hooks in effect, as "--name=value" (those whose value is not the default), in the table's order.
+std::vector<std::string> active_test_hooks(const ServerOptions& options);
+
+// `--print-flags`: a line per flag: --name, SKYREELS_NAME ("(none)" for a command-line-only flag), the value in effect
+// (secrets: "(set)"), the default, the bounds and the group, tab-separated after a header line.
 std::string print_server_flags(const ServerOptions& options);
 
 }  // namespace skyreels::server

@@ -175,10 +175,19 @@ std::vector<MetricFamily> preview_and_adapter_families() {
   };
 }
 
+std::vector<MetricFamily> process_families() {
+  using M = MetricId;
+  return {
+      single(M::TestHooksEnabled, "skyreels_test_hooks_enabled", kGauge,
+             "1 when the server runs with --enable-test-hooks (fault injection and delays allowed: never in "
+             "production)"),
+  };
+}
+
 std::vector<MetricFamily> build_table() {
   std::vector<MetricFamily> table;
-  for (auto part :
-       {job_families(), service_families(), slo_families(), transport_families(), preview_and_adapter_families()}) {
+  for (auto part : {job_families(), service_families(), slo_families(), transport_families(),
+                    preview_and_adapter_families(), process_families()}) {
     for (MetricFamily& family : part) table.push_back(std::move(family));
   }
   // MetricId indexes the table: a row out of place would report into another family.

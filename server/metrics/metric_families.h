@@ -61,6 +61,7 @@ enum class MetricId : size_t {
   AdapterLoads,
   AdaptersResident,
   AdapterJobs,
+  TestHooksEnabled,
   Count
 };
 

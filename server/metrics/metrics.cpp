@@ -261,4 +261,6 @@ void Metrics::set_global_queue_depth(int64_t jobs) {
   set(MetricId::GlobalQueueDepth, static_cast<double>(jobs));
 }
 
+void Metrics::set_test_hooks_enabled(bool enabled) { set(MetricId::TestHooksEnabled, enabled ? 1 : 0); }
+
 }  // namespace skyreels::server

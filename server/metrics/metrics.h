@@ -75,6 +75,8 @@ class Metrics : public ApiMetrics, public MediaMetrics, public WebhookMetrics {
   // Jobs queued in the whole store (PostgreSQL: the same value on every pod). The first call makes the store the
   // source: from then on queue_changed() no longer mirrors this pod's own queue into it.
   void set_global_queue_depth(int64_t jobs);
+  // --enable-test-hooks (skyreels_test_hooks_enabled 1): an alert on it catches a test server among production pods.
+  void set_test_hooks_enabled(bool enabled);
 
  private:
   struct RpcSeries {

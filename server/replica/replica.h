@@ -28,7 +28,7 @@ namespace skyreels::server {
 // against the replica), "oom" (an out-of-memory error, as LibTorch raises it: the request's fault), "dead" (a device
 // error, and every re-test of the replica fails too), "kill" (the whole process dies by SIGKILL, as the kernel's OOM
 // killer or a preemption ends it: what a chunk that crashes every process running it looks like from outside).
-// Also read from $SKYREELS_FAULT_INJECT.
+// Also read from $SKYREELS_FAULT_INJECT; either needs --enable-test-hooks (app/server_flags.cpp).
 enum class FaultKind { Error, OutOfMemory, Dead, Kill };
 struct FaultRule {
   std::string replica;

@@ -32,7 +32,7 @@ std::chrono::steady_clock::time_point store_call_deadline() {
 
 namespace {
 
-std::unique_ptr<JobStore> open_sqlite(const std::string& spec) {
+std::unique_ptr<JobStore> open_sqlite(const std::string& spec, int64_t max_growth_pages) {
   std::string path = spec;
   bool full = false;
   const auto query = spec.rfind('?');
@@ -45,7 +45,7 @@ std::unique_ptr<JobStore> open_sqlite(const std::string& spec) {
     path = spec.substr(0, query);
   }
   if (path.empty()) throw StoreError("--job-store: sqlite: needs a file path");
-  return std::make_unique<SqliteJobStore>(path, full);
+  return std::make_unique<SqliteJobStore>(path, full, max_growth_pages);
 }
 
 }  // namespace
@@ -75,12 +75,13 @@ std::string blob_slice(const std::string& bytes, int64_t offset, int64_t length)
   return bytes.substr(static_cast<size_t>(offset), static_cast<size_t>(length));
 }
 
-std::unique_ptr<JobStore> open_job_store(const std::string& spec) {
-  if (spec == "memory") return std::make_unique<MemoryJobStore>();
+std::unique_ptr<JobStore> open_job_store(const std::string& spec, int64_t sqlite_max_growth_pages) {
   const std::string sqlite = "sqlite:";
   if (spec.rfind(sqlite, 0) == 0 && spec.size() > sqlite.size()) {
-    return open_sqlite(spec.substr(sqlite.size()));
+    return open_sqlite(spec.substr(sqlite.size()), sqlite_max_growth_pages);
   }
+  if (sqlite_max_growth_pages >= 0) throw StoreError("--job-store-max-growth-pages caps a sqlite: job store only");
+  if (spec == "memory") return std::make_unique<MemoryJobStore>();
   if (spec.rfind("postgresql://", 0) == 0 || spec.rfind("postgres://", 0) == 0) {
     return std::make_unique<PostgresJobStore>(spec);
   }

@@ -155,6 +155,8 @@ std::string blob_slice(const std::string& bytes, int64_t offset, int64_t length)
 // "memory", "sqlite:PATH[?synchronous=full]" or "postgresql://..." (postgres://). SQLite: creates the file (and its
 // directory) when missing; a file that is corrupt, of a newer schema, not a store, or held by another server is a
 // StoreError naming the file (never re-initialised). PostgreSQL: job_store_postgres.h (shared by several servers).
-std::unique_ptr<JobStore> open_job_store(const std::string& spec);
+// `sqlite_max_growth_pages` >= 0 (a test hook, --job-store-max-growth-pages): a SQLite file grows by that many pages
+// at most; any other store is then a StoreError.
+std::unique_ptr<JobStore> open_job_store(const std::string& spec, int64_t sqlite_max_growth_pages = -1);
 
 }  // namespace skyreels::server

@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <filesystem>
 
 #include "server/store/sqlite_db.h"
@@ -48,7 +47,8 @@ constexpr const char* kJobColumns =
 
 }  // namespace
 
-SqliteJobStore::SqliteJobStore(const std::string& path, bool synchronous_full) : path_(path) {
+SqliteJobStore::SqliteJobStore(const std::string& path, bool synchronous_full, int64_t max_growth_pages)
+    : path_(path) {
   const std::filesystem::path file(path);
   std::error_code ec;
   if (file.has_parent_path()) std::filesystem::create_directories(file.parent_path(), ec);
@@ -70,7 +70,7 @@ SqliteJobStore::SqliteJobStore(const std::string& path, bool synchronous_full) :
     }
   }
   migrate();
-  cap_growth_for_tests();
+  if (max_growth_pages >= 0) cap_growth_for_tests(max_growth_pages);
   spdlog::info("event=job_store_opened store=sqlite path={} schema_version={} synchronous={}", path, kSchemaVersion,
                synchronous_full_ ? "full" : "normal");
 }
@@ -81,14 +81,12 @@ std::string SqliteJobStore::describe() const {
 
 SqliteJobStore::~SqliteJobStore() = default;
 
-// Test hook, like --fault-inject: SKYREELS_JOB_STORE_MAX_GROWTH_PAGES=N lets the file grow by N pages at most, so that
-// tests see what a full disk does (SQLITE_FULL on the write that needs more) without filling one.
-void SqliteJobStore::cap_growth_for_tests() {
-  const char* growth = std::getenv("SKYREELS_JOB_STORE_MAX_GROWTH_PAGES");
-  if (growth == nullptr) return;
+// Test hook, like --fault-inject: --job-store-max-growth-pages N lets the file grow by N pages at most, so that tests
+// see what a full disk does (SQLITE_FULL on the write that needs more) without filling one.
+void SqliteJobStore::cap_growth_for_tests(int64_t max_growth_pages) {
   sqlite::Statement count(*db_, "PRAGMA page_count");
   const int64_t pages = count.step() ? count.int64(0) : 0;
-  const int64_t cap = pages + std::max<int64_t>(0, std::atoll(growth));
+  const int64_t cap = pages + max_growth_pages;
   sqlite::Statement(*db_, "PRAGMA max_page_count = " + std::to_string(cap)).step();
   spdlog::warn("event=job_store_capped_for_tests path={} max_pages={}", path_, cap);
 }

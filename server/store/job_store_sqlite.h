@@ -18,8 +18,9 @@ class Database;
 class SqliteJobStore final : public JobStore {
  public:
   static constexpr int kSchemaVersion = 5;
-  // Throws StoreError naming the file. `synchronous_full`: an fsync per commit (see above).
-  explicit SqliteJobStore(const std::string& path, bool synchronous_full = false);
+  // Throws StoreError naming the file. `synchronous_full`: an fsync per commit (see above). `max_growth_pages` >= 0
+  // (the test hook --job-store-max-growth-pages): the file grows by that many pages at most.
+  explicit SqliteJobStore(const std::string& path, bool synchronous_full = false, int64_t max_growth_pages = -1);
   ~SqliteJobStore() override;
 
   // "sqlite:PATH", with "?synchronous=full" when the connection runs so (read back from SQLite, not from the flag).
@@ -29,7 +30,7 @@ class SqliteJobStore final : public JobStore {
 
  private:
   void migrate();
-  void cap_growth_for_tests();
+  void cap_growth_for_tests(int64_t max_growth_pages);
   std::string path_;
   bool synchronous_full_ = false;
   mutable std::mutex mu_;
