@@ -383,7 +383,7 @@ TEST(ServedAdaptersLive, AFileReplacedAfterItsJobWasAcceptedFailsThatJobByNameAn
   const std::string lora_dir = temp_dir("adapters-replaced");
   std::filesystem::copy_file(setup().lora_dir + "/style.safetensors", lora_dir + "/style.safetensors");
   ServerProcess server({"--demo", "--devices", "cpu", "--dtype", "float32", "--lora-dir", lora_dir,
-                        "--step-delay-ms", "200"});
+                        "--enable-test-hooks", "--step-delay-ms", "200"});
   // A job without adapters holds the one replica for seconds (4 chunks of 3 steps of at least 200 ms)...
   const std::string plain = submit(server.client(), with_adapters(3332, {})).job_id();
   watch_until(server.client(), plain, 0, [](const pb::JobEvent& e) { return e.has_chunk_started(); });
@@ -461,7 +461,7 @@ TEST(ServedAdaptersLive, AnAdapterAndTheModelRewrittenInPlaceUnderARunningJobCha
   std::filesystem::copy_file(setup().lora_dir + "/style.safetensors", kept + "/style.safetensors");
   server::write_tiny_model(model_dir);
   ServerProcess server({"--model", model_dir, "--devices", "cpu", "--dtype", "float32", "--lora-dir", lora_dir,
-                        "--step-delay-ms", "100"});
+                        "--enable-test-hooks", "--step-delay-ms", "100"});
   const pb::SubmitJobRequest request = with_adapters(3351, {{"style", 0.8}});
   const std::string id = submit(server.client(), request).job_id();
   watch_until(server.client(), id, 0, [](const pb::JobEvent& e) { return e.has_chunk_finished(); });
