@@ -196,6 +196,29 @@ class LeaseStore {
   policy::LeftChunks left_;  // chunks this process's claims left to other pods
 };
 
+// The LeaseStore calls every lease store makes against its store (one per kLeaseStoreOps name but report_replica and
+// replica_reports, which a store one process holds leaves to their defaults), declared once: the lease stores and
+// the timing wrapper name this in their public part instead of restating the list.
+#define SKYREELS_LEASE_STORE_CALLS                                                                                 \
+  std::vector<policy::ReadyJob> candidates(int64_t limit) const override;                                          \
+  std::optional<ChunkLease> try_lease(const std::string& job_id, const std::string& replica,                       \
+                                      std::chrono::milliseconds ttl, int64_t charge) override;                     \
+  LeaseRenewal renew(const ChunkLease& lease, std::chrono::milliseconds ttl) override;                             \
+  LeaseCommit commit(const ChunkLease& lease, const StoredChunk& chunk,                                            \
+                     const std::vector<std::string>& events) override;                                             \
+  bool release(const ChunkLease& lease) override;                                                                 \
+  std::vector<std::string> expire_deadlines() override;                                                            \
+  std::vector<Retired> finished_to_retire(int64_t finished_before_ms, int64_t keep) const override;                \
+  CancelState request_cancel(const std::string& job_id, const std::string& owner) override;                        \
+  InsertOutcome insert_job_once(const StoredJob& job, AdmissionLimits limits = {}) override;                       \
+  AdmissionCounts admission_counts(const std::string& client) const override;                                      \
+  int64_t queue_depth() const override;                                                                            \
+  std::vector<StoredJob> jobs_of(const std::string& owner) const override;                                         \
+  std::optional<StoredJob> load_job(const std::string& job_id, bool with_request = true) const override;           \
+  std::vector<uint64_t> append_events(const std::string& job_id, const std::vector<std::string>& events) override; \
+  uint64_t reserve_sequences(const std::string& job_id, int64_t count) override;                                   \
+  void publish_step(const std::string& job_id, const StoredEvent& event) override
+
 // The leases over `records` (as open_job_store() made them), which then hold them: PostgreSQL's own (shared by pods),
 // else a LocalLeaseStore (memory, SQLite: one process holds the store; `finished_event`: see LocalLeaseStore).
 std::unique_ptr<LeaseStore> lease_store_over(std::unique_ptr<JobStore> records, std::string finished_event);

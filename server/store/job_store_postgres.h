@@ -53,27 +53,10 @@ class PostgresLeaseStore final : public LeaseStore {
   ~PostgresLeaseStore() override;
 
   JobStore& records() override { return *records_; }
-  std::vector<policy::ReadyJob> candidates(int64_t limit) const override;
-  std::optional<ChunkLease> try_lease(const std::string& job_id, const std::string& replica,
-                                      std::chrono::milliseconds ttl, int64_t charge) override;
+  SKYREELS_LEASE_STORE_CALLS;
   void report_replica(const std::string& replica, const std::vector<std::string>& resident, bool idle) override;
   std::vector<policy::ReplicaReport> replica_reports(std::chrono::milliseconds within) const override;
-  LeaseRenewal renew(const ChunkLease& lease, std::chrono::milliseconds ttl) override;
-  LeaseCommit commit(const ChunkLease& lease, const StoredChunk& chunk,
-                     const std::vector<std::string>& events) override;
-  bool release(const ChunkLease& lease) override;
-  std::vector<std::string> expire_deadlines() override;
-  std::vector<Retired> finished_to_retire(int64_t finished_before_ms, int64_t keep) const override;
-  CancelState request_cancel(const std::string& job_id, const std::string& owner) override;
-  InsertOutcome insert_job_once(const StoredJob& job, AdmissionLimits limits = {}) override;
-  AdmissionCounts admission_counts(const std::string& client) const override;
-  int64_t queue_depth() const override;
-  std::vector<StoredJob> jobs_of(const std::string& owner) const override;
   bool shared() const override { return true; }
-  std::optional<StoredJob> load_job(const std::string& job_id, bool with_request = true) const override;
-  std::vector<uint64_t> append_events(const std::string& job_id, const std::vector<std::string>& events) override;
-  uint64_t reserve_sequences(const std::string& job_id, int64_t count) override;
-  void publish_step(const std::string& job_id, const StoredEvent& event) override;
   std::unique_ptr<ChangeListener> listen() override;
   // Also measures PostgreSQL's clock against this pod's (the health check's one round trip, every few seconds).
   bool reachable() const override;
