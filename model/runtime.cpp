@@ -118,6 +118,8 @@ void tune_malloc() {
   ::mallopt(M_TOP_PAD, 128 << 20);
 }
 
+void release_free_heap() { ::malloc_trim(0); }
+
 bool configure_tf32() {
   const char* env = std::getenv("SKYREELS_TF32");
   const bool tf32 = env != nullptr && std::string(env) == "1";

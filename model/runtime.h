@@ -35,6 +35,11 @@ std::string resolve_dtype_name(const std::string& requested, const std::string& 
 // forward otherwise). SKYREELS_MALLOC_TUNE=0 turns it off.
 void tune_malloc();
 
+// Returns the heap's free pages to the kernel (malloc_trim), in every arena: what tune_malloc keeps for the next
+// chunk's activations, and with it what a crowd of connections freed across their threads' arenas. The next
+// activations fault their pages in again, so call it when the process has gone quiet, not per request.
+void release_free_heap();
+
 // float32 on CUDA means float32: TF32 off for cuBLAS matmuls and cuDNN convolutions (PyTorch leaves cuDNN's on),
 // so fp32 results match the CPU's and diffusers' fp32 fixtures within 1e-4. SKYREELS_TF32=1 turns both on (faster
 // fp32 on Ampere and later, ~1e-3 relative). No effect on bfloat16 or on the CPU. Returns whether TF32 is on.

@@ -34,41 +34,6 @@ constexpr int kHttpReaders = 100;
 constexpr int kGrpcReaders = 100;
 constexpr int64_t kAllowedGrowth = (64LL << 20) + (kHttpReaders + kGrpcReaders) * (1LL << 20);
 
-// The process's resident set (VmRSS) in bytes, -1 when it cannot be read.
-int64_t resident_bytes(pid_t pid) {
-  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
-  for (std::string line; std::getline(status, line);) {
-    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
-  }
-  return -1;
-}
-
-// The largest VmRSS seen while it lives, sampled every 20 ms.
-class RssSampler {
- public:
-  explicit RssSampler(pid_t pid) : pid_(pid), thread_([this] {
-    while (!stop_) {
-      const int64_t now = resident_bytes(pid_);
-      int64_t seen = peak_.load();
-      while (now > seen && !peak_.compare_exchange_weak(seen, now)) {
-      }
-      std::this_thread::sleep_for(20ms);
-    }
-  }) {}
-  ~RssSampler() { stop(); }
-  void stop() {
-    stop_ = true;
-    if (thread_.joinable()) thread_.join();
-  }
-  int64_t peak() const { return peak_; }
-
- private:
-  pid_t pid_;
-  std::atomic<bool> stop_{false};
-  std::atomic<int64_t> peak_{0};
-  std::thread thread_;
-};
-
 // One slow HTTP download: a small receive buffer, a few KiB read, then a pause until `go` (bounded by `until`), then
 // the rest. Returns the body ("" on failure).
 std::string slow_http_download(int port, const std::string& id, std::atomic<int>* started, const std::atomic<bool>& go,

@@ -171,6 +171,29 @@ std::string ServerProcess::log() const {
   return os.str();
 }
 
+int64_t resident_bytes(pid_t pid) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+  }
+  return -1;
+}
+
+RssSampler::RssSampler(pid_t pid) : pid_(pid), thread_([this] {
+  while (!stop_) {
+    const int64_t now = resident_bytes(pid_);
+    int64_t seen = peak_.load();
+    while (now > seen && !peak_.compare_exchange_weak(seen, now)) {
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}) {}
+
+void RssSampler::stop() {
+  stop_ = true;
+  if (thread_.joinable()) thread_.join();
+}
+
 int connect_loopback(int port) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) return -1;

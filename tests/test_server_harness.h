@@ -5,9 +5,11 @@
 #include <gtest/gtest.h>
 #include <sys/types.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <thread>
 #include <utility>
 #include <memory>
 #include <string>
@@ -73,6 +75,26 @@ class SharedServerSuite : public ::testing::Test {
   }
   static inline ServerProcess* server_ = nullptr;
   static inline bool started_ = false;
+};
+
+// A process's resident set (VmRSS of /proc/PID/status) in bytes, -1 when it cannot be read.
+int64_t resident_bytes(pid_t pid);
+
+// The largest resident set of `pid` seen while it lives, sampled every 20 ms (the memory suites' measure).
+class RssSampler {
+ public:
+  explicit RssSampler(pid_t pid);
+  ~RssSampler() { stop(); }
+  RssSampler(const RssSampler&) = delete;
+  RssSampler& operator=(const RssSampler&) = delete;
+  void stop();
+  int64_t peak() const { return peak_; }
+
+ private:
+  pid_t pid_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int64_t> peak_{0};
+  std::thread thread_;
 };
 
 // A TCP connection to 127.0.0.1:port (a blocking socket), or -1.

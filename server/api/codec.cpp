@@ -1,5 +1,7 @@
 #include "server/api/codec.h"
 
+#include "server/job/proto_wire.h"
+
 namespace skyreels::server::api {
 
 // ---- conversions --------------------------------------------------------------------------------------------------
@@ -159,6 +161,39 @@ uint64_t random_seed() {
   uint64_t seed = 0;
   random_bytes(&seed, sizeof seed);
   return seed >> 1;  // 63 bits: also fits signed 64-bit consumers
+}
+
+grpc::ByteBuffer event_message(const pb::JobEvent& event) {
+  grpc::ByteBuffer out;
+  bool own = false;
+  (void)grpc::SerializationTraits<pb::JobEvent>::Serialize(event, &out, &own);
+  return out;
+}
+
+// The event without its preview, then the preview's key and length, its fields, the image's key and length, and the
+// PNG as a slice of its own. preview (17) and image (9) are the last fields of their messages, so these are the bytes
+// protobuf writes for the whole event.
+grpc::ByteBuffer preview_message(const pb::JobEvent& event, std::shared_ptr<const ChunkPreviewImage> image) {
+  const std::string& png = image->png;
+  if (png.empty()) return event_message(event);
+  pb::JobEvent outer = event;
+  outer.clear_preview();
+  std::string head = outer.SerializeAsString();
+  const std::string fields = event.preview().SerializeAsString();
+  std::string image_key;
+  wire::append_varint(wire::field_key(pb::ChunkPreview::kImageFieldNumber, wire::kLengthDelimited), &image_key);
+  wire::append_varint(png.size(), &image_key);
+  wire::append_varint(wire::field_key(pb::JobEvent::kPreviewFieldNumber, wire::kLengthDelimited), &head);
+  wire::append_varint(fields.size() + image_key.size() + png.size(), &head);
+  head += fields;
+  head += image_key;
+  // The slice holds a reference to the image until gRPC lets go of the last copy of the message.
+  auto* kept = new std::shared_ptr<const ChunkPreviewImage>(std::move(image));
+  const grpc::Slice slices[] = {
+      grpc::Slice(head),
+      grpc::Slice(const_cast<char*>(png.data()), png.size(),
+                  [](void* p) { delete static_cast<std::shared_ptr<const ChunkPreviewImage>*>(p); }, kept)};
+  return grpc::ByteBuffer(slices, 2);
 }
 
 // Who is calling: `owner` decides which jobs they see ("" without API keys); `client` is what per-client caps count

@@ -83,4 +83,10 @@ bool parse_page_token(const std::string& token, size_t* offset);
 
 uint64_t random_seed();
 
+// WatchJob's messages as bytes (its method is raw). A preview event (`event` with its preview's fields, no image)
+// whose image is `image`'s PNG itself: the message ends with a slice that refers to the PNG and keeps it alive, so the
+// job's watchers all send the one PNG the hub keeps. The bytes are those protobuf writes for the whole event.
+grpc::ByteBuffer event_message(const pb::JobEvent& event);
+grpc::ByteBuffer preview_message(const pb::JobEvent& event, std::shared_ptr<const ChunkPreviewImage> image);
+
 }  // namespace skyreels::server::api

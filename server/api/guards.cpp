@@ -34,6 +34,39 @@ void StreamLimiter::release(const std::string& client) {
   if (it != per_client_.end() && --it->second <= 0) per_client_.erase(it);
 }
 
+IdleTrimmer::IdleTrimmer(std::function<void()> trim, std::chrono::milliseconds delay)
+    : trim_(std::move(trim)), delay_(delay), thread_([this] { loop(); }) {}
+
+IdleTrimmer::~IdleTrimmer() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void IdleTrimmer::request() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    requested_ = true;
+  }
+  cv_.notify_all();
+}
+
+// Waits for a request, lets the burst pass (`delay`, the requests in it join this one), then trims.
+void IdleTrimmer::loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    cv_.wait(lock, [&] { return requested_ || stopping_; });
+    if (stopping_ || cv_.wait_for(lock, delay_, [&] { return stopping_; })) return;
+    requested_ = false;
+    lock.unlock();
+    trim_();
+    lock.lock();
+  }
+}
+
 int64_t StreamLimiter::open() const {
   std::lock_guard<std::mutex> lock(mu_);
   return open_;

@@ -1,7 +1,10 @@
 // What keeps one client from taking the server down: caps on open streams (in total and per client), a gate that
-// bounds concurrent text encodes, and escaping of client text before it reaches a log line (job/log_escape.h). No gRPC, no LibTorch.
+// bounds concurrent text encodes, the heap given back once the streams have gone, and escaping of client text before
+// it reaches a log line (job/log_escape.h). No gRPC, no LibTorch.
 #pragma once
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -10,6 +13,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
 
 #include "server/job/log_escape.h"  // log_escape, for every RPC family
 
@@ -52,6 +56,28 @@ class StreamLimiter::Slot {
  private:
   StreamLimiter* owner_;
   std::string client_;
+};
+
+// Runs `trim` (runtime::release_free_heap) on a thread of its own `delay` after a request, once for a burst of them:
+// the last open stream closing asks, so that what a crowd of watchers freed goes back to the kernel once they have
+// left rather than staying in glibc's arenas (issue 46). Never on the thread that asks: a trim walks every arena.
+class IdleTrimmer {
+ public:
+  explicit IdleTrimmer(std::function<void()> trim, std::chrono::milliseconds delay = std::chrono::seconds(1));
+  ~IdleTrimmer();
+  IdleTrimmer(const IdleTrimmer&) = delete;
+  IdleTrimmer& operator=(const IdleTrimmer&) = delete;
+  void request();
+
+ private:
+  void loop();
+  const std::function<void()> trim_;
+  const std::chrono::milliseconds delay_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool requested_ = false;
+  bool stopping_ = false;
+  std::thread thread_;  // last: starts once the rest exists
 };
 
 // A counting semaphore that never waits: try_enter() takes a place or says no (the caller answers

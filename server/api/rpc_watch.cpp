@@ -6,14 +6,20 @@ namespace skyreels::server::api {
 
 // Runs on one of gRPC's callback threads, which also answer the health checks: nothing here may wait for the
 // scheduler or the store (a frozen store would take the probes down with it). The job is looked up by the pump.
-grpc::ServerWriteReactor<pb::JobEvent>* VideoServiceImpl::WatchJob(grpc::CallbackServerContext* ctx,
-                                                 const pb::WatchJobRequest* request) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* VideoServiceImpl::WatchJob(grpc::CallbackServerContext* ctx,
+                                                                     const grpc::ByteBuffer* raw) {
+  using Refused = FinishedWriter<grpc::ByteBuffer>;
   Caller caller;
-  if (Status s = authenticate(ctx, &caller, false); !s.ok()) return new FinishedWriter<pb::JobEvent>(s);
-  if (Status s = check_job_id(request->job_id()); !s.ok()) return new FinishedWriter<pb::JobEvent>(s);
+  if (Status s = authenticate(ctx, &caller, false); !s.ok()) return new Refused(s);
+  pb::WatchJobRequest request;
+  grpc::ByteBuffer bytes(*raw);  // Deserialize consumes its buffer: a copy of the references
+  if (!grpc::SerializationTraits<pb::WatchJobRequest>::Deserialize(&bytes, &request).ok()) {
+    return new Refused(Status(StatusCode::INVALID_ARGUMENT, "the request is not a WatchJobRequest"));
+  }
+  if (Status s = check_job_id(request.job_id()); !s.ok()) return new Refused(s);
   std::unique_ptr<StreamLimiter::Slot> slot;
-  if (Status s = open_stream(caller, &slot); !s.ok()) return new FinishedWriter<pb::JobEvent>(s);
-  return WatchReactor::start(*this, *request, caller.owner, std::move(slot));
+  if (Status s = open_stream(caller, &slot); !s.ok()) return new Refused(s);
+  return WatchReactor::start(*this, request, caller.owner, std::move(slot));
 }
 
 // Reactions (gRPC's threads) only set flags and finish; whatever reads the scheduler or the store runs in pump(), on
@@ -37,7 +43,7 @@ struct WatchReactor::Core : std::enable_shared_from_this<WatchReactor::Core> {
 
   std::mutex mu;  // guards what follows; never held while calling the scheduler or gRPC (a reaction may run inline)
   std::deque<pb::JobEvent> pending;
-  pb::JobEvent writing;  // the message of the write in flight
+  grpc::ByteBuffer writing;  // the message of the write in flight (empty between writes: no image outlives its write)
   bool in_flight = false, cancelled = false, job_done = false, finished = false;
 
   Core(VideoServiceImpl& s, const pb::WatchJobRequest& request, std::string job_owner)
@@ -87,7 +93,7 @@ struct WatchReactor::Core : std::enable_shared_from_this<WatchReactor::Core> {
       if (cancelled) {
         finish = Status(StatusCode::CANCELLED, "client cancelled the watch");
       } else if (!finish && !pending.empty()) {
-        writing = std::move(pending.front());
+        writing = event_message(pending.front());
         pending.pop_front();
         in_flight = write = true;
       } else if (!finish && job_done) {
@@ -102,7 +108,8 @@ struct WatchReactor::Core : std::enable_shared_from_this<WatchReactor::Core> {
     if (finish) reactor->Finish(*finish);
   }
 
-  // Into `writing` (mu held): the preview as a sequence-0 event; the ones skipped since the last are counted.
+  // Into `writing` (mu held): the preview as a sequence-0 event referring to the hub's image; the ones skipped since
+  // the last are counted.
   void write_preview(const LatestPreview& preview) {
     if (previews_counted > 0 && preview.count > previews_counted + 1 && service.config_.metrics) {
       service.config_.metrics->previews_dropped(static_cast<int64_t>(preview.count - previews_counted - 1));
@@ -110,9 +117,9 @@ struct WatchReactor::Core : std::enable_shared_from_this<WatchReactor::Core> {
     preview_after = preview.serial;
     previews_counted = preview.count;
     const ChunkPreviewImage& image = *preview.image;
-    writing.Clear();
-    writing.set_job_id(id);
-    auto* p = writing.mutable_preview();
+    pb::JobEvent event;
+    event.set_job_id(id);
+    auto* p = event.mutable_preview();
     p->set_chunk_index(static_cast<int32_t>(image.chunk));
     p->set_step(static_cast<int32_t>(image.step));
     p->set_steps(static_cast<int32_t>(image.steps));
@@ -121,7 +128,7 @@ struct WatchReactor::Core : std::enable_shared_from_this<WatchReactor::Core> {
     p->set_frame_width(static_cast<int32_t>(image.frame_width));
     p->set_frame_height(static_cast<int32_t>(image.frame_height));
     p->set_mime_type("image/png");
-    p->set_image(image.png);
+    writing = preview_message(event, preview.image);
   }
 
   void read_events(std::deque<pb::JobEvent>* out, bool* done, std::optional<Status>* finish) {
@@ -158,7 +165,10 @@ struct WatchReactor::Core : std::enable_shared_from_this<WatchReactor::Core> {
     {
       std::lock_guard<std::mutex> lock(mu);
       cancelled = true;
-      if (write_done) in_flight = false;
+      if (write_done) {
+        in_flight = false;
+        writing.Clear();
+      }
       if (!finished && !in_flight) finished = finish = true;
     }
     if (finish) reactor->Finish(Status(StatusCode::CANCELLED, "client cancelled the watch"));
@@ -183,6 +193,7 @@ void WatchReactor::OnWriteDone(bool ok) {
   {
     std::lock_guard<std::mutex> lock(core_->mu);
     core_->in_flight = false;
+    core_->writing.Clear();  // its image's reference goes with it
   }
   core_->notify();
 }

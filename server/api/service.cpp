@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "model/adapter_bank.h"
+#include "model/runtime.h"
 #include "model/utf8_text.h"
 
 namespace skyreels::server::api {
@@ -35,11 +36,14 @@ VideoServiceImpl::VideoServiceImpl(JobCommands& commands, JobReads& reads, const
       reads_(reads),
       lifecycle_(lifecycle),
       config_(std::move(config)),
+      idle_trimmer_(runtime::release_free_heap),
       streams_(config_.transport.max_streams, config_.transport.max_streams_per_client),
       encodes_(config_.transport.max_concurrent_encodes),
       decodes_(config_.transport.max_concurrent_encodes) {
-  if (config_.metrics)
-    streams_.on_change([metrics = config_.metrics](int64_t open) { metrics->set_streams_open(open); });
+  streams_.on_change([this](int64_t open) {
+    if (config_.metrics) config_.metrics->set_streams_open(open);
+    if (open == 0) idle_trimmer_.request();  // the last stream closed: what the streams freed goes back
+  });
 }
 
 Status VideoServiceImpl::GetServerInfo(ServerContext* ctx, const pb::GetServerInfoRequest*, pb::ServerInfo* response) {

@@ -76,7 +76,9 @@ class VideoServiceImpl;
 // WatchJob without a thread: replays the job's events, then writes each new one when the scheduler says there is one
 // (subscribe), one write in flight at a time. The reactor is deleted by gRPC in OnDone; what the scheduler and the
 // pump may still reach after that is the shared Core, which never touches the reactor once it has called Finish.
-class WatchReactor final : public grpc::ServerWriteReactor<pb::JobEvent> {
+// Its messages are bytes (a raw method): a preview's image is the hub's own PNG, referred to by every watcher's write
+// rather than copied into it (preview_message), however slowly the watcher's client reads.
+class WatchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   static WatchReactor* start(VideoServiceImpl& service, const pb::WatchJobRequest& request, const std::string& owner,
                              std::unique_ptr<StreamLimiter::Slot> slot);
@@ -90,7 +92,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<pb::JobEvent> {
   std::shared_ptr<Core> core_;
 };
 
-class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_WatchJob<pb::VideoService::Service> {
+class VideoServiceImpl final : public pb::VideoService::WithRawCallbackMethod_WatchJob<pb::VideoService::Service> {
  public:
   friend class WatchReactor;
 
@@ -101,9 +103,10 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
 
   Status GetJob(ServerContext* ctx, const pb::GetJobRequest* request, pb::Job* response) override;
 
-  // A callback stream: an open watch holds no server thread, only its reactor (WatchReactor below).
-  grpc::ServerWriteReactor<pb::JobEvent>* WatchJob(grpc::CallbackServerContext* ctx,
-                                                   const pb::WatchJobRequest* request) override;
+  // A callback stream: an open watch holds no server thread, only its reactor (WatchReactor above). Raw: the request
+  // is a WatchJobRequest's bytes, each message a JobEvent's.
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* WatchJob(grpc::CallbackServerContext* ctx,
+                                                       const grpc::ByteBuffer* request) override;
 
   Status CancelJob(ServerContext* ctx, const pb::CancelJobRequest* request, pb::Job* response) override;
 
@@ -255,6 +258,7 @@ class VideoServiceImpl final : public pb::VideoService::WithCallbackMethod_Watch
   JobReads& reads_;               // jobs, events, previews, results
   const QueueLifecycle& lifecycle_;  // readiness, drain, replicas (GetServerInfo)
   ServiceConfig config_;
+  IdleTrimmer idle_trimmer_;  // before streams_: it outlives their last release
   StreamLimiter streams_;
   ConcurrencyGate encodes_;  // text prompts being encoded
   ConcurrencyGate decodes_;  // request images / videos being decoded

@@ -164,11 +164,13 @@ std::optional<Response> cancel_job(const ServiceCall& call, const std::string& i
 
 struct HttpApi::Impl {
   std::unique_ptr<pb::VideoService::Stub> stub;
+  std::unique_ptr<grpc::GenericStub> raw;
   HttpApiConfig config;
 };
 
 HttpApi::HttpApi(std::shared_ptr<grpc::Channel> channel, HttpApiConfig config) : impl_(std::make_unique<Impl>()) {
-  impl_->stub = pb::VideoService::NewStub(std::move(channel));
+  impl_->stub = pb::VideoService::NewStub(channel);
+  impl_->raw = std::make_unique<grpc::GenericStub>(std::move(channel));
   impl_->config = std::move(config);
 }
 
@@ -209,7 +211,7 @@ Response HttpApi::route(const Request& request, std::string* route) const {
     r.body = config.metrics();
     return r;
   }
-  const ServiceCall call{*impl_->stub, config, request};
+  const ServiceCall call{*impl_->stub, *impl_->raw, config, request};
   if (path.rfind("/skyreels/v1/", 0) == 0) return skyreels_route(call, route);
   const std::string videos = "/v1/videos";
   if (path == videos || path == videos + "/") {

@@ -39,8 +39,10 @@ struct Request {
 };
 
 // A response body produced while it is sent (Server-Sent Events): next() blocks until it has bytes (it sends its own
-// keep-alives) and returns nullopt at the end. Destroyed on the listener's thread when the response ends or the client
-// goes away, so its destructor is where it stops what feeds it.
+// keep-alives) and returns nullopt at the end. It is called when the client has taken what came before, and the
+// listener holds the piece it returned until it is sent, so a stream returns small pieces (an event stream's are at
+// most 16 KiB, a download's one part). Destroyed on the listener's thread when the response ends or the client goes
+// away, so its destructor is where it stops what feeds it.
 class BodyStream {
  public:
   virtual ~BodyStream() = default;

@@ -2,6 +2,7 @@
 // the mapping of gRPC statuses to HTTP ones, and OpenAI's error shape.
 #pragma once
 
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
 #include <memory>
@@ -19,6 +20,7 @@ namespace pb = ::skyreels::v1;
 
 struct ServiceCall {
   pb::VideoService::Stub& stub;
+  grpc::GenericStub& raw;  // calls whose messages stay bytes (WatchJob: a preview's image is never copied)
   const HttpApiConfig& config;
   const Request& request;
   // A client context carrying the request's API key and client address, with a deadline `timeout_ms` from now.
@@ -27,6 +29,9 @@ struct ServiceCall {
 };
 
 Response json_response(int status, const nlohmann::json& body);
+
+// A message in protobuf's JSON mapping as the /skyreels/v1 API writes it (proto field names, every field printed).
+std::string to_json(const google::protobuf::Message& message);
 
 // {"error": {"message", "type", "param", "code"}}; `type` from the status unless given.
 Response error_response(int status, const std::string& message, const std::string& param = "",

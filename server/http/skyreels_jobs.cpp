@@ -1,24 +1,15 @@
 // The service's own API as JSON (/skyreels/v1/...) for curl and scripts: the gRPC messages in protobuf's JSON mapping,
-// WatchJob as Server-Sent Events (resumable with Last-Event-ID = the event sequence), results per chunk.
+// WatchJob as Server-Sent Events (resumable with Last-Event-ID = the event sequence; watch_events.h), results per
+// chunk.
 #include <google/protobuf/util/json_util.h>
 
-#include <condition_variable>
-#include <deque>
-#include <mutex>
-#include <thread>
-
 #include "server/http/routes.h"
-#include "server/job/base64.h"
+#include "server/http/watch_events.h"
 #include "server/job/limits.h"
 
 namespace skyreels::server::http {
 
-namespace {
-
 namespace protobuf = google::protobuf;
-
-constexpr auto kKeepAlive = std::chrono::seconds(15);  // an SSE comment this often keeps proxies from closing idle streams
-constexpr int64_t kStreamTimeoutMs = int64_t{7} * 24 * 3600 * 1000;  // a watch lives as long as its job, within a week
 
 std::string to_json(const protobuf::Message& message) {
   protobuf::util::JsonPrintOptions options;
@@ -28,6 +19,10 @@ std::string to_json(const protobuf::Message& message) {
   (void)protobuf::util::MessageToJsonString(message, &out, options);
   return out;
 }
+
+namespace {
+
+constexpr int64_t kStreamTimeoutMs = int64_t{7} * 24 * 3600 * 1000;  // a watch lives as long as its job, within a week
 
 Response message_response(const protobuf::Message& message) {
   Response r;
@@ -51,103 +46,6 @@ std::optional<uint64_t> unsigned_value(const std::optional<std::string>& text) {
   }
   return std::stoull(*text);
 }
-
-std::string event_type(const pb::JobEvent& event) {
-  const auto* field = event.GetDescriptor()->FindFieldByNumber(static_cast<int>(event.event_case()));
-  return field ? field->name() : "event";
-}
-
-// A preview is not in the job's log: no `id:` (a reconnect's Last-Event-ID stays the last event's), and its image
-// goes as a data: URL (`preview.image_url`) that a page can show as it is.
-std::string sse(const pb::JobEvent& event) {
-  if (event.has_preview()) {
-    pb::JobEvent copy = event;
-    copy.mutable_preview()->clear_image();
-    std::string data = to_json(copy);
-    const std::string empty_image = "\"image\":\"\"";
-    const size_t at = data.find(empty_image);
-    if (at != std::string::npos) {
-      data.replace(at, empty_image.size(), "\"image_url\":\"data:" + event.preview().mime_type() + ";base64," +
-                                               base64_encode(event.preview().image()) + "\"");
-    }
-    return "event: preview\ndata: " + data + "\n\n";
-  }
-  return "id: " + std::to_string(event.sequence()) + "\nevent: " + event_type(event) + "\ndata: " + to_json(event) +
-         "\n\n";
-}
-
-// WatchJob as Server-Sent Events: a thread reads the gRPC stream into a queue that the listener drains.
-class EventStream : public BodyStream {
- public:
-  EventStream(std::unique_ptr<grpc::ClientContext> context, std::unique_ptr<grpc::ClientReader<pb::JobEvent>> reader)
-      : context_(std::move(context)), reader_(std::move(reader)), thread_([this] { read(); }) {}
-
-  ~EventStream() override {
-    context_->TryCancel();
-    thread_.join();
-  }
-
-  // Waits for the stream's first event, or its end: the status when it ended without one (then no SSE is sent).
-  std::optional<grpc::Status> wait_started(std::chrono::milliseconds timeout) {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait_for(lock, timeout, [&] { return done_ || !queue_.empty() || preview_; });
-    if (queue_.empty() && done_ && !status_.ok()) return status_;
-    return std::nullopt;
-  }
-
-  std::optional<std::string> next() override {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (!cv_.wait_for(lock, kKeepAlive, [&] { return done_ || !queue_.empty() || preview_; })) {
-      return std::string(": keep-alive\n\n");
-    }
-    if (!queue_.empty()) {
-      std::string text = std::move(queue_.front());
-      queue_.pop_front();
-      return text;
-    }
-    if (preview_) {
-      std::string text = std::move(*preview_);
-      preview_.reset();
-      return text;
-    }
-    if (!status_.ok() && !error_sent_) {
-      error_sent_ = true;
-      return "event: error\ndata: " + from_status(status_, *context_).body + "\n\n";
-    }
-    return std::nullopt;
-  }
-
- private:
-  void read() {
-    pb::JobEvent event;
-    while (reader_->Read(&event)) {
-      std::string text = sse(event);
-      std::lock_guard<std::mutex> lock(mu_);
-      if (event.has_preview()) {
-        preview_ = std::move(text);  // a slow client skips to the latest preview: one held at most
-      } else {
-        queue_.push_back(std::move(text));
-      }
-      cv_.notify_all();
-    }
-    grpc::Status status = reader_->Finish();
-    std::lock_guard<std::mutex> lock(mu_);
-    status_ = std::move(status);
-    done_ = true;
-    cv_.notify_all();
-  }
-
-  std::unique_ptr<grpc::ClientContext> context_;
-  std::unique_ptr<grpc::ClientReader<pb::JobEvent>> reader_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::string> queue_;
-  std::optional<std::string> preview_;  // sent once queue_ is empty
-  grpc::Status status_;
-  bool done_ = false;
-  bool error_sent_ = false;
-  std::thread thread_;  // last: starts once the rest exists
-};
 
 Response submit_job(const ServiceCall& call) {
   pb::SubmitJobRequest request;
@@ -202,9 +100,8 @@ Response job_events(const ServiceCall& call, const std::string& id) {
   request.set_skip_steps(call.request.query_value("skip_steps").value_or("") == "true");
   request.set_skip_previews(call.request.query_value("skip_previews").value_or("") == "true");
   auto context = call.context(kStreamTimeoutMs);
-  grpc::ClientContext* raw = context.get();
-  auto reader = call.stub.WatchJob(raw, request);
-  auto stream = std::make_shared<EventStream>(std::move(context), std::move(reader));
+  const grpc::ClientContext* raw = context.get();
+  auto stream = std::make_shared<WatchStream>(call.raw, std::move(context), request);
   if (auto failed = stream->wait_started(std::chrono::milliseconds(call.config.call_timeout_ms))) {
     return from_status(*failed, *raw);
   }
