@@ -262,5 +262,66 @@ TEST(WatchMemory, DISABLED_NeverReadingGrpcWatchersAndSlowSseReadersOfA720pPrevi
   expect_within_the_documented_bound(1280, 720);
 }
 
+// A watcher that stops reading skips to the latest preview when it reads again, and the server counts what it
+// skipped (skyreels_previews_dropped_total). The watcher announces a small HTTP/2 window (no BDP growth), so one
+// preview of a small job stalls its writes; the job makes many previews while it does not read.
+TEST(PreviewsDropped, AWatcherThatStopsReadingSkipsToTheLatestPreviewAndTheSkipsAreCounted) {
+  ServerProcess server({"--demo", "--devices", "cpu", "--dtype", "float32", "--max-steps", "1000"});
+  pb::SubmitJobRequest request = long_video_request(4611, 1000, 1.0);
+  auto* p = request.mutable_spec()->mutable_params();
+  p->set_width(256);
+  p->set_height(256);
+  p->set_num_frames(33);
+  p->set_base_num_frames(33);
+  p->set_preview_every(1);
+  const pb::Job job = submit(server.client(), request);
+  ASSERT_FALSE(job.job_id().empty());
+
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 1024);
+  auto stub = pb::VideoService::NewStub(grpc::CreateCustomChannel(server.address(), grpc::InsecureChannelCredentials(),
+                                                                  args));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + 300s);
+  pb::WatchJobRequest watch;
+  watch.set_job_id(job.job_id());
+  watch.set_skip_steps(true);
+  auto reader = stub->WatchJob(&context, watch);
+  auto next_preview = [&] {
+    pb::JobEvent event;
+    while (reader->Read(&event)) {
+      if (event.has_preview()) return event.preview();
+    }
+    return pb::ChunkPreview();
+  };
+  const pb::ChunkPreview first = next_preview();
+  ASSERT_GT(first.image().size(), 4096u) << "a preview must overflow the watcher's window";
+  const auto dropped = [&] {
+    return metric_value(http_get(server.metrics_port(), "/metrics"), "skyreels_previews_dropped_total");
+  };
+  EXPECT_EQ(dropped(), 0);
+  // Not reading: the previews made meanwhile wait at the server as one (the latest), the rest are skipped.
+  const auto made = [&] { return metric_value(http_get(server.metrics_port(), "/metrics"), "skyreels_previews_total"); };
+  const double made_before = made();
+  for (auto until = Steady::now() + 120s; made() < made_before + 5 && Steady::now() < until;) {
+    std::this_thread::sleep_for(100ms);
+  }
+  ASSERT_GE(made(), made_before + 5) << "the job made no previews while the watcher did not read";
+  const pb::ChunkPreview later = next_preview();  // the stalled write, then the latest one
+  const pb::ChunkPreview latest = next_preview();
+  EXPECT_GT(latest.step(), first.step() + 1) << "the watcher was sent previews it had no room for";
+  EXPECT_GE(dropped(), 1) << "skipped previews were not counted";
+  context.TryCancel();
+  reader->Finish();
+  pb::CancelJobRequest cancel;
+  cancel.set_job_id(job.job_id());
+  pb::Job cancelled;
+  auto ctx = server.client().context(30);
+  EXPECT_TRUE(server.client().stub().CancelJob(ctx.get(), cancel, &cancelled).ok());
+  (void)later;
+}
+
 }  // namespace
 }  // namespace skyreels::test
