@@ -386,7 +386,9 @@ void WebhookSender::scan(const std::string& job_id, Clock::time_point now) {
     Delivery d{job_id, e.sequence, p.attempts + 1, webhook->url, type,
                body_of(webhook_id, type, job_id, e, *job)};
     std::lock_guard<std::mutex> lock(mu_);
-    if (busy_.insert(job_id).second) {
+    // A delivery of this job that ended after its log was read (its end moves `wakes`) may be this very one: the read
+    // is stale and would send it again, so the job is read again at once instead (set_next_check below).
+    if (followed_[job_id].wakes == wakes && busy_.insert(job_id).second) {
       queue_.push_back(std::move(d));
       work_cv_.notify_one();
     }
