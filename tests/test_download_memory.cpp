@@ -38,18 +38,8 @@ constexpr int64_t kAllowedGrowth = (64LL << 20) + (kHttpReaders + kGrpcReaders) 
 // the rest. Returns the body ("" on failure).
 std::string slow_http_download(int port, const std::string& id, std::atomic<int>* started, const std::atomic<bool>& go,
                                std::chrono::steady_clock::time_point until) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  const int fd = connect_loopback(port, 4096);
   if (fd < 0) return "";
-  const int small = 4096;
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);  // before connect: the window stays small
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<uint16_t>(port));
-  ::inet_pton(AF_INET, "127.0.0.1", &address.sin_addr);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
-    ::close(fd);
-    return "";
-  }
   const std::string request = "GET /v1/videos/" + id + "/content HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + kKey +
                               "\r\nConnection: close\r\n\r\n";
   ::send(fd, request.data(), request.size(), MSG_NOSIGNAL);

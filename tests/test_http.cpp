@@ -38,28 +38,7 @@ namespace pb = ::skyreels::v1;
 const std::string kKey = "http-key-0123456789abcdef0123456789ab";
 
 // One connection from `source` (e.g. 127.0.0.2, another client address on loopback) to 127.0.0.1:port, or -1.
-int connect_from(int port, const char* source = nullptr) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return -1;
-  if (source != nullptr) {
-    sockaddr_in local{};
-    local.sin_family = AF_INET;
-    ::inet_pton(AF_INET, source, &local.sin_addr);
-    if (::bind(fd, reinterpret_cast<sockaddr*>(&local), sizeof local) != 0) {
-      ::close(fd);
-      return -1;
-    }
-  }
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<uint16_t>(port));
-  ::inet_pton(AF_INET, "127.0.0.1", &address.sin_addr);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
-    ::close(fd);
-    return -1;
-  }
-  return fd;
-}
+int connect_from(int port, const char* source = nullptr) { return connect_loopback(port, 0, source); }
 
 // Everything the server sends until it closes the connection or `seconds` pass.
 std::string read_all(int fd, double seconds) {

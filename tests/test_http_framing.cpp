@@ -230,7 +230,7 @@ TEST_F(HttpFramingTest, TabsInHeaderValuesAreStillAccepted) {
 // authority in it grants nothing (keys are still asked for).
 TEST_F(HttpFramingTest, AnAbsoluteFormTargetRoutesLikeItsPath) {
   const std::string authority = "127.0.0.1:" + std::to_string(http_port_);
-  for (const std::string target : {"http://" + authority + "/healthz", "HTTP://" + authority + "/healthz",
+  for (const std::string& target : {"http://" + authority + "/healthz", "HTTP://" + authority + "/healthz",
                                    std::string("http://other.example/healthz")}) {
     const RawExchange got =
         send_raw(http_port_, "GET " + target + " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");

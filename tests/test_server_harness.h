@@ -77,6 +77,11 @@ class SharedServerSuite : public ::testing::Test {
   static inline bool started_ = false;
 };
 
+// A TCP connection to 127.0.0.1:port (a blocking socket), or -1. `receive_buffer` > 0 sets SO_RCVBUF before connect, so the window stays
+// that small (a slow reader whose unread bytes back up at the server; 4096 in the memory suites). `source` (e.g.
+// 127.0.0.2) makes it another client address on loopback.
+int connect_loopback(int port, int receive_buffer = 0, const char* source = nullptr);
+
 // A process's resident set (VmRSS of /proc/PID/status) in bytes, -1 when it cannot be read.
 int64_t resident_bytes(pid_t pid);
 
@@ -97,8 +102,6 @@ class RssSampler {
   std::thread thread_;
 };
 
-// A TCP connection to 127.0.0.1:port (a blocking socket), or -1.
-int connect_loopback(int port);
 // What one raw HTTP exchange got: the bytes, and whether the server closed the connection in time.
 struct RawExchange {
   std::string bytes;

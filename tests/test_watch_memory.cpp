@@ -117,23 +117,20 @@ class IdleGrpcWatcher {
 // (take_a_byte), so that what the server sends backs up at the server.
 class SlowSseReader {
  public:
-  SlowSseReader(int port, const std::string& job_id) : fd_(::socket(AF_INET, SOCK_STREAM, 0)) {
-    const int small = 4096;
-    ::setsockopt(fd_, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);  // before connect: the window stays small
-    sockaddr_in address{};
-    address.sin_family = AF_INET;
-    address.sin_port = htons(static_cast<uint16_t>(port));
-    ::inet_pton(AF_INET, "127.0.0.1", &address.sin_addr);
-    if (::connect(fd_, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) return;
+  SlowSseReader(int port, const std::string& job_id) : fd_(connect_loopback(port, 4096)) {
+    if (fd_ < 0) return;
     const std::string request = "GET /skyreels/v1/jobs/" + job_id + "/events HTTP/1.1\r\nHost: x\r\n\r\n";
     ::send(fd_, request.data(), request.size(), MSG_NOSIGNAL);
   }
-  ~SlowSseReader() { ::close(fd_); }
+  ~SlowSseReader() {
+    if (fd_ >= 0) ::close(fd_);
+  }
   SlowSseReader(const SlowSseReader&) = delete;
   SlowSseReader& operator=(const SlowSseReader&) = delete;
 
   // Reads until the end of the response's headers; true when they say 200 and an event stream.
   bool read_headers(Steady::time_point until) {
+    if (fd_ < 0) return false;
     char c = 0;
     while (received_.find("\r\n\r\n") == std::string::npos && Steady::now() < until) {
       pollfd p{fd_, POLLIN, 0};
