@@ -222,13 +222,20 @@ CatalogueChanges AdapterCatalogue::rescan() const {
 std::optional<AdapterInfo> AdapterCatalogue::refresh(const std::string& name) const {
   if (!names_a_file_here(name)) return find(name);
   const std::string path = (fs::path(directory_) / (name + kExtension)).string();
+  auto listed = [&](const std::string& file) {
+    const std::lock_guard<std::mutex> lock(state_->mu);
+    return std::any_of(state_->entries.begin(), state_->entries.end(),
+                       [&](const Entry& e) { return e.info.path == file; });
+  };
   auto current = [&](const std::optional<FileStamp>& stamp) -> std::optional<AdapterInfo> {
     const std::lock_guard<std::mutex> lock(state_->mu);
     const Entry* entry = entry_named(state_->entries, name);
     if (entry != nullptr && entry->info.path == path && stamp && entry->stamp == *stamp) return entry->info;
     return std::nullopt;
   };
-  if (auto same = current(stamp_of(path))) return same;
+  const std::optional<FileStamp> seen = stamp_of(path);
+  if (auto same = current(seen)) return same;
+  if (!seen && !listed(path)) return find(name);  // no such file and nothing to forget: an unknown name costs a stat
   const std::lock_guard<std::mutex> reading(state_->reading);
   const std::optional<FileStamp> stamp = stamp_of(path);
   if (auto same = current(stamp)) return same;  // another call looked at it meanwhile
@@ -236,10 +243,11 @@ std::optional<AdapterInfo> AdapterCatalogue::refresh(const std::string& name) co
   if (stamp) fresh = Entry{catalogue_entry(path, *this), *stamp};
   const std::lock_guard<std::mutex> lock(state_->mu);
   auto& entries = state_->entries;
-  entries.erase(std::remove_if(entries.begin(), entries.end(), [&](const Entry& e) { return e.info.path == path; }),
-                entries.end());
+  const auto gone = std::remove_if(entries.begin(), entries.end(), [&](const Entry& e) { return e.info.path == path; });
+  const bool forgotten = gone != entries.end();
+  entries.erase(gone, entries.end());
   if (!fresh) {
-    spdlog::info("adapter '{}': its file is gone from --lora-dir '{}'", name, shown_directory_);
+    if (forgotten) spdlog::info("adapter '{}': its file is gone from --lora-dir '{}'", name, shown_directory_);
     const Entry* other = entry_named(entries, name);  // an escaped name's file, if any
     return other ? std::optional<AdapterInfo>(other->info) : std::nullopt;
   }
