@@ -544,6 +544,19 @@ TEST_F(IoServerTest, Item11_MalformedProtobufAndNonUtf8StringsAreInvalidArgument
   EXPECT_EQ(health_status(server_->address(), ""), kServing);
 }
 
+// WatchJob parses its request itself (a raw method, issue 46): truncated bytes or a job id that is not UTF-8 end the
+// stream INVALID_ARGUMENT before anything is sent, as the generated methods do.
+TEST_F(IoServerTest, Item11_AMalformedWatchJobRequestIsInvalidArgument) {
+  const auto channel = server_->client().channel();
+  const grpc::Status truncated = raw_unary(channel, "/skyreels.v1.VideoService/WatchJob", std::string("\x0a\x50", 2));
+  EXPECT_EQ(truncated.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << truncated.error_message();
+  const grpc::Status latin1 =
+      raw_unary(channel, "/skyreels.v1.VideoService/WatchJob", std::string("\x0a\x02\xff\xfe", 4));
+  EXPECT_EQ(latin1.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << latin1.error_message();
+  const grpc::Status fine = raw_unary(channel, "/skyreels.v1.VideoService/WatchJob", std::string("\x0a\x01x", 3));
+  EXPECT_EQ(fine.error_code(), grpc::StatusCode::NOT_FOUND) << fine.error_message();  // parsed: no such job
+}
+
 TEST_F(IoServerTest, Item11_ClientStringsCannotForgeLogLines) {
   pb::SubmitJobRequest request = long_video_request(100, 1);
   request.mutable_spec()->mutable_params()->mutable_scheduler()->set_solver_type("bh2\nevent=forged job=j-0");
