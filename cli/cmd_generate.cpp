@@ -2,18 +2,21 @@
 // (SkyReelsV2DiffusionForcingPipeline and its image / video variants) chunk by chunk as the server runs it, or the
 // text-to-video / image-to-video pipelines (SkyReelsV2Pipeline, SkyReelsV2ImageToVideoPipeline) in one go.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <chrono>
-#include <filesystem>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iostream>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <random>
+#include <tuple>
 
 #include "cli/command.h"
 #include "model/checkpoint.h"
@@ -23,7 +26,9 @@
 #include "model/host_syncs.h"
 #include "model/image_processor.h"
 #include "model/pipeline_t2v_i2v.h"
+#include "model/parallel_layout.h"
 #include "model/pixel_conditioning.h"
+#include "model/rank_group.h"
 #include "model/safetensors.h"
 #include "model/text_encoding.h"
 #include "model/transformer_loader.h"
@@ -61,6 +66,10 @@ const std::string kUsage =
         "  --noise FILE inject recorded noise: inject recorded noise: noise_000, noise_001, ... in diffusers' draw "
         "order\n"
         "  --dtype float32|bfloat16|auto (default float32)  --device cpu|cuda|cuda:N (default cpu)\n"
+        "  --devices LIST --parallel cfg=C,ulysses=U  one video on C x U devices (e.g. --devices cpu,cpu,cpu,cpu\n"
+        "               --parallel cfg=2,ulysses=2): cfg=2 runs a guided row's two passes at once on the two halves,\n"
+        "               ulysses=U splits the tokens over U ranks (U divides the model's attention heads); the ranks\n"
+        "               are threads joined by torch's c10d (Gloo); the output equals one device's within 1e-5\n"
         "  --lora FILE[:SCALE]  a LoRA adapter merged at load (diffusers/PEFT, original/kohya or musubi keys):\n"
         "               W + SCALE * (alpha / r) * B @ A in float32, then cast; default SCALE 1; repeatable\n"
         "  --lora-dir DIR       adapters for --adapter: every DIR/NAME.safetensors (same key formats as --lora)\n"
@@ -267,9 +276,10 @@ std::function<void(const model::ChunkPreview&)> preview_writer(const std::string
 }
 
 // The transformer as --device, --dtype and --lora ask, checked to run `kind`.
-model::LoadedTransformer load_for(const Args& args, const std::string& model_path, model::PipelineKind kind) {
+model::LoadedTransformer load_for(const Args& args, const std::string& model_path, model::PipelineKind kind,
+                                  const std::string& device) {
   model::TransformerLoadOptions options;
-  options.device = args.get("device", "cpu");
+  options.device = device;
   options.dtype = args.get("dtype", "float32");
   options.loras = skyreels::cli::lora_specs_from_flags(args);
   skyreels::cli::check_adapter_flags(args);
@@ -279,6 +289,81 @@ model::LoadedTransformer load_for(const Args& args, const std::string& model_pat
   spdlog::info("loaded {} on {} as {} in {:.2f} s; pipeline {}", model_path, loaded.model->device().str(),
                c10::toString(loaded.model->compute_dtype()), seconds_since(start), model::pipeline_kind_name(kind));
   return loaded;
+}
+
+// ---- one video on several devices (--devices, --parallel) -------------------------------------------------------
+
+// The ranks of the one replica this command runs: one device per rank, rank r on the r-th of --devices.
+struct Ranks {
+  model::ParallelLayout layout;
+  std::vector<std::string> devices;
+  bool several() const { return !layout.single(); }
+};
+
+Ranks ranks_from_flags(const Args& args) {
+  Ranks r;
+  try {
+    if (args.has("parallel")) r.layout = model::parse_parallel_layout(args.get("parallel"));
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(e.what());
+  }
+  if (args.has("devices") && args.has("device")) throw UsageError("give --device or --devices, not both");
+  if (!args.has("devices")) {
+    if (r.several()) throw UsageError("--parallel " + r.layout.text() + " needs --devices (one device per rank)");
+    r.devices = {args.get("device", "cpu")};
+    return r;
+  }
+  const std::string list = args.get("devices");
+  for (size_t at = 0; at <= list.size();) {
+    const size_t comma = std::min(list.find(',', at), list.size());
+    const std::string device = list.substr(at, comma - at);
+    if (device.empty()) throw UsageError("--devices: an empty entry in '" + list + "'");
+    r.devices.push_back(device);
+    at = comma + 1;
+  }
+  if (static_cast<int64_t>(r.devices.size()) != r.layout.ranks()) {
+    throw UsageError("--devices: " + std::to_string(r.devices.size()) + " device(s) for --parallel " + r.layout.text() +
+                     " (" + std::to_string(r.layout.ranks()) + " ranks): give one device per rank");
+  }
+  return r;
+}
+
+// The transformer once per distinct device of the ranks (ranks on one device share it: the forward is const).
+struct RankModels {
+  std::map<std::string, model::LoadedTransformer> by_device;
+  const model::SkyReelsV2Transformer& of(const Ranks& ranks, int64_t rank) const {
+    return *by_device.at(ranks.devices[static_cast<size_t>(rank)]).model;
+  }
+};
+
+RankModels load_for_ranks(const Args& args, const std::string& model_path, model::PipelineKind kind,
+                          const Ranks& ranks) {
+  RankModels models;
+  for (const std::string& device : ranks.devices) {
+    if (!models.by_device.count(device)) models.by_device.emplace(device, load_for(args, model_path, kind, device));
+  }
+  const model::TransformerConfig& config = models.by_device.begin()->second.model->config();
+  try {
+    model::check_parallel_layout(ranks.layout, static_cast<int64_t>(ranks.devices.size()), config.num_attention_heads);
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(e.what());
+  }
+  if (ranks.several()) {
+    spdlog::info("one replica of {} ranks ({}) on {}", ranks.layout.ranks(), ranks.layout.text(),
+                 args.get("devices"));
+  }
+  return models;
+}
+
+// Runs body(rank, groups) on every rank (rank 0 alone without --parallel), each rank's intra-op threads a share of
+// this process's.
+void on_every_rank(const Ranks& ranks, const std::function<void(int64_t, const model::RankGroups&)>& body) {
+  const int threads = std::max<int>(1, at::get_num_threads() / static_cast<int>(ranks.layout.ranks()));
+  model::run_on_ranks(ranks.layout, model::kDefaultCollectiveTimeout,
+                      [&](int64_t rank, const model::RankGroups& groups) {
+                        if (ranks.several()) at::set_num_threads(threads);
+                        body(rank, groups);
+                      });
 }
 
 // ---- text-to-video and image-to-video ----------------------------------------------------------------------------
@@ -390,18 +475,25 @@ int run_video_pipeline(const Args& args, model::PipelineKind kind, const std::st
     conditioning.prompt_embeds = text.prompt_embeds;
     conditioning.negative_prompt_embeds = text.negative_prompt_embeds;
   }
-  auto noise = noise_from_flags(args, params);
+  const Ranks ranks = ranks_from_flags(args);
+  std::vector<std::unique_ptr<model::NoiseSource>> noises;  // one per rank: every rank draws the same values
+  for (int64_t r = 0; r < ranks.layout.ranks(); ++r) noises.push_back(noise_from_flags(args, params));
 
-  const auto loaded = load_for(args, model_path, kind);
-  const auto& transformer = *loaded.model;
+  const RankModels models = load_for_ranks(args, model_path, kind, ranks);
+  const auto& transformer = models.of(ranks, 0);
   params.adapters = skyreels::cli::adapters_from_flags(args, transformer);
   if (i2v) encode_i2v_images(args, params, transformer.config(), conditioning);
 
   model::VideoHooks hooks;
   hooks.on_step = [](int64_t step, int64_t steps, const at::Tensor&) { spdlog::info("step {}/{}", step + 1, steps); };
   auto start = std::chrono::steady_clock::now();
-  const at::Tensor latents =
-      model::generate_video(transformer, kind, params, conditioning, *noise, videos_per_prompt, hooks);
+  at::Tensor latents;
+  on_every_rank(ranks, [&](int64_t rank, const model::RankGroups& groups) {
+    const at::Tensor mine = model::generate_video(models.of(ranks, rank), kind, params, conditioning,
+                                                  *noises[static_cast<size_t>(rank)], videos_per_prompt,
+                                                  rank == 0 ? hooks : model::VideoHooks{}, &groups);
+    if (rank == 0) latents = mine;
+  });
   spdlog::info("generated in {:.2f} s", seconds_since(start));
   skyreels::safetensors::save(out_path, {{"latents", latents}}, {{"pipeline", model::pipeline_kind_name(kind)}});
   std::cout << out_path << ": latents " << latents.sizes() << " float32, pipeline " << model::pipeline_kind_name(kind)
@@ -417,6 +509,8 @@ int run_generate(const std::vector<std::string>& argv) {
                                              "noise",
                                              "dtype",
                                              "device",
+                                             "devices",
+                                             "parallel",
                                              "text-encoder",
                                              "tokenizer",
                                              "max-sequence-length",
@@ -465,7 +559,9 @@ int run_generate(const std::vector<std::string>& argv) {
   conditioning.prompt_changes = prompt_changes_from_flags(args, encode_text, conditioning_from);
   const model::PixelConditioning pixels = pixels_from_flags(args);
   model::describe_conditioning(pixels, conditioning.prompt_embeds.size(0), params);
-  auto noise = noise_from_flags(args, params);
+  const Ranks ranks = ranks_from_flags(args);
+  std::vector<std::unique_ptr<model::NoiseSource>> noises;  // one per rank: every rank draws the same values
+  for (int64_t r = 0; r < ranks.layout.ranks(); ++r) noises.push_back(noise_from_flags(args, params));
 
   // With an explicit block size the request can be checked before a (possibly large) model is loaded.
   std::optional<model::ChunkPlan> plan;
@@ -473,8 +569,8 @@ int run_generate(const std::vector<std::string>& argv) {
 
   encode_pixels(args, pixels, params, conditioning);
 
-  const auto loaded = load_for(args, model_path, model::PipelineKind::kDiffusionForcing);
-  const auto& transformer = *loaded.model;
+  const RankModels models = load_for_ranks(args, model_path, model::PipelineKind::kDiffusionForcing, ranks);
+  const auto& transformer = models.of(ranks, 0);
   params.adapters = skyreels::cli::adapters_from_flags(args, transformer);
 
   // The same path the server takes: an explicit plan, then run_chunk per chunk.
@@ -490,31 +586,49 @@ int run_generate(const std::vector<std::string>& argv) {
     hooks.on_preview = preview_writer(args.get("previews"));
   }
   TransformerWork work;
-  // Stock diffusers' request-scoped step cache lives across chunks: one cache for the whole loop then.
-  const auto request_cache =
-      params.cache.scope == model::StepCacheScope::kRequest ? model::make_denoise_cache() : nullptr;
+  std::vector<model::TransformerCallReport> reports;  // every call once: from each guidance half's sequence rank 0
+  std::mutex reports_mutex;
   std::vector<std::pair<std::string, at::Tensor>> outputs;
   at::Tensor video;
   auto start = std::chrono::steady_clock::now();
-  int64_t host_syncs = 0, transformer_calls = 0;
-  hooks.on_call = [&work, &transformer_calls](const model::TransformerCallReport& call) {
-    work.add(call);
-    ++transformer_calls;
-  };
+  int64_t host_syncs = 0;
   bool syncs_counted = false;
-  for (const model::ChunkSpec& chunk : plan->chunks) {
-    at::Tensor latents;
-    {
-      // Only the step loop: the chunk's latents are copied to the host below, outside the count.
-      const model::HostSyncCounter syncs(args.has("count-host-syncs") && transformer.device().is_cuda());
-      latents =
-          model::run_chunk(transformer, params, *plan, chunk.index, conditioning, video, *noise, hooks, request_cache);
-      host_syncs += syncs.count();
-      syncs_counted = syncs.active();
+  on_every_rank(ranks, [&](int64_t rank, const model::RankGroups& groups) {
+    model::StepHooks mine = rank == 0 ? hooks : model::StepHooks{};
+    if (groups.ulysses == nullptr || groups.ulysses->rank() == 0) {
+      mine.on_call = [&](const model::TransformerCallReport& call) {
+        const std::lock_guard<std::mutex> lock(reports_mutex);
+        reports.push_back(call);
+      };
     }
-    outputs.emplace_back("chunk" + std::to_string(chunk.index) + "_latents_end", latents.to(at::kCPU));
-    video = model::accumulate(video, latents, chunk);
-  }
+    // Stock diffusers' request-scoped step cache lives across chunks: one cache for the whole loop then.
+    const auto request_cache =
+        params.cache.scope == model::StepCacheScope::kRequest ? model::make_denoise_cache() : nullptr;
+    const model::SkyReelsV2Transformer& rank_model = models.of(ranks, rank);
+    at::Tensor rank_video;
+    for (const model::ChunkSpec& chunk : plan->chunks) {
+      at::Tensor latents;
+      {
+        // Only the step loop: the chunk's latents are copied to the host below, outside the count.
+        const model::HostSyncCounter syncs(rank == 0 && args.has("count-host-syncs") && rank_model.device().is_cuda());
+        latents = model::run_chunk(rank_model, params, *plan, chunk.index, conditioning, rank_video,
+                                   *noises[static_cast<size_t>(rank)], mine, request_cache, &groups);
+        if (rank == 0) {
+          host_syncs += syncs.count();
+          syncs_counted = syncs.active();
+        }
+      }
+      if (rank == 0) outputs.emplace_back("chunk" + std::to_string(chunk.index) + "_latents_end", latents.to(at::kCPU));
+      rank_video = model::accumulate(rank_video, latents, chunk);
+    }
+    if (rank == 0) video = rank_video;
+  });
+  // The guidance halves report side by side; one device makes a row's conditional call first.
+  std::stable_sort(reports.begin(), reports.end(), [](const auto& a, const auto& b) {
+    return std::make_tuple(a.chunk, a.row, a.unconditional) < std::make_tuple(b.chunk, b.row, b.unconditional);
+  });
+  for (const auto& call : reports) work.add(call);
+  const int64_t transformer_calls = static_cast<int64_t>(reports.size());
   spdlog::info("generated in {:.2f} s; {}", seconds_since(start), work.summary());
   if (args.has("count-host-syncs")) {
     if (syncs_counted) {

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "model/diffusion_forcing.h"
+#include "model/rank_group.h"
 #include "model/transformer_skyreels_v2.h"
 
 namespace skyreels::model {
@@ -158,11 +159,11 @@ PerBlockCache per_block_cache_of(const DenoiseCall& call, const GenerationParams
 
 Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const GenerationParams& params,
                               std::function<bool()> cancelled, std::function<void(const TransformerCallReport&)> on_call,
-                              std::shared_ptr<DenoiseCache> cache) {
+                              std::shared_ptr<DenoiseCache> cache, RankGroup* sequence_ranks) {
   const int64_t fps_index = params.fps == 16 ? 0 : 1;  // diffusers: [0 if fps == 16 else 1] per batch item
   if (!cache) cache = make_denoise_cache();
   return [&model, params, fps_index, cancelled = std::move(cancelled), on_call = std::move(on_call),
-          cache = std::move(cache)](const DenoiseCall& call) {
+          cache = std::move(cache), sequence_ranks](const DenoiseCall& call) {
     const at::Tensor& input = call.latent_model_input;
     TransformerForwardArgs args;
     args.timestep = call.timestep;
@@ -172,6 +173,7 @@ Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const Generati
     }
     args.num_frame_per_block = call.num_frame_per_block;  // per request; the model config is never written
     args.adapters = params.adapters;
+    args.sequence_parallel = sequence_ranks;
     if (cancelled) {
       args.after_block = [&cancelled, &call] {
         if (cancelled()) {
@@ -253,22 +255,29 @@ DenoiserInfo denoiser_info(const SkyReelsV2Transformer& model) {
 
 at::Tensor run_chunk(const SkyReelsV2Transformer& model, const GenerationParams& params, const ChunkPlan& plan,
                      int64_t chunk_index, const Conditioning& conditioning, const at::Tensor& previous_latents,
-                     NoiseSource& noise, const StepHooks& hooks, std::shared_ptr<DenoiseCache> cache) {
+                     NoiseSource& noise, const StepHooks& hooks, std::shared_ptr<DenoiseCache> cache,
+                     const RankGroups* ranks) {
   if (!cache && chunk_index > 0 && params.cache.kind != StepCacheKind::kNone &&
       params.cache.scope == StepCacheScope::kRequest) {
     throw std::invalid_argument("cache_scope: request keeps the step cache from chunk to chunk, so chunk " +
                                 std::to_string(chunk_index) +
                                 " needs the request's DenoiseCache (every chunk in one loop); use cache_scope chunk");
   }
-  return run_chunk(transformer_denoiser(model, params, hooks.cancelled, hooks.on_call, std::move(cache)),
-                   denoiser_info(model), params, plan, chunk_index, conditioning, previous_latents, noise, hooks);
+  DenoiserInfo info = denoiser_info(model);
+  if (ranks) info.guidance_ranks = ranks->cfg;
+  return run_chunk(transformer_denoiser(model, params, hooks.cancelled, hooks.on_call, std::move(cache),
+                                        ranks ? ranks->ulysses : nullptr),
+                   info, params, plan, chunk_index, conditioning, previous_latents, noise, hooks);
 }
 
 at::Tensor generate(const SkyReelsV2Transformer& model, const GenerationParams& params,
                     const Conditioning& conditioning, NoiseSource& noise, const StepHooks& hooks,
-                    const std::function<void(int64_t, const at::Tensor&)>& on_chunk) {
-  return generate(transformer_denoiser(model, params, hooks.cancelled, hooks.on_call), denoiser_info(model), params,
-                  conditioning, noise, hooks, on_chunk);
+                    const std::function<void(int64_t, const at::Tensor&)>& on_chunk, const RankGroups* ranks) {
+  DenoiserInfo info = denoiser_info(model);
+  if (ranks) info.guidance_ranks = ranks->cfg;
+  return generate(transformer_denoiser(model, params, hooks.cancelled, hooks.on_call, nullptr,
+                                       ranks ? ranks->ulysses : nullptr),
+                  info, params, conditioning, noise, hooks, on_chunk);
 }
 
 }  // namespace skyreels::model

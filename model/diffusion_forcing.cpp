@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "model/guidance.h"
+#include "model/guided_prediction.h"
 #include "model/shape_text.h"
 #include "model/video_shape.h"
 
@@ -293,14 +294,13 @@ at::Tensor run_chunk(const Denoiser& denoiser, const DenoiserInfo& info, const G
     call.num_frame_per_block = plan.causal_block_size;
     call.first_frame = start;
     mark_frames(call, matrix, params, chunk, i, start, end);
-    call.encoder_hidden_states = inputs.prompt;
-    at::Tensor prediction = denoiser(call);
-    if (inputs.guidance) {
-      call.encoder_hidden_states = inputs.negative;
-      call.unconditional = true;
-      const at::Tensor uncond = denoiser(call);
-      prediction = uncond + params.guidance_scale * (prediction - uncond);  // in the model's dtype, as diffusers
-    }
+    const at::Tensor prediction = guided_prediction(
+        [&](bool unconditional) {
+          call.encoder_hidden_states = unconditional ? inputs.negative : inputs.prompt;
+          call.unconditional = unconditional;
+          return denoiser(call);
+        },
+        params.guidance_scale, info.guidance_ranks);
     if (prediction.sizes() != call.latent_model_input.sizes()) {
       throw std::logic_error("denoiser returned " + shape_text(prediction.sizes()) + " for input " +
                              shape_text(call.latent_model_input.sizes()));

@@ -23,6 +23,8 @@
 namespace skyreels::model {
 
 class SkyReelsV2Transformer;
+class RankGroup;
+struct RankGroups;
 
 // What the video is conditioned on besides the prompt: diffusers' text-to-video, image-to-video
 // (SkyReelsV2DiffusionForcingImageToVideoPipeline) and video-to-video (...VideoToVideoPipeline) pipelines.
@@ -262,9 +264,12 @@ struct GenerationCancelled : std::runtime_error {
 // device. The scheduler config comes from params.scheduler with params.flow_shift.
 // `cache`: the request's DenoiseCache when the step cache's scope is kRequest (required then for chunks after the
 // first); a fresh one per call otherwise.
+// `ranks`: this rank's groups when the chunk runs on a replica of several devices (rank_group.h's run_on_ranks: every
+// rank makes this call with its own groups and noise source, and every rank returns the same latents).
 at::Tensor run_chunk(const SkyReelsV2Transformer& model, const GenerationParams& params, const ChunkPlan& plan,
                      int64_t chunk_index, const Conditioning& conditioning, const at::Tensor& previous_latents,
-                     NoiseSource& noise, const StepHooks& hooks = {}, std::shared_ptr<DenoiseCache> cache = nullptr);
+                     NoiseSource& noise, const StepHooks& hooks = {}, std::shared_ptr<DenoiseCache> cache = nullptr,
+                     const RankGroups* ranks = nullptr);
 
 // Appends chunk latents to the accumulated video as diffusers does (drops the first keep_from frames).
 at::Tensor accumulate(const at::Tensor& accumulated, const at::Tensor& chunk_latents, const ChunkSpec& chunk);
@@ -294,14 +299,17 @@ struct DenoiserInfo {
   at::ScalarType dtype = at::kFloat;  // compute dtype (inputs are cast to it, as diffusers casts to transformer.dtype)
   int64_t latent_channels = 16;
   int64_t num_frame_per_block = 1;  // the model config's default causal block size
+  // cfg=2 (model/rank_group.h): this rank's guidance-parallel pair; each rank runs one pass of a guided row.
+  RankGroup* guidance_ranks = nullptr;
 };
 
 // The transformer as a Denoiser (per-request block size from the call, fps from `params`). With `cancelled`, the
 // forward also polls it after every transformer block and throws GenerationCancelled when it turns true.
+// `sequence_ranks`: the Ulysses ranks every call's tokens are split across (TransformerForwardArgs::sequence_parallel).
 Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const GenerationParams& params,
                               std::function<bool()> cancelled = {},
                               std::function<void(const TransformerCallReport&)> on_call = {},
-                              std::shared_ptr<DenoiseCache> cache = nullptr);
+                              std::shared_ptr<DenoiseCache> cache = nullptr, RankGroup* sequence_ranks = nullptr);
 DenoiserInfo denoiser_info(const SkyReelsV2Transformer& model);
 
 at::Tensor run_chunk(const Denoiser& denoiser, const DenoiserInfo& info, const GenerationParams& params,
@@ -316,6 +324,7 @@ at::Tensor generate(const Denoiser& denoiser, const DenoiserInfo& info, const Ge
 // `on_chunk` when set (chunk index, that chunk's latents).
 at::Tensor generate(const SkyReelsV2Transformer& model, const GenerationParams& params,
                     const Conditioning& conditioning, NoiseSource& noise, const StepHooks& hooks = {},
-                    const std::function<void(int64_t, const at::Tensor&)>& on_chunk = {});
+                    const std::function<void(int64_t, const at::Tensor&)>& on_chunk = {},
+                    const RankGroups* ranks = nullptr);
 
 }  // namespace skyreels::model

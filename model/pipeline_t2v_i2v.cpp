@@ -8,6 +8,8 @@
 #include <stdexcept>
 
 #include "model/guidance.h"
+#include "model/guided_prediction.h"
+#include "model/rank_group.h"
 #include "model/shape_text.h"
 #include "model/transformer_skyreels_v2.h"
 #include "model/vae_wan.h"
@@ -200,7 +202,7 @@ VideoGeometry check_request(const SkyReelsV2Transformer& model, PipelineKind kin
 
 at::Tensor generate_video(const SkyReelsV2Transformer& model, PipelineKind kind, const GenerationParams& params,
                           const VideoConditioning& conditioning, NoiseSource& noise, int64_t num_videos_per_prompt,
-                          const VideoHooks& hooks) {
+                          const VideoHooks& hooks, const RankGroups* ranks) {
   const VideoGeometry g = check_request(model, kind, params, conditioning, num_videos_per_prompt);
   const int64_t prompts = conditioning.prompt_embeds.size(0);
   const c10::Device device = model.device();
@@ -236,6 +238,7 @@ at::Tensor generate_video(const SkyReelsV2Transformer& model, PipelineKind kind,
   }
   args.encoder_hidden_states_image = image_tokens;
   args.adapters = params.adapters;
+  args.sequence_parallel = ranks ? ranks->ulysses : nullptr;
   if (hooks.cancelled) {
     args.after_block = [&hooks] {
       if (hooks.cancelled()) throw GenerationCancelled("generation cancelled inside a forward");
@@ -249,13 +252,12 @@ at::Tensor generate_video(const SkyReelsV2Transformer& model, PipelineKind kind,
     args.hidden_states = (condition.defined() ? at::cat({latents, condition}, 1) : latents).to(dtype);
     args.timestep = at::full({g.batch}, sampler.step_template[static_cast<size_t>(i)],
                              at::TensorOptions().dtype(at::kLong).device(device));
-    args.encoder_hidden_states = prompt;
-    at::Tensor noise_pred = model.forward(args);
-    if (guidance) {
-      args.encoder_hidden_states = negative;
-      const at::Tensor uncond = model.forward(args);
-      noise_pred = uncond + params.guidance_scale * (noise_pred - uncond);
-    }
+    const at::Tensor noise_pred = guided_prediction(
+        [&](bool unconditional) {
+          args.encoder_hidden_states = unconditional ? negative : prompt;
+          return model.forward(args);
+        },
+        params.guidance_scale, ranks ? ranks->cfg : nullptr);
     latents = sampler.frames->step(all_frames, noise_pred, latents);
     if (hooks.on_step) hooks.on_step(i, steps, latents);
   }

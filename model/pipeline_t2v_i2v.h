@@ -24,6 +24,7 @@ namespace skyreels::model {
 
 class SkyReelsV2Transformer;
 struct TransformerConfig;
+struct RankGroups;
 class WanVae;
 
 // Which diffusers pipeline a request runs.
@@ -92,9 +93,9 @@ struct VideoHooks {
 // embedding. The noise is `noise.latent_noise(0, [B * num_videos_per_prompt, 16, f, h, w])` (diffusers'
 // prepare_latents draw). Returns the fp32 latents [B * num_videos_per_prompt, 16, f, h, w] on the CPU; video b * n + v
 // is prompt b's v-th. Throws std::invalid_argument naming the field on a bad request, GenerationCancelled when
-// hooks.cancelled turns true.
+// hooks.cancelled turns true. `ranks`: this rank's groups on a replica of several devices (as run_chunk's).
 at::Tensor generate_video(const SkyReelsV2Transformer& model, PipelineKind kind, const GenerationParams& params,
                           const VideoConditioning& conditioning, NoiseSource& noise, int64_t num_videos_per_prompt = 1,
-                          const VideoHooks& hooks = {});
+                          const VideoHooks& hooks = {}, const RankGroups* ranks = nullptr);
 
 }  // namespace skyreels::model

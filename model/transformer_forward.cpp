@@ -15,9 +15,70 @@
 #include <utility>
 #include <vector>
 
+#include "model/rank_group.h"
 #include "model/transformer_impl.h"
 
 namespace skyreels::model {
+
+// ---- Ulysses: the exchanges around self-attention -----------------------------------------------------------
+
+namespace {
+
+// This rank's tokens of every head [B, local, D] -> every token of this rank's heads [B, heads / ranks, tokens, Dh]
+// (contiguous): slice j of the heads goes to rank j, and the ranks' token shares come back in order.
+Tensor all_tokens_of_my_heads(const Tensor& x, const Geometry& g, int64_t heads) {
+  RankGroup& ranks = *g.ranks;
+  const int64_t u = ranks.size(), b = x.size(0), local = x.size(1), per_rank = x.size(2) / u;
+  const Tensor got = ranks.all_to_all(x.view({b, local, u, per_rank}).permute({2, 0, 1, 3}));
+  return got.permute({1, 0, 2, 3})
+      .reshape({b, u * local, heads / u, per_rank / (heads / u)})
+      .narrow(1, 0, g.tokens)
+      .transpose(1, 2)
+      .contiguous();
+}
+
+// The inverse: attention's output for every token of this rank's heads [B, tokens, heads / ranks, Dh] -> this rank's
+// tokens of every head [B, local, D].
+Tensor my_tokens_of_all_heads(const Tensor& o, const Geometry& g) {
+  RankGroup& ranks = *g.ranks;
+  const int64_t u = ranks.size(), b = o.size(0), local = g.local_tokens, per_rank = o.size(2) * o.size(3);
+  Tensor padded = at::zeros({b, u * local, per_rank}, o.options());
+  padded.narrow(1, 0, g.tokens).copy_(o.reshape({b, g.tokens, per_rank}));
+  const Tensor got = ranks.all_to_all(padded.view({b, u, local, per_rank}).permute({1, 0, 2, 3}));
+  return got.permute({1, 2, 0, 3}).reshape({b, local, u * per_rank});
+}
+
+// Full tokens [B, tokens, D] -> this rank's share (zero rows past the end).
+Tensor take_share(const Tensor& x, const Geometry& share) {
+  const int64_t n = std::clamp<int64_t>(share.tokens - share.local_begin, 0, share.local_tokens);
+  if (n == share.local_tokens) return x.narrow(1, share.local_begin, n).contiguous();
+  Tensor out = at::zeros({x.size(0), share.local_tokens, x.size(2)}, x.options());
+  if (n > 0) out.narrow(1, 0, n).copy_(x.narrow(1, share.local_begin, n));
+  return out;
+}
+
+// Every rank's share [B, local, D] -> the full tokens [B, tokens, D], the same on every rank.
+Tensor gather_shares(const Tensor& x, const Geometry& share) {
+  const Tensor all = share.ranks->all_gather(x);  // [ranks, B, local, D]
+  return all.permute({1, 0, 2, 3})
+      .reshape({x.size(0), all.size(0) * share.local_tokens, x.size(2)})
+      .narrow(1, 0, share.tokens)
+      .contiguous();
+}
+
+// The RoPE rows of a share (zero rows for the padding).
+RopeTables share_rope(const RopeTables& rope, const Geometry& share) {
+  if (share.ranks == nullptr) return rope;
+  auto rows = [&](const Tensor& t) {
+    const int64_t n = std::clamp<int64_t>(share.tokens - share.local_begin, 0, share.local_tokens);
+    Tensor out = at::zeros({t.size(0), share.local_tokens, t.size(2), t.size(3)}, t.options());
+    if (n > 0) out.narrow(1, 0, n).copy_(t.narrow(1, share.local_begin, n));
+    return out;
+  };
+  return RopeTables{rows(rope.cos), rows(rope.signed_sin)};
+}
+
+}  // namespace
 
 // ---- forward --------------------------------------------------------------------------------------------------
 
@@ -107,12 +168,21 @@ Tensor SkyReelsV2Transformer::Impl::self_attention(const AttentionWeights& a, co
                                                    const Geometry& g, int64_t causal_block_tokens,
                                                    const KvSlot* kv, const BlockSparseAttention* sparse) const {
   if (sparse != nullptr) return block_sparse_attention(a, n, rope, g, causal_block_tokens, *sparse);
-  // Heads made contiguous: oneDNN's bf16 GEMM is several times slower on row-strided operands.
+  // Heads made contiguous: oneDNN's bf16 GEMM is several times slower on row-strided operands. Split across
+  // Ulysses ranks, the projections, norms and RoPE run on this rank's tokens and attention on its heads.
   const int64_t heads = config.num_attention_heads;
-  const Tensor q = apply_rope(rms_norm_across_heads(a.to_q(n), a.norm_q, config.eps), rope, heads);
-  Tensor k = split_heads(apply_rope(rms_norm_across_heads(a.to_k(n), a.norm_k, config.eps), rope, heads), heads)
-                 .contiguous();
-  Tensor v = split_heads(a.to_v(n), heads).contiguous();
+  Tensor q = apply_rope(rms_norm_across_heads(a.to_q(n), a.norm_q, config.eps), rope, heads);
+  Tensor k = apply_rope(rms_norm_across_heads(a.to_k(n), a.norm_k, config.eps), rope, heads);
+  Tensor v = a.to_v(n);
+  if (g.ranks != nullptr) {
+    q = all_tokens_of_my_heads(q, g, heads);
+    k = all_tokens_of_my_heads(k, g, heads);
+    v = all_tokens_of_my_heads(v, g, heads);
+  } else {
+    q = split_heads(q, heads).contiguous();
+    k = split_heads(k, heads).contiguous();
+    v = split_heads(v, heads).contiguous();
+  }
   int64_t offset = 0;
   if (kv != nullptr) {
     offset = kv->reuse_tokens;
@@ -125,9 +195,8 @@ Tensor SkyReelsV2Transformer::Impl::self_attention(const AttentionWeights& a, co
       *kv->v = v.narrow(2, 0, kv->keep_tokens).clone(at::MemoryFormat::Contiguous);
     }
   }
-  const Tensor o =
-      detail::attention(split_heads(q, heads).contiguous(), k, v, causal_block_tokens, chunk_bytes, offset);
-  return a.to_out(o.view(g.flat()));
+  const Tensor o = detail::attention(q, k, v, causal_block_tokens, chunk_bytes, offset);
+  return a.to_out(g.ranks != nullptr ? my_tokens_of_all_heads(o, g) : o.view(g.flat()));
 }
 
 Tensor SkyReelsV2Transformer::Impl::block_sparse_attention(const AttentionWeights& a, const Tensor& n,
@@ -350,6 +419,13 @@ Savings check_savings(const TransformerForwardArgs& a, const TransformerConfig& 
             "per_block_cache: needs a finite threshold >= 0, max_skips >= 1 and first_block >= 0");
     require(c.num_layers >= 2, "per_block_cache: needs at least 2 transformer blocks");
   }
+  if (a.sequence_parallel != nullptr && a.sequence_parallel->size() > 1) {
+    require(c.num_attention_heads % a.sequence_parallel->size() == 0,
+            "sequence_parallel: " + std::to_string(a.sequence_parallel->size()) + " ranks do not divide the " +
+                std::to_string(c.num_attention_heads) + " attention heads");
+    require(a.per_block_cache == nullptr,
+            "per_block_cache: not available with sequence parallelism (ulysses > 1) yet; use cache first-block");
+  }
   if (s.threshold) {
     require(std::isfinite(*s.threshold) && *s.threshold >= 0, "first_block_threshold: must be a finite value >= 0");
     require(c.num_layers >= 2, "first_block_threshold: FirstBlockCache needs at least 2 transformer blocks");
@@ -411,6 +487,15 @@ at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) co
   const int64_t reuse = savings.reuse;
   const bool first_block = savings.threshold.has_value();
   Tensor x = m.patchify(args.hidden_states, g, first_block ? 0 : reuse);
+  // Ulysses: each rank runs the blocks on its share of the tokens from frame `first` on.
+  RankGroup* ranks =
+      args.sequence_parallel != nullptr && args.sequence_parallel->size() > 1 ? args.sequence_parallel : nullptr;
+  auto held = [&](int64_t first) {
+    const Geometry sub = frames_from(g, first);
+    return ranks ? split_across(sub, *ranks) : sub;
+  };
+  const Tensor patches = ranks && first_block ? x : Tensor();  // block 0's whole input (FirstBlockCache's residual)
+  if (ranks) x = take_share(x, held(first_block ? 0 : reuse));
 
   // The timestep (and fps) modulation, the text / image context, the RoPE tables.
   const CallConditioning cond = m.condition(call_layers, args, g);
@@ -446,7 +531,7 @@ at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) co
   Tensor block0_out;
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t first = first_block && l == 0 ? 0 : reuse;
-    const Geometry sub = frames_from(g, first);
+    const Geometry sub = held(first);
     KvSlot slot;
     const bool kept_layer = keeps && !(first_block && l == 0);  // FirstBlockCache runs block 0 whole
     if (kept_layer) {
@@ -455,12 +540,14 @@ at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) co
     }
     // FirstBlockCache's residual needs block 0's input (block_forward never writes it in place); elsewhere the
     // input is released inside the block as usual.
-    const Tensor block_in = first_block && l == 0 ? x : Tensor();
+    const Tensor block_in = first_block && l == 0 ? (ranks ? patches : x) : Tensor();
     x = m.block_forward(call_layers.blocks[static_cast<size_t>(l)], std::move(x), context, per_frame(modulation, first),
-                        rope_from(first), sub, causal_block_tokens, kept_layer ? &slot : nullptr);
+                        share_rope(rope_from(first), sub), sub, causal_block_tokens, kept_layer ? &slot : nullptr);
     stats.token_blocks_computed += g.batch * sub.tokens;
     if (args.after_block) args.after_block();
     if (first_block && l == 0) {
+      // The decision is made on every token, on every rank alike: split across ranks, block 0's output is gathered.
+      if (ranks) x = gather_shares(x, sub);
       const Tensor residual = x - block_in;
       stats.first_block_rel = first_block_rel(residual, state->prev_residual);
       if (stats.first_block_rel && *stats.first_block_rel <= *savings.threshold) {
@@ -472,8 +559,10 @@ at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) co
       state->prev_residual = residual;
       block0_out = x;
       x = tokens_from(x, reuse);
+      if (ranks) x = take_share(x, held(reuse));
     }
   }
+  if (ranks && !stats.skipped) x = gather_shares(x, held(reuse));  // the head runs on every token, on every rank
   if (first_block && !stats.skipped) {
     // The tail residual of every token; the kept frames [0, reuse) are final, so no later call reads theirs.
     Tensor tail = at::zeros_like(block0_out);

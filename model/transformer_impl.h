@@ -8,12 +8,14 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <functional>
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "model/rank_group.h"
 #include "model/transformer_layers.h"
 #include "model/transformer_skyreels_v2.h"
 
@@ -31,9 +33,47 @@ struct Geometry {
   int64_t batch = 0, frames = 0, height = 0, width = 0;  // input latent shape
   int64_t ppf = 0, pph = 0, ppw = 0;                     // post-patch grid
   int64_t tokens_per_frame = 0, tokens = 0, dim = 0;
-  std::vector<int64_t> per_frame() const { return {batch, ppf, tokens_per_frame, dim}; }
-  std::vector<int64_t> flat() const { return {batch, tokens, dim}; }
+  // Ulysses: the ranks the tokens are split across (null: every token is here). Each holds local_tokens of the
+  // tokens padded to a multiple of their count, from local_begin on; the padding rows past `tokens` are computed
+  // and never read.
+  RankGroup* ranks = nullptr;
+  int64_t local_begin = 0, local_tokens = 0;
+  int64_t held_tokens() const { return ranks ? local_tokens : tokens; }
+  std::vector<int64_t> flat() const { return {batch, held_tokens(), dim}; }
 };
+
+// The tokens a geometry holds as runs that are whole frames or a part of one frame: rows [offset, offset + frames *
+// per_frame) of the held tokens, viewed [B, frames, per_frame, D], take the per-frame modulation rows [frame, frame +
+// frames). All held tokens are one run of every frame when the call is not split.
+struct FrameRun {
+  int64_t offset = 0, frame = 0, frames = 0, per_frame = 0;
+};
+inline std::vector<FrameRun> frame_runs(const Geometry& g) {
+  const int64_t s = g.tokens_per_frame, begin = g.ranks ? g.local_begin : 0;
+  const int64_t end = g.ranks ? std::min(g.local_begin + g.local_tokens, g.tokens) : g.tokens;
+  std::vector<FrameRun> runs;
+  for (int64_t t = begin; t < end;) {
+    const int64_t frame = t / s, into = t % s;
+    if (into == 0 && end - t >= s) {
+      const int64_t whole = (end - t) / s;
+      runs.push_back({t - begin, frame, whole, s});
+      t += whole * s;
+    } else {
+      const int64_t n = std::min(s - into, end - t);
+      runs.push_back({t - begin, frame, 1, n});
+      t += n;
+    }
+  }
+  return runs;
+}
+// x [B, held tokens, D] -> the run's [B, frames, per_frame, D] (a view).
+inline Tensor run_view(const Tensor& x, const FrameRun& r) {
+  return x.narrow(1, r.offset, r.frames * r.per_frame).view({x.size(0), r.frames, r.per_frame, x.size(2)});
+}
+// Per-frame modulation [B, Fm, 1, D] -> the run's frames (all of them when Fm = 1: one row for every frame).
+inline Tensor run_rows(const Tensor& m, const FrameRun& r) {
+  return m.size(1) == 1 ? m : m.narrow(1, r.frame, r.frames);
+}
 
 // What every block's cross-attention attends to: the projected text rows and, in I2V models, the embedded image
 // tokens (undefined otherwise), each attended on its own and the two outputs added.
@@ -86,14 +126,15 @@ inline Tensor rms_norm_diffusers(const Tensor& x, const Tensor& weight, double e
 inline Tensor modulated_norm(const Tensor& x, const Tensor& scale, const Tensor& shift, const Geometry& g, double eps,
                              at::ScalarType dtype) {
   Tensor n = layer_norm_fp32(x, eps);
-  n.view(g.per_frame()).mul_(1 + scale).add_(shift);
+  for (const FrameRun& r : frame_runs(g)) run_view(n, r).mul_(1 + run_rows(scale, r)).add_(run_rows(shift, r));
   return n.to(dtype);
 }
 
 // (x.float() + y * gate) rounded to x's dtype: the fp32 residual of self-attention and the FFN. Consumes y.
 inline Tensor gated_residual(const Tensor& x, Tensor y, const Tensor& gate, const Geometry& g) {
   Tensor sum = y.to(at::kFloat);  // y itself in fp32
-  sum.view(g.per_frame()).mul_(gate).add_(x.to(at::kFloat).view(g.per_frame()));
+  const Tensor xf = x.to(at::kFloat);
+  for (const FrameRun& r : frame_runs(g)) run_view(sum, r).mul_(run_rows(gate, r)).add_(run_view(xf, r));
   return sum.to(x.scalar_type()).view(g.flat());
 }
 
@@ -191,6 +232,16 @@ inline Geometry frames_from(const Geometry& g, int64_t first) {
   s.frames = g.frames - first;
   s.ppf = g.ppf - first;
   s.tokens = s.ppf * g.tokens_per_frame;
+  s.ranks = nullptr;
+  return s;
+}
+
+// g's tokens split across `ranks` (Ulysses): this rank's share of the tokens padded to a multiple of the ranks.
+inline Geometry split_across(const Geometry& g, RankGroup& ranks) {
+  Geometry s = g;
+  s.ranks = &ranks;
+  s.local_tokens = (g.tokens + ranks.size() - 1) / ranks.size();
+  s.local_begin = ranks.rank() * s.local_tokens;
   return s;
 }
 

@@ -24,6 +24,8 @@
 
 namespace skyreels::model {
 
+class RankGroup;
+
 // Every parameter the model owns, with its shape and whether it is an fp32 island
 // (diffusers' _keep_in_fp32_modules: time_embedder, scale_shift_table, norm1/2/3, which includes the image
 // embedder's norm1 / norm2).
@@ -126,6 +128,11 @@ struct TransformerForwardArgs {
   // Adapters of this call only, in order (their terms add up); empty: the weights alone, the path of no adapters.
   // Checked before anything runs (std::invalid_argument naming the adapter, its key and the layer).
   std::vector<ActiveAdapter> adapters;
+  // Ulysses (model/rank_group.h; size() > 1): the ranks this call's tokens are split across. Every rank of the group
+  // makes the same call; each computes its share of the tokens through every block (all-to-all over heads around
+  // self-attention) and every rank returns the whole sample. Composes with the exact savings and FirstBlockCache;
+  // the cache per causal block is refused with it.
+  RankGroup* sequence_parallel = nullptr;
 };
 
 class SkyReelsV2Transformer {

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 
 PACKAGES=(
   build-essential cmake ninja-build pkg-config ccache git
-  libtorch-dev libopenblas0-openmp
+  libtorch-dev libopenblas0-openmp libgloo-dev
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   libspdlog-dev libfmt-dev prometheus-cpp-dev nlohmann-json3-dev libsqlite3-dev
   libgtest-dev libgmock-dev libyaml-dev

@@ -4,8 +4,10 @@
 // own, several videos per prompt (which diffusers gets wrong), `skyreels generate --pipeline t2v|i2v`, and the
 // requests each pipeline refuses.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -15,6 +17,7 @@
 #include "model/clip_vision.h"
 #include "model/image_processor.h"
 #include "model/pipeline_t2v_i2v.h"
+#include "model/rank_group.h"
 #include "model/safetensors.h"
 #include "model/transformer_loader.h"
 #include "model/transformer_skyreels_v2.h"
@@ -157,6 +160,31 @@ TEST_P(Golden, EveryStepFromTheRecordedNoiseWithin1e4) {
   EXPECT_TRUE(all_close(latents, c.output.at("latents"), kTolerance, kTolerance));
   std::cout << "[ " << pipeline_kind_name(c.kind) << " ] " << c.name << " max |diff| over the steps = " << worst
             << ", latents " << max_abs_diff(latents, c.output.at("latents")) << "\n";
+}
+
+TEST_P(Golden, OnGuidanceParallelAndUlyssesRanksEqualsOneDeviceWithin1e5) {
+  // One video on several devices (issue 43): cfg=2 (a guided row's passes on the two halves), ulysses=2 (tokens split)
+  // and both, each rank a thread joined by c10d Gloo, against the same call on one device.
+  const VideoCase c(GetParam());
+  const auto transformer = c.transformer();
+  const auto& model = *transformer;
+  auto run = [&](const RankGroups* ranks) {
+    auto noise = make_recorded_noise({c.noise.at("noise_000")});
+    return generate_video(model, c.kind, c.params, c.recorded_conditioning(), *noise, c.videos_per_prompt, {}, ranks);
+  };
+  at::set_num_threads(1);
+  const at::Tensor one = run(nullptr);
+  for (const ParallelLayout layout : {ParallelLayout{2, 1}, ParallelLayout{1, 2}, ParallelLayout{2, 2}}) {
+    std::vector<at::Tensor> out(static_cast<size_t>(layout.ranks()));
+    run_on_ranks(layout, std::chrono::milliseconds(60000), [&](int64_t rank, const RankGroups& groups) {
+      at::set_num_threads(1);
+      out[static_cast<size_t>(rank)] = run(&groups);
+    });
+    for (const at::Tensor& rank_latents : out) EXPECT_TRUE(at::equal(rank_latents, out[0])) << layout.text();
+    EXPECT_LE(max_abs_diff(out[0], one), 1e-5) << layout.text();
+    std::cout << "[ " << c.name << " " << layout.text() << " ] max |diff| to one device = " << max_abs_diff(out[0], one)
+              << "\n";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(T2vI2v, Golden, ::testing::ValuesIn(kAllCases), label);

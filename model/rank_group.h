@@ -1,0 +1,53 @@
+// The ranks of one replica that work on one video together, and the two collectives the model needs of them
+// (all-to-all for Ulysses attention, all-gather for the token shards and the guidance halves' predictions). The
+// model's math sees only this seam; model/rank_group_gloo.cpp joins ranks with torch's c10d (Gloo).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <stdexcept>
+#include <string>
+
+#include "model/parallel_layout.h"
+
+namespace skyreels::model {
+
+// One rank's view of a group. Every rank of the group calls each collective in the same order with tensors of the
+// same shape and dtype; a collective that a rank never joins fails on the others within the group's timeout
+// (RankGroupError), it never blocks them for good.
+class RankGroup {
+ public:
+  virtual ~RankGroup() = default;
+  virtual int64_t rank() const = 0;
+  virtual int64_t size() const = 0;
+  // `input` [size(), ...]: slice j goes to rank j. Returns [size(), ...]: slice i came from rank i.
+  virtual at::Tensor all_to_all(const at::Tensor& input) = 0;
+  // Every rank's `input` stacked in rank order: [size(), ...input's shape].
+  virtual at::Tensor all_gather(const at::Tensor& input) = 0;
+};
+
+struct RankGroupError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// What a rank's model calls use: its sequence-parallel group (Ulysses) and its guidance-parallel pair. Either may be
+// null (degree 1).
+struct RankGroups {
+  RankGroup* ulysses = nullptr;
+  RankGroup* cfg = nullptr;
+};
+
+// Runs body(rank, groups) for every rank of `layout` at once, one thread per rank, the ranks joined by c10d Gloo
+// process groups over an in-process store. Returns when every rank's body has returned. When any rank throws, the
+// others' pending collectives fail (their peer is gone, or the timeout passes), and the first error in time is
+// rethrown here (a RankGroupError names its rank), after every thread has ended.
+void run_on_ranks(const ParallelLayout& layout, std::chrono::milliseconds collective_timeout,
+                  const std::function<void(int64_t rank, const RankGroups& groups)>& body);
+
+// The default time a rank waits for its peers in one collective before the chunk fails.
+constexpr std::chrono::milliseconds kDefaultCollectiveTimeout{120000};
+
+}  // namespace skyreels::model

@@ -1,0 +1,358 @@
+// One video on several devices (issue 43): the --parallel layout, the ranks joined by torch's c10d over Gloo (threads
+// of this process, as a replica's ranks are), and the transformer and the loops on guidance-parallel (cfg=2) and
+// Ulysses ranks reproducing the single-device run on diffusers' fixtures and on a 4-head tiny model.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "model/checkpoint.h"
+#include "model/diffusion_forcing.h"
+#include "model/parallel_layout.h"
+#include "model/rank_group.h"
+#include "model/transformer_skyreels_v2.h"
+#include "server/replica/demo_model.h"
+#include "tests/pipeline_case.h"
+#include "tests/test_util.h"
+
+namespace skyreels::model {
+namespace {
+
+using test::error_of;
+using test::golden_path;
+using test::max_abs_diff;
+using test::PipelineCase;
+
+constexpr std::chrono::milliseconds kTimeout{60000};
+
+bool starts_with(const std::string& s, const std::string& prefix) { return s.rfind(prefix, 0) == 0; }
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+// ---- the layout --------------------------------------------------------------------------------------------------
+
+TEST(ParallelLayout, ParsesBothDegreesInAnyOrderWithDefaultsOfOne) {
+  EXPECT_EQ(parse_parallel_layout("cfg=2,ulysses=2"), (ParallelLayout{2, 2}));
+  EXPECT_EQ(parse_parallel_layout("ulysses=4"), (ParallelLayout{1, 4}));
+  EXPECT_EQ(parse_parallel_layout("ulysses=8,cfg=2"), (ParallelLayout{2, 8}));
+  EXPECT_EQ(parse_parallel_layout("cfg=1,ulysses=1"), ParallelLayout{});
+  EXPECT_EQ(parse_parallel_layout("cfg=2,ulysses=4").ranks(), 8);
+  EXPECT_EQ(parse_parallel_layout("cfg=2,ulysses=4").text(), "cfg=2,ulysses=4");
+}
+
+TEST(ParallelLayout, RefusesUnknownKeysZeroNegativeHugeOrRepeatedDegreesNamingTheFlag) {
+  for (const char* bad : {"", "cfg", "cfg=", "cfg=0", "ulysses=-2", "ulysses=65", "ulysses=99999999999", "tp=2",
+                          "cfg=2,cfg=2", "cfg=3", "cfg=2;ulysses=2", "cfg=2,", "ulysses=2x", "cfg=1.5"}) {
+    const std::string message = error_of([&] { parse_parallel_layout(bad); });
+    EXPECT_TRUE(starts_with(message, "--parallel: ")) << bad << ": " << message;
+  }
+}
+
+TEST(ParallelLayout, RefusesDevicesThatDoNotGroupAndADegreeThatDoesNotDivideTheHeadsSayingWhichWould) {
+  EXPECT_NO_THROW(check_parallel_layout({2, 2}, 4, 12));
+  EXPECT_NO_THROW(check_parallel_layout({2, 2}, 8, 40, true));
+  const std::string devices = error_of([] { check_parallel_layout({2, 2}, 6, 12); });
+  EXPECT_TRUE(starts_with(devices, "--devices: 6 device(s)")) << devices;
+  EXPECT_TRUE(contains(devices, "multiple of 4")) << devices;
+  const std::string too_few = error_of([] { check_parallel_layout({1, 4}, 2, 12); });
+  EXPECT_TRUE(starts_with(too_few, "--devices: 2 device(s)")) << too_few;
+  const std::string heads = error_of([] { check_parallel_layout({1, 8}, 8, 12); });
+  EXPECT_TRUE(starts_with(heads, "--parallel: ulysses=8 does not divide the 12 attention heads")) << heads;
+  EXPECT_TRUE(contains(heads, "1, 2, 3, 4, 6, 12")) << heads;
+  const std::string fourteen_b = error_of([] { check_parallel_layout({1, 3}, 3, 40); });
+  EXPECT_TRUE(contains(fourteen_b, "1, 2, 4, 5, 8, 10, 20, 40")) << fourteen_b;
+  const std::string shard = error_of([] { check_parallel_layout({1, 1}, 1, 12, true); });
+  EXPECT_TRUE(starts_with(shard, "--shard-weights: ")) << shard;
+}
+
+// ---- the ranks ---------------------------------------------------------------------------------------------------
+
+TEST(RankGroups, AllToAllSendsSliceJToRankJAndAllGatherStacksEveryRanksTensorInRankOrder) {
+  const ParallelLayout layout{2, 2};
+  std::vector<at::Tensor> swapped(4), gathered(4), pairs(4);
+  std::vector<int64_t> seq_rank(4, -1), half(4, -1);
+  run_on_ranks(layout, kTimeout, [&](int64_t rank, const RankGroups& groups) {
+    ASSERT_NE(groups.ulysses, nullptr);
+    ASSERT_NE(groups.cfg, nullptr);
+    seq_rank[rank] = groups.ulysses->rank();
+    half[rank] = groups.cfg->rank();
+    // slice j of rank r holds 10 * r + j
+    const at::Tensor mine = at::arange(2, at::kFloat).add(10.0 * static_cast<double>(rank)).view({2, 1});
+    swapped[rank] = groups.ulysses->all_to_all(mine);
+    gathered[rank] = groups.ulysses->all_gather(at::full({3}, static_cast<double>(rank)));
+    pairs[rank] = groups.cfg->all_gather(at::full({1}, static_cast<double>(rank)));
+  });
+  EXPECT_EQ(seq_rank, (std::vector<int64_t>{0, 1, 0, 1}));
+  EXPECT_EQ(half, (std::vector<int64_t>{0, 0, 1, 1}));
+  // Ulysses groups are {0, 1} and {2, 3}; guidance pairs {0, 2} and {1, 3}.
+  EXPECT_TRUE(at::equal(swapped[0].flatten(), at::tensor({0.f, 10.f})));
+  EXPECT_TRUE(at::equal(swapped[1].flatten(), at::tensor({1.f, 11.f})));
+  EXPECT_TRUE(at::equal(swapped[3].flatten(), at::tensor({21.f, 31.f})));
+  EXPECT_TRUE(at::equal(gathered[2], at::stack({at::full({3}, 2.f), at::full({3}, 3.f)})));
+  EXPECT_TRUE(at::equal(pairs[1].flatten(), at::tensor({1.f, 3.f})));
+}
+
+TEST(RankGroups, ARankThatThrowsFailsThePeersWaitingOnItAndItsErrorIsTheOneReported) {
+  std::vector<std::string> peer_errors(2);
+  const auto start = std::chrono::steady_clock::now();
+  const std::string message = error_of([&] {
+    run_on_ranks(ParallelLayout{1, 2}, std::chrono::milliseconds(20000), [&](int64_t rank, const RankGroups& g) {
+      if (rank == 1) throw std::runtime_error("injected fault on rank 1");
+      try {
+        g.ulysses->all_gather(at::ones({4}));
+      } catch (const RankGroupError& e) {
+        peer_errors[rank] = e.what();
+        throw;
+      }
+    });
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_TRUE(contains(message, "injected fault on rank 1")) << message;
+  EXPECT_TRUE(contains(peer_errors[0], "all_gather in group ulysses0 (rank 0 of 2)")) << peer_errors[0];
+  std::printf("[ rank fault ] the peer's collective failed after %.2f s (timeout 20 s): %s\n", seconds,
+              peer_errors[0].c_str());
+}
+
+TEST(RankGroups, ARankThatStallsFailsItsPeersWithinTheTimeoutAndEveryThreadEnds) {
+  std::atomic<bool> release{false};
+  const std::string message = error_of([&] {
+    run_on_ranks(ParallelLayout{1, 2}, std::chrono::milliseconds(1500), [&](int64_t rank, const RankGroups& g) {
+      if (rank == 1) {  // stalls past its peer's timeout, then joins too late
+        while (!release) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        return;
+      }
+      try {
+        g.ulysses->all_gather(at::ones({4}));
+      } catch (...) {
+        release = true;
+        throw;
+      }
+    });
+  });
+  EXPECT_TRUE(contains(message, "all_gather in group ulysses0 (rank 0 of 2)")) << message;
+}
+
+// ---- the transformer ---------------------------------------------------------------------------------------------
+
+// A group that counts the collectives it passes on: a layout whose ranks never exchanged anything proves nothing.
+class CountingGroup final : public RankGroup {
+ public:
+  CountingGroup(RankGroup* inner, std::atomic<int64_t>* calls) : inner_(inner), calls_(calls) {}
+  int64_t rank() const override { return inner_->rank(); }
+  int64_t size() const override { return inner_->size(); }
+  at::Tensor all_to_all(const at::Tensor& input) override {
+    ++*calls_;
+    return inner_->all_to_all(input);
+  }
+  at::Tensor all_gather(const at::Tensor& input) override {
+    ++*calls_;
+    return inner_->all_gather(input);
+  }
+
+ private:
+  RankGroup* inner_;
+  std::atomic<int64_t>* calls_;
+};
+
+at::Tensor on_ranks(const ParallelLayout& layout, const std::function<at::Tensor(const RankGroups&)>& run) {
+  std::vector<at::Tensor> out(static_cast<size_t>(layout.ranks()));
+  std::atomic<int64_t> sequence_calls{0}, guidance_calls{0};
+  run_on_ranks(layout, kTimeout, [&](int64_t rank, const RankGroups& groups) {
+    at::set_num_threads(1);
+    CountingGroup ulysses(groups.ulysses, &sequence_calls), cfg(groups.cfg, &guidance_calls);
+    out[static_cast<size_t>(rank)] =
+        run(RankGroups{groups.ulysses ? &ulysses : nullptr, groups.cfg ? &cfg : nullptr});
+  });
+  EXPECT_EQ(sequence_calls > 0, layout.ulysses > 1) << sequence_calls << " Ulysses exchanges";
+  EXPECT_EQ(guidance_calls > 0, layout.cfg > 1) << guidance_calls << " guidance exchanges";
+  for (size_t r = 1; r < out.size(); ++r) {
+    EXPECT_TRUE(at::equal(out[r], out[0])) << "rank " << r << " differs from rank 0 by " << max_abs_diff(out[r], out[0]);
+  }
+  return out[0];
+}
+
+at::Tensor single(const std::function<at::Tensor(const RankGroups&)>& run) {
+  at::set_num_threads(1);
+  return run(RankGroups{});
+}
+
+std::unique_ptr<SkyReelsV2Transformer> tiny_model(int64_t heads, const std::string& tag) {
+  server::TinyModelOptions options;
+  options.num_attention_heads = heads;
+  options.num_layers = 3;
+  const std::string dir = test::temp_dir(tag);
+  server::write_tiny_model(dir, options);
+  return test::load_fixture_transformer(dir);
+}
+
+TEST(UlyssesTransformer, EveryTokenSplitAcrossTwoAndFourRanksGivesTheSingleDeviceSampleWithin1e5) {
+  const auto model = tiny_model(4, "ulysses4");
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
+  TransformerForwardArgs args;
+  args.hidden_states = at::randn({1, 16, 6, 6, 10}, gen);  // 6 x 3 x 5 = 90 tokens: not a multiple of 4
+  args.timestep = at::randint(0, 1000, {1, 6}, gen);
+  args.encoder_hidden_states = at::randn({1, 7, 32}, gen);
+  args.fps = at::zeros({1}, at::kLong);
+  args.num_frame_per_block = 2;
+  const at::Tensor reference = single([&](const RankGroups&) { return model->forward(args); });
+  for (const ParallelLayout layout : {ParallelLayout{1, 2}, ParallelLayout{1, 4}}) {
+    const at::Tensor split = on_ranks(layout, [&](const RankGroups& g) {
+      TransformerForwardArgs a = args;
+      a.sequence_parallel = g.ulysses;
+      return model->forward(a);
+    });
+    EXPECT_LE(max_abs_diff(split, reference), 1e-5) << layout.text();
+    std::printf("[ %s ] forward max |diff| = %.3g\n", layout.text().c_str(), max_abs_diff(split, reference));
+  }
+}
+
+TEST(UlyssesTransformer, RefusesADegreeThatDoesNotDivideTheHeadsAndThePerBlockCache) {
+  const auto model = tiny_model(4, "ulysses_refuse");
+  TransformerForwardArgs args;
+  args.hidden_states = at::zeros({1, 16, 2, 4, 4});
+  args.timestep = at::zeros({1, 2}, at::kLong);
+  args.encoder_hidden_states = at::zeros({1, 3, 32});
+  args.fps = at::zeros({1}, at::kLong);
+  std::string message;
+  run_on_ranks(ParallelLayout{1, 3}, kTimeout, [&](int64_t rank, const RankGroups& g) {
+    TransformerForwardArgs a = args;
+    a.sequence_parallel = g.ulysses;
+    const std::string m = error_of([&] { model->forward(a); });
+    if (rank == 0) message = m;
+  });
+  EXPECT_TRUE(starts_with(message, "sequence_parallel: 3 ranks do not divide the 4 attention heads")) << message;
+}
+
+// ---- the diffusion-forcing loop on diffusers' fixtures -----------------------------------------------------------
+
+PipelineCase df_case(const std::string& name) {
+  const std::string tree = starts_with(name, "i")   ? "pipeline_df_i2v/"
+                           : starts_with(name, "c") ? "pipeline_df_cache/"
+                                                    : "pipeline_df/";
+  PipelineCase c = test::load_pipeline_case(name, golden_path(tree + name));
+  test::use_recorded_conditioning(c);
+  return c;
+}
+
+struct LayoutCase {
+  std::string fixture;
+  ParallelLayout layout;
+  std::string variant;  // "", "no-exact" (every frame of every row computed)
+};
+
+std::string layout_case_name(const ::testing::TestParamInfo<LayoutCase>& info) {
+  std::string name = info.param.fixture + "_cfg" + std::to_string(info.param.layout.cfg) + "_u" +
+                     std::to_string(info.param.layout.ulysses) + (info.param.variant.empty() ? "" : "_");
+  for (char ch : info.param.variant) name += ch == '-' ? '_' : ch;
+  return name;
+}
+
+class DiffusionForcingOnRanks : public ::testing::TestWithParam<LayoutCase> {};
+
+TEST_P(DiffusionForcingOnRanks, ReproducesTheSingleDeviceVideoWithin1e5AndDiffusersWithin1e4) {
+  const LayoutCase& lc = GetParam();
+  PipelineCase c = df_case(lc.fixture);
+  if (lc.variant == "no-exact") c.params.exact_savings = false;
+  const auto model = test::load_fixture_transformer(c.base_dir + "/weights/diffusers");
+  std::vector<TransformerCallReport> reports_single, reports_split;
+  auto run = [&](const RankGroups& g, std::vector<TransformerCallReport>* reports) {
+    auto noise = make_recorded_noise(c.noise);
+    StepHooks hooks;
+    const bool first_rank = (g.ulysses == nullptr || g.ulysses->rank() == 0) && (g.cfg == nullptr || g.cfg->rank() == 0);
+    if (first_rank) hooks.on_call = [reports](const TransformerCallReport& r) { reports->push_back(r); };
+    return generate(*model, c.params, c.conditioning, *noise, hooks, {}, &g);
+  };
+  const at::Tensor reference = single([&](const RankGroups& g) { return run(g, &reports_single); });
+  const at::Tensor split = on_ranks(lc.layout, [&](const RankGroups& g) { return run(g, &reports_split); });
+  const double diff = max_abs_diff(split, reference);
+  EXPECT_LE(diff, 1e-5);
+  if (lc.variant.empty()) {
+    EXPECT_LE(max_abs_diff(split, c.output.at("latents")), 1e-4);
+  }
+  std::printf("[ %s %s %s ] max |diff| to one device = %.3g\n", lc.fixture.c_str(), lc.layout.text().c_str(),
+              lc.variant.c_str(), diff);
+  // Each guidance half makes its own context's calls: the rank-0 log holds the conditional ones, and the step
+  // cache decides the same on them as one device does.
+  std::vector<TransformerCallReport> cond_single;
+  for (const auto& r : reports_single) {
+    if (!r.unconditional || lc.layout.cfg == 1) cond_single.push_back(r);
+  }
+  ASSERT_EQ(reports_split.size(), cond_single.size());
+  int64_t skipped = 0;
+  for (size_t i = 0; i < cond_single.size(); ++i) {
+    EXPECT_EQ(reports_split[i].skipped, cond_single[i].skipped) << i;
+    EXPECT_EQ(reports_split[i].token_blocks_computed, cond_single[i].token_blocks_computed) << i;
+    skipped += reports_split[i].skipped ? 1 : 0;
+  }
+  if (c.params.cache.kind == StepCacheKind::kFirstBlock) {
+    EXPECT_GT(skipped, 0) << "FirstBlockCache never skipped: the case proves nothing";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Golden, DiffusionForcingOnRanks,
+    ::testing::Values(LayoutCase{"p1_sync_short", {2, 1}, ""}, LayoutCase{"p1_sync_short", {1, 2}, ""},
+                      LayoutCase{"p1_sync_short", {2, 2}, ""}, LayoutCase{"p2_async_cbs2_ar2", {2, 1}, ""},
+                      LayoutCase{"p2_async_cbs2_ar2", {1, 2}, ""}, LayoutCase{"p2_async_cbs2_ar2", {2, 2}, ""},
+                      LayoutCase{"p2_async_cbs2_ar2", {1, 2}, "no-exact"},
+                      LayoutCase{"c2_async_ar2_cbs2_cfg", {2, 2}, ""}, LayoutCase{"c1_sync_cfg", {1, 2}, ""},
+                      LayoutCase{"c4_long_async_addnoise20_cfg", {1, 2}, ""},
+                      LayoutCase{"p4_long_addnoise20", {2, 2}, ""},
+                      LayoutCase{"i3_long_async_cbs2_ar2_addnoise20", {2, 2}, ""},
+                      LayoutCase{"i1_sync_1chunk_last_image", {1, 2}, ""}),
+    layout_case_name);
+
+// ---- skyreels generate -------------------------------------------------------------------------------------------
+
+// `skyreels generate <case flags> <extra>`: its latents, or undefined (with the failure recorded) when it failed.
+at::Tensor generate_latents(const PipelineCase& c, const std::string& extra, std::string* log = nullptr) {
+  const std::string out = test::temp_dir("parallel_generate") + "/out.safetensors";
+  std::string output;
+  const int status = test::run_command(
+      test::bin_path("skyreels") + " generate" + test::generate_flags(c) + extra + " --out " + out, &output);
+  if (log) *log = output;
+  if (status != 0) return at::Tensor();
+  return test::load_tensors(out).at("latents");
+}
+
+TEST(ParallelGenerate, FourCpuRanksAsCfg2Ulysses2GiveOneDevicesLatentsWithin1e5AndDiffusersWithin1e4) {
+  const PipelineCase c = df_case("p2_async_cbs2_ar2");
+  std::string log;
+  const std::string seed = " --seed " + std::to_string(*c.params.seed);  // each rank draws from its own seeded source
+  const at::Tensor one = generate_latents(c, seed);
+  const at::Tensor four = generate_latents(c, seed + " --devices cpu,cpu,cpu,cpu --parallel cfg=2,ulysses=2", &log);
+  ASSERT_TRUE(one.defined() && four.defined()) << log;
+  EXPECT_TRUE(contains(log, "one replica of 4 ranks (cfg=2,ulysses=2) on cpu,cpu,cpu,cpu")) << log;
+  EXPECT_LE(max_abs_diff(four, one), 1e-5);
+  EXPECT_LE(max_abs_diff(four, c.output.at("latents")), 1e-4);
+  std::printf("[ skyreels generate cfg=2,ulysses=2 ] max |diff| to one device %.3g, to diffusers %.3g\n",
+              max_abs_diff(four, one), max_abs_diff(four, c.output.at("latents")));
+}
+
+TEST(ParallelGenerate, BadLayoutsExitWithUsageErrorsNamingTheFlag) {
+  const PipelineCase c = df_case("p1_sync_short");
+  const std::pair<const char*, const char*> cases[] = {
+      {" --devices cpu,cpu,cpu --parallel cfg=2,ulysses=2", "--devices: 3 device(s) for --parallel cfg=2,ulysses=2"},
+      {" --parallel ulysses=2", "--parallel cfg=1,ulysses=2 needs --devices"},
+      {" --devices cpu,cpu,cpu,cpu --parallel ulysses=4", "--parallel: ulysses=4 does not divide the 2 attention heads"},
+      {" --devices cpu,cpu --parallel tp=2", "--parallel: unknown item 'tp=2'"},
+      {" --devices cpu,,cpu --parallel ulysses=2", "--devices: an empty entry"},
+      {" --devices cpu,cpu --device cpu --parallel ulysses=2", "give --device or --devices, not both"},
+  };
+  for (const auto& [flags, expected] : cases) {
+    std::string log;
+    const std::string out = test::temp_dir("parallel_bad") + "/out.safetensors";
+    const int status = test::run_command(
+        test::bin_path("skyreels") + " generate" + test::generate_flags(c) + flags + " --out " + out, &log);
+    EXPECT_EQ(status, 2) << flags << "\n" << log;
+    EXPECT_TRUE(contains(log, expected)) << flags << "\n" << log;
+  }
+}
+
+}  // namespace
+}  // namespace skyreels::model
