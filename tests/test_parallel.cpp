@@ -14,6 +14,8 @@
 
 #include "model/checkpoint.h"
 #include "model/diffusion_forcing.h"
+#include "model/lora.h"
+#include "model/sampler_table.h"
 #include "model/parallel_layout.h"
 #include "model/rank_group.h"
 #include "model/transformer_skyreels_v2.h"
@@ -242,7 +244,7 @@ PipelineCase df_case(const std::string& name) {
 struct LayoutCase {
   std::string fixture;
   ParallelLayout layout;
-  std::string variant;  // "", "no-exact" (every frame of every row computed)
+  std::string variant;  // "", "no-exact" (every frame of every row computed), "euler4", "lora"
 };
 
 std::string layout_case_name(const ::testing::TestParamInfo<LayoutCase>& info) {
@@ -258,7 +260,18 @@ TEST_P(DiffusionForcingOnRanks, ReproducesTheSingleDeviceVideoWithin1e5AndDiffus
   const LayoutCase& lc = GetParam();
   PipelineCase c = df_case(lc.fixture);
   if (lc.variant == "no-exact") c.params.exact_savings = false;
+  if (lc.variant == "euler4") {  // the few-step Euler path
+    c.params.sampler = SamplerKind::kEuler;
+    c.params.num_inference_steps = 4;
+  }
   const auto model = test::load_fixture_transformer(c.base_dir + "/weights/diffusers");
+  if (lc.variant == "lora") {  // an adapter of this request, unmerged in every call
+    LoraSpec spec;
+    spec.path = test::data_path("lora/diffusers_format.safetensors");
+    const LoraAdapter placed = place_lora(read_lora(spec), transformer_parameter_specs(model->config()),
+                                          model->device(), model->compute_dtype());
+    c.params.adapters = {ActiveAdapter{std::make_shared<const LoraAdapter>(placed), 0.8}};
+  }
   std::vector<TransformerCallReport> reports_single, reports_split;
   auto run = [&](const RankGroups& g, std::vector<TransformerCallReport>* reports) {
     auto noise = make_recorded_noise(c.noise);
@@ -300,12 +313,42 @@ INSTANTIATE_TEST_SUITE_P(
                       LayoutCase{"p1_sync_short", {2, 2}, ""}, LayoutCase{"p2_async_cbs2_ar2", {2, 1}, ""},
                       LayoutCase{"p2_async_cbs2_ar2", {1, 2}, ""}, LayoutCase{"p2_async_cbs2_ar2", {2, 2}, ""},
                       LayoutCase{"p2_async_cbs2_ar2", {1, 2}, "no-exact"},
+                      LayoutCase{"p2_async_cbs2_ar2", {2, 2}, "euler4"}, LayoutCase{"p2_async_cbs2_ar2", {2, 2}, "lora"},
                       LayoutCase{"c2_async_ar2_cbs2_cfg", {2, 2}, ""}, LayoutCase{"c1_sync_cfg", {1, 2}, ""},
                       LayoutCase{"c4_long_async_addnoise20_cfg", {1, 2}, ""},
                       LayoutCase{"p4_long_addnoise20", {2, 2}, ""},
                       LayoutCase{"i3_long_async_cbs2_ar2_addnoise20", {2, 2}, ""},
                       LayoutCase{"i1_sync_1chunk_last_image", {1, 2}, ""}),
     layout_case_name);
+
+// ---- four heads: ulysses=4 -----------------------------------------------------------------------------------------
+
+TEST(DiffusionForcingOnFourHeads, Ulysses4AndCfg2Ulysses4FromTheSeedGiveOneDevicesVideoWithin1e5) {
+  const auto model = tiny_model(4, "df_four_heads");
+  GenerationParams p;
+  p.num_frames = 17;  // 5 latent frames of 4 x 6 latents: 5 x 2 x 3 = 30 tokens, not a multiple of 4 or 8
+  p.base_num_frames = 17;
+  p.height = 32;
+  p.width = 48;
+  p.num_inference_steps = 3;
+  p.guidance_scale = 5.0;
+  p.ar_step = 0;
+  p.seed = 42;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  Conditioning cond;
+  cond.prompt_embeds = at::randn({1, 8, 32}, gen);
+  cond.negative_prompt_embeds = at::randn({1, 8, 32}, gen);
+  auto run = [&](const RankGroups& g) {
+    auto noise = make_seeded_noise(*p.seed);
+    return generate(*model, p, cond, *noise, {}, {}, &g);
+  };
+  const at::Tensor one = single(run);
+  for (const ParallelLayout layout : {ParallelLayout{1, 4}, ParallelLayout{2, 4}}) {
+    const at::Tensor split = on_ranks(layout, run);
+    EXPECT_LE(max_abs_diff(split, one), 1e-5) << layout.text();
+    std::printf("[ four heads %s ] max |diff| to one device = %.3g\n", layout.text().c_str(), max_abs_diff(split, one));
+  }
+}
 
 // ---- skyreels generate -------------------------------------------------------------------------------------------
 
