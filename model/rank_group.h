@@ -38,12 +38,14 @@ struct RankGroupError : std::runtime_error {
 struct RankGroups {
   RankGroup* ulysses = nullptr;
   RankGroup* cfg = nullptr;
+  // Rank 0 of the replica (also the only rank of a one-device replica): the one whose results are kept.
+  bool first() const { return (ulysses == nullptr || ulysses->rank() == 0) && (cfg == nullptr || cfg->rank() == 0); }
 };
 
 // Runs body(rank, groups) for every rank of `layout` at once, one thread per rank, the ranks joined by c10d Gloo
 // process groups over an in-process store. Returns when every rank's body has returned. When any rank throws, the
 // others' pending collectives fail (their peer is gone, or the timeout passes), and the first error in time is
-// rethrown here (a RankGroupError names its rank), after every thread has ended.
+// rethrown here as it was thrown (logged with its rank), after every thread has ended.
 void run_on_ranks(const ParallelLayout& layout, std::chrono::milliseconds collective_timeout,
                   const std::function<void(int64_t rank, const RankGroups& groups)>& body);
 

@@ -2,6 +2,7 @@
 // in-process HashStore, each group under its own key prefix. Gloo runs on CPU tensors (and, in LibTorch builds with
 // CUDA, stages device tensors itself).
 #include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
 #include <spdlog/spdlog.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -40,6 +41,7 @@ class GlooRankGroup final : public RankGroup {
       throw std::invalid_argument("all_to_all: expected [" + std::to_string(size_) + ", ...], one slice per rank");
     }
     at::Tensor in = input.contiguous();
+    const c10::InferenceMode normal_tensors(false);  // Gloo's own thread writes the output, outside any mode
     at::Tensor out = at::empty_like(in);
     std::vector<int64_t> equal_splits;
     wait(group_->alltoall_base(out, in, equal_splits, equal_splits), "all_to_all");
@@ -47,6 +49,7 @@ class GlooRankGroup final : public RankGroup {
   }
 
   at::Tensor all_gather(const at::Tensor& input) override {
+    const c10::InferenceMode normal_tensors(false);  // Gloo's own thread writes the outputs, outside any mode
     std::vector<std::vector<at::Tensor>> outputs(1);
     for (int i = 0; i < size_; ++i) outputs[0].push_back(at::empty_like(input, at::MemoryFormat::Contiguous));
     std::vector<at::Tensor> inputs{input.contiguous()};
@@ -80,17 +83,16 @@ class FirstFailure {
       rank_ = rank;
     }
   }
+  // The root cause as it was thrown (its type tells a caller what happened: a cancel, a refused request, a fault).
   void rethrow() const {
     if (!error_) return;
     try {
       std::rethrow_exception(error_);
-    } catch (const RankGroupError&) {
-      throw;
-    } catch (const std::invalid_argument&) {
-      throw;  // a request the model refuses is the same refusal on every rank
     } catch (const std::exception& e) {
-      throw RankGroupError("rank " + std::to_string(rank_) + ": " + e.what());
+      spdlog::warn("event=rank_failed rank={} error={}", rank_, e.what());
+    } catch (...) {
     }
+    std::rethrow_exception(error_);
   }
 
  private:
@@ -110,9 +112,10 @@ void run_on_ranks(const ParallelLayout& layout, std::chrono::milliseconds collec
   const auto store = c10::make_intrusive<c10d::HashStore>();
   FirstFailure failure;
   auto run_rank = [&](int64_t rank) {
+    // Destroyed after the failure is on record: a peer still waiting sees its group go and fails second.
+    std::unique_ptr<GlooRankGroup> ulysses, cfg;
     try {
       const int64_t half = rank / layout.ulysses, seq = rank % layout.ulysses;
-      std::unique_ptr<GlooRankGroup> ulysses, cfg;  // destroyed on the way out: a peer still waiting sees it go
       if (layout.ulysses > 1) {
         ulysses = std::make_unique<GlooRankGroup>(store, "ulysses" + std::to_string(half), static_cast<int>(seq),
                                                   static_cast<int>(layout.ulysses), collective_timeout);

@@ -109,6 +109,10 @@ Status VideoServiceImpl::GetServerInfo(ServerContext* ctx, const pb::GetServerIn
     if (i < config_.replicas.size()) {
       r->set_device(config_.replicas[i].device);
       r->set_threads(config_.replicas[i].threads);
+      const auto& devices = config_.replicas[i].devices;
+      if (devices.empty()) r->add_devices(config_.replicas[i].device);
+      for (const auto& d : devices) r->add_devices(d);
+      r->set_parallel(config_.replicas[i].parallel);
     }
   }
   auto* limits = response->mutable_limits();

@@ -30,6 +30,8 @@ struct ReplicaDescription {
   std::string name;
   std::string device;
   int threads = 0;
+  std::vector<std::string> devices;  // a replica of several devices: rank r's is devices[r]
+  std::string parallel = "cfg=1,ulysses=1";
 };
 
 // The model as GetServerInfo describes it, beside its transformer config (ServiceConfig::model).

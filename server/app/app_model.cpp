@@ -9,6 +9,7 @@
 #include "model/adapter_bank.h"
 #include "model/pipeline_t2v_i2v.h"
 #include "model/runtime.h"
+#include "model/parallel_layout.h"
 #include "model/transformer_loader.h"
 #include "server/app/app_steps.h"
 #include "server/job/limits.h"
@@ -133,9 +134,25 @@ void rescan_adapters(const skyreels::model::AdapterCatalogue& catalogue) {
 Replicas make_replicas(const Options& o, const CheckedModel& model,
                        const std::shared_ptr<std::atomic<Metrics*>>& work_sink) {
   Replicas r;
-  r.plans = plan_replicas(o.devices, skyreels::runtime::available_cores(), cuda_device_count());
+  skyreels::model::ParallelLayout layout;
+  try {
+    layout = skyreels::model::parse_parallel_layout(o.parallel);
+    r.plans = plan_replicas(o.devices, skyreels::runtime::available_cores(), cuda_device_count(), layout);
+    skyreels::model::check_parallel_layout(layout, static_cast<int64_t>(r.plans.size()) * layout.ranks(),
+                                           model.mapped.config.num_attention_heads);
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(e.what());
+  }
   r.faults = parse_fault_rules(o.fault_inject);
+  for (const auto& f : r.faults) {
+    if (f.rank >= layout.ranks()) {
+      throw UsageError("--fault-inject: rank " + std::to_string(f.rank) + " of replica '" + f.replica +
+                       "' does not exist (--parallel " + layout.text() + " has " + std::to_string(layout.ranks()) +
+                       " ranks)");
+    }
+  }
   for (auto& plan : r.plans) {
+    plan.collective_timeout = std::chrono::seconds(o.collective_timeout_seconds);
     plan.on_transformer_work = [work_sink](int64_t computed, int64_t exact, int64_t cache) {
       if (Metrics* m = work_sink->load()) m->transformer_work(computed, exact, cache);
     };
@@ -154,7 +171,7 @@ Replicas make_replicas(const Options& o, const CheckedModel& model,
     plan.step_delay = std::chrono::milliseconds(o.step_delay_ms);
     plan.block_delay = std::chrono::milliseconds(o.block_delay_ms);
     r.names.push_back(plan.name);
-    r.descriptions.push_back({plan.name, plan.device, plan.threads});
+    r.descriptions.push_back({plan.name, plan.device, plan.threads, plan.rank_devices, plan.layout.text()});
     r.executors.push_back(std::make_unique<ModelReplica>(plan));
   }
   for (const auto& f : r.faults) {

@@ -231,6 +231,13 @@ void add_model_flags(std::vector<ServerFlag>& flags) {
       text("devices", &O::devices, kModel, "LIST",
            "auto (every CUDA device, else one CPU replica), cpu, cuda:0,cuda:1; repeats such as cpu,cpu make several "
            "replicas; CPU replicas split the cores evenly"),
+      text("parallel", &O::parallel, kModel, "cfg=C,ulysses=U",
+           "one video on several devices: --devices are grouped in order into replicas of C x U ranks (threads joined "
+           "by torch's c10d over Gloo); cfg=2 runs a guided row's two passes at once, ulysses=U splits the tokens "
+           "(U divides the model's attention heads); the scheduler sees each group as one replica"),
+      integer("collective-timeout-seconds", &O::collective_timeout_seconds, 1, 3600, kModel, "S",
+              "how long a rank of a --parallel replica waits for its peers in one exchange before its chunk fails "
+              "(and is retried)"),
       text("dtype", &O::dtype, kModel, "auto|float32|bfloat16",
            "auto: bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16, else float32"),
       lora_flag(),

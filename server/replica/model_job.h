@@ -18,7 +18,12 @@
 #include "server/job/job_request.h"
 #include "server/replica/chunk_executor.h"
 
+namespace at {
+class Tensor;
+}
+
 namespace skyreels::model {
+struct RankGroups;
 class AdapterCatalogue;
 class ClipVisionEncoder;
 class SkyReelsV2Transformer;
@@ -29,6 +34,13 @@ struct StepHooks;
 }  // namespace skyreels::model
 
 namespace skyreels::server {
+
+// A chunk's denoising loop as one rank of a replica runs it: on the rank's model, with its hooks and its groups
+// (null on a one-device replica).
+using RankLoop = std::function<at::Tensor(const model::SkyReelsV2Transformer& model, const model::StepHooks& hooks,
+                                          const model::RankGroups* groups)>;
+// Runs a loop on every rank of a replica of several devices at once and returns rank 0's result.
+using RankRunner = std::function<at::Tensor(const RankLoop& loop)>;
 
 // Where an MP4 segment a download waits for stands (VideoEncoder::wait_segment).
 struct SegmentWait {
@@ -89,8 +101,10 @@ class ModelJob : public JobPayload {
   // [1, C, frames, h, w], the chunk's new frames), which the scheduler commits to the job store: results are read
   // from there, the job does not keep them. Throws model::GenerationCancelled when hooks.cancelled() turns true.
   // `adapters`: params().loras placed on the replica's device (its AdapterBank), applied unmerged.
+  // `ranks`: on a replica of several devices (--parallel), runs the chunk's loop on every rank and returns rank 0's
+  // latents; every rank draws the same noise, and rank 0's draws are the ones committed.
   std::string run_chunk(const model::SkyReelsV2Transformer& model, int64_t chunk, const model::StepHooks& hooks,
-                        const std::vector<model::ActiveAdapter>& adapters = {});
+                        const std::vector<model::ActiveAdapter>& adapters = {}, const RankRunner* ranks = nullptr);
 
   // After a restart: continues after the chunks that were committed (chunk 0, 1, ... in order, safetensors bytes as
   // run_chunk made them), taking the next chunk's tail from them. Its noise is re-derived from the seed (a fresh

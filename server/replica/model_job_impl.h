@@ -49,7 +49,7 @@ struct ModelJob::Impl {
   model::VideoConditioning video;
   void encode_images_once(const model::TransformerConfig& config);
   std::string run_whole_video(const model::SkyReelsV2Transformer& transformer, const model::StepHooks& hooks,
-                              const model::GenerationParams& params);
+                              const model::GenerationParams& params, const RankRunner* ranks);
   // The job's random streams, positioned after the last chunk that succeeded (committed only on success).
   std::unique_ptr<model::NoiseSource> noise;
   std::shared_ptr<const JobDescription> description;

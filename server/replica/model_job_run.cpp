@@ -5,10 +5,12 @@
 
 #include <chrono>
 #include <cstring>
+#include <mutex>
 #include <stdexcept>
 
 #include "model/clip_vision.h"
 #include "model/image_processor.h"
+#include "model/rank_group.h"
 #include "model/transformer_skyreels_v2.h"
 #include "model/vae_wan.h"
 #include "server/job/blob.h"
@@ -55,6 +57,35 @@ void ModelJob::Impl::encode_images_once(const model::TransformerConfig& config) 
 }
 
 namespace {
+
+// Every rank's own copy of the job's committed noise streams (every rank draws the same values); rank 0's copy is the
+// one committed when the chunk succeeds.
+class RankDraws {
+ public:
+  explicit RankDraws(const model::NoiseSource& committed) : committed_(committed) {}
+  model::NoiseSource& of(const model::RankGroups* groups) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto draws = committed_.clone();
+    model::NoiseSource& mine = *draws;
+    if (groups == nullptr || groups->first()) first_ = std::move(draws);
+    else others_.push_back(std::move(draws));
+    return mine;
+  }
+  std::unique_ptr<model::NoiseSource> committed() { return std::move(first_); }
+
+ private:
+  const model::NoiseSource& committed_;
+  std::mutex mutex_;
+  std::unique_ptr<model::NoiseSource> first_;
+  std::vector<std::unique_ptr<model::NoiseSource>> others_;
+};
+
+// The loop on the replica's ranks, or once on its one device.
+at::Tensor on_ranks(const RankRunner* ranks, const model::SkyReelsV2Transformer& transformer,
+                    const model::StepHooks& hooks, const RankLoop& loop) {
+  return ranks != nullptr ? (*ranks)(loop) : loop(transformer, hooks, nullptr);
+}
+
 // A chunk's result as the job store keeps it: its new latent frames (fp32, CPU) and where they belong.
 std::string chunk_result_bytes(const at::Tensor& fresh, int64_t chunk, int64_t chunk_count,
                                const model::ChunkSpec& spec, uint64_t seed) {
@@ -74,37 +105,46 @@ std::string chunk_result_bytes(const at::Tensor& fresh, int64_t chunk, int64_t c
 
 // The t2v / i2v call, as `skyreels generate --pipeline t2v|i2v` makes it: one video from the job's noise stream.
 std::string ModelJob::Impl::run_whole_video(const model::SkyReelsV2Transformer& transformer,
-                                            const model::StepHooks& hooks, const model::GenerationParams& params) {
+                                            const model::StepHooks& hooks, const model::GenerationParams& params,
+                                            const RankRunner* ranks) {
   encode_images_once(transformer.config());
   if (!noise) noise = model::make_seeded_noise(resolved.seed);
-  std::unique_ptr<model::NoiseSource> draws = noise->clone();
-  model::VideoHooks video_hooks;
-  video_hooks.cancelled = hooks.cancelled;
-  video_hooks.on_step = [&hooks](int64_t step, int64_t steps, const at::Tensor&) {
-    if (hooks.on_step) hooks.on_step(0, step, steps);
-  };
+  RankDraws draws(*noise);
   const at::Tensor latents =
-      model::generate_video(transformer, pipeline, params, video, *draws, 1, video_hooks).contiguous();
+      on_ranks(ranks, transformer, hooks,
+               [&](const model::SkyReelsV2Transformer& t, const model::StepHooks& h, const model::RankGroups* g) {
+                 model::VideoHooks video_hooks;
+                 video_hooks.cancelled = h.cancelled;
+                 video_hooks.on_step = [&h](int64_t step, int64_t steps, const at::Tensor&) {
+                   if (h.on_step) h.on_step(0, step, steps);
+                 };
+                 return model::generate_video(t, pipeline, params, video, draws.of(g), 1, video_hooks, g);
+               })
+          .contiguous();
   std::string bytes = chunk_result_bytes(latents, 0, 1, plan.chunks.front(), resolved.seed);
-  noise = std::move(draws);
+  noise = draws.committed();
   return bytes;
 }
 
 std::string ModelJob::run_chunk(const model::SkyReelsV2Transformer& transformer, int64_t chunk,
-                                const model::StepHooks& hooks, const std::vector<model::ActiveAdapter>& adapters) {
+                                const model::StepHooks& hooks, const std::vector<model::ActiveAdapter>& adapters,
+                                const RankRunner* ranks) {
   Impl& d = *impl_;
   model::GenerationParams params = d.generation;  // the job's, with this replica's copy of its adapters
   params.adapters = adapters;
-  if (d.pipeline != model::PipelineKind::kDiffusionForcing) return d.run_whole_video(transformer, hooks, params);
+  if (d.pipeline != model::PipelineKind::kDiffusionForcing) return d.run_whole_video(transformer, hooks, params, ranks);
   const model::ChunkSpec& spec = d.plan.chunks.at(static_cast<size_t>(chunk));
   // Chunk k's noise depends on (seed, k) only, never on where chunk k-1 ran. The chunk draws from a copy of the
   // job's committed streams (O(chunk) draws, not O(all chunks so far)); a failed chunk leaves them untouched, so its
   // retry, on any replica, draws the same values.
   d.encode_conditioning_once();
   if (!d.noise) d.noise = model::make_seeded_noise(d.resolved.seed);
-  std::unique_ptr<model::NoiseSource> noise = d.noise->clone();
-  const at::Tensor latents =
-      model::run_chunk(transformer, params, d.plan, chunk, d.conditioning, d.tail, *noise, hooks);
+  RankDraws draws(*d.noise);
+  const at::Tensor latents = on_ranks(
+      ranks, transformer, hooks,
+      [&](const model::SkyReelsV2Transformer& t, const model::StepHooks& h, const model::RankGroups* g) {
+        return model::run_chunk(t, params, d.plan, chunk, d.conditioning, d.tail, draws.of(g), h, nullptr, g);
+      });
 
   // The video's tail for the next chunk, on this replica's device, as diffusers' accumulated video would end.
   const int64_t overlap = d.plan.overlap_latent_frames;
@@ -117,7 +157,7 @@ std::string ModelJob::run_chunk(const model::SkyReelsV2Transformer& transformer,
       latents.narrow(2, spec.keep_from, latents.size(2) - spec.keep_from).to(at::kCPU, at::kFloat).contiguous();
   std::string bytes = chunk_result_bytes(fresh, chunk, chunk_count(), spec, d.resolved.seed);
   d.tail = tail;
-  d.noise = std::move(noise);
+  d.noise = draws.committed();
   return bytes;
 }
 

@@ -22,6 +22,7 @@
 #include <torch/version.h>
 
 #include "model/adapter_bank.h"
+#include "model/rank_group.h"
 #include "model/diffusion_forcing.h"
 #include "model/runtime.h"
 #include "model/transformer_loader.h"
@@ -67,6 +68,14 @@ std::vector<FaultRule> parse_fault_rules(const std::string& text) {
     FaultRule rule;
     rule.replica = item.substr(0, at);
     std::string n = item.substr(at + 1);
+    if (const auto hash = n.find('#'); hash != std::string::npos) {  // the rank of a group it hits
+      const std::string rank = n.substr(hash + 1);
+      n = n.substr(0, hash);
+      if (rank.empty() || rank.size() > 2 || rank.find_first_not_of("0123456789") != std::string::npos) {
+        throw std::invalid_argument("--fault-inject: '" + item + "': #R must name a rank (0 to 99)");
+      }
+      rule.rank = std::stoll(rank);
+    }
     if (const auto colon = n.find(':'); colon != std::string::npos) {
       const std::string kind = n.substr(colon + 1);
       n = n.substr(0, colon);
@@ -78,9 +87,11 @@ std::vector<FaultRule> parse_fault_rules(const std::string& text) {
         rule.kind = FaultKind::Dead;
       } else if (kind == "kill") {
         rule.kind = FaultKind::Kill;
+      } else if (kind == "stall") {
+        rule.kind = FaultKind::Stall;
       } else {
         throw std::invalid_argument("--fault-inject: '" + item + "': kind '" + kind +
-                                    "' is not error, oom, dead or kill");
+                                    "' is not error, oom, dead, kill or stall");
       }
     }
     if (!n.empty() && n.back() == '+') {
@@ -111,7 +122,35 @@ bool is_out_of_memory(const std::exception& e) {
 
 int cuda_device_count() { return static_cast<int>(torch::cuda::device_count()); }
 
-std::vector<ReplicaOptions> plan_replicas(const std::string& devices, int cores, int cuda_devices) {
+namespace {
+
+// Consecutive devices as one replica of layout.ranks() ranks each.
+std::vector<ReplicaOptions> group_replicas(const std::vector<ReplicaOptions>& devices,
+                                           const model::ParallelLayout& layout) {
+  const auto ranks = static_cast<size_t>(layout.ranks());
+  if (devices.size() % ranks != 0) {
+    throw std::invalid_argument("--devices: " + std::to_string(devices.size()) + " device(s) cannot be grouped into " +
+                                "replicas of " + std::to_string(ranks) + " (--parallel " + layout.text() +
+                                "); give a multiple of " + std::to_string(ranks) + " devices");
+  }
+  std::vector<ReplicaOptions> groups;
+  for (size_t first = 0; first < devices.size(); first += ranks) {
+    ReplicaOptions g = devices[first];
+    g.layout = layout;
+    g.name.clear();
+    for (size_t r = first; r < first + ranks; ++r) {
+      g.name += (g.name.empty() ? "" : "+") + devices[r].name;
+      g.rank_devices.push_back(devices[r].device);
+    }
+    groups.push_back(std::move(g));
+  }
+  return groups;
+}
+
+}  // namespace
+
+std::vector<ReplicaOptions> plan_replicas(const std::string& devices, int cores, int cuda_devices,
+                                          const model::ParallelLayout& layout) {
   std::vector<std::string> tokens;
   if (trim(devices) == "auto") {
     for (int i = 0; i < cuda_devices; ++i) tokens.push_back("cuda:" + std::to_string(i));
@@ -155,7 +194,8 @@ std::vector<ReplicaOptions> plan_replicas(const std::string& devices, int cores,
   // CPU replicas split the cores evenly; CUDA replicas need one host thread each.
   const int per_cpu = std::max(1, cores / std::max(1, cpu_replicas));
   for (auto& r : replicas) r.threads = r.device == "cpu" ? per_cpu : 1;
-  return replicas;
+  if (layout.single()) return replicas;
+  return group_replicas(replicas, layout);
 }
 
 ModelReplica::ModelReplica(ReplicaOptions options) : options_(std::move(options)) {}
@@ -173,6 +213,16 @@ void ModelReplica::start() {
                options_.dtype, options_.threads, options_.model_path);
   model::LoadedTransformer loaded = model::load_transformer(options_.model_path, load);
   model_ = std::move(loaded.model);
+  for (const std::string& device : options_.rank_devices) {  // a group: once more per other device
+    if (device == options_.device || rank_models_.count(device)) continue;
+    load.device = device;
+    rank_models_[device] = model::load_transformer(options_.model_path, load).model;
+  }
+  if (!options_.layout.single()) {
+    model::check_parallel_layout(options_.layout, options_.layout.ranks(), model_->config().num_attention_heads);
+    spdlog::info("replica={} event=group ranks={} parallel={}", options_.name, options_.layout.ranks(),
+                 options_.layout.text());
+  }
   if (options_.on_loaded) options_.on_loaded(loaded.report.seconds);
   if (options_.adapters) {
     bank_ = std::make_unique<model::AdapterBank>(options_.adapters, model_->device(), model_->compute_dtype(),
@@ -194,24 +244,61 @@ void ModelReplica::probe() {
   warm_up();
 }
 
+const model::SkyReelsV2Transformer& ModelReplica::model_of_rank(int64_t rank) const {
+  if (options_.rank_devices.empty()) return *model_;
+  const std::string& device = options_.rank_devices.at(static_cast<size_t>(rank));
+  return device == options_.device ? *model_ : *rank_models_.at(device);
+}
+
+at::Tensor ModelReplica::on_every_rank(const RankLoop& loop, const model::StepHooks& hooks, int64_t run_number) {
+  at::Tensor result;
+  model::run_on_ranks(options_.layout, options_.collective_timeout, [&](int64_t rank, const model::RankGroups& g) {
+    if (rank == 0) {
+      result = loop(*model_, hooks, &g);
+      return;
+    }
+    // The other ranks: this replica's thread settings, and only their own faults (rank 0 polls the stop).
+    if (options_.threads > 0) at::set_num_threads(options_.threads);
+    c10::InferenceMode inference;
+    model::StepHooks mine;
+    mine.on_step = [&, rank](int64_t, int64_t, int64_t) {
+      if (const FaultRule* fault = fault_due(run_number, rank)) throw_fault(*fault, run_number);
+    };
+    loop(model_of_rank(rank), mine, &g);
+  });
+  return result;
+}
+
 // One forward on the smallest input: the first real chunk does not pay for lazy initialisation, and a re-test shows
-// whether the device works again.
+// whether the device works again (a group's: every rank's, through its exchanges).
 void ModelReplica::warm_up() const {
-  const auto& config = model_->config();
-  const auto device = model_->device();
+  if (!options_.layout.single()) {
+    model::run_on_ranks(options_.layout, options_.collective_timeout, [&](int64_t rank, const model::RankGroups& g) {
+      c10::InferenceMode inference;
+      warm_up_rank(model_of_rank(rank), g.ulysses);
+    });
+    return;
+  }
+  warm_up_rank(*model_, nullptr);
+}
+
+void ModelReplica::warm_up_rank(const model::SkyReelsV2Transformer& transformer, model::RankGroup* ulysses) const {
+  const auto& config = transformer.config();
+  const auto device = transformer.device();
   model::TransformerForwardArgs args;
   args.hidden_states =
       at::zeros({1, config.in_channels, config.patch_size[0], config.patch_size[1], config.patch_size[2]},
-                at::TensorOptions().device(device).dtype(model_->compute_dtype()));
+                at::TensorOptions().device(device).dtype(transformer.compute_dtype()));
   args.timestep = at::zeros({1, config.patch_size[0]}, at::TensorOptions().device(device).dtype(at::kLong));
   args.encoder_hidden_states =
-      at::zeros({1, 1, config.text_dim}, at::TensorOptions().device(device).dtype(model_->compute_dtype()));
+      at::zeros({1, 1, config.text_dim}, at::TensorOptions().device(device).dtype(transformer.compute_dtype()));
   if (config.inject_sample_info) args.fps = at::ones({1}, at::TensorOptions().device(device).dtype(at::kLong));
   if (config.has_image_branch()) {  // an I2V model attends to image tokens (a first-last-frame one: exactly its count)
     args.encoder_hidden_states_image = at::zeros({1, config.pos_embed_seq_len.value_or(1), *config.image_dim},
-                                                 at::TensorOptions().device(device).dtype(model_->compute_dtype()));
+                                                 at::TensorOptions().device(device).dtype(transformer.compute_dtype()));
   }
-  model_->forward(args);
+  args.sequence_parallel = ulysses;
+  transformer.forward(args);
 }
 
 AdapterResidency ModelReplica::adapter_residency() const {
@@ -241,9 +328,9 @@ std::vector<model::ActiveAdapter> ModelReplica::activate_adapters(const std::vec
   return active;
 }
 
-const FaultRule* ModelReplica::fault_due(int64_t run) const {
+const FaultRule* ModelReplica::fault_due(int64_t run, int64_t rank) const {
   for (const auto& rule : options_.faults) {
-    if (rule.replica != options_.name) continue;
+    if (rule.replica != options_.name || rule.rank != rank) continue;
     if (run == rule.nth || (rule.and_later && run > rule.nth)) return &rule;
   }
   return nullptr;
@@ -306,8 +393,15 @@ ChunkResult ModelReplica::run(const ChunkWork& work, const ChunkCallbacks& callb
     // An adapter file replaced (or unreadable) since the start: the job's fault, not the replica's; never another video.
     return {ChunkOutcome::Rejected, e.what(), 0, {}, {}};
   }
+  if (!rank_models_.empty() && !adapters.empty()) {
+    return {ChunkOutcome::Rejected,
+            "loras: replica " + options_.name + " spreads one video over several CUDA devices; adapters per request "
+            "are not supported there yet",
+            0, {}, {}};
+  }
+  const RankRunner ranks = [&](const RankLoop& loop) { return on_every_rank(loop, hooks, run_number); };
   try {
-    bytes = job->run_chunk(*model_, work.chunk_index, hooks, adapters);
+    bytes = job->run_chunk(*model_, work.chunk_index, hooks, adapters, options_.layout.single() ? nullptr : &ranks);
     spdlog::info("replica={} event=chunk_work chunk={} token_blocks_full={} computed={} saved_exact={} saved_cache={}",
                  options_.name, work.chunk_index, work_done.full, work_done.computed, work_done.exact,
                  work_done.cache);
@@ -345,6 +439,9 @@ void ModelReplica::throw_fault(const FaultRule& rule, int64_t run_number) {
     case FaultKind::Kill:
       spdlog::error("replica={} event=injected_kill run={}", options_.name, run_number);
       ::kill(::getpid(), SIGKILL);
+      break;
+    case FaultKind::Stall:  // silent past the peers' timeout, then gone
+      std::this_thread::sleep_for(options_.collective_timeout + std::chrono::seconds(1));
       break;
     case FaultKind::Error:
       break;
