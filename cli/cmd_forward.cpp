@@ -7,6 +7,7 @@
 #include <iostream>
 
 #include "cli/command.h"
+#include "cli/rank_flags.h"
 #include "model/safetensors.h"
 #include "model/transformer_loader.h"
 
@@ -18,6 +19,7 @@ using skyreels::cli::UsageError;
 const char* kUsage =
     "usage: skyreels forward --model DIR --inputs IN.safetensors --out OUT.safetensors\n"
     "                        [--dtype float32|bfloat16|auto] [--device cpu|cuda|cuda:N]\n"
+    "                        [--devices LIST --parallel cfg=C,ulysses=U]\n"
     "                        [--num-frame-per-block N] [--lora FILE[:SCALE]]...\n"
     "                        [--lora-dir DIR --adapter NAME[:SCALE]...]\n\n"
     "Runs SkyReelsV2Transformer3DModel.forward once.\n"
@@ -28,6 +30,8 @@ const char* kUsage =
     "  --out      safetensors with `sample` [B, out_channels, F, H, W] in the compute dtype\n"
     "  --dtype    compute dtype (default float32); fp32 islands stay fp32 either way\n"
     "  --device   default cpu\n"
+    "  --devices LIST --parallel cfg=1,ulysses=U  the pass with its tokens split over U ranks (threads joined by\n"
+    "             torch's c10d, one per device of LIST; U divides the attention heads): the same sample within 1e-5\n"
     "  --lora     a LoRA adapter merged at load (diffusers/PEFT, original/kohya or musubi keys): W + SCALE *\n"
     "             (alpha / r) * B @ A in float32, then cast; SCALE default 1; repeatable, applied in order\n"
     "  --lora-dir DIR  adapters for --adapter: every DIR/NAME.safetensors (same key formats as --lora)\n"
@@ -50,20 +54,27 @@ const at::Tensor& required_input(const std::map<std::string, at::Tensor>& inputs
 
 int run_forward(const std::vector<std::string>& argv) {
   const Args args(argv);
-  args.reject_unknown(
-      {"model", "inputs", "out", "dtype", "device", "num-frame-per-block", "lora", "lora-dir", "adapter"});
+  args.reject_unknown({"model", "inputs", "out", "dtype", "device", "devices", "parallel", "num-frame-per-block", "lora",
+                       "lora-dir", "adapter"});
   if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional().front() + "'");
   const std::string model_path = args.require("model");
   const std::string inputs_path = args.require("inputs");
   const std::string out_path = args.require("out");
 
+  const skyreels::cli::Ranks ranks = skyreels::cli::ranks_from_flags(args);
+  if (ranks.layout.cfg > 1) throw UsageError("--parallel: a forward is one pass (no guidance): use cfg=1,ulysses=U");
   skyreels::model::TransformerLoadOptions options;
-  options.device = args.get("device", "cpu");
   options.dtype = args.get("dtype", "float32");
   options.loras = skyreels::cli::lora_specs_from_flags(args);
   skyreels::cli::check_adapter_flags(args);
 
-  const auto loaded = skyreels::model::load_transformer(model_path, options);  // logs what it found and did
+  const skyreels::cli::RankModels models =
+      skyreels::cli::load_per_device(ranks, args, [&](const std::string& device) {
+        skyreels::model::TransformerLoadOptions on_device = options;
+        on_device.device = device;
+        return skyreels::model::load_transformer(model_path, on_device);  // logs what it found and did
+      });
+  const auto& loaded = models.by_device.at(ranks.devices.front());
   const auto& model = *loaded.model;
   // The loader refuses a model with any tensor off the device; this line says what it checked (scripts/gpu-check.sh).
   std::cout << "placement: " << loaded.report.placed_tensors << " tensors on " << loaded.report.placed_device << " ("
@@ -81,8 +92,13 @@ int run_forward(const std::vector<std::string>& argv) {
   forward_args.adapters = skyreels::cli::adapters_from_flags(args, model);
 
   const auto start = std::chrono::steady_clock::now();
-  at::Tensor sample = model.forward(forward_args);
-  sample = sample.to(at::kCPU);  // waits for the device, so the time below is the whole pass
+  at::Tensor sample;
+  skyreels::cli::on_every_rank(ranks, [&](int64_t rank, const skyreels::model::RankGroups& groups) {
+    skyreels::model::TransformerForwardArgs mine = forward_args;
+    mine.sequence_parallel = groups.ulysses;
+    const at::Tensor out = models.of(ranks, rank).forward(mine).to(at::kCPU);  // waits: the time is the whole pass
+    if (rank == 0) sample = out;
+  });
   spdlog::info("forward {} -> {} in {:.3f} s", c10::str(forward_args.hidden_states.sizes()), c10::str(sample.sizes()),
                seconds_since(start));
 

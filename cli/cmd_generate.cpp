@@ -19,6 +19,7 @@
 #include <tuple>
 
 #include "cli/command.h"
+#include "cli/rank_flags.h"
 #include "model/checkpoint.h"
 #include "model/clip_vision.h"
 #include "model/diffusion_forcing.h"
@@ -42,6 +43,11 @@ namespace {
 using skyreels::cli::Args;
 using skyreels::cli::frame_and_value;
 using skyreels::cli::generation_request_from_flags;
+using skyreels::cli::load_per_device;
+using skyreels::cli::on_every_rank;
+using skyreels::cli::RankModels;
+using skyreels::cli::Ranks;
+using skyreels::cli::ranks_from_flags;
 using skyreels::cli::UsageError;
 using skyreels::cli::with_generation_flags;
 namespace model = skyreels::model;
@@ -291,79 +297,10 @@ model::LoadedTransformer load_for(const Args& args, const std::string& model_pat
   return loaded;
 }
 
-// ---- one video on several devices (--devices, --parallel) -------------------------------------------------------
-
-// The ranks of the one replica this command runs: one device per rank, rank r on the r-th of --devices.
-struct Ranks {
-  model::ParallelLayout layout;
-  std::vector<std::string> devices;
-  bool several() const { return !layout.single(); }
-};
-
-Ranks ranks_from_flags(const Args& args) {
-  Ranks r;
-  try {
-    if (args.has("parallel")) r.layout = model::parse_parallel_layout(args.get("parallel"));
-  } catch (const std::invalid_argument& e) {
-    throw UsageError(e.what());
-  }
-  if (args.has("devices") && args.has("device")) throw UsageError("give --device or --devices, not both");
-  if (!args.has("devices")) {
-    if (r.several()) throw UsageError("--parallel " + r.layout.text() + " needs --devices (one device per rank)");
-    r.devices = {args.get("device", "cpu")};
-    return r;
-  }
-  const std::string list = args.get("devices");
-  for (size_t at = 0; at <= list.size();) {
-    const size_t comma = std::min(list.find(',', at), list.size());
-    const std::string device = list.substr(at, comma - at);
-    if (device.empty()) throw UsageError("--devices: an empty entry in '" + list + "'");
-    r.devices.push_back(device);
-    at = comma + 1;
-  }
-  if (static_cast<int64_t>(r.devices.size()) != r.layout.ranks()) {
-    throw UsageError("--devices: " + std::to_string(r.devices.size()) + " device(s) for --parallel " + r.layout.text() +
-                     " (" + std::to_string(r.layout.ranks()) + " ranks): give one device per rank");
-  }
-  return r;
-}
-
-// The transformer once per distinct device of the ranks (ranks on one device share it: the forward is const).
-struct RankModels {
-  std::map<std::string, model::LoadedTransformer> by_device;
-  const model::SkyReelsV2Transformer& of(const Ranks& ranks, int64_t rank) const {
-    return *by_device.at(ranks.devices[static_cast<size_t>(rank)]).model;
-  }
-};
-
+// The transformer once per distinct device of the ranks, as --dtype and --lora ask, checked to run `kind`.
 RankModels load_for_ranks(const Args& args, const std::string& model_path, model::PipelineKind kind,
                           const Ranks& ranks) {
-  RankModels models;
-  for (const std::string& device : ranks.devices) {
-    if (!models.by_device.count(device)) models.by_device.emplace(device, load_for(args, model_path, kind, device));
-  }
-  const model::TransformerConfig& config = models.by_device.begin()->second.model->config();
-  try {
-    model::check_parallel_layout(ranks.layout, static_cast<int64_t>(ranks.devices.size()), config.num_attention_heads);
-  } catch (const std::invalid_argument& e) {
-    throw UsageError(e.what());
-  }
-  if (ranks.several()) {
-    spdlog::info("one replica of {} ranks ({}) on {}", ranks.layout.ranks(), ranks.layout.text(),
-                 args.get("devices"));
-  }
-  return models;
-}
-
-// Runs body(rank, groups) on every rank (rank 0 alone without --parallel), each rank's intra-op threads a share of
-// this process's.
-void on_every_rank(const Ranks& ranks, const std::function<void(int64_t, const model::RankGroups&)>& body) {
-  const int threads = std::max<int>(1, at::get_num_threads() / static_cast<int>(ranks.layout.ranks()));
-  model::run_on_ranks(ranks.layout, model::kDefaultCollectiveTimeout,
-                      [&](int64_t rank, const model::RankGroups& groups) {
-                        if (ranks.several()) at::set_num_threads(threads);
-                        body(rank, groups);
-                      });
+  return load_per_device(ranks, args, [&](const std::string& device) { return load_for(args, model_path, kind, device); });
 }
 
 // ---- text-to-video and image-to-video ----------------------------------------------------------------------------

@@ -377,6 +377,25 @@ TEST(ParallelGenerate, FourCpuRanksAsCfg2Ulysses2GiveOneDevicesLatentsWithin1e5A
               max_abs_diff(four, one), max_abs_diff(four, c.output.at("latents")));
 }
 
+TEST(ParallelForward, SkyreelsForwardOnTwoUlyssesRanksGivesDiffusersSampleWithin1e4AndOneDevicesWithin1e5) {
+  const std::string dir = golden_path("transformer_forward/t3_block_causal_nfpb2");
+  auto forward = [&](const std::string& extra) {
+    const std::string out = test::temp_dir("parallel_forward") + "/sample.safetensors";
+    std::string log;
+    const int status = test::run_command(test::bin_path("skyreels") + " forward --model " + dir +
+                                             "/weights/diffusers --inputs " + dir + "/inputs.safetensors --out " + out +
+                                             extra,
+                                         &log);
+    EXPECT_EQ(status, 0) << log;
+    return status == 0 ? test::load_tensors(out).at("sample") : at::Tensor();
+  };
+  const at::Tensor one = forward("");
+  const at::Tensor two = forward(" --devices cpu,cpu --parallel ulysses=2");
+  ASSERT_TRUE(one.defined() && two.defined());
+  EXPECT_LE(max_abs_diff(two, one), 1e-5);
+  EXPECT_LE(max_abs_diff(two, test::load_tensors(dir + "/output.safetensors").at("sample")), 1e-4);
+}
+
 TEST(ParallelGenerate, BadLayoutsExitWithUsageErrorsNamingTheFlag) {
   const PipelineCase c = df_case("p1_sync_short");
   const std::pair<const char*, const char*> cases[] = {
