@@ -423,8 +423,6 @@ Savings check_savings(const TransformerForwardArgs& a, const TransformerConfig& 
     require(c.num_attention_heads % a.sequence_parallel->size() == 0,
             "sequence_parallel: " + std::to_string(a.sequence_parallel->size()) + " ranks do not divide the " +
                 std::to_string(c.num_attention_heads) + " attention heads");
-    require(a.per_block_cache == nullptr,
-            "per_block_cache: not available with sequence parallelism (ulysses > 1) yet; use cache first-block");
   }
   if (s.threshold) {
     require(std::isfinite(*s.threshold) && *s.threshold >= 0, "first_block_threshold: must be a finite value >= 0");
@@ -488,8 +486,11 @@ at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) co
   const bool first_block = savings.threshold.has_value();
   Tensor x = m.patchify(args.hidden_states, g, first_block ? 0 : reuse);
   // Ulysses: each rank runs the blocks on its share of the tokens from frame `first` on.
-  RankGroup* ranks =
-      args.sequence_parallel != nullptr && args.sequence_parallel->size() > 1 ? args.sequence_parallel : nullptr;
+  // The cache per causal block runs every token on every rank (its block-sparse attention is not split yet): the
+  // same numbers, without the split's speed-up.
+  RankGroup* ranks = args.sequence_parallel != nullptr && args.sequence_parallel->size() > 1 && !args.per_block_cache
+                         ? args.sequence_parallel
+                         : nullptr;
   auto held = [&](int64_t first) {
     const Geometry sub = frames_from(g, first);
     return ranks ? split_across(sub, *ranks) : sub;

@@ -131,7 +131,7 @@ struct TransformerForwardArgs {
   // Ulysses (model/rank_group.h; size() > 1): the ranks this call's tokens are split across. Every rank of the group
   // makes the same call; each computes its share of the tokens through every block (all-to-all over heads around
   // self-attention) and every rank returns the whole sample. Composes with the exact savings and FirstBlockCache;
-  // the cache per causal block is refused with it.
+  // with the cache per causal block every rank computes every token (the same sample, no speed-up yet).
   RankGroup* sequence_parallel = nullptr;
 };
 

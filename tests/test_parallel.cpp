@@ -161,7 +161,9 @@ class CountingGroup final : public RankGroup {
   std::atomic<int64_t>* calls_;
 };
 
-at::Tensor on_ranks(const ParallelLayout& layout, const std::function<at::Tensor(const RankGroups&)>& run) {
+// `splits_tokens`: false where Ulysses ranks each compute every token (the cache per causal block).
+at::Tensor on_ranks(const ParallelLayout& layout, const std::function<at::Tensor(const RankGroups&)>& run,
+                    bool splits_tokens = true) {
   std::vector<at::Tensor> out(static_cast<size_t>(layout.ranks()));
   std::atomic<int64_t> sequence_calls{0}, guidance_calls{0};
   run_on_ranks(layout, kTimeout, [&](int64_t rank, const RankGroups& groups) {
@@ -170,7 +172,7 @@ at::Tensor on_ranks(const ParallelLayout& layout, const std::function<at::Tensor
     out[static_cast<size_t>(rank)] =
         run(RankGroups{groups.ulysses ? &ulysses : nullptr, groups.cfg ? &cfg : nullptr});
   });
-  EXPECT_EQ(sequence_calls > 0, layout.ulysses > 1) << sequence_calls << " Ulysses exchanges";
+  EXPECT_EQ(sequence_calls > 0, layout.ulysses > 1 && splits_tokens) << sequence_calls << " Ulysses exchanges";
   EXPECT_EQ(guidance_calls > 0, layout.cfg > 1) << guidance_calls << " guidance exchanges";
   for (size_t r = 1; r < out.size(); ++r) {
     EXPECT_TRUE(at::equal(out[r], out[0])) << "rank " << r << " differs from rank 0 by " << max_abs_diff(out[r], out[0]);
@@ -213,7 +215,7 @@ TEST(UlyssesTransformer, EveryTokenSplitAcrossTwoAndFourRanksGivesTheSingleDevic
   }
 }
 
-TEST(UlyssesTransformer, RefusesADegreeThatDoesNotDivideTheHeadsAndThePerBlockCache) {
+TEST(UlyssesTransformer, RefusesADegreeThatDoesNotDivideTheHeads) {
   const auto model = tiny_model(4, "ulysses_refuse");
   TransformerForwardArgs args;
   args.hidden_states = at::zeros({1, 16, 2, 4, 4});
@@ -244,7 +246,7 @@ PipelineCase df_case(const std::string& name) {
 struct LayoutCase {
   std::string fixture;
   ParallelLayout layout;
-  std::string variant;  // "", "no-exact" (every frame of every row computed), "euler4", "lora"
+  std::string variant;  // "", "no-exact" (every frame of every row computed), "euler4", "lora", "per-block"
 };
 
 std::string layout_case_name(const ::testing::TestParamInfo<LayoutCase>& info) {
@@ -260,6 +262,10 @@ TEST_P(DiffusionForcingOnRanks, ReproducesTheSingleDeviceVideoWithin1e5AndDiffus
   const LayoutCase& lc = GetParam();
   PipelineCase c = df_case(lc.fixture);
   if (lc.variant == "no-exact") c.params.exact_savings = false;
+  if (lc.variant == "per-block") {  // the cache per causal block: every token on every rank, the same video
+    c.params.cache.kind = StepCacheKind::kFirstBlockPerBlock;
+    c.params.cache.max_skips = 2;
+  }
   if (lc.variant == "euler4") {  // the few-step Euler path
     c.params.sampler = SamplerKind::kEuler;
     c.params.num_inference_steps = 4;
@@ -281,7 +287,8 @@ TEST_P(DiffusionForcingOnRanks, ReproducesTheSingleDeviceVideoWithin1e5AndDiffus
     return generate(*model, c.params, c.conditioning, *noise, hooks, {}, &g);
   };
   const at::Tensor reference = single([&](const RankGroups& g) { return run(g, &reports_single); });
-  const at::Tensor split = on_ranks(lc.layout, [&](const RankGroups& g) { return run(g, &reports_split); });
+  const at::Tensor split = on_ranks(
+      lc.layout, [&](const RankGroups& g) { return run(g, &reports_split); }, lc.variant != "per-block");
   const double diff = max_abs_diff(split, reference);
   EXPECT_LE(diff, 1e-5);
   if (lc.variant.empty()) {
@@ -305,6 +312,13 @@ TEST_P(DiffusionForcingOnRanks, ReproducesTheSingleDeviceVideoWithin1e5AndDiffus
   if (c.params.cache.kind == StepCacheKind::kFirstBlock) {
     EXPECT_GT(skipped, 0) << "FirstBlockCache never skipped: the case proves nothing";
   }
+  if (c.params.cache.kind == StepCacheKind::kFirstBlockPerBlock) {
+    int64_t block_skips = 0;
+    for (const auto& r : reports_split) {
+      for (const auto& b : r.blocks) block_skips += b.skipped ? 1 : 0;
+    }
+    EXPECT_GT(block_skips, 0) << "the cache per causal block never skipped: the case proves nothing";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -316,6 +330,7 @@ INSTANTIATE_TEST_SUITE_P(
                       LayoutCase{"p2_async_cbs2_ar2", {2, 2}, "euler4"}, LayoutCase{"p2_async_cbs2_ar2", {2, 2}, "lora"},
                       LayoutCase{"c2_async_ar2_cbs2_cfg", {2, 2}, ""}, LayoutCase{"c1_sync_cfg", {1, 2}, ""},
                       LayoutCase{"c4_long_async_addnoise20_cfg", {1, 2}, ""},
+                      LayoutCase{"c2_async_ar2_cbs2_cfg", {2, 2}, "per-block"},
                       LayoutCase{"p4_long_addnoise20", {2, 2}, ""},
                       LayoutCase{"i3_long_async_cbs2_ar2_addnoise20", {2, 2}, ""},
                       LayoutCase{"i1_sync_1chunk_last_image", {1, 2}, ""}),
