@@ -53,9 +53,9 @@ const at::Tensor& required_input(const std::map<std::string, at::Tensor>& inputs
 }
 
 int run_forward(const std::vector<std::string>& argv) {
-  const Args args(argv);
-  args.reject_unknown({"model", "inputs", "out", "dtype", "device", "devices", "parallel", "num-frame-per-block", "lora",
-                       "lora-dir", "adapter"});
+  const Args args(argv, {"shard-weights"});
+  args.reject_unknown({"model", "inputs", "out", "dtype", "device", "devices", "parallel", "shard-weights",
+                       "num-frame-per-block", "lora", "lora-dir", "adapter"});
   if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional().front() + "'");
   const std::string model_path = args.require("model");
   const std::string inputs_path = args.require("inputs");
@@ -96,6 +96,7 @@ int run_forward(const std::vector<std::string>& argv) {
   skyreels::cli::on_every_rank(ranks, [&](int64_t rank, const skyreels::model::RankGroups& groups) {
     skyreels::model::TransformerForwardArgs mine = forward_args;
     mine.sequence_parallel = groups.ulysses;
+    mine.weight_ranks = groups.all;
     const at::Tensor out = models.of(ranks, rank).forward(mine).to(at::kCPU);  // waits: the time is the whole pass
     if (rank == 0) sample = out;
   });

@@ -439,7 +439,7 @@ int run_video_pipeline(const Args& args, model::PipelineKind kind, const std::st
 }
 
 int run_generate(const std::vector<std::string>& argv) {
-  const Args args(argv, skyreels::cli::with_generation_switches({"pin-image-prefix", "count-host-syncs"}));
+  const Args args(argv, skyreels::cli::with_generation_switches({"pin-image-prefix", "count-host-syncs", "shard-weights"}));
   args.reject_unknown(with_generation_flags({"model",
                                              "inputs",
                                              "out",
@@ -448,6 +448,7 @@ int run_generate(const std::vector<std::string>& argv) {
                                              "device",
                                              "devices",
                                              "parallel",
+                                             "shard-weights",
                                              "text-encoder",
                                              "tokenizer",
                                              "max-sequence-length",

@@ -17,6 +17,10 @@ Ranks ranks_from_flags(const Args& args) {
     throw UsageError(e.what());
   }
   if (args.has("devices") && args.has("device")) throw UsageError("give --device or --devices, not both");
+  r.shard_weights = args.has("shard-weights");
+  if (r.shard_weights && !r.several()) {
+    throw UsageError("--shard-weights: needs a replica of more than one device (--parallel cfg=2 or ulysses > 1)");
+  }
   if (!args.has("devices")) {
     if (r.several()) throw UsageError("--parallel " + r.layout.text() + " needs --devices (one device per rank)");
     r.devices = {args.get("device", "cpu")};
@@ -40,14 +44,25 @@ Ranks ranks_from_flags(const Args& args) {
 RankModels load_per_device(const Ranks& ranks, const Args& args,
                            const std::function<model::LoadedTransformer(const std::string& device)>& load) {
   RankModels models;
-  for (const std::string& device : ranks.devices) {
-    if (!models.by_device.count(device)) models.by_device.emplace(device, load(device));
+  for (size_t r = 0; r < ranks.devices.size(); ++r) {
+    const std::string& device = ranks.devices[r];
+    if (ranks.shard_weights) {  // one at a time: the whole model is on the device once, briefly, per rank
+      models.by_rank.push_back(load(device));
+      models.by_rank.back().model->shard_blocks(static_cast<int64_t>(r), static_cast<int64_t>(ranks.devices.size()));
+    } else if (!models.by_device.count(device)) {
+      models.by_device.emplace(device, load(device));
+    }
   }
-  const model::TransformerConfig& config = models.by_device.begin()->second.model->config();
+  const model::TransformerConfig& config = models.of(ranks, 0).config();
   try {
-    model::check_parallel_layout(ranks.layout, static_cast<int64_t>(ranks.devices.size()), config.num_attention_heads);
+    model::check_parallel_layout(ranks.layout, static_cast<int64_t>(ranks.devices.size()), config.num_attention_heads,
+                                 ranks.shard_weights);
   } catch (const std::invalid_argument& e) {
     throw UsageError(e.what());
+  }
+  if (ranks.shard_weights) {
+    spdlog::info("weights sharded: rank 0 holds {:.1f} MB of the transformer's parameters",
+                 static_cast<double>(models.of(ranks, 0).held_weight_bytes()) / 1e6);
   }
   if (ranks.several()) {
     spdlog::info("one replica of {} ranks ({}) on {}", ranks.layout.ranks(), ranks.layout.text(),

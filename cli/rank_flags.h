@@ -18,18 +18,23 @@ namespace skyreels::cli {
 struct Ranks {
   model::ParallelLayout layout;
   std::vector<std::string> devices;
+  bool shard_weights = false;  // --shard-weights
   bool several() const { return !layout.single(); }
 };
 Ranks ranks_from_flags(const Args& args);  // UsageError naming the flag
 
-// Ranks on one device share its transformer (the forward is const).
+// Ranks on one device share its transformer (the forward is const); with --shard-weights every rank has its own,
+// holding its shard of the blocks.
 struct RankModels {
   std::map<std::string, model::LoadedTransformer> by_device;
+  std::vector<model::LoadedTransformer> by_rank;  // --shard-weights
   const model::SkyReelsV2Transformer& of(const Ranks& ranks, int64_t rank) const {
+    if (!by_rank.empty()) return *by_rank.at(static_cast<size_t>(rank)).model;
     return *by_device.at(ranks.devices[static_cast<size_t>(rank)]).model;
   }
 };
-// load(device) once per distinct device; then the layout is checked against the model's heads (UsageError).
+// load(device) once per distinct device (once per rank, then sharded, with --shard-weights); the layout is checked
+// against the model's heads (UsageError).
 RankModels load_per_device(const Ranks& ranks, const Args& args,
                            const std::function<model::LoadedTransformer(const std::string& device)>& load);
 

@@ -159,11 +159,12 @@ PerBlockCache per_block_cache_of(const DenoiseCall& call, const GenerationParams
 
 Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const GenerationParams& params,
                               std::function<bool()> cancelled, std::function<void(const TransformerCallReport&)> on_call,
-                              std::shared_ptr<DenoiseCache> cache, RankGroup* sequence_ranks) {
+                              std::shared_ptr<DenoiseCache> cache, const RankGroups* ranks) {
   const int64_t fps_index = params.fps == 16 ? 0 : 1;  // diffusers: [0 if fps == 16 else 1] per batch item
   if (!cache) cache = make_denoise_cache();
   return [&model, params, fps_index, cancelled = std::move(cancelled), on_call = std::move(on_call),
-          cache = std::move(cache), sequence_ranks](const DenoiseCall& call) {
+          cache = std::move(cache), sequence_ranks = ranks ? ranks->ulysses : nullptr,
+          weight_ranks = ranks ? ranks->all : nullptr](const DenoiseCall& call) {
     const at::Tensor& input = call.latent_model_input;
     TransformerForwardArgs args;
     args.timestep = call.timestep;
@@ -174,6 +175,7 @@ Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const Generati
     args.num_frame_per_block = call.num_frame_per_block;  // per request; the model config is never written
     args.adapters = params.adapters;
     args.sequence_parallel = sequence_ranks;
+    args.weight_ranks = weight_ranks;
     if (cancelled) {
       args.after_block = [&cancelled, &call] {
         if (cancelled()) {
@@ -265,8 +267,7 @@ at::Tensor run_chunk(const SkyReelsV2Transformer& model, const GenerationParams&
   }
   DenoiserInfo info = denoiser_info(model);
   if (ranks) info.guidance_ranks = ranks->cfg;
-  return run_chunk(transformer_denoiser(model, params, hooks.cancelled, hooks.on_call, std::move(cache),
-                                        ranks ? ranks->ulysses : nullptr),
+  return run_chunk(transformer_denoiser(model, params, hooks.cancelled, hooks.on_call, std::move(cache), ranks),
                    info, params, plan, chunk_index, conditioning, previous_latents, noise, hooks);
 }
 
@@ -275,8 +276,7 @@ at::Tensor generate(const SkyReelsV2Transformer& model, const GenerationParams& 
                     const std::function<void(int64_t, const at::Tensor&)>& on_chunk, const RankGroups* ranks) {
   DenoiserInfo info = denoiser_info(model);
   if (ranks) info.guidance_ranks = ranks->cfg;
-  return generate(transformer_denoiser(model, params, hooks.cancelled, hooks.on_call, nullptr,
-                                       ranks ? ranks->ulysses : nullptr),
+  return generate(transformer_denoiser(model, params, hooks.cancelled, hooks.on_call, nullptr, ranks),
                   info, params, conditioning, noise, hooks, on_chunk);
 }
 

@@ -305,11 +305,12 @@ struct DenoiserInfo {
 
 // The transformer as a Denoiser (per-request block size from the call, fps from `params`). With `cancelled`, the
 // forward also polls it after every transformer block and throws GenerationCancelled when it turns true.
-// `sequence_ranks`: the Ulysses ranks every call's tokens are split across (TransformerForwardArgs::sequence_parallel).
+// `ranks`: this rank's groups on a replica of several devices (the Ulysses ranks every call's tokens are split across,
+// and the replica's ranks a sharded model gathers its blocks from).
 Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const GenerationParams& params,
                               std::function<bool()> cancelled = {},
                               std::function<void(const TransformerCallReport&)> on_call = {},
-                              std::shared_ptr<DenoiseCache> cache = nullptr, RankGroup* sequence_ranks = nullptr);
+                              std::shared_ptr<DenoiseCache> cache = nullptr, const RankGroups* ranks = nullptr);
 DenoiserInfo denoiser_info(const SkyReelsV2Transformer& model);
 
 at::Tensor run_chunk(const Denoiser& denoiser, const DenoiserInfo& info, const GenerationParams& params,

@@ -239,6 +239,7 @@ at::Tensor generate_video(const SkyReelsV2Transformer& model, PipelineKind kind,
   args.encoder_hidden_states_image = image_tokens;
   args.adapters = params.adapters;
   args.sequence_parallel = ranks ? ranks->ulysses : nullptr;
+  args.weight_ranks = ranks ? ranks->all : nullptr;
   if (hooks.cancelled) {
     args.after_block = [&hooks] {
       if (hooks.cancelled()) throw GenerationCancelled("generation cancelled inside a forward");

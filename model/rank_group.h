@@ -33,11 +33,12 @@ struct RankGroupError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// What a rank's model calls use: its sequence-parallel group (Ulysses) and its guidance-parallel pair. Either may be
-// null (degree 1).
+// What a rank's model calls use: its sequence-parallel group (Ulysses), its guidance-parallel pair and the whole
+// replica. Each may be null (degree 1; `all` on a one-device replica).
 struct RankGroups {
   RankGroup* ulysses = nullptr;
   RankGroup* cfg = nullptr;
+  RankGroup* all = nullptr;  // every rank of the replica, rank r = r (sharded weights are gathered from it)
   // Rank 0 of the replica (also the only rank of a one-device replica): the one whose results are kept.
   bool first() const { return (ulysses == nullptr || ulysses->rank() == 0) && (cfg == nullptr || cfg->rank() == 0); }
 };

@@ -113,7 +113,7 @@ void run_on_ranks(const ParallelLayout& layout, std::chrono::milliseconds collec
   FirstFailure failure;
   auto run_rank = [&](int64_t rank) {
     // Destroyed after the failure is on record: a peer still waiting sees its group go and fails second.
-    std::unique_ptr<GlooRankGroup> ulysses, cfg;
+    std::unique_ptr<GlooRankGroup> ulysses, cfg, all;
     try {
       const int64_t half = rank / layout.ulysses, seq = rank % layout.ulysses;
       if (layout.ulysses > 1) {
@@ -124,7 +124,9 @@ void run_on_ranks(const ParallelLayout& layout, std::chrono::milliseconds collec
         cfg = std::make_unique<GlooRankGroup>(store, "cfg" + std::to_string(seq), static_cast<int>(half),
                                               static_cast<int>(layout.cfg), collective_timeout);
       }
-      body(rank, RankGroups{ulysses.get(), cfg.get()});
+      all = std::make_unique<GlooRankGroup>(store, "all", static_cast<int>(rank), static_cast<int>(layout.ranks()),
+                                            collective_timeout);
+      body(rank, RankGroups{ulysses.get(), cfg.get(), all.get()});
     } catch (...) {
       failure.record(rank, std::current_exception());
     }

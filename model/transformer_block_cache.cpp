@@ -103,7 +103,7 @@ Tensor SkyReelsV2Transformer::Impl::per_block_layers(const std::vector<BlockWeig
   state.blocks.erase(state.blocks.begin(), state.blocks.lower_bound(cache.first_block));
 
   const Tensor block_in = x;
-  x = block_forward(blocks[0], std::move(x), context, modulation, rope, g, bt);
+  x = block_forward(ready(blocks, 0), std::move(x), context, modulation, rope, g, bt);
   stats.token_blocks_computed += g.batch * g.tokens;
   if (after_block) after_block();
   const Tensor block0_out = x, residual = x - block_in;
@@ -192,7 +192,7 @@ Tensor SkyReelsV2Transformer::Impl::computed_blocks(const std::vector<BlockWeigh
     }
     sparse.fresh_k = &fresh_k[static_cast<size_t>(l)];
     sparse.fresh_v = &fresh_v[static_cast<size_t>(l)];
-    xc = block_forward(blocks[static_cast<size_t>(l)], std::move(xc), context, mod_c, rope_c, sub, bt, nullptr,
+    xc = block_forward(ready(blocks, static_cast<size_t>(l)), std::move(xc), context, mod_c, rope_c, sub, bt, nullptr,
                        &sparse);
     stats.token_blocks_computed += g.batch * sub.tokens;
     if (after_block) after_block();

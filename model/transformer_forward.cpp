@@ -478,7 +478,16 @@ at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) co
   std::optional<AdaptedLayers> adapted;
   if (!args.adapters.empty()) adapted.emplace(m.base_layers, c, args.adapters);
   const Layers& call_layers = adapted ? adapted->layers() : m.base_layers;
-  c10::NoGradGuard no_grad;  // c10::, not at::: LibTorch 2.x no longer aliases it through ATen/ATen.h
+  c10::NoGradGuard no_grad;
+  if (m.shards) {  // a sharded model gathers each block from the replica's ranks
+    if (args.weight_ranks == nullptr || args.weight_ranks->size() != m.shards->ranks ||
+        args.weight_ranks->rank() != m.shards->rank) {
+      throw std::invalid_argument("weight_ranks: this transformer holds shard " + std::to_string(m.shards->rank) +
+                                  " of " + std::to_string(m.shards->ranks) +
+                                  " of its blocks' weights; pass every rank of its replica");
+    }
+    m.shards->gather = args.weight_ranks;
+  }  // c10::, not at::: LibTorch 2.x no longer aliases it through ATen/ATen.h
 
   // Frames [reuse, F) are computed; with FirstBlockCache block 0 runs on every frame (its residual is compared
   // over the whole call, as diffusers does).
@@ -542,7 +551,7 @@ at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) co
     // FirstBlockCache's residual needs block 0's input (block_forward never writes it in place); elsewhere the
     // input is released inside the block as usual.
     const Tensor block_in = first_block && l == 0 ? (ranks ? patches : x) : Tensor();
-    x = m.block_forward(call_layers.blocks[static_cast<size_t>(l)], std::move(x), context, per_frame(modulation, first),
+    x = m.block_forward(m.ready(call_layers.blocks, static_cast<size_t>(l)), std::move(x), context, per_frame(modulation, first),
                         share_rope(rope_from(first), sub), sub, causal_block_tokens, kept_layer ? &slot : nullptr);
     stats.token_blocks_computed += g.batch * sub.tokens;
     if (args.after_block) args.after_block();

@@ -12,6 +12,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -261,6 +262,26 @@ struct SkyReelsV2Transformer::Impl {
   Tensor fps_embedding, head_table;
   // I2V image embedder: FP32LayerNorm -> Linear -> GELU -> Linear -> FP32LayerNorm, after the optional pos_embed.
   Tensor image_norm1_weight, image_norm1_bias, image_norm2_weight, image_norm2_bias, image_pos_embed;
+
+  // Weights sharded across a replica's ranks (SkyReelsV2Transformer::shard_blocks): every block's tensors of one
+  // dtype are one flat buffer of `numel` elements, of which this rank keeps `per_rank` (its slice of the buffer padded
+  // to a multiple of the ranks). Block l's tensors are views of slot l % 2, filled by a gather just before it runs.
+  // One call at a time: the slots are the model's state while a call runs.
+  struct BlockShards {
+    int64_t rank = 0, ranks = 1;
+    struct Group {
+      at::ScalarType dtype = at::kFloat;
+      int64_t numel = 0, per_rank = 0;
+      std::vector<Tensor> shards;  // per block: this rank's slice [per_rank]
+      Tensor slots[2];             // [numel]
+    };
+    std::vector<Group> groups;
+    int64_t filled[2] = {-1, -1};  // the block each slot holds
+    RankGroup* gather = nullptr;    // the running call's group of every rank of the replica
+  };
+  mutable std::optional<BlockShards> shards;
+  // blocks[l], gathered into its slot first when the weights are sharded.
+  const BlockWeights& ready(const std::vector<BlockWeights>& blocks, size_t l) const;
 
   const Tensor& w(const std::string& name) const { return weights.at(name); }
   Linear linear(const std::string& prefix) const { return {w(prefix + ".weight"), w(prefix + ".bias")}; }

@@ -127,6 +127,31 @@ void for_each_linear(L& layers, const TransformerConfig& c, Fn&& fn) {
   }
 }
 
+// Calls fn(tensor) for every tensor of a block (defined or not), in one fixed order: what weight sharding splits.
+template <class B, class Fn>
+void for_each_block_tensor(B& b, Fn&& fn) {
+  fn(b.scale_shift_table);
+  for (auto* a : {&b.attn1, &b.attn2}) {
+    for (auto* l : {&a->to_q, &a->to_k, &a->to_v, &a->to_out}) {
+      fn(l->weight);
+      fn(l->bias);
+    }
+    fn(a->norm_q);
+    fn(a->norm_k);
+  }
+  fn(b.image_kv.add_k.weight);
+  fn(b.image_kv.add_k.bias);
+  fn(b.image_kv.add_v.weight);
+  fn(b.image_kv.add_v.bias);
+  fn(b.image_kv.norm_added_k);
+  fn(b.norm2_weight);
+  fn(b.norm2_bias);
+  fn(b.ffn_in.weight);
+  fn(b.ffn_in.bias);
+  fn(b.ffn_out.weight);
+  fn(b.ffn_out.bias);
+}
+
 // The layers of one call with its adapters attached (TransformerForwardArgs::adapters): a copy of the model's layers
 // whose adapted linears point at their terms here. Checked before anything runs: every update targets a linear layer's
 // weight or bias of the implied shape, on its device in its dtype (place_lora), with a finite scale. Metadata only:

@@ -133,6 +133,9 @@ struct TransformerForwardArgs {
   // self-attention) and every rank returns the whole sample. Composes with the exact savings and FirstBlockCache;
   // with the cache per causal block every rank computes every token (the same sample, no speed-up yet).
   RankGroup* sequence_parallel = nullptr;
+  // A model whose blocks are sharded (shard_blocks): every rank of its replica, in the order of their shards; each
+  // block's weights are gathered from them just before it runs. Required then, ignored otherwise.
+  RankGroup* weight_ranks = nullptr;
 };
 
 class SkyReelsV2Transformer {
@@ -149,6 +152,15 @@ class SkyReelsV2Transformer {
   // instance are allowed (no mutable state; a call's adapters live in the call). Throws std::invalid_argument on bad
   // shapes, a missing fps, or frames not divisible by num_frame_per_block.
   at::Tensor forward(const TransformerForwardArgs& args) const;
+
+  // --shard-weights: keeps only slice `rank` of `ranks` of every transformer block's parameters (the embeddings, the
+  // head and the rest stay whole) and gathers a block's whole weights from the replica's ranks
+  // (TransformerForwardArgs::weight_ranks) into one of two block-sized buffers just before it runs. Every rank of
+  // the replica shards its own instance the same way. The numbers are unchanged; from then on the model serves one
+  // call at a time. Throws std::invalid_argument on a bad rank or a second call.
+  void shard_blocks(int64_t rank, int64_t ranks);
+  // Bytes of every parameter this instance holds on its device (shards and the two block buffers included).
+  int64_t held_weight_bytes() const;
 
   const TransformerConfig& config() const;
   c10::Device device() const;

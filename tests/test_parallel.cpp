@@ -170,7 +170,7 @@ at::Tensor on_ranks(const ParallelLayout& layout, const std::function<at::Tensor
     at::set_num_threads(1);
     CountingGroup ulysses(groups.ulysses, &sequence_calls), cfg(groups.cfg, &guidance_calls);
     out[static_cast<size_t>(rank)] =
-        run(RankGroups{groups.ulysses ? &ulysses : nullptr, groups.cfg ? &cfg : nullptr});
+        run(RankGroups{groups.ulysses ? &ulysses : nullptr, groups.cfg ? &cfg : nullptr, groups.all});
   });
   EXPECT_EQ(sequence_calls > 0, layout.ulysses > 1 && splits_tokens) << sequence_calls << " Ulysses exchanges";
   EXPECT_EQ(guidance_calls > 0, layout.cfg > 1) << guidance_calls << " guidance exchanges";
@@ -215,6 +215,57 @@ TEST(UlyssesTransformer, EveryTokenSplitAcrossTwoAndFourRanksGivesTheSingleDevic
   }
 }
 
+TEST(ShardedWeights, EachOfFourRanksHoldsAQuarterOfTheBlocksAndGathersThemToTheSameSample) {
+  server::TinyModelOptions options;
+  options.num_attention_heads = 4;
+  options.num_layers = 3;
+  const std::string dir = test::temp_dir("sharded");
+  server::write_tiny_model(dir, options);
+  const auto whole = test::load_fixture_transformer(dir);
+  std::vector<std::unique_ptr<SkyReelsV2Transformer>> ranks;
+  for (int64_t r = 0; r < 4; ++r) {
+    ranks.push_back(test::load_fixture_transformer(dir));
+    ranks.back()->shard_blocks(r, 4);
+  }
+  // What a rank holds: every parameter outside the blocks, a quarter of the blocks (padded), two block buffers.
+  int64_t block_bytes = 0, other_bytes = 0;
+  for (const auto& [name, t] : whole->named_tensors()) {
+    if (name.rfind("rope.", 0) == 0) continue;
+    (name.rfind("blocks.", 0) == 0 ? block_bytes : other_bytes) += t.numel() * t.element_size();
+  }
+  const int64_t expected = other_bytes + block_bytes / 4 + 2 * block_bytes / 3;
+  EXPECT_NEAR(static_cast<double>(ranks[1]->held_weight_bytes()), static_cast<double>(expected), 64.0 * 3);
+  EXPECT_EQ(whole->held_weight_bytes(), other_bytes + block_bytes);
+  std::printf("[ sharded ] whole %lld bytes, per rank %lld (blocks %lld)\n",
+              static_cast<long long>(whole->held_weight_bytes()), static_cast<long long>(ranks[1]->held_weight_bytes()),
+              static_cast<long long>(block_bytes));
+
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  TransformerForwardArgs args;
+  args.hidden_states = at::randn({1, 16, 4, 6, 8}, gen);
+  args.timestep = at::randint(0, 1000, {1, 4}, gen);
+  args.encoder_hidden_states = at::randn({1, 5, 32}, gen);
+  args.fps = at::ones({1}, at::kLong);
+  args.num_frame_per_block = 2;
+  const at::Tensor reference = single([&](const RankGroups&) { return whole->forward(args); });
+  {
+    const ParallelLayout layout{1, 4};
+    const at::Tensor split = on_ranks(layout, [&](const RankGroups& g) {
+      TransformerForwardArgs a = args;
+      a.sequence_parallel = g.ulysses;
+      a.weight_ranks = g.all;
+      const at::Tensor first = ranks.at(static_cast<size_t>(g.all->rank()))->forward(a);
+      const at::Tensor again = ranks.at(static_cast<size_t>(g.all->rank()))->forward(a);  // slots reused, refilled
+      EXPECT_TRUE(at::equal(first, again));
+      return first;
+    });
+    EXPECT_LE(max_abs_diff(split, reference), 1e-5) << layout.text();
+  }
+  // A sharded model without its ranks is refused, naming the argument.
+  const std::string message = error_of([&] { ranks[0]->forward(args); });
+  EXPECT_TRUE(starts_with(message, "weight_ranks: this transformer holds shard 0 of 4")) << message;
+}
+
 TEST(UlyssesTransformer, RefusesADegreeThatDoesNotDivideTheHeads) {
   const auto model = tiny_model(4, "ulysses_refuse");
   TransformerForwardArgs args;
@@ -246,7 +297,7 @@ PipelineCase df_case(const std::string& name) {
 struct LayoutCase {
   std::string fixture;
   ParallelLayout layout;
-  std::string variant;  // "", "no-exact" (every frame of every row computed), "euler4", "lora", "per-block"
+  std::string variant;  // "", "no-exact" (every frame of every row computed), "euler4", "lora", "per-block", "shard"
 };
 
 std::string layout_case_name(const ::testing::TestParamInfo<LayoutCase>& info) {
@@ -271,6 +322,17 @@ TEST_P(DiffusionForcingOnRanks, ReproducesTheSingleDeviceVideoWithin1e5AndDiffus
     c.params.num_inference_steps = 4;
   }
   const auto model = test::load_fixture_transformer(c.base_dir + "/weights/diffusers");
+  // "shard": every rank its own instance holding 1/ranks of the blocks' weights (--shard-weights).
+  std::vector<std::unique_ptr<SkyReelsV2Transformer>> shards;
+  if (lc.variant == "shard") {
+    for (int64_t r = 0; r < lc.layout.ranks(); ++r) {
+      shards.push_back(test::load_fixture_transformer(c.base_dir + "/weights/diffusers"));
+      shards.back()->shard_blocks(r, lc.layout.ranks());
+    }
+  }
+  auto model_of = [&](const RankGroups& g) -> const SkyReelsV2Transformer& {
+    return shards.empty() || g.all == nullptr ? *model : *shards.at(static_cast<size_t>(g.all->rank()));
+  };
   if (lc.variant == "lora") {  // an adapter of this request, unmerged in every call
     LoraSpec spec;
     spec.path = test::data_path("lora/diffusers_format.safetensors");
@@ -284,14 +346,17 @@ TEST_P(DiffusionForcingOnRanks, ReproducesTheSingleDeviceVideoWithin1e5AndDiffus
     StepHooks hooks;
     const bool first_rank = (g.ulysses == nullptr || g.ulysses->rank() == 0) && (g.cfg == nullptr || g.cfg->rank() == 0);
     if (first_rank) hooks.on_call = [reports](const TransformerCallReport& r) { reports->push_back(r); };
-    return generate(*model, c.params, c.conditioning, *noise, hooks, {}, &g);
+    return generate(model_of(g), c.params, c.conditioning, *noise, hooks, {}, &g);
   };
   const at::Tensor reference = single([&](const RankGroups& g) { return run(g, &reports_single); });
   const at::Tensor split = on_ranks(
       lc.layout, [&](const RankGroups& g) { return run(g, &reports_split); }, lc.variant != "per-block");
   const double diff = max_abs_diff(split, reference);
   EXPECT_LE(diff, 1e-5);
-  if (lc.variant.empty()) {
+  if (lc.variant == "shard" && lc.layout.ulysses == 1) {
+    EXPECT_TRUE(at::equal(split, reference)) << "gathered weights are the same bits: sharding moves no number";
+  }
+  if (lc.variant.empty() || lc.variant == "shard") {
     EXPECT_LE(max_abs_diff(split, c.output.at("latents")), 1e-4);
   }
   std::printf("[ %s %s %s ] max |diff| to one device = %.3g\n", lc.fixture.c_str(), lc.layout.text().c_str(),
@@ -331,6 +396,9 @@ INSTANTIATE_TEST_SUITE_P(
                       LayoutCase{"c2_async_ar2_cbs2_cfg", {2, 2}, ""}, LayoutCase{"c1_sync_cfg", {1, 2}, ""},
                       LayoutCase{"c4_long_async_addnoise20_cfg", {1, 2}, ""},
                       LayoutCase{"c2_async_ar2_cbs2_cfg", {2, 2}, "per-block"},
+                      LayoutCase{"p2_async_cbs2_ar2", {2, 1}, "shard"}, LayoutCase{"p2_async_cbs2_ar2", {1, 2}, "shard"},
+                      LayoutCase{"c2_async_ar2_cbs2_cfg", {2, 2}, "shard"},
+                      LayoutCase{"i3_long_async_cbs2_ar2_addnoise20", {2, 2}, "shard"},
                       LayoutCase{"p4_long_addnoise20", {2, 2}, ""},
                       LayoutCase{"i3_long_async_cbs2_ar2_addnoise20", {2, 2}, ""},
                       LayoutCase{"i1_sync_1chunk_last_image", {1, 2}, ""}),
@@ -388,6 +456,11 @@ TEST(ParallelGenerate, FourCpuRanksAsCfg2Ulysses2GiveOneDevicesLatentsWithin1e5A
   EXPECT_TRUE(contains(log, "one replica of 4 ranks (cfg=2,ulysses=2) on cpu,cpu,cpu,cpu")) << log;
   EXPECT_LE(max_abs_diff(four, one), 1e-5);
   EXPECT_LE(max_abs_diff(four, c.output.at("latents")), 1e-4);
+  const at::Tensor sharded =
+      generate_latents(c, seed + " --devices cpu,cpu,cpu,cpu --parallel cfg=2,ulysses=2 --shard-weights", &log);
+  ASSERT_TRUE(sharded.defined()) << log;
+  EXPECT_TRUE(contains(log, "weights sharded: rank 0 holds")) << log;
+  EXPECT_TRUE(at::equal(sharded, four)) << "sharding moves no number: " << max_abs_diff(sharded, four);
   std::printf("[ skyreels generate cfg=2,ulysses=2 ] max |diff| to one device %.3g, to diffusers %.3g\n",
               max_abs_diff(four, one), max_abs_diff(four, c.output.at("latents")));
 }
@@ -420,6 +493,7 @@ TEST(ParallelGenerate, BadLayoutsExitWithUsageErrorsNamingTheFlag) {
       {" --devices cpu,cpu --parallel tp=2", "--parallel: unknown item 'tp=2'"},
       {" --devices cpu,,cpu --parallel ulysses=2", "--devices: an empty entry"},
       {" --devices cpu,cpu --device cpu --parallel ulysses=2", "give --device or --devices, not both"},
+      {" --shard-weights", "--shard-weights: needs a replica of more than one device"},
   };
   for (const auto& [flags, expected] : cases) {
     std::string log;

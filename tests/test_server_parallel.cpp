@@ -48,6 +48,16 @@ TEST(ServedParallel, AFourCpuCfg2Ulysses2ReplicaServesALongVideoEqualToOneDevice
       << "the group ran the 4 chunks as one replica";
 }
 
+TEST(ServedParallel, AGroupWithShardedWeightsServesTheSameVideo) {
+  ServerProcess server({"--demo", "--devices", "cpu,cpu", "--parallel", "cfg=2", "--shard-weights", "--dtype",
+                        "float32"});
+  const pb::SubmitJobRequest request = long_video_request(4304);
+  const pb::Job job = wait_job(server.client(), submit(server.client(), request).job_id(), 180s);
+  ASSERT_EQ(job.state(), pb::JOB_STATE_SUCCEEDED) << job.error().message();
+  EXPECT_LE(max_abs_diff(download_latents(server.client(), job.job_id()), reference_latents(request)), kAtol);
+  EXPECT_NE(server.log().find("event=weights_sharded ranks=2"), std::string::npos) << server.log();
+}
+
 TEST(ServedParallel, ARankThatThrowsMidChunkFailsTheChunkItIsRetriedAndTheVideoEqualsAnUninterruptedRun) {
   // Rank 1's second chunk run throws after its first row; rank 0 is then waiting on it in an exchange.
   ServerProcess server({"--demo", "--devices", "cpu,cpu", "--parallel", "ulysses=2", "--dtype", "float32",
@@ -87,6 +97,7 @@ TEST(ServedParallel, LayoutsThatCannotWorkStopTheStartWithExitCode2NamingTheFlag
        "--parallel: ulysses=4 does not divide the 2 attention heads of this model (degrees that do: 1, 2)"},
       {{"--devices", "cpu,cpu", "--parallel", "cfg=2,tp=2"}, "--parallel: unknown item 'tp=2'"},
       {{"--devices", "cpu,cpu", "--parallel", "ulysses=0"}, "--parallel: ulysses=0"},
+      {{"--devices", "cpu", "--shard-weights"}, "--shard-weights: needs a replica of more than one device"},
       {{"--devices", "cpu,cpu", "--parallel", "ulysses=2", "--enable-test-hooks", "--fault-inject",
         "cpu:0+cpu:1@1#2"},
        "--fault-inject: rank 2 of replica 'cpu:0+cpu:1' does not exist"},

@@ -139,7 +139,7 @@ Replicas make_replicas(const Options& o, const CheckedModel& model,
     layout = skyreels::model::parse_parallel_layout(o.parallel);
     r.plans = plan_replicas(o.devices, skyreels::runtime::available_cores(), cuda_device_count(), layout);
     skyreels::model::check_parallel_layout(layout, static_cast<int64_t>(r.plans.size()) * layout.ranks(),
-                                           model.mapped.config.num_attention_heads);
+                                           model.mapped.config.num_attention_heads, o.shard_weights);
   } catch (const std::invalid_argument& e) {
     throw UsageError(e.what());
   }
@@ -153,6 +153,7 @@ Replicas make_replicas(const Options& o, const CheckedModel& model,
   }
   for (auto& plan : r.plans) {
     plan.collective_timeout = std::chrono::seconds(o.collective_timeout_seconds);
+    plan.shard_weights = o.shard_weights;
     plan.on_transformer_work = [work_sink](int64_t computed, int64_t exact, int64_t cache) {
       if (Metrics* m = work_sink->load()) m->transformer_work(computed, exact, cache);
     };

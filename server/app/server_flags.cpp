@@ -238,6 +238,9 @@ void add_model_flags(std::vector<ServerFlag>& flags) {
       integer("collective-timeout-seconds", &O::collective_timeout_seconds, 1, 3600, kModel, "S",
               "how long a rank of a --parallel replica waits for its peers in one exchange before its chunk fails "
               "(and is retried)"),
+      toggle("shard-weights", &O::shard_weights, kModel,
+             "with --parallel: each rank keeps 1/(C x U) of every transformer block's weights and gathers a block's "
+             "whole weights from its peers just before running it (the same numbers, a fraction of the memory)"),
       text("dtype", &O::dtype, kModel, "auto|float32|bfloat16",
            "auto: bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16, else float32"),
       lora_flag(),

@@ -31,6 +31,7 @@ struct ServerOptions {
   std::string devices = "auto";
   std::string parallel = "cfg=1,ulysses=1";  // --parallel: each replica's layout (model/parallel_layout.h)
   int64_t collective_timeout_seconds = 120;  // how long a rank waits for its peers in one exchange
+  bool shard_weights = false;                // --shard-weights
   std::string dtype = "auto";
   std::vector<model::LoraSpec> loras;  // --lora, in order
   std::string lora_dir;                // adapters chosen per request

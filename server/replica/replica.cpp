@@ -213,8 +213,20 @@ void ModelReplica::start() {
                options_.dtype, options_.threads, options_.model_path);
   model::LoadedTransformer loaded = model::load_transformer(options_.model_path, load);
   model_ = std::move(loaded.model);
+  if (options_.shard_weights) {  // every rank its own instance, holding its shard of the blocks
+    const int64_t ranks = options_.layout.ranks();
+    model_->shard_blocks(0, ranks);
+    for (int64_t r = 1; r < ranks; ++r) {
+      load.device = options_.rank_devices.at(static_cast<size_t>(r));
+      auto rank_model = model::load_transformer(options_.model_path, load).model;
+      rank_model->shard_blocks(r, ranks);
+      rank_models_["rank" + std::to_string(r)] = std::move(rank_model);
+    }
+    spdlog::info("replica={} event=weights_sharded ranks={} rank0_weight_bytes={}", options_.name, ranks,
+                 model_->held_weight_bytes());
+  }
   for (const std::string& device : options_.rank_devices) {  // a group: once more per other device
-    if (device == options_.device || rank_models_.count(device)) continue;
+    if (options_.shard_weights || device == options_.device || rank_models_.count(device)) continue;
     load.device = device;
     rank_models_[device] = model::load_transformer(options_.model_path, load).model;
   }
@@ -245,7 +257,8 @@ void ModelReplica::probe() {
 }
 
 const model::SkyReelsV2Transformer& ModelReplica::model_of_rank(int64_t rank) const {
-  if (options_.rank_devices.empty()) return *model_;
+  if (options_.rank_devices.empty() || rank == 0) return *model_;
+  if (options_.shard_weights) return *rank_models_.at("rank" + std::to_string(rank));
   const std::string& device = options_.rank_devices.at(static_cast<size_t>(rank));
   return device == options_.device ? *model_ : *rank_models_.at(device);
 }
@@ -275,14 +288,15 @@ void ModelReplica::warm_up() const {
   if (!options_.layout.single()) {
     model::run_on_ranks(options_.layout, options_.collective_timeout, [&](int64_t rank, const model::RankGroups& g) {
       c10::InferenceMode inference;
-      warm_up_rank(model_of_rank(rank), g.ulysses);
+      warm_up_rank(model_of_rank(rank), g.ulysses, g.all);
     });
     return;
   }
-  warm_up_rank(*model_, nullptr);
+  warm_up_rank(*model_, nullptr, nullptr);
 }
 
-void ModelReplica::warm_up_rank(const model::SkyReelsV2Transformer& transformer, model::RankGroup* ulysses) const {
+void ModelReplica::warm_up_rank(const model::SkyReelsV2Transformer& transformer, model::RankGroup* ulysses,
+                                model::RankGroup* all) const {
   const auto& config = transformer.config();
   const auto device = transformer.device();
   model::TransformerForwardArgs args;
@@ -298,6 +312,7 @@ void ModelReplica::warm_up_rank(const model::SkyReelsV2Transformer& transformer,
                                                  at::TensorOptions().device(device).dtype(transformer.compute_dtype()));
   }
   args.sequence_parallel = ulysses;
+  args.weight_ranks = all;
   transformer.forward(args);
 }
 
@@ -393,7 +408,9 @@ ChunkResult ModelReplica::run(const ChunkWork& work, const ChunkCallbacks& callb
     // An adapter file replaced (or unreadable) since the start: the job's fault, not the replica's; never another video.
     return {ChunkOutcome::Rejected, e.what(), 0, {}, {}};
   }
-  if (!rank_models_.empty() && !adapters.empty()) {
+  const bool spread = std::any_of(options_.rank_devices.begin(), options_.rank_devices.end(),
+                                  [&](const std::string& d) { return d != options_.device; });
+  if (spread && !adapters.empty()) {
     return {ChunkOutcome::Rejected,
             "loras: replica " + options_.name + " spreads one video over several CUDA devices; adapters per request "
             "are not supported there yet",

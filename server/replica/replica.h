@@ -57,6 +57,7 @@ struct ReplicaOptions {
   model::ParallelLayout layout;
   std::vector<std::string> rank_devices;
   std::chrono::milliseconds collective_timeout{120000};  // how long a rank waits for its peers in one exchange
+  bool shard_weights = false;  // --shard-weights: each rank keeps 1/ranks of every block's weights
   std::string dtype = "auto";
   std::string model_path;
   std::vector<model::LoraSpec> loras;  // merged into the weights at load (--lora)
@@ -99,12 +100,14 @@ class ModelReplica : public ChunkExecutor {
   std::vector<model::ActiveAdapter> activate_adapters(const std::vector<AdapterChoice>& loras);
   const FaultRule* fault_due(int64_t run, int64_t rank = 0) const;
   void warm_up() const;
-  void warm_up_rank(const model::SkyReelsV2Transformer& transformer, model::RankGroup* ulysses) const;
+  void warm_up_rank(const model::SkyReelsV2Transformer& transformer, model::RankGroup* ulysses,
+                    model::RankGroup* all) const;
   [[noreturn]] void throw_fault(const FaultRule& rule, int64_t run_number);
   bool dead_ = false;  // a "dead" fault fired: re-tests fail too
   ReplicaOptions options_;
   std::unique_ptr<model::SkyReelsV2Transformer> model_;
-  // A group's ranks on other devices than rank 0's: the transformer once per such device.
+  // A group's ranks on other devices than rank 0's: the transformer once per such device ("rank R" per rank with
+  // --shard-weights, each holding its own shard).
   std::map<std::string, std::unique_ptr<model::SkyReelsV2Transformer>> rank_models_;
   const model::SkyReelsV2Transformer& model_of_rank(int64_t rank) const;
   // Runs a loop on every rank of the group (rank 0 on this thread with `hooks`).
