@@ -27,6 +27,12 @@ class RankGroup {
   virtual at::Tensor all_to_all(const at::Tensor& input) = 0;
   // Every rank's `input` stacked in rank order: [size(), ...input's shape].
   virtual at::Tensor all_gather(const at::Tensor& input) = 0;
+  // all_gather started now and finished by the returned call (while the caller computes meanwhile). Every rank
+  // starts and finishes the same gathers in the same order. By default it gathers at once.
+  virtual std::function<at::Tensor()> start_all_gather(const at::Tensor& input) {
+    at::Tensor gathered = all_gather(input);
+    return [gathered] { return gathered; };
+  }
 };
 
 struct RankGroupError : std::runtime_error {

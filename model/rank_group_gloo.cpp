@@ -48,13 +48,18 @@ class GlooRankGroup final : public RankGroup {
     return out;
   }
 
-  at::Tensor all_gather(const at::Tensor& input) override {
+  at::Tensor all_gather(const at::Tensor& input) override { return start_all_gather(input)(); }
+
+  std::function<at::Tensor()> start_all_gather(const at::Tensor& input) override {
     const c10::InferenceMode normal_tensors(false);  // Gloo's own thread writes the outputs, outside any mode
-    std::vector<std::vector<at::Tensor>> outputs(1);
-    for (int i = 0; i < size_; ++i) outputs[0].push_back(at::empty_like(input, at::MemoryFormat::Contiguous));
+    auto outputs = std::make_shared<std::vector<std::vector<at::Tensor>>>(1);
+    for (int i = 0; i < size_; ++i) (*outputs)[0].push_back(at::empty_like(input, at::MemoryFormat::Contiguous));
     std::vector<at::Tensor> inputs{input.contiguous()};
-    wait(group_->allgather(outputs, inputs), "all_gather");
-    return at::stack(outputs[0]);
+    c10::intrusive_ptr<c10d::Work> work = group_->allgather(*outputs, inputs);
+    return [this, work, outputs] {
+      wait(work, "all_gather");
+      return at::stack((*outputs)[0]);
+    };
   }
 
  private:

@@ -487,6 +487,8 @@ at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) co
                                   " of its blocks' weights; pass every rank of its replica");
     }
     m.shards->gather = args.weight_ranks;
+    m.shards->prefetch.clear();  // a gather a failed call left behind (its slot was never written)
+    m.shards->prefetching = -1;
   }  // c10::, not at::: LibTorch 2.x no longer aliases it through ATen/ATen.h
 
   // Frames [reuse, F) are computed; with FirstBlockCache block 0 runs on every frame (its residual is compared
@@ -536,6 +538,7 @@ at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) co
     x = m.per_block_layers(call_layers.blocks, std::move(x), *args.per_block_cache, *state, context, modulation, rope,
                            g, args.num_frame_per_block, args.after_block, stats);
     if (args.stats) *args.stats = stats;
+    m.end_gathers();
     return m.head(call_layers.proj_out, x, temb, g);
   }
   Tensor block0_out;
@@ -581,6 +584,7 @@ at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) co
   }
   if (keeps && !stats.skipped) state->kept_frames = std::max(state->kept_frames, savings.keep);
   if (args.stats) *args.stats = stats;
+  m.end_gathers();  // FirstBlockCache may have skipped the block being prefetched: every rank finishes it alike
   const Geometry out = frames_from(g, reuse);
   return m.head(call_layers.proj_out, x, per_frame(temb, reuse), out);
 }

@@ -278,10 +278,17 @@ struct SkyReelsV2Transformer::Impl {
     std::vector<Group> groups;
     int64_t filled[2] = {-1, -1};  // the block each slot holds
     RankGroup* gather = nullptr;    // the running call's group of every rank of the replica
+    // The next block's gather, started while the current block computes (one per dtype group).
+    int64_t prefetching = -1;
+    std::vector<std::function<Tensor()>> prefetch;
+    std::vector<std::function<Tensor()>> start_gather(size_t block);  // one gather per dtype group
+    void finish_gather(std::vector<std::function<Tensor()>>& pending, size_t block);  // into the block's slot
   };
   mutable std::optional<BlockShards> shards;
-  // blocks[l], gathered into its slot first when the weights are sharded.
+  // blocks[l], gathered into its slot first when the weights are sharded (the gather of blocks[l + 1] then starts).
   const BlockWeights& ready(const std::vector<BlockWeights>& blocks, size_t l) const;
+  // Ends a sharded call: a prefetch no block used is finished (every rank does the same), the slots stay valid.
+  void end_gathers() const;
 
   const Tensor& w(const std::string& name) const { return weights.at(name); }
   Linear linear(const std::string& prefix) const { return {w(prefix + ".weight"), w(prefix + ".bias")}; }

@@ -5,6 +5,7 @@
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -60,18 +61,49 @@ void SkyReelsV2Transformer::shard_blocks(int64_t rank, int64_t ranks) {
   m.shards = std::move(s);
 }
 
+std::vector<std::function<Tensor()>> SkyReelsV2Transformer::Impl::BlockShards::start_gather(size_t block) {
+  std::vector<std::function<Tensor()>> pending;
+  for (auto& g : groups) pending.push_back(gather->start_all_gather(g.shards[block]));
+  return pending;
+}
+
+void SkyReelsV2Transformer::Impl::BlockShards::finish_gather(std::vector<std::function<Tensor()>>& pending,
+                                                             size_t block) {
+  filled[block % 2] = -1;  // until every group is in: a failed gather leaves no half-written block behind
+  for (size_t i = 0; i < groups.size(); ++i) {
+    auto& g = groups[i];
+    g.slots[block % 2].copy_(pending[i]().reshape({-1}).narrow(0, 0, g.numel));  // [ranks, per_rank] -> the block
+  }
+  pending.clear();
+  filled[block % 2] = static_cast<int64_t>(block);
+}
+
 const BlockWeights& SkyReelsV2Transformer::Impl::ready(const std::vector<BlockWeights>& blocks, size_t l) const {
   if (!shards) return blocks[l];
   BlockShards& s = *shards;
-  const size_t slot = l % 2;
-  if (s.filled[slot] == static_cast<int64_t>(l)) return blocks[l];
   if (s.gather == nullptr) throw std::logic_error("a sharded transformer ran a block without its weight ranks");
-  for (auto& g : s.groups) {
-    const Tensor all = s.gather->all_gather(g.shards[l]);  // [ranks, per_rank]
-    g.slots[slot].copy_(all.reshape({-1}).narrow(0, 0, g.numel));
+  if (s.prefetching == static_cast<int64_t>(l)) {
+    s.finish_gather(s.prefetch, l);
+    s.prefetching = -1;
+  } else if (s.filled[l % 2] != static_cast<int64_t>(l)) {
+    end_gathers();  // a prefetch of another block (never here: blocks run in order) is finished first
+    auto pending = s.start_gather(l);
+    s.finish_gather(pending, l);
   }
-  s.filled[slot] = static_cast<int64_t>(l);
+  // The next block's weights travel while this one computes; its slot's block (l - 1) has run.
+  const size_t next = l + 1;
+  if (next < blocks.size() && s.filled[next % 2] != static_cast<int64_t>(next) && s.prefetching < 0) {
+    s.prefetch = s.start_gather(next);
+    s.prefetching = static_cast<int64_t>(next);
+  }
   return blocks[l];
+}
+
+void SkyReelsV2Transformer::Impl::end_gathers() const {
+  if (!shards || shards->prefetching < 0) return;
+  BlockShards& s = *shards;
+  s.finish_gather(s.prefetch, static_cast<size_t>(s.prefetching));
+  s.prefetching = -1;
 }
 
 int64_t SkyReelsV2Transformer::held_weight_bytes() const {
