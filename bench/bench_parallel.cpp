@@ -3,7 +3,7 @@
 // layers), random weights:
 //   - bytes each rank sends per pass (counted at the RankGroup seam) for ulysses=2, ulysses=4 and cfg=2 (one guided
 //     row: the two passes and the exchange of their predictions);
-//   - weight bytes held per rank (the whole model on every rank: weights are not sharded yet);
+//   - weight bytes held per rank, whole and with --shard-weights (measured on the few layers, derived at full depth);
 //   - wall time of one pass on 1 rank x N threads against N ranks x 1 thread (the exchange's overhead on equal
 //     hardware), and of a guided row (two passes) against cfg=2.
 //
@@ -23,6 +23,7 @@
 #include "bench/random_transformer.h"
 #include "model/guided_prediction.h"
 #include "model/rank_group.h"
+#include "model/runtime.h"
 #include "model/transformer_skyreels_v2.h"
 
 namespace {
@@ -156,8 +157,8 @@ int64_t weight_bytes(const SkyReelsV2Transformer& model) {
 int main(int argc, char** argv) {
   try {
     const Options o = parse(argc, argv);
-    const int cores = at::get_num_threads();
-    std::printf("bench_parallel: %d threads in this process; latent %lld x %lld x %lld, text %lld, fp32, median of %d\n",
+    const int cores = skyreels::runtime::available_cores();  // what one rank gets alone, and N ranks share
+    std::printf("bench_parallel: %d cores; latent %lld x %lld x %lld, text %lld, fp32, median of %d\n",
                 cores, static_cast<long long>(o.frames), static_cast<long long>(o.height),
                 static_cast<long long>(o.width), static_cast<long long>(o.text), o.repeats);
     for (const std::string& width : o.widths) {
@@ -171,7 +172,7 @@ int main(int argc, char** argv) {
       args.fps = at::zeros({1}, at::kLong);
       const int64_t tokens = o.frames * (o.height / 2) * (o.width / 2);
       std::printf("\n%s width: dim %lld, %lld heads, ffn %lld, %lld layer(s), %lld tokens; weights %.1f MB per rank "
-                  "(every rank holds all of them)\n",
+                  "without --shard-weights\n",
                   width.c_str(), static_cast<long long>(c.inner_dim()), static_cast<long long>(c.num_attention_heads),
                   static_cast<long long>(c.ffn_dim), static_cast<long long>(c.num_layers),
                   static_cast<long long>(tokens), weight_bytes(model) / 1e6);
@@ -180,6 +181,26 @@ int main(int argc, char** argv) {
         std::printf("  %-34s %10.3f %14.3f %16.1f\n", name.c_str(), r.seconds, r.bytes_sent / 1e6,
                     static_cast<double>(r.bytes_sent) / static_cast<double>(c.num_layers * tokens));
       };
+      // --shard-weights: what rank 0 holds with 2 and 4 ranks (measured on these few layers), and the same rule
+      // at the model's full depth (derived: everything outside the blocks, 1/N of the blocks, two block buffers).
+      const int64_t whole = weight_bytes(model);
+      int64_t block_bytes = 0;
+      for (const auto& [name, t] : model.named_tensors()) {
+        if (name.rfind("blocks.", 0) == 0) block_bytes += t.numel() * t.element_size();
+      }
+      const int64_t per_block = block_bytes / c.num_layers, depth = width == "1.3B" ? 30 : 40;
+      const double outside = static_cast<double>(whole - block_bytes);
+      for (int64_t ranks : {2, 4}) {
+        SkyReelsV2Transformer sharded(c, skyreels::bench::random_weights(c, at::kFloat), c10::kCPU, at::kFloat);
+        sharded.shard_blocks(0, ranks);
+        const double full_depth_whole = outside + static_cast<double>(per_block * depth);
+        const double full_depth_sharded =
+            outside + static_cast<double>(per_block * depth) / static_cast<double>(ranks) + 2.0 * per_block;
+        std::printf("  --shard-weights, %lld ranks: rank 0 holds %.1f MB here (%.1f MB whole); at %lld layers "
+                    "(derived, fp32): %.1f MB of %.1f MB, bf16 half of that\n",
+                    static_cast<long long>(ranks), sharded.held_weight_bytes() / 1e6, whole / 1e6,
+                    static_cast<long long>(depth), full_depth_sharded / 1e6, full_depth_whole / 1e6);
+      }
       const int n = std::max(2, cores);
       row("pass: 1 rank x " + std::to_string(n) + " threads", measure(model, args, {1, 1}, n, false, o.repeats));
       row("pass: ulysses=2, 2 ranks x " + std::to_string(n / 2) + " thread(s)",
