@@ -1,0 +1,245 @@
+#!/usr/bin/env python3
+"""diffusers' TaylorSeer and MagCache step caches (hooks/taylorseer_cache.py, hooks/mag_cache.py) through diffusers'
+own SkyReelsV2Pipeline (text to video): the fixtures tests/test_step_caches.cpp replays (`--cache taylorseer`,
+`--cache magcache`, `skyreels calibrate-magcache`).
+
+Each case takes the golden T2V fixture pipeline_t2v/t1_cfg6_shift8 (its tiny transformer, prompt embeddings,
+scheduler and recorded noise: "base" in case.json, never copied) and runs diffusers' pipeline (the snapshot the
+golden fixtures name, from its source tree) with more steps and the cache enabled as a user enables it:
+`pipe.transformer.enable_cache(TaylorSeerCacheConfig(...))` / `enable_cache(MagCacheConfig(...))`.
+
+What diffusers needs for that (the smallest fixes, outside the caches' math):
+  * MagCache stops with "SkyReelsV2TransformerBlock not registered": TransformerBlockRegistry has no entry for the
+    SkyReels-V2 block. It is registered with WanTransformerBlock's metadata (return_hidden_states_index=0, no
+    encoder hidden states returned), the registry line FirstBlockCache needed too (scripts/diffusers_env.py:
+    register_skyreels_block). Nothing else changes.
+  * TaylorSeer needs no fix, but its default module patterns ("^blocks.*attn", matched with re.fullmatch) match no
+    module of this model (blocks.N.attn1 ends in "1"): stock TaylorSeer hooks nothing and equals the uncached run.
+    The cases name the modules (cache_identifiers / skip_predict_identifiers) or use lite mode, as a user must.
+
+Recorded per case: output.safetensors (`latents`), decisions.json (one entry per transformer call, in order:
+{"step", "context", "decision": "computed" | "predicted" (TaylorSeer) | "skipped" (MagCache), MagCache's
+"accumulated_err" where the hook computed one}), case.json (the config, the modules TaylorSeer hooked, counts;
+MagCache calibration: the ratios of each context as diffusers prints them).
+
+usage: DIFFUSERS_SRC=/path/to/diffusers /usr/bin/python3 make_cases.py [--out DIR]
+(/usr/bin/python3 with Debian's python3-torch and the packages scripts/diffusers_env.py lists.) Numerics as the
+golden harness: OPENBLAS_CORETYPE=Prescott ATEN_CPU_CAPABILITY=avx2, one thread.
+"""
+import importlib
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "scripts"))
+import python_deps  # noqa: E402  (standard library only)
+
+python_deps.require()
+from diffusers_env import (generator_arguments, import_diffusers, read_safetensors, register_skyreels_block,  # noqa: E402
+                           write_safetensors)
+import torch  # noqa: E402
+
+GOLDEN = os.path.join(HERE, "..", "golden")
+BASE = "pipeline_t2v/t1_cfg6_shift8"
+STEPS = 12
+ATTN = [r"blocks\.\d+\.attn1", r"blocks\.\d+\.attn2"]
+
+# name: cache kind, its config fields (as MagCacheConfig / TaylorSeerCacheConfig take them), call overrides.
+# MagCache ratios "calibrated": the cond ratios of case mc0 (interpolated by diffusers where the lengths differ).
+CASES = {
+    "ts1_attn_order2_fp32": {"kind": "taylorseer", "steps": STEPS, "config": {
+        "cache_interval": 3, "disable_cache_before_step": 2, "max_order": 2, "taylor_factors_dtype": "float32",
+        "cache_identifiers": ATTN}},
+    "ts2_lite_after9": {"kind": "taylorseer", "steps": STEPS, "config": {
+        "cache_interval": 4, "disable_cache_before_step": 3, "disable_cache_after_step": 9, "max_order": 1,
+        "taylor_factors_dtype": "float32", "use_lite_mode": True}},
+    "ts3_block_skip_ffn_bf16": {"kind": "taylorseer", "steps": STEPS, "config": {
+        "cache_interval": 2, "disable_cache_before_step": 2, "max_order": 1, "taylor_factors_dtype": "bfloat16",
+        "cache_identifiers": [r"blocks\.1"], "skip_predict_identifiers": [r"blocks\.0\.ffn"]}},
+    "mc0_calibrate": {"kind": "magcache", "steps": STEPS, "config": {"calibrate": True, "num_inference_steps": STEPS}},
+    "mc1_threshold": {"kind": "magcache", "steps": STEPS, "ratios_from": "mc0_calibrate", "config": {
+        "threshold": 0.25, "max_skip_steps": 2, "retention_ratio": 0.2, "num_inference_steps": STEPS}},
+    "mc2_interpolated_9": {"kind": "magcache", "steps": 9, "ratios_from": "mc0_calibrate", "config": {
+        "threshold": 0.5, "max_skip_steps": 3, "retention_ratio": 0.1, "num_inference_steps": 9}},
+}
+
+
+def load_pipe(d, steps):
+    base_dir = os.path.join(GOLDEN, BASE)
+    case = json.load(open(os.path.join(base_dir, "case.json")))
+    weights = case["weights"]["transformer"]
+    config = json.load(open(os.path.join(GOLDEN, weights["dir"], "config.json")))
+    config = {k: v for k, v in config.items() if not k.startswith("_")}
+    transformer = d.transformer.SkyReelsV2Transformer3DModel(**config)
+    state = {}
+    for f in weights["safetensors"]:
+        state.update(read_safetensors(os.path.join(GOLDEN, f)))
+    transformer.load_state_dict(state)
+    transformer.eval()
+    sched_config = json.load(open(os.path.join(base_dir, "scheduler", "scheduler_config.json")))
+    scheduler = d.unipc.UniPCMultistepScheduler.from_config(sched_config)
+    vae = d.vae.AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                 temperal_downsample=[False, True, True])
+    t2v = importlib.import_module("diffusers.pipelines.skyreels_v2.pipeline_skyreels_v2")
+    pipe = t2v.SkyReelsV2Pipeline(tokenizer=None, text_encoder=None, transformer=transformer, vae=vae,
+                                  scheduler=scheduler)
+    pipe.set_progress_bar_config(disable=True)
+    call = dict(case["call_kwargs"])
+    call.update({"num_inference_steps": steps})
+    inputs = read_safetensors(os.path.join(base_dir, "inputs.safetensors"))
+    noise = read_safetensors(os.path.join(base_dir, "noise.safetensors"))["noise_000"]
+    call = {k: v for k, v in call.items() if k not in ("generator", "callback_on_step_end_tensor_inputs", "prompt")}
+    call.update(prompt_embeds=inputs["prompt_embeds"], negative_prompt_embeds=inputs["negative_prompt_embeds"],
+                latents=noise.clone())
+    return case, pipe, call
+
+
+def hook_of(module, name):
+    return module._diffusers_hook.get_hook(name)
+
+
+def enable_taylorseer(d, pipe, spec):
+    cfg = dict(spec["config"])
+    cfg["taylor_factors_dtype"] = getattr(torch, cfg["taylor_factors_dtype"])
+    config = importlib.import_module("diffusers.hooks.taylorseer_cache").TaylorSeerCacheConfig(**cfg)
+    pipe.transformer.enable_cache(config)
+    hooked = [n for n, m in pipe.transformer.named_modules()
+              if getattr(m, "_diffusers_hook", None) is not None and hook_of(m, "taylorseer_cache") is not None]
+    states = [hook_of(m, "taylorseer_cache").state_manager for n, m in pipe.transformer.named_modules() if n in hooked]
+    return hooked, states
+
+
+def taylorseer_decision(states):
+    """computed / predicted of the call that just ran (every hooked module must agree)."""
+    seen = set()
+    for sm in states:
+        st = sm.get_state()
+        seen.add("computed" if st.last_update_step == st.current_step else "predicted")
+    assert len(seen) == 1, seen
+    return seen.pop()
+
+
+class MagProbe:
+    """Per call: the decision and the accumulated error the head hook compared with the threshold."""
+
+    def __init__(self, mag):
+        self.mag = mag
+        self.last = None
+        self.calibration = {}
+
+    def install(self, pipe):
+        head_cls = self.mag.MagCacheHeadHook
+        real_head, real_advance = head_cls.new_forward, self.mag.MagCacheBlockHook._advance_step
+        probe = self
+
+        def head_forward(hook, module, *args, **kwargs):
+            st = hook.state_manager.get_state()
+            before = (st.accumulated_err, st.accumulated_ratio, st.step_index)
+            out = real_head(hook, module, *args, **kwargs)
+            err = None
+            cfg = hook.config
+            if not cfg.calibrate:
+                retention = int(cfg.retention_ratio * cfg.num_inference_steps + 0.5)
+                step = before[2]
+                if step >= retention:
+                    scale = cfg.mag_ratios[step] if step < len(cfg.mag_ratios) else 1.0
+                    ratio = before[1] * scale
+                    err = float(before[0] + abs(1.0 - ratio))
+            probe.last = {"step": before[2], "decision": "computed" if st.should_compute else "skipped",
+                          "accumulated_err": err}
+            return out
+
+        def advance(hook, st):
+            if hook.config.calibrate and st.step_index + 1 >= hook.config.num_inference_steps:
+                probe.calibration[hook.state_manager._current_context] = [float(r) for r in st.calibration_ratios]
+            return real_advance(hook, st)
+
+        head_cls.new_forward = head_forward
+        self.mag.MagCacheBlockHook._advance_step = advance
+
+
+def run_case(d, name, spec, ratios):
+    case, pipe, call = load_pipe(d, spec["steps"])
+    decisions, hooked, probe = [], None, None
+    mag = importlib.import_module("diffusers.hooks.mag_cache")
+    if spec["kind"] == "taylorseer":
+        hooked, states = enable_taylorseer(d, pipe, spec)
+    else:
+        cfg = dict(spec["config"])
+        if ratios is not None:
+            cfg["mag_ratios"] = ratios
+        probe = MagProbe(mag)
+        probe.install(pipe)
+        pipe.transformer.enable_cache(mag.MagCacheConfig(**cfg))
+    transformer = pipe.transformer
+    real_forward = transformer.forward
+    counter = {"cond": 0, "uncond": 0}
+
+    def forward(*args, **kwargs):
+        out = real_forward(*args, **kwargs)
+        context = "cond" if len(decisions) % 2 == 0 else "uncond"  # CFG: cond, then uncond, per step
+        entry = {"step": counter[context], "context": context}
+        counter[context] += 1
+        if spec["kind"] == "taylorseer":
+            entry["decision"] = taylorseer_decision(states)
+        else:
+            entry["decision"] = probe.last["decision"]
+            entry["accumulated_err"] = probe.last["accumulated_err"]
+            assert probe.last["step"] == entry["step"]
+        decisions.append(entry)
+        return out
+
+    transformer.forward = forward
+    torch.manual_seed(case.get("global_seed", 0))
+    with torch.no_grad():
+        latents = pipe(**call, generator=torch.Generator().manual_seed(0)).frames
+    return case, latents, decisions, hooked, (probe.calibration if probe else None)
+
+
+def main():
+    args = generator_arguments(HERE)
+    torch.set_num_threads(1)
+    d = import_diffusers(args.diffusers_src)
+    register_skyreels_block(d)
+    calibrations = {}
+    for name, spec in CASES.items():
+        ratios = calibrations[spec["ratios_from"]]["cond"] if "ratios_from" in spec else None
+        case, latents, decisions, hooked, calibration = run_case(d, name, spec, ratios)
+        if calibration:
+            calibrations[name] = calibration
+        out_dir = os.path.join(args.out, name)
+        os.makedirs(out_dir, exist_ok=True)
+        write_safetensors(os.path.join(out_dir, "output.safetensors"), {"latents": latents})
+        with open(os.path.join(out_dir, "decisions.json"), "w") as f:
+            f.write("[\n" + ",\n".join(json.dumps(c) for c in decisions) + "\n]\n")
+        errs = [c["accumulated_err"] for c in decisions if c.get("accumulated_err") is not None]
+        threshold = spec["config"].get("threshold")
+        summary = {
+            "base": "../../golden/" + BASE,
+            "pipeline": "t2v",
+            "num_inference_steps": spec["steps"],
+            "cache": dict(spec["config"], kind=spec["kind"]),
+            "produced_by": "tests/data/step_caches/make_cases.py over diffusers' SkyReelsV2Pipeline (commit " +
+                           case["environment"]["diffusers_commit"] + ") with transformer.enable_cache(" +
+                           ("TaylorSeerCacheConfig" if spec["kind"] == "taylorseer" else "MagCacheConfig") + ")",
+            "calls": len(decisions),
+            "counts": {k: sum(c["decision"] == k for c in decisions) for k in ("computed", "predicted", "skipped")},
+        }
+        if hooked is not None:
+            summary["hooked_modules"] = hooked
+        if ratios is not None:
+            summary["cache"]["mag_ratios"] = ratios
+            summary["cache"]["mag_ratios_from"] = spec["ratios_from"] + " (its cond context)"
+        if calibration:
+            summary["calibration"] = calibration
+        if threshold is not None and errs:
+            summary["threshold_margin"] = min(abs(threshold - e) for e in errs)
+        with open(os.path.join(out_dir, "case.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+            f.write("\n")
+        print(name, json.dumps(summary["counts"]), summary.get("threshold_margin"))
+
+
+if __name__ == "__main__":
+    main()
