@@ -129,6 +129,9 @@ void validate_basic(const GenerationParams& p, int64_t block) {
   p.scheduler.validate();
   check_sampler(p);
   require(p.kv_cache_max_bytes >= 0, "kv_cache_max_bytes: must be >= 0");
+  require(p.cache.kind != StepCacheKind::kTaylorSeer && p.cache.kind != StepCacheKind::kMagCache,
+          "cache: taylorseer and magcache run on the t2v and i2v pipelines (diffusion forcing: not defined yet, "
+          "use first-block or first-block-per-block)");
   if (p.cache.kind != StepCacheKind::kNone) {
     require(std::isfinite(p.cache.threshold) && p.cache.threshold >= 0.0,
             "cache_threshold: must be a finite number >= 0, got " + std::to_string(p.cache.threshold));

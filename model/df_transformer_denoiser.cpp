@@ -53,10 +53,28 @@ class DenoiseCache {
 
 std::shared_ptr<DenoiseCache> make_denoise_cache() { return std::make_shared<DenoiseCache>(); }
 
+namespace {
+
+nlohmann::json step_cache_decision_json(const TransformerCallReport& c) {
+  const char* decision = c.skipped ? "skipped" : c.predicted ? "predicted" : "computed";
+  nlohmann::json entry = {{"step", c.row}, {"context", c.unconditional ? "uncond" : "cond"}, {"decision", decision}};
+  if (c.cache_kind == StepCacheKind::kMagCache) {
+    entry["accumulated_err"] = c.accumulated_err ? nlohmann::json(*c.accumulated_err) : nlohmann::json();
+    if (c.calibration_ratio) entry["calibration_ratio"] = *c.calibration_ratio;
+  }
+  return entry;
+}
+
+}  // namespace
+
 std::string step_cache_decisions_json(const std::vector<TransformerCallReport>& calls) {
   nlohmann::json out = nlohmann::json::array();
   for (const TransformerCallReport& c : calls) {
     if (!c.step_cache) continue;
+    if (c.cache_kind == StepCacheKind::kTaylorSeer || c.cache_kind == StepCacheKind::kMagCache) {
+      out.push_back(step_cache_decision_json(c));  // the step_caches fixtures' format
+      continue;
+    }
     auto pair_json = [](const std::optional<std::pair<int64_t, int64_t>>& p) {
       return p ? nlohmann::json::array({p->first, p->second}) : nlohmann::json();
     };

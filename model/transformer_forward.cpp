@@ -262,7 +262,11 @@ Tensor SkyReelsV2Transformer::Impl::head(const Linear& proj_out, const Tensor& x
   // shift/scale = table [1, 2, D] (fp32) + temb (compute dtype) -> fp32 [B, Fm, 1, D].
   const Tensor e = head_table.view({1, 1, 2, g.dim}) + temb.unsqueeze(2);
   const Tensor n = modulated_norm(x, e.select(2, 1).unsqueeze(2), e.select(2, 0).unsqueeze(2), g, config.eps, dtype);
-  const Tensor out = proj_out(n);  // [B, L, pt*ph*pw*C], features ordered (pt, ph, pw, c)
+  return unpatchify(proj_out(n), g);
+}
+
+Tensor SkyReelsV2Transformer::Impl::unpatchify(const Tensor& out, const Geometry& g) const {
+  // out [B, L, pt*ph*pw*C], features ordered (pt, ph, pw, c).
   const auto& p = config.patch_size;
   return out.view({g.batch, g.ppf, g.pph, g.ppw, p[0], p[1], p[2], config.out_channels})
       .permute({0, 7, 1, 4, 2, 5, 3, 6})
@@ -349,6 +353,12 @@ Savings check_savings(const TransformerForwardArgs& a, const TransformerConfig& 
     require(std::isfinite(pb->threshold) && pb->threshold >= 0 && pb->max_skips >= 1 && pb->first_block >= 0,
             "per_block_cache: needs a finite threshold >= 0, max_skips >= 1 and first_block >= 0");
     require(c.num_layers >= 2, "per_block_cache: needs at least 2 transformer blocks");
+  }
+  if (a.taylorseer != nullptr || a.magcache != nullptr) {
+    require(s.state && !(a.taylorseer && a.magcache) && s.reuse == 0 && s.keep == 0 && !s.threshold &&
+                a.per_block_cache == nullptr,
+            "taylorseer/magcache: need a TransformerCallState and exclude each other, reuse_frames, keep_frames, "
+            "first_block_threshold and per_block_cache");
   }
   if (s.threshold) {
     require(std::isfinite(*s.threshold) && *s.threshold >= 0, "first_block_threshold: must be a finite value >= 0");
@@ -442,6 +452,12 @@ at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) co
                            g, args.num_frame_per_block, args.after_block, stats);
     if (args.stats) *args.stats = stats;
     return m.head(call_layers.proj_out, x, temb, g);
+  }
+  if (args.taylorseer != nullptr || args.magcache != nullptr) {  // diffusers' TaylorSeer / MagCache
+    Tensor out = args.taylorseer ? m.taylorseer_forward(call_layers, std::move(x), cond, rope, g, args, *state, stats)
+                                 : m.magcache_forward(call_layers, std::move(x), cond, rope, g, args, *state, stats);
+    if (args.stats) *args.stats = stats;
+    return out;
   }
   Tensor block0_out;
   for (int64_t l = 0; l < layers; ++l) {

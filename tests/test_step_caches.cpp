@@ -1,0 +1,266 @@
+// diffusers' TaylorSeer and MagCache step caches (issue 45) against diffusers' own hooks on SkyReelsV2Pipeline
+// (tests/data/step_caches, made by its make_cases.py): the latents within 1e-4 and every call's decision equal, the
+// modules TaylorSeer hooks, MagCache's calibration ratios and ratio resampling, and the settings each cache refuses.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "model/checkpoint.h"
+#include "model/pipeline_t2v_i2v.h"
+#include "model/transformer_loader.h"
+#include "model/transformer_skyreels_v2.h"
+#include "tests/test_util.h"
+
+namespace skyreels::model {
+namespace {
+
+using Json = nlohmann::json;
+using test::data_path;
+using test::golden_path;
+using test::load_tensors;
+using test::max_abs_diff;
+
+constexpr double kTolerance = 1e-4;
+constexpr double kBf16Tolerance = 1e-2;
+const char* const kBase = "pipeline_t2v/t1_cfg6_shift8";
+
+Json read_json(const std::string& path) { return Json::parse(std::ifstream(path)); }
+
+// The base T2V case's model, prompts, noise and scheduler, as make_cases.py loads them.
+struct Base {
+  Json json = read_json(golden_path(std::string(kBase) + "/case.json"));
+  std::unique_ptr<SkyReelsV2Transformer> model;
+  VideoConditioning conditioning;
+  at::Tensor noise;
+  FlowUniPCConfig scheduler;
+
+  Base() {
+    const Json& w = json.at("weights").at("transformer");
+    const TransformerConfig config =
+        parse_transformer_config(golden_path(w.at("dir").get<std::string>()) + "/config.json").config;
+    std::map<std::string, at::Tensor> tensors;
+    for (const auto& file : w.at("safetensors")) {
+      for (auto& [key, t] : load_tensors(golden_path(file.get<std::string>()))) tensors[key] = t;
+    }
+    auto placed = checkpoint::place_strict(tensors, transformer_parameter_specs(config), {}, kBase);
+    model = std::make_unique<SkyReelsV2Transformer>(config, std::move(placed), at::kCPU, at::kFloat);
+    auto inputs = load_tensors(golden_path(std::string(kBase) + "/inputs.safetensors"));
+    conditioning.prompt_embeds = inputs.at("prompt_embeds");
+    conditioning.negative_prompt_embeds = inputs.at("negative_prompt_embeds");
+    noise = load_tensors(golden_path(std::string(kBase) + "/noise.safetensors")).at("noise_000");
+    scheduler = FlowUniPCConfig::from_file(golden_path(std::string(kBase) + "/scheduler/scheduler_config.json"));
+  }
+
+  GenerationParams params(int64_t steps) const {
+    const Json& k = json.at("call_kwargs");
+    GenerationParams p;
+    p.num_frames = k.at("num_frames").get<int64_t>();
+    p.height = k.at("height").get<int64_t>();
+    p.width = k.at("width").get<int64_t>();
+    p.guidance_scale = k.at("guidance_scale").get<double>();
+    p.num_inference_steps = steps;
+    p.scheduler = scheduler;
+    p.flow_shift = scheduler.flow_shift;
+    return p;
+  }
+};
+
+const Base& base() {
+  static const Base b;
+  return b;
+}
+
+std::vector<std::string> strings(const Json& j, const char* key) {
+  std::vector<std::string> out;
+  if (j.contains(key) && !j.at(key).is_null()) {
+    for (const auto& s : j.at(key)) out.push_back(s.get<std::string>());
+  }
+  return out;
+}
+
+TaylorFactorsDtype dtype_named(const std::string& name) {
+  if (name == "float32") return TaylorFactorsDtype::kFloat32;
+  if (name == "bfloat16") return TaylorFactorsDtype::kBFloat16;
+  return TaylorFactorsDtype::kFloat16;
+}
+
+// The fixture's TaylorSeerCacheConfig / MagCacheConfig as the step cache config.
+StepCacheConfig cache_of(const Json& c) {
+  StepCacheConfig out;
+  if (c.at("kind") == "taylorseer") {
+    out.kind = StepCacheKind::kTaylorSeer;
+    TaylorSeerCache& t = out.taylorseer;
+    t.cache_interval = c.value("cache_interval", int64_t{5});
+    t.disable_cache_before_step = c.value("disable_cache_before_step", int64_t{3});
+    if (c.contains("disable_cache_after_step")) t.disable_cache_after_step = c.at("disable_cache_after_step");
+    t.max_order = c.value("max_order", int64_t{1});
+    t.factors_dtype = dtype_named(c.value("taylor_factors_dtype", std::string("bfloat16")));
+    t.cache_modules = strings(c, "cache_identifiers");
+    t.skip_modules = strings(c, "skip_predict_identifiers");
+    t.lite = c.value("use_lite_mode", false);
+  } else {
+    out.kind = StepCacheKind::kMagCache;
+    MagCache& m = out.magcache;
+    m.threshold = c.value("threshold", 0.06);
+    m.max_skip_steps = c.value("max_skip_steps", int64_t{3});
+    m.retention_ratio = c.value("retention_ratio", 0.2);
+    m.calibrate = c.value("calibrate", false);
+    if (c.contains("mag_ratios")) m.mag_ratios = c.at("mag_ratios").get<std::vector<float>>();
+  }
+  return out;
+}
+
+struct CacheRun {
+  at::Tensor latents;
+  std::vector<TransformerCallReport> calls;
+};
+
+CacheRun run(const GenerationParams& params) {
+  CacheRun r;
+  VideoHooks hooks;
+  hooks.on_call = [&r](const TransformerCallReport& c) { r.calls.push_back(c); };
+  auto noise = make_recorded_noise({base().noise});
+  r.latents = generate_video(*base().model, PipelineKind::kTextToVideo, params, base().conditioning, *noise, 1, hooks);
+  return r;
+}
+
+class Fixture : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Fixture, LatentsAndDecisionsAreDiffusers) {
+  const std::string dir = data_path("step_caches/" + GetParam());
+  const Json c = read_json(dir + "/case.json");
+  const Json decisions = read_json(dir + "/decisions.json");
+  GenerationParams params = base().params(c.at("num_inference_steps").get<int64_t>());
+  params.cache = cache_of(c.at("cache"));
+  const CacheRun r = run(params);
+
+  const at::Tensor want = load_tensors(dir + "/output.safetensors").at("latents");
+  const double diff = max_abs_diff(r.latents, want);
+  std::cout << GetParam() << ": max |latents - diffusers| = " << diff << "\n";
+  // diffusers' default bf16 factors: fp32 values ~1e-6 apart may round to neighbouring bf16 values (one ulp is
+  // 2^-8 relative), so that case is held to bf16's resolution; fp32 factors to 1e-4.
+  const bool bf16 = c.at("cache").value("taylor_factors_dtype", std::string("bfloat16")) == "bfloat16" &&
+                    c.at("cache").at("kind") == "taylorseer";
+  EXPECT_LE(diff, bf16 ? kBf16Tolerance : kTolerance);
+  const Json got = Json::parse(step_cache_decisions_json(r.calls));
+  ASSERT_EQ(got.size(), decisions.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    const Json& w = decisions[i];
+    EXPECT_EQ(got[i].at("step"), w.at("step")) << i;
+    EXPECT_EQ(got[i].at("context"), w.at("context")) << i;
+    EXPECT_EQ(got[i].at("decision"), w.at("decision")) << "call " << i;
+    if (w.contains("accumulated_err") && !w.at("accumulated_err").is_null()) {
+      EXPECT_NEAR(got[i].at("accumulated_err").get<double>(), w.at("accumulated_err").get<double>(), 1e-6) << i;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(StepCaches, Fixture,
+                         ::testing::Values("ts1_attn_order2_fp32", "ts2_lite_after9", "ts3_block_skip_ffn",
+                                           "ts4_attn_bf16_default_dtype", "mc1_threshold", "mc2_interpolated_9"),
+                         [](const auto& info) { return info.param.substr(0, 3); });
+
+TEST(TaylorSeer, HooksTheModulesDiffusersHooks) {
+  for (const char* name : {"ts1_attn_order2_fp32", "ts2_lite_after9", "ts3_block_skip_ffn", "ts4_attn_bf16_default_dtype"}) {
+    const Json c = read_json(data_path(std::string("step_caches/") + name + "/case.json"));
+    std::vector<std::string> hooked;
+    for (const auto& [module, role] : taylorseer_hooked_modules(cache_of(c.at("cache")).taylorseer,
+                                                                 base().model->config())) {
+      hooked.push_back(module);
+    }
+    EXPECT_EQ(hooked, strings(c, "hooked_modules")) << name;
+  }
+}
+
+TEST(TaylorSeer, RefusesPatternsThatHookNothingOrTheWrongModules) {
+  const TransformerConfig& config = base().model->config();
+  TaylorSeerCache stock;  // diffusers' default patterns: nothing on this model
+  stock.cache_modules = {"^blocks.*attn"};
+  EXPECT_NE(test::error_of([&] { taylorseer_hooked_modules(stock, config); }).find("hook no module"),
+            std::string::npos);
+  TaylorSeerCache inner;
+  inner.cache_modules = {R"(blocks\.0\.attn1\.to_q)"};
+  EXPECT_NE(test::error_of([&] { taylorseer_hooked_modules(inner, config); }).find("cannot hook"), std::string::npos);
+  TaylorSeerCache nested;
+  nested.cache_modules = {R"(blocks\.0)", R"(blocks\.0\.attn1)"};
+  EXPECT_NE(test::error_of([&] { taylorseer_hooked_modules(nested, config); }).find("inside 'blocks.0'"),
+            std::string::npos);
+  TaylorSeerCache bad;
+  bad.cache_modules = {"blocks\\.(", "x"};
+  EXPECT_NE(test::error_of([&] { taylorseer_hooked_modules(bad, config); }).find("taylorseer_cache_modules"),
+            std::string::npos);
+  TaylorSeerCache interval;
+  interval.cache_modules = {R"(blocks\.\d+\.attn1)"};
+  interval.cache_interval = 0;
+  EXPECT_NE(test::error_of([&] { taylorseer_hooked_modules(interval, config); }).find("taylorseer_cache_interval"),
+            std::string::npos);
+  interval.cache_interval = 2;
+  interval.disable_cache_before_step = 0;
+  EXPECT_NE(test::error_of([&] { taylorseer_hooked_modules(interval, config); })
+                .find("taylorseer_disable_cache_before_step"),
+            std::string::npos);
+  interval.disable_cache_before_step = 1;
+  interval.max_order = 9;
+  EXPECT_NE(test::error_of([&] { taylorseer_hooked_modules(interval, config); }).find("taylorseer_max_order"),
+            std::string::npos);
+}
+
+TEST(MagCache, CalibrationRecordsDiffusersRatios) {
+  const Json c = read_json(data_path("step_caches/mc0_calibrate/case.json"));
+  GenerationParams params = base().params(c.at("num_inference_steps").get<int64_t>());
+  params.cache = cache_of(c.at("cache"));
+  const CacheRun r = run(params);
+  std::map<std::string, std::vector<double>> got;
+  for (const auto& call : r.calls) {
+    ASSERT_TRUE(call.calibration_ratio.has_value());
+    EXPECT_FALSE(call.skipped);
+    got[call.unconditional ? "uncond" : "cond"].push_back(*call.calibration_ratio);
+  }
+  for (const char* context : {"cond", "uncond"}) {
+    const auto want = c.at("calibration").at(context).get<std::vector<double>>();
+    ASSERT_EQ(got[context].size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[context][i], want[i], 1e-4 * std::abs(want[i])) << i;
+  }
+  // Calibrating changes nothing: the uncached run's latents.
+  GenerationParams plain = base().params(c.at("num_inference_steps").get<int64_t>());
+  EXPECT_LE(max_abs_diff(run(plain).latents, r.latents), 0.0);
+}
+
+TEST(MagCache, ResamplesRatiosAsDiffusersNearestInterp) {
+  const std::vector<float> twelve{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
+  // torch.round(arange(9) * (11 / 8)) = [0, 1, 3, 4, 6, 7, 8, 10, 11] (5.5 rounds to 6, 8.25 to 8).
+  EXPECT_EQ(magcache_ratios_for_steps(twelve, 9), (std::vector<float>{0, 1, 3, 4, 6, 7, 8, 10, 11}));
+  EXPECT_EQ(magcache_ratios_for_steps(twelve, 1), (std::vector<float>{11}));
+  EXPECT_EQ(magcache_ratios_for_steps(twelve, 12), twelve);
+}
+
+TEST(MagCache, RefusesWithoutRatiosAndBadSettings) {
+  GenerationParams params = base().params(4);
+  params.cache.kind = StepCacheKind::kMagCache;
+  EXPECT_NE(test::error_of([&] { run(params); }).find("--magcache-ratios"), std::string::npos);
+  params.cache.magcache.mag_ratios = {1.0F, 1.1F, 0.9F, 1.0F};
+  params.cache.magcache.max_skip_steps = 0;
+  EXPECT_NE(test::error_of([&] { run(params); }).find("magcache_max_skip_steps"), std::string::npos);
+  params.cache.magcache.max_skip_steps = 2;
+  params.cache.magcache.threshold = std::nan("");
+  EXPECT_NE(test::error_of([&] { run(params); }).find("magcache_threshold"), std::string::npos);
+}
+
+TEST(StepCaches, TokenBlocksCountWhatWasSkipped) {
+  const std::string dir = data_path("step_caches/mc1_threshold");
+  const Json c = read_json(dir + "/case.json");
+  GenerationParams params = base().params(c.at("num_inference_steps").get<int64_t>());
+  params.cache = cache_of(c.at("cache"));
+  const CacheRun r = run(params);
+  const int64_t per_call = r.calls.front().token_blocks_full;
+  for (const auto& call : r.calls) {
+    EXPECT_EQ(call.token_blocks_full, per_call);
+    EXPECT_EQ(call.token_blocks_computed + call.token_blocks_saved_cache, per_call);
+    EXPECT_EQ(call.token_blocks_saved_cache, call.skipped ? per_call : 0);
+  }
+}
+
+}  // namespace
+}  // namespace skyreels::model
