@@ -262,5 +262,49 @@ TEST(StepCaches, TokenBlocksCountWhatWasSkipped) {
   }
 }
 
+// The same through the command line: `skyreels calibrate-magcache` records diffusers' ratios, and `skyreels generate
+// --cache taylorseer|magcache` reproduces the fixtures' latents and --cache-log their decisions.
+TEST(StepCachesCli, CalibrateAndGenerateReproduceTheFixtures) {
+  const Json& k = base().json.at("call_kwargs");
+  const std::string dir = test::temp_dir("step-caches-cli");
+  const std::string common =
+      " --model " + golden_path(base().json.at("weights").at("transformer").at("dir").get<std::string>()) +
+      " --inputs " + golden_path(std::string(kBase) + "/inputs.safetensors") + " --noise " +
+      golden_path(std::string(kBase) + "/noise.safetensors") + " --scheduler-config " +
+      golden_path(std::string(kBase) + "/scheduler/scheduler_config.json") +
+      " --num-frames " + std::to_string(k.at("num_frames").get<int64_t>()) + " --height " +
+      std::to_string(k.at("height").get<int64_t>()) + " --width " + std::to_string(k.at("width").get<int64_t>()) +
+      " --guidance-scale 6 --num-inference-steps 12 ";
+  auto run_cli = [&](const std::string& command, const std::string& flags) {
+    std::string log;
+    const std::string line = test::bin_path("skyreels") + " " + command + common + flags + " 2>&1";
+    EXPECT_EQ(test::run_command(line, &log), 0) << line << "\n" << log;
+  };
+  run_cli("calibrate-magcache", "--out " + dir + "/ratios.json");
+  const Json ratios = read_json(dir + "/ratios.json");
+  const Json calibration = read_json(data_path("step_caches/mc0_calibrate/case.json")).at("calibration");
+  for (const auto& [key, context] : {std::pair{"ratios_cond", "cond"}, std::pair{"ratios_uncond", "uncond"}}) {
+    const auto got = ratios.at(key).get<std::vector<double>>();
+    const auto want = calibration.at(context).get<std::vector<double>>();
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-4 * want[i]) << key << " " << i;
+  }
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"mc1_threshold", "--cache magcache --magcache-threshold 0.25 --magcache-max-skip-steps 2 "
+                        "--magcache-retention-ratio 0.2 --magcache-ratios " + dir + "/ratios.json"},
+      {"ts1_attn_order2_fp32", "--cache taylorseer --taylorseer-cache-interval 3 "
+                               "--taylorseer-disable-cache-before-step 2 --taylorseer-max-order 2 "
+                               "--taylorseer-factors-dtype float32"}};
+  for (const auto& [name, flags] : cases) {
+    run_cli("generate", "--pipeline t2v " + flags + " --cache-log " + dir + "/log.json --out " + dir + "/out.safetensors");
+    const at::Tensor got = load_tensors(dir + "/out.safetensors").at("latents");
+    const at::Tensor want = load_tensors(data_path("step_caches/" + name + "/output.safetensors")).at("latents");
+    EXPECT_LE(max_abs_diff(got, want), kTolerance) << name;
+    const Json log = read_json(dir + "/log.json"), decisions = read_json(data_path("step_caches/" + name + "/decisions.json"));
+    ASSERT_EQ(log.size(), decisions.size()) << name;
+    for (size_t i = 0; i < log.size(); ++i) EXPECT_EQ(log[i].at("decision"), decisions[i].at("decision")) << name << i;
+  }
+}
+
 }  // namespace
 }  // namespace skyreels::model

@@ -80,6 +80,7 @@ std::string ModelJob::Impl::run_whole_video(const model::SkyReelsV2Transformer& 
   std::unique_ptr<model::NoiseSource> draws = noise->clone();
   model::VideoHooks video_hooks;
   video_hooks.cancelled = hooks.cancelled;
+  video_hooks.on_call = hooks.on_call;  // the transformer work and the step cache's decisions
   video_hooks.on_step = [&hooks](int64_t step, int64_t steps, const at::Tensor&) {
     if (hooks.on_step) hooks.on_step(0, step, steps);
   };
