@@ -25,18 +25,22 @@ using test::max_abs_diff;
 constexpr double kTolerance = 1e-4;
 constexpr double kBf16Tolerance = 1e-2;
 const char* const kBase = "pipeline_t2v/t1_cfg6_shift8";
+const char* const kI2vBase = "pipeline_i2v/i1_image_cfg5_shift5";
 
 Json read_json(const std::string& path) { return Json::parse(std::ifstream(path)); }
 
-// The base T2V case's model, prompts, noise and scheduler, as make_cases.py loads them.
+// A base case's model, prompts, noise and scheduler, as make_cases.py loads them: the T2V case, or the I2V case with
+// its recorded CLIP tokens and VAE condition (the prompt rows zero-padded to 512, as the I2V pipeline takes them).
 struct Base {
-  Json json = read_json(golden_path(std::string(kBase) + "/case.json"));
+  std::string name;
+  Json json;
   std::unique_ptr<SkyReelsV2Transformer> model;
   VideoConditioning conditioning;
   at::Tensor noise;
   FlowUniPCConfig scheduler;
+  PipelineKind kind = PipelineKind::kTextToVideo;
 
-  Base() {
+  explicit Base(const std::string& base) : name(base), json(read_json(golden_path(base + "/case.json"))) {
     const Json& w = json.at("weights").at("transformer");
     const TransformerConfig config =
         parse_transformer_config(golden_path(w.at("dir").get<std::string>()) + "/config.json").config;
@@ -44,13 +48,27 @@ struct Base {
     for (const auto& file : w.at("safetensors")) {
       for (auto& [key, t] : load_tensors(golden_path(file.get<std::string>()))) tensors[key] = t;
     }
-    auto placed = checkpoint::place_strict(tensors, transformer_parameter_specs(config), {}, kBase);
+    auto placed = checkpoint::place_strict(tensors, transformer_parameter_specs(config), {}, name);
     model = std::make_unique<SkyReelsV2Transformer>(config, std::move(placed), at::kCPU, at::kFloat);
-    auto inputs = load_tensors(golden_path(std::string(kBase) + "/inputs.safetensors"));
-    conditioning.prompt_embeds = inputs.at("prompt_embeds");
-    conditioning.negative_prompt_embeds = inputs.at("negative_prompt_embeds");
-    noise = load_tensors(golden_path(std::string(kBase) + "/noise.safetensors")).at("noise_000");
-    scheduler = FlowUniPCConfig::from_file(golden_path(std::string(kBase) + "/scheduler/scheduler_config.json"));
+    auto inputs = load_tensors(golden_path(name + "/inputs.safetensors"));
+    if (json.at("kind") == "pipeline_i2v") {
+      kind = PipelineKind::kImageToVideo;
+      auto padded = [](const at::Tensor& rows) {
+        at::Tensor out = at::zeros({rows.size(0), 512, rows.size(2)});
+        out.narrow(1, 0, rows.size(1)).copy_(rows);
+        return out;
+      };
+      conditioning.prompt_embeds = padded(inputs.at("prompt_embeds_rows"));
+      conditioning.negative_prompt_embeds = padded(inputs.at("negative_prompt_embeds_rows"));
+      const at::Tensor tokens = load_tensors(golden_path(name + "/image_encoder.safetensors")).at("image_embeds");
+      conditioning.image_tokens = tokens.reshape({1, -1, tokens.size(2)});
+      conditioning.condition = load_tensors(golden_path(name + "/condition.safetensors")).at("condition");
+    } else {
+      conditioning.prompt_embeds = inputs.at("prompt_embeds");
+      conditioning.negative_prompt_embeds = inputs.at("negative_prompt_embeds");
+    }
+    noise = load_tensors(golden_path(name + "/noise.safetensors")).at("noise_000");
+    scheduler = FlowUniPCConfig::from_file(golden_path(name + "/scheduler/scheduler_config.json"));
   }
 
   GenerationParams params(int64_t steps) const {
@@ -68,9 +86,17 @@ struct Base {
 };
 
 const Base& base() {
-  static const Base b;
+  static const Base b(kBase);
   return b;
 }
+
+const Base& i2v_base() {
+  static const Base b(kI2vBase);
+  return b;
+}
+
+// The base a fixture names (case.json: pipeline).
+const Base& base_of(const Json& c) { return c.at("pipeline") == "i2v" ? i2v_base() : base(); }
 
 std::vector<std::string> strings(const Json& j, const char* key) {
   std::vector<std::string> out;
@@ -117,12 +143,12 @@ struct CacheRun {
   std::vector<TransformerCallReport> calls;
 };
 
-CacheRun run(const GenerationParams& params) {
+CacheRun run(const GenerationParams& params, const Base& b = base()) {
   CacheRun r;
   VideoHooks hooks;
   hooks.on_call = [&r](const TransformerCallReport& c) { r.calls.push_back(c); };
-  auto noise = make_recorded_noise({base().noise});
-  r.latents = generate_video(*base().model, PipelineKind::kTextToVideo, params, base().conditioning, *noise, 1, hooks);
+  auto noise = make_recorded_noise({b.noise});
+  r.latents = generate_video(*b.model, b.kind, params, b.conditioning, *noise, 1, hooks);
   return r;
 }
 
@@ -132,9 +158,10 @@ TEST_P(Fixture, LatentsAndDecisionsAreDiffusers) {
   const std::string dir = data_path("step_caches/" + GetParam());
   const Json c = read_json(dir + "/case.json");
   const Json decisions = read_json(dir + "/decisions.json");
-  GenerationParams params = base().params(c.at("num_inference_steps").get<int64_t>());
+  const Base& b = base_of(c);
+  GenerationParams params = b.params(c.at("num_inference_steps").get<int64_t>());
   params.cache = cache_of(c.at("cache"));
-  const CacheRun r = run(params);
+  const CacheRun r = run(params, b);
 
   const at::Tensor want = load_tensors(dir + "/output.safetensors").at("latents");
   const double diff = max_abs_diff(r.latents, want);
@@ -159,8 +186,12 @@ TEST_P(Fixture, LatentsAndDecisionsAreDiffusers) {
 
 INSTANTIATE_TEST_SUITE_P(StepCaches, Fixture,
                          ::testing::Values("ts1_attn_order2_fp32", "ts2_lite_after9", "ts3_block_skip_ffn",
-                                           "ts4_attn_bf16_default_dtype", "mc1_threshold", "mc2_interpolated_9"),
-                         [](const auto& info) { return info.param.substr(0, 3); });
+                                           "ts4_attn_bf16_default_dtype", "mc1_threshold", "mc2_interpolated_9",
+                                           "i2v_ts1_attn_fp32", "i2v_mc1_threshold"),
+                         [](const auto& info) {
+                           const std::string& p = info.param;
+                           return p.rfind("i2v_", 0) == 0 ? "i2v_" + p.substr(4, 3) : p.substr(0, 3);
+                         });
 
 TEST(TaylorSeer, HooksTheModulesDiffusersHooks) {
   for (const char* name : {"ts1_attn_order2_fp32", "ts2_lite_after9", "ts3_block_skip_ffn", "ts4_attn_bf16_default_dtype"}) {
@@ -207,11 +238,14 @@ TEST(TaylorSeer, RefusesPatternsThatHookNothingOrTheWrongModules) {
             std::string::npos);
 }
 
-TEST(MagCache, CalibrationRecordsDiffusersRatios) {
-  const Json c = read_json(data_path("step_caches/mc0_calibrate/case.json"));
-  GenerationParams params = base().params(c.at("num_inference_steps").get<int64_t>());
+class Calibration : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Calibration, RecordsDiffusersRatios) {
+  const Json c = read_json(data_path("step_caches/" + GetParam() + "/case.json"));
+  const Base& b = base_of(c);
+  GenerationParams params = b.params(c.at("num_inference_steps").get<int64_t>());
   params.cache = cache_of(c.at("cache"));
-  const CacheRun r = run(params);
+  const CacheRun r = run(params, b);
   std::map<std::string, std::vector<double>> got;
   for (const auto& call : r.calls) {
     ASSERT_TRUE(call.calibration_ratio.has_value());
@@ -224,9 +258,12 @@ TEST(MagCache, CalibrationRecordsDiffusersRatios) {
     for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[context][i], want[i], 1e-4 * std::abs(want[i])) << i;
   }
   // Calibrating changes nothing: the uncached run's latents.
-  GenerationParams plain = base().params(c.at("num_inference_steps").get<int64_t>());
-  EXPECT_LE(max_abs_diff(run(plain).latents, r.latents), 0.0);
+  GenerationParams plain = b.params(c.at("num_inference_steps").get<int64_t>());
+  EXPECT_LE(max_abs_diff(run(plain, b).latents, r.latents), 0.0);
 }
+
+INSTANTIATE_TEST_SUITE_P(MagCache, Calibration, ::testing::Values("mc0_calibrate", "i2v_mc0_calibrate"),
+                         [](const auto& info) { return info.param.substr(0, 3); });
 
 TEST(MagCache, ResamplesRatiosAsDiffusersNearestInterp) {
   const std::vector<float> twelve{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};

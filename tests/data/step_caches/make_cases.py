@@ -42,6 +42,7 @@ import torch  # noqa: E402
 
 GOLDEN = os.path.join(HERE, "..", "golden")
 BASE = "pipeline_t2v/t1_cfg6_shift8"
+I2V_BASE = "pipeline_i2v/i1_image_cfg5_shift5"
 STEPS = 12
 ATTN = [r"blocks\.\d+\.attn1", r"blocks\.\d+\.attn2"]
 
@@ -66,11 +67,20 @@ CASES = {
         "threshold": 0.25, "max_skip_steps": 2, "retention_ratio": 0.2, "num_inference_steps": STEPS}},
     "mc2_interpolated_9": {"kind": "magcache", "steps": 9, "ratios_from": "mc0_calibrate", "config": {
         "threshold": 0.5, "max_skip_steps": 3, "retention_ratio": 0.1, "num_inference_steps": 9}},
+    # SkyReelsV2ImageToVideoPipeline on the pipeline_i2v fixture's I2V model (CLIP tokens and VAE condition as recorded).
+    "i2v_ts1_attn_fp32": {"base": I2V_BASE, "kind": "taylorseer", "steps": 10, "config": {
+        "cache_interval": 2, "disable_cache_before_step": 2, "max_order": 1, "taylor_factors_dtype": "float32",
+        "cache_identifiers": ATTN}},
+    "i2v_mc0_calibrate": {"base": I2V_BASE, "kind": "magcache", "steps": 10, "config": {
+        "calibrate": True, "num_inference_steps": 10}},
+    "i2v_mc1_threshold": {"base": I2V_BASE, "kind": "magcache", "steps": 10, "ratios_from": "i2v_mc0_calibrate",
+                          "config": {"threshold": 0.3, "max_skip_steps": 2, "retention_ratio": 0.2,
+                                     "num_inference_steps": 10}},
 }
 
 
-def load_pipe(d, steps):
-    base_dir = os.path.join(GOLDEN, BASE)
+def load_pipe(d, steps, base=BASE):
+    base_dir = os.path.join(GOLDEN, base)
     case = json.load(open(os.path.join(base_dir, "case.json")))
     weights = case["weights"]["transformer"]
     config = json.load(open(os.path.join(GOLDEN, weights["dir"], "config.json")))
@@ -85,18 +95,63 @@ def load_pipe(d, steps):
     scheduler = d.unipc.UniPCMultistepScheduler.from_config(sched_config)
     vae = d.vae.AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                                  temperal_downsample=[False, True, True])
-    t2v = importlib.import_module("diffusers.pipelines.skyreels_v2.pipeline_skyreels_v2")
-    pipe = t2v.SkyReelsV2Pipeline(tokenizer=None, text_encoder=None, transformer=transformer, vae=vae,
-                                  scheduler=scheduler)
-    pipe.set_progress_bar_config(disable=True)
     call = dict(case["call_kwargs"])
     call.update({"num_inference_steps": steps})
-    inputs = read_safetensors(os.path.join(base_dir, "inputs.safetensors"))
+    inputs = read_f32(os.path.join(base_dir, "inputs.safetensors"))
     noise = read_safetensors(os.path.join(base_dir, "noise.safetensors"))["noise_000"]
-    call = {k: v for k, v in call.items() if k not in ("generator", "callback_on_step_end_tensor_inputs", "prompt")}
-    call.update(prompt_embeds=inputs["prompt_embeds"], negative_prompt_embeds=inputs["negative_prompt_embeds"],
-                latents=noise.clone())
+    call = {k: v for k, v in call.items()
+            if k not in ("generator", "callback_on_step_end_tensor_inputs", "prompt", "image")}
+    if base == BASE:
+        t2v = importlib.import_module("diffusers.pipelines.skyreels_v2.pipeline_skyreels_v2")
+        pipe = t2v.SkyReelsV2Pipeline(tokenizer=None, text_encoder=None, transformer=transformer, vae=vae,
+                                      scheduler=scheduler)
+        call.update(prompt_embeds=inputs["prompt_embeds"], negative_prompt_embeds=inputs["negative_prompt_embeds"],
+                    latents=noise.clone())
+    else:
+        pipe = i2v_pipe(d, base_dir, transformer, vae, scheduler, inputs, noise, call)
+    pipe.set_progress_bar_config(disable=True)
     return case, pipe, call
+
+
+def i2v_pipe(d, base_dir, transformer, vae, scheduler, inputs, noise, call):
+    """SkyReelsV2ImageToVideoPipeline with its two encoders' outputs as the golden case recorded them (the CLIP
+    image tokens: image_encoder.safetensors; the VAE condition: condition.safetensors): the caches see the
+    transformer only. The prompt rows zero-padded to 512 as the case says."""
+    module = importlib.import_module("diffusers.pipelines.skyreels_v2.pipeline_skyreels_v2_i2v")
+    pipe = module.SkyReelsV2ImageToVideoPipeline(tokenizer=None, text_encoder=None, image_encoder=None,
+                                                 image_processor=None, transformer=transformer, vae=vae,
+                                                 scheduler=scheduler)
+    tokens = read_safetensors(os.path.join(base_dir, "image_encoder.safetensors"))["image_embeds"]
+    condition = read_safetensors(os.path.join(base_dir, "condition.safetensors"))["condition"]
+    pipe.encode_image = lambda image, device: tokens.clone()
+    pipe.prepare_latents = lambda *a, **k: (noise.clone(), condition.clone())
+
+    def padded(rows):
+        out = torch.zeros(rows.shape[0], 512, rows.shape[2])
+        out[:, :rows.shape[1]] = rows
+        return out
+
+    # The image itself only feeds the two encoders replaced above; its preprocessing still runs.
+    height, width = call["height"], call["width"]
+    call.update(prompt_embeds=padded(inputs["prompt_embeds_rows"]),
+                negative_prompt_embeds=padded(inputs["negative_prompt_embeds_rows"]),
+                image=torch.zeros(1, 3, height, width))
+    return pipe
+
+
+def read_f32(path):
+    """The float32 tensors of a safetensors file (read_safetensors refuses the uint8 pixels the I2V cases hold)."""
+    import struct
+    with open(path, "rb") as f:
+        data = f.read()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    kept = {k: v for k, v in header.items() if k != "__metadata__" and v["dtype"] == "F32"}
+    out = {}
+    for name, entry in kept.items():
+        b, e = entry["data_offsets"]
+        out[name] = torch.frombuffer(bytearray(data[8 + n + b:8 + n + e]), dtype=torch.float32).reshape(entry["shape"])
+    return out
 
 
 def hook_of(module, name):
@@ -167,7 +222,7 @@ class MagProbe:
 
 
 def run_case(d, name, spec, ratios):
-    case, pipe, call = load_pipe(d, spec["steps"])
+    case, pipe, call = load_pipe(d, spec["steps"], spec.get("base", BASE))
     decisions, hooked, probe = [], None, None
     mag = importlib.import_module("diffusers.hooks.mag_cache")
     if spec["kind"] == "taylorseer":
@@ -223,8 +278,8 @@ def main():
         errs = [c["accumulated_err"] for c in decisions if c.get("accumulated_err") is not None]
         threshold = spec["config"].get("threshold")
         summary = {
-            "base": "../../golden/" + BASE,
-            "pipeline": "t2v",
+            "base": "../../golden/" + spec.get("base", BASE),
+            "pipeline": "t2v" if spec.get("base", BASE) == BASE else "i2v",
             "num_inference_steps": spec["steps"],
             "cache": dict(spec["config"], kind=spec["kind"]),
             "produced_by": "tests/data/step_caches/make_cases.py over diffusers' SkyReelsV2Pipeline (commit " +
