@@ -17,6 +17,13 @@ What diffusers needs for that (the smallest fixes, outside the caches' math):
     module of this model (blocks.N.attn1 ends in "1"): stock TaylorSeer hooks nothing and equals the uncached run.
     The cases name the modules (cache_identifiers / skip_predict_identifiers) or use lite mode, as a user must.
 
+Diffusion forcing (not made into cases): on diffusers' SkyReelsV2DiffusionForcingPipeline as shipped (the golden
+pipeline_df cases, the registry line added) both hooks run on one-chunk videos, sync and async, counting transformer
+calls (timestep-matrix rows) as steps: MagCache indexes mag_ratios by row and starts over every num_inference_steps
+rows, TaylorSeer extrapolates over rows. On long videos their state crosses the chunk boundary: TaylorSeer raises
+"The size of tensor a (30) must match the size of tensor b (24)" at the first call of a chunk of another length,
+MagCache logs a dimension mismatch and returns the block input without any residual for the calls it skips.
+
 Recorded per case: output.safetensors (`latents`), decisions.json (one entry per transformer call, in order:
 {"step", "context", "decision": "computed" | "predicted" (TaylorSeer) | "skipped" (MagCache), MagCache's
 "accumulated_err" where the hook computed one}), case.json (the config, the modules TaylorSeer hooked, counts;
