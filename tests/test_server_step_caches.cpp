@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <csignal>
 #include <filesystem>
 #include <functional>
 #include <fstream>
@@ -83,13 +84,15 @@ at::Tensor generate(const std::string& flags, std::string* log_out = nullptr) {
   return load_tensors(out).at("latents");
 }
 
+std::string tokenizer() { return golden_path("umt5_encoder/e3_prompts_to_embeds/tokenizer"); }
+
 class ServedStepCaches : public SharedServerSuite<ServedStepCaches> {
  public:
   static std::unique_ptr<ServerProcess> start() {
     http_port_ = free_port();
     return std::make_unique<ServerProcess>(std::vector<std::string>{
         "--demo", "--devices", "cpu", "--dtype", "float32", "--magcache-ratios", parts().ratios, "--http-listen",
-        "127.0.0.1:" + std::to_string(http_port_)});
+        "127.0.0.1:" + std::to_string(http_port_), "--text-encoder", "demo", "--tokenizer", tokenizer()});
   }
   static inline int http_port_ = 0;
 };
@@ -139,6 +142,41 @@ TEST_F(ServedStepCaches, ATaylorSeerJobEqualsSkyreelsGenerate) {
   EXPECT_GT(job.transformer_work().saved_cache(), 0);
   const at::Tensor plain = generate("");
   EXPECT_GT(max_abs_diff(served, plain), 0.0) << "TaylorSeer predicted nothing";
+}
+
+// POST /v1/videos names the cache's fields like every generation parameter: the same latents as over gRPC.
+TEST_F(ServedStepCaches, AMagCacheVideoOverHttpIsTheGrpcJobsVideo) {
+  const std::string created = post_json(http_port_, "/v1/videos",
+                                        R"({"prompt": "A dog runs.", "size": "48x32", "seconds": 2, "fps": 8, )"
+                                        R"("seed": 5, "num_inference_steps": 8, "pipeline": "t2v", )"
+                                        R"("cache": "magcache", "magcache_threshold": 0.5, "magcache_max_skip_steps": 2})")
+                                  .bytes;
+  ASSERT_EQ(created.rfind("HTTP/1.1 200", 0), 0u) << created;
+  const auto body = nlohmann::json::parse(created.substr(created.find('{'), created.rfind('}') - created.find('{') + 1));
+  const std::string by_http = body.at("id");
+  const pb::Job http_job = wait_job(server_->client(), by_http, 120s);
+  ASSERT_EQ(http_job.state(), pb::JOB_STATE_SUCCEEDED) << http_job.error().message();
+  EXPECT_EQ(http_job.params().cache(), "magcache");
+
+  pb::SubmitJobRequest request;
+  request.mutable_spec()->mutable_text()->set_prompt("A dog runs.");
+  pb::GenerationParams* p = request.mutable_spec()->mutable_params();
+  p->set_width(48);
+  p->set_height(32);
+  p->set_num_frames(17);
+  p->set_fps(8);
+  p->set_seed(5);
+  p->set_num_inference_steps(8);
+  p->set_pipeline("t2v");
+  p->set_cache("magcache");
+  p->set_magcache_threshold(0.5);
+  p->set_magcache_max_skip_steps(2);
+  const pb::Job grpc_job = run_job(*server_, request);
+  const at::Tensor a = download_latents(server_->client(), by_http);
+  const at::Tensor b = download_latents(server_->client(), grpc_job.job_id());
+  EXPECT_TRUE(a.equal(b)) << "max |http - grpc| = " << max_abs_diff(a, b);
+  EXPECT_GT(grpc_job.transformer_work().saved_cache(), 0);
+  EXPECT_EQ(http_job.transformer_work().saved_cache(), grpc_job.transformer_work().saved_cache());
 }
 
 TEST_F(ServedStepCaches, BadSettingsAreRefusedNamingTheField) {
@@ -206,6 +244,38 @@ TEST(ServedStepCachesStart, DamagedOversizedAndOtherModelsRatiosStopTheStartNami
                           "calibrated on another model");
   expect_refused_at_start("negative", json_edit([](auto& j) { j["ratios_cond"][1] = -0.5; }), "finite and positive");
   expect_refused_at_start("short", json_edit([](auto& j) { j["ratios_cond"].erase(0); }), "needs num_inference_steps");
+}
+
+// The cache's state lives in the run: a server killed mid-video runs the job again after its restart (the same
+// --magcache-ratios) and makes the video `skyreels generate` makes, bit for bit.
+TEST(ServedStepCachesDurable, ASigkillMidVideoResumesBitIdentical) {
+  const std::string store = "sqlite:" + temp_dir("step-caches-store") + "/jobs.sqlite";
+  const std::vector<std::string> args = {"--demo", "--devices", "cpu", "--dtype", "float32", "--magcache-ratios",
+                                         parts().ratios, "--enable-test-hooks", "--step-delay-ms", "300",
+                                         "--job-store", store};
+  pb::SubmitJobRequest request = t2v_request();
+  request.mutable_spec()->mutable_params()->set_cache("magcache");
+  request.mutable_spec()->mutable_params()->set_magcache_threshold(0.5);
+  std::string id;
+  {
+    ServerProcess server(args);
+    id = submit(server.client(), request).job_id();
+    const auto events = watch_until(server.client(), id, 0, [](const pb::JobEvent& e) {
+      return e.has_step() && e.step().step() >= 2;
+    });
+    ASSERT_FALSE(events.empty());
+    ASSERT_TRUE(events.back().has_step()) << "the job ended before its second step";
+    server.signal(SIGKILL);
+    ASSERT_NE(server.wait_exit(10s), -1) << "the server did not die";
+  }
+  ServerProcess restarted(args);
+  const pb::Job done = wait_job(restarted.client(), id, 180s);
+  ASSERT_EQ(done.state(), pb::JOB_STATE_SUCCEEDED) << done.error().message();
+  const at::Tensor served = download_latents(restarted.client(), id);
+  const at::Tensor expected =
+      generate("--cache magcache --magcache-threshold 0.5 --magcache-ratios " + parts().ratios);
+  EXPECT_TRUE(at::equal(served, expected)) << "max |resumed - generate| = " << max_abs_diff(served, expected);
+  EXPECT_GT(done.transformer_work().saved_cache(), 0);
 }
 
 TEST(ServedStepCachesStart, AMagCacheJobOnAServerWithoutRatiosIsRefusedNamingTheFlag) {
