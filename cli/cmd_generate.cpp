@@ -5,7 +5,6 @@
 #include <spdlog/spdlog.h>
 
 #include <chrono>
-#include <filesystem>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -90,8 +89,10 @@ const std::string kUsage =
         "a prompt per chunk (each chunk takes the prompt in force at its first new frame):\n"
         "  --prompt-at FRAME:TEXT   from pixel frame FRAME on, TEXT (needs --text-encoder); repeatable\n"
         "  --inputs-at FRAME:FILE   from pixel frame FRAME on, the embeddings of FILE (like --inputs); repeatable\n"
-        "  --cache-log FILE.json    every step-cache decision (the pipeline_df_cache / step_caches fixtures' decisions.json)\n"
-        "  --magcache-ratios FILE   --cache magcache (t2v / i2v): the model's ratios from `skyreels calibrate-magcache`\n"
+        "  --cache-log FILE.json    every step-cache decision (the pipeline_df_cache / step_caches fixtures' "
+        "decisions.json)\n"
+        "  --magcache-ratios FILE   --cache magcache (t2v / i2v): the model's ratios from `skyreels "
+        "calibrate-magcache`\n"
         "  --kv-cache-bytes N       memory for the kept keys/values of final frames (default 4 GiB)\n"
         "  --previews DIR           a PNG per preview: DIR/chunkK_rowR.png, the chunk's new frames side by side at\n"
         "                           latent resolution (after every --preview-every rows, default 1, and the last)\n"
@@ -367,11 +368,11 @@ void video_step_cache_from_flags(const Args& args, const model::SkyReelsV2Transf
     params.cache.kind = model::StepCacheKind::kMagCache;
     params.cache.magcache.calibrate = true;
   } else if (args.has("magcache-ratios")) {
-    if (params.cache.kind != model::StepCacheKind::kMagCache) throw UsageError("--magcache-ratios needs --cache magcache");
+    if (params.cache.kind != model::StepCacheKind::kMagCache)
+      throw UsageError("--magcache-ratios needs --cache magcache");
     try {
-      params.cache.magcache.mag_ratios = model::load_magcache_ratios(args.get("magcache-ratios"),
-                                                               model::magcache_model_signature(transformer))
-                                         .cond;
+      params.cache.magcache.mag_ratios =
+          model::load_magcache_ratios(args.get("magcache-ratios"), model::magcache_model_signature(transformer)).cond;
     } catch (const std::invalid_argument& e) {
       throw UsageError(std::string("--magcache-ratios ") + e.what());
     }
@@ -391,13 +392,15 @@ model::MagCacheRatios calibration_of(const TransformerWork& work, const model::S
                                      const Args& args, const model::GenerationParams& params) {
   model::MagCacheRatios r;
   for (const auto& call : work.calls) {
-    if (call.calibration_ratio) (call.unconditional ? r.uncond : r.cond).push_back(static_cast<float>(*call.calibration_ratio));
+    if (call.calibration_ratio)
+      (call.unconditional ? r.uncond : r.cond).push_back(static_cast<float>(*call.calibration_ratio));
   }
   r.num_inference_steps = static_cast<int64_t>(r.cond.size());
   r.model = model::magcache_model_signature(transformer);
-  r.settings = fmt::format("{} frames {}x{}, {} steps, flow_shift {}, guidance_scale {}, prompt from {}",
-                           params.num_frames, params.width, params.height, params.num_inference_steps, params.flow_shift,
-                           params.guidance_scale, args.has("inputs") ? args.get("inputs") : "--prompt");
+  r.settings =
+      fmt::format("{} frames {}x{}, {} steps, flow_shift {}, guidance_scale {}, prompt from {}", params.num_frames,
+                  params.width, params.height, params.num_inference_steps, params.flow_shift, params.guidance_scale,
+                  args.has("inputs") ? args.get("inputs") : "--prompt");
   return r;
 }
 
@@ -502,9 +505,11 @@ int run_generate(const std::vector<std::string>& argv) {
   }
 
   model::GenerationParams params = params_from_flags(args);
-  if (args.has("magcache-ratios")) throw UsageError("--magcache-ratios belongs to --cache magcache on --pipeline t2v / i2v");
+  if (args.has("magcache-ratios"))
+    throw UsageError("--magcache-ratios belongs to --cache magcache on --pipeline t2v / i2v");
   if (params.cache.kind == model::StepCacheKind::kTaylorSeer || params.cache.kind == model::StepCacheKind::kMagCache) {
-    throw UsageError("--cache " + args.get("cache") + ": runs on --pipeline t2v / i2v (on diffusion forcing use "
+    throw UsageError("--cache " + args.get("cache") +
+                     ": runs on --pipeline t2v / i2v (on diffusion forcing use "
                      "first-block or first-block-per-block)");
   }
   if (args.has("kv-cache-bytes")) params.kv_cache_max_bytes = parse_bytes(args.get("kv-cache-bytes"));

@@ -32,7 +32,7 @@ enum class ConditioningMode { kText, kImage, kVideo };
 // A step cache (fewer transformer passes at a small loss; exact savings are separate and lossless).
 enum class StepCacheKind {
   kNone,
-  kFirstBlock,  // diffusers' FirstBlockCache, one decision per call and guidance context
+  kFirstBlock,          // diffusers' FirstBlockCache, one decision per call and guidance context
   kFirstBlockPerBlock,  // one decision per causal block (beyond diffusers; model/transformer PerBlockCache)
   kTaylorSeer,          // diffusers' TaylorSeer (model/step_caches.h; the t2v / i2v pipelines)
   kMagCache,            // diffusers' MagCache (model/step_caches.h; the t2v / i2v pipelines; needs ratios)

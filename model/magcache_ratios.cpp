@@ -4,9 +4,9 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
@@ -49,7 +49,8 @@ std::string signature(const TransformerConfig& c, const std::function<at::Tensor
   std::ostringstream out;
   out << "layers=" << c.num_layers << " dim=" << c.inner_dim() << " ffn=" << c.ffn_dim << " in=" << c.in_channels
       << " out=" << c.out_channels << " image=" << c.image_dim.value_or(0) << " fps=" << c.inject_sample_info;
-  for (const char* name : {"proj_out.weight", "blocks.0.scale_shift_table"}) out << " " << name << "=" << sums_of(tensor(name));
+  for (const char* name : {"proj_out.weight", "blocks.0.scale_shift_table"})
+    out << " " << name << "=" << sums_of(tensor(name));
   return out.str();
 }
 
@@ -88,7 +89,8 @@ MagCacheRatios load_magcache_ratios(const std::string& path, const std::string& 
   r.settings = j.value("settings", std::string());
   if (r.cond.empty() || r.num_inference_steps != static_cast<int64_t>(r.cond.size()) ||
       (!r.uncond.empty() && r.uncond.size() != r.cond.size())) {
-    throw std::invalid_argument(path + ": needs num_inference_steps ratios in \"ratios_cond\" (and as many in "
+    throw std::invalid_argument(path +
+                                ": needs num_inference_steps ratios in \"ratios_cond\" (and as many in "
                                 "\"ratios_uncond\" when present)");
   }
   if (r.model != here) {

@@ -30,9 +30,9 @@ std::string magcache_model_signature(const MappedTransformerCheckpoint& checkpoi
 // Files larger than this are refused before they are read (a few thousand steps fit in a few hundred KiB).
 constexpr int64_t kMaxMagCacheRatiosBytes = int64_t{1} << 20;
 
-// Reads `path` for the model of `model_signature`; throws std::invalid_argument naming the file for a file too large, damaged JSON, another
-// format, ratios that are missing, not finite or not positive, a step count that is not the list's length, or ratios
-// calibrated on another model (its signature).
+// Reads `path` for the model of `model_signature`; throws std::invalid_argument naming the file for a file too large,
+// damaged JSON, another format, ratios that are missing, not finite or not positive, a step count that is not the
+// list's length, or ratios calibrated on another model (its signature).
 MagCacheRatios load_magcache_ratios(const std::string& path, const std::string& model_signature);
 void save_magcache_ratios(const std::string& path, const MagCacheRatios& ratios);
 

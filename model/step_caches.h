@@ -1,5 +1,6 @@
 // The settings of diffusers' TaylorSeer and MagCache step caches (TransformerForwardArgs::taylorseer / magcache,
-// StepCacheConfig), apart from the transformer so that the generation parameters can name them without its header (torch-free).
+// StepCacheConfig), apart from the transformer so that the generation parameters can name them without its header
+// (torch-free).
 #pragma once
 
 #include <cstdint>

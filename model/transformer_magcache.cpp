@@ -24,9 +24,8 @@ void require(bool ok, const std::string& message) {
 void check_magcache(const MagCache& c) {
   require(std::isfinite(c.threshold) && c.threshold >= 0 && c.threshold <= 100,
           "magcache_threshold: must be a finite value within [0, 100]");
-  require(c.max_skip_steps >= 1 && c.max_skip_steps <= 1000, "magcache_max_skip_steps: " +
-                                                                   std::to_string(c.max_skip_steps) +
-                                                                   " must be within [1, 1000]");
+  require(c.max_skip_steps >= 1 && c.max_skip_steps <= 1000,
+          "magcache_max_skip_steps: " + std::to_string(c.max_skip_steps) + " must be within [1, 1000]");
   require(std::isfinite(c.retention_ratio) && c.retention_ratio >= 0 && c.retention_ratio <= 1,
           "magcache_retention_ratio: must be within [0, 1]");
   require(c.num_inference_steps >= 1, "magcache: num_inference_steps must be >= 1");

@@ -25,16 +25,24 @@ void require(bool ok, const std::string& message) {
 // Every module name diffusers' SkyReelsV2Transformer3DModel has for this config (named_modules() order where it
 // matters: the blocks, then proj_out), and whether TaylorSeer can hook it here.
 std::vector<std::string> module_names(const TransformerConfig& c) {
-  std::vector<std::string> names = {"", "rope", "patch_embedding", "condition_embedder",
-                                    "condition_embedder.timesteps_proj", "condition_embedder.time_embedder",
-                                    "condition_embedder.time_embedder.linear_1", "condition_embedder.time_embedder.act",
-                                    "condition_embedder.time_embedder.linear_2", "condition_embedder.act_fn",
-                                    "condition_embedder.time_proj", "condition_embedder.text_embedder",
-                                    "condition_embedder.text_embedder.linear_1", "condition_embedder.text_embedder.act_1",
+  std::vector<std::string> names = {"",
+                                    "rope",
+                                    "patch_embedding",
+                                    "condition_embedder",
+                                    "condition_embedder.timesteps_proj",
+                                    "condition_embedder.time_embedder",
+                                    "condition_embedder.time_embedder.linear_1",
+                                    "condition_embedder.time_embedder.act",
+                                    "condition_embedder.time_embedder.linear_2",
+                                    "condition_embedder.act_fn",
+                                    "condition_embedder.time_proj",
+                                    "condition_embedder.text_embedder",
+                                    "condition_embedder.text_embedder.linear_1",
+                                    "condition_embedder.text_embedder.act_1",
                                     "condition_embedder.text_embedder.linear_2"};
   if (c.image_dim) {
-    for (const char* n : {"", ".norm1", ".ff", ".ff.net", ".ff.net.0", ".ff.net.0.proj", ".ff.net.1", ".ff.net.2",
-                          ".norm2"}) {
+    for (const char* n :
+         {"", ".norm1", ".ff", ".ff.net", ".ff.net.0", ".ff.net.0.proj", ".ff.net.1", ".ff.net.2", ".norm2"}) {
       names.push_back(std::string("condition_embedder.image_embedder") + n);
     }
   }
@@ -52,8 +60,8 @@ std::vector<std::string> module_names(const TransformerConfig& c) {
         for (const char* n : {".add_k_proj", ".add_v_proj", ".norm_added_k"}) names.push_back(p + attn + n);
       }
     }
-    for (const char* n : {".norm2", ".ffn", ".ffn.net", ".ffn.net.0", ".ffn.net.0.proj", ".ffn.net.1", ".ffn.net.2",
-                          ".norm3"}) {
+    for (const char* n :
+         {".norm2", ".ffn", ".ffn.net", ".ffn.net.0", ".ffn.net.0.proj", ".ffn.net.1", ".ffn.net.2", ".norm3"}) {
       names.push_back(p + n);
     }
   }
@@ -110,11 +118,10 @@ std::vector<std::pair<std::string, std::string>> taylorseer_hooked_modules(const
                                                                            const TransformerConfig& config) {
   check_config(cache);
   // diffusers' lite mode: ^[^.]*block[^.]*\.[^.]+$ skipped (blocks.N here), ^proj_out$ cached.
-  const std::vector<std::regex> skip =
-      cache.lite ? compile({R"(^[^.]*block[^.]*\.[^.]+$)"}, "taylorseer_lite") : compile(cache.skip_modules,
-                                                                                          "taylorseer_skip_modules");
-  const std::vector<std::regex> keep =
-      cache.lite ? compile({"^proj_out$"}, "taylorseer_lite") : compile(cache.cache_modules, "taylorseer_cache_modules");
+  const std::vector<std::regex> skip = cache.lite ? compile({R"(^[^.]*block[^.]*\.[^.]+$)"}, "taylorseer_lite")
+                                                  : compile(cache.skip_modules, "taylorseer_skip_modules");
+  const std::vector<std::regex> keep = cache.lite ? compile({"^proj_out$"}, "taylorseer_lite")
+                                                  : compile(cache.cache_modules, "taylorseer_cache_modules");
   std::vector<std::pair<std::string, std::string>> hooked;
   for (const std::string& name : module_names(config)) {
     const bool is_skip = matches(skip, name), is_cache = matches(keep, name);
@@ -124,9 +131,9 @@ std::vector<std::pair<std::string, std::string>> taylorseer_hooked_modules(const
                                 "', which TaylorSeer cannot hook here (blocks.N, blocks.N.attn1, blocks.N.attn2, "
                                 "blocks.N.ffn and proj_out can be hooked)");
     for (const auto& [outer, role] : hooked) {
-      require(name.rfind(outer + ".", 0) != 0,
-              field + ": hooks '" + name + "' inside '" + outer + "', which is hooked too (nested hooks would count " +
-                  "calls apart)");
+      require(name.rfind(outer + ".", 0) != 0, field + ": hooks '" + name + "' inside '" + outer +
+                                                   "', which is hooked too (nested hooks would count " +
+                                                   "calls apart)");
     }
     hooked.emplace_back(name, is_skip ? "skip" : "cache");  // diffusers: a module matching both is skipped
   }
@@ -157,11 +164,12 @@ at::ScalarType scalar_type(TaylorFactorsDtype d) {
 // computes, and the state it reads and updates.
 class TaylorCall {
  public:
-  TaylorCall(const TaylorSeerCache& cache, const TransformerConfig& config, TransformerCallState::Impl& state)
-      : cache_(cache), state_(state.taylor) {
+  TaylorCall(const TaylorSeerCache& cache, const TransformerConfig& config, TransformerCallState::Impl& state,
+             at::TensorOptions outputs)
+      : cache_(cache), state_(state.taylor), outputs_(outputs) {
     const auto hooked = taylorseer_hooked_modules(cache, config);
-    for (size_t i = 0; i < hooked.size(); ++i) slots_[hooked[i].first] = {hooked[i].second == "skip" ? Role::kSkip
-                                                                                                     : Role::kCache, i};
+    for (size_t i = 0; i < hooked.size(); ++i)
+      slots_[hooked[i].first] = {hooked[i].second == "skip" ? Role::kSkip : Role::kCache, i};
     state_.current_step += 1;
     const int64_t step = state_.current_step, before = cache.disable_cache_before_step;
     const int64_t since = step - before - 1;
@@ -202,8 +210,7 @@ class TaylorCall {
       const int64_t delta = state_.current_step - *state_.last_update_step;
       const std::vector<Tensor>& prev = state_.factors[slot];
       for (int64_t j = 0; j < cache_.max_order && j < static_cast<int64_t>(prev.size()); ++j) {
-        fresh.push_back((fresh[static_cast<size_t>(j)] - prev[static_cast<size_t>(j)].to(out.scalar_type())) /
-                        delta);
+        fresh.push_back((fresh[static_cast<size_t>(j)] - prev[static_cast<size_t>(j)].to(out.scalar_type())) / delta);
       }
     }
     std::vector<Tensor> stored;
@@ -213,28 +220,24 @@ class TaylorCall {
   }
 
   Tensor predict(Role role, size_t slot) const {
-    if (role == Role::kSkip) return at::zeros(state_.shapes.at(slot), factors_options(slot));
+    if (role == Role::kSkip) return at::zeros(state_.shapes.at(slot), outputs_);
     const std::vector<Tensor>& factors = state_.factors.at(slot);
     const int64_t offset = state_.current_step - *state_.last_update_step;
-    Tensor out = at::zeros_like(factors[0], factors[0].options().dtype(dtype_));
+    const at::ScalarType dtype = outputs_.dtype().toScalarType();
+    Tensor out = at::zeros_like(factors[0], factors[0].options().dtype(dtype));
     double factorial = 1.0;
     for (size_t order = 0; order < factors.size(); ++order) {
       if (order > 0) factorial *= static_cast<double>(order);
       const double coeff = std::pow(static_cast<double>(offset), static_cast<double>(order)) / factorial;
-      out = out + factors[order].to(dtype_) * coeff;
+      out = out + factors[order].to(dtype) * coeff;
     }
     return out;
   }
 
-  at::TensorOptions factors_options(size_t) const { return at::TensorOptions().dtype(dtype_).device(device_); }
-
- public:
-  at::ScalarType dtype_ = at::kFloat;  // the modules' output dtype (the compute dtype)
-  c10::Device device_{c10::kCPU};
-
  private:
   const TaylorSeerCache& cache_;
   TransformerCallState::Impl::TaylorSeerState& state_;
+  at::TensorOptions outputs_;  // the hooked modules' outputs: the compute dtype, the model's device
   std::map<std::string, std::pair<Role, size_t>> slots_;
   bool compute_ = true;
 };
@@ -246,9 +249,7 @@ Tensor SkyReelsV2Transformer::Impl::taylorseer_forward(const Layers& layers, Ten
                                                        const TransformerForwardArgs& args,
                                                        TransformerCallState::Impl& state,
                                                        TransformerCallStats& stats) const {
-  TaylorCall call(*args.taylorseer, config, state);
-  call.dtype_ = dtype;
-  call.device_ = device;
+  TaylorCall call(*args.taylorseer, config, state, at::TensorOptions().dtype(dtype).device(device));
   stats.predicted = !call.computes();
   const Tensor& modulation = cond.modulation;
   for (size_t l = 0; l < layers.blocks.size(); ++l) {
@@ -266,8 +267,8 @@ Tensor SkyReelsV2Transformer::Impl::taylorseer_forward(const Layers& layers, Ten
       });
       Tensor h = gated_residual(x, std::move(attn), row(2), g);
       h.add_(call.module(name + ".attn2", [&] {
-        const Tensor n = config.cross_attn_norm ? layer_norm_fp32(h, config.eps, b.norm2_weight, b.norm2_bias).to(dtype)
-                                                : h;
+        const Tensor n =
+            config.cross_attn_norm ? layer_norm_fp32(h, config.eps, b.norm2_weight, b.norm2_bias).to(dtype) : h;
         return cross_attention(b, n, cond.context);
       }));
       Tensor ff = call.module(name + ".ffn",

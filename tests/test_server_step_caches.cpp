@@ -6,13 +6,12 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
-#include <nlohmann/json.hpp>
-
 #include <chrono>
 #include <csignal>
 #include <filesystem>
-#include <functional>
 #include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -56,11 +55,11 @@ struct Parts {
     const auto [prompt, negative] = request_embeddings(t2v_request());
     safetensors::save(inputs, {{"prompt_embeds", prompt}, {"negative_prompt_embeds", negative}});
     std::string log;
-    const int rc = run_command(bin_path("skyreels") + " calibrate-magcache --model " + model + " --inputs " + inputs +
-                                   " --num-frames 17 --height 32 --width 48 --num-inference-steps " +
-                                   std::to_string(kSteps) + " --guidance-scale 6 --fps 16 --seed 7 --dtype float32" +
-                                   " --out " + ratios + " 2>&1",
-                               &log);
+    const int rc =
+        run_command(bin_path("skyreels") + " calibrate-magcache --model " + model + " --inputs " + inputs +
+                        " --num-frames 17 --height 32 --width 48 --num-inference-steps " + std::to_string(kSteps) +
+                        " --guidance-scale 6 --fps 16 --seed 7 --dtype float32" + " --out " + ratios + " 2>&1",
+                    &log);
     EXPECT_EQ(rc, 0) << log;
   }
 };
@@ -113,10 +112,11 @@ TEST_F(ServedStepCaches, AMagCacheJobEqualsSkyreelsGenerateAndItsSkipsAreCounted
   const pb::Job job = run_job(*server_, request);
   const at::Tensor served = download_latents(server_->client(), job.job_id());
   std::string log;
-  const at::Tensor expected = generate("--cache magcache --magcache-threshold 0.5 --magcache-max-skip-steps 2 "
-                                       "--magcache-ratios " + parts().ratios + " --cache-log " + parts().dir +
-                                           "/magcache.json",
-                                       &log);
+  const at::Tensor expected = generate(
+      "--cache magcache --magcache-threshold 0.5 --magcache-max-skip-steps 2 "
+      "--magcache-ratios " +
+          parts().ratios + " --cache-log " + parts().dir + "/magcache.json",
+      &log);
   EXPECT_TRUE(at::equal(served, expected)) << "max |served - generate| = " << max_abs_diff(served, expected);
   const auto& work = job.transformer_work();
   EXPECT_GT(work.saved_cache(), 0) << log;
@@ -136,8 +136,9 @@ TEST_F(ServedStepCaches, ATaylorSeerJobEqualsSkyreelsGenerate) {
   p->set_taylorseer_factors_dtype("float32");
   const pb::Job job = run_job(*server_, request);
   const at::Tensor served = download_latents(server_->client(), job.job_id());
-  const at::Tensor expected = generate("--cache taylorseer --taylorseer-cache-interval 2 "
-                                       "--taylorseer-disable-cache-before-step 2 --taylorseer-factors-dtype float32");
+  const at::Tensor expected = generate(
+      "--cache taylorseer --taylorseer-cache-interval 2 "
+      "--taylorseer-disable-cache-before-step 2 --taylorseer-factors-dtype float32");
   EXPECT_TRUE(at::equal(served, expected)) << "max |served - generate| = " << max_abs_diff(served, expected);
   EXPECT_GT(job.transformer_work().saved_cache(), 0);
   const at::Tensor plain = generate("");
@@ -146,13 +147,15 @@ TEST_F(ServedStepCaches, ATaylorSeerJobEqualsSkyreelsGenerate) {
 
 // POST /v1/videos names the cache's fields like every generation parameter: the same latents as over gRPC.
 TEST_F(ServedStepCaches, AMagCacheVideoOverHttpIsTheGrpcJobsVideo) {
-  const std::string created = post_json(http_port_, "/v1/videos",
-                                        R"({"prompt": "A dog runs.", "size": "48x32", "seconds": 2, "fps": 8, )"
-                                        R"("seed": 5, "num_inference_steps": 8, "pipeline": "t2v", )"
-                                        R"("cache": "magcache", "magcache_threshold": 0.5, "magcache_max_skip_steps": 2})")
-                                  .bytes;
+  const std::string created =
+      post_json(http_port_, "/v1/videos",
+                R"({"prompt": "A dog runs.", "size": "48x32", "seconds": 2, "fps": 8, )"
+                R"("seed": 5, "num_inference_steps": 8, "pipeline": "t2v", )"
+                R"("cache": "magcache", "magcache_threshold": 0.5, "magcache_max_skip_steps": 2})")
+          .bytes;
   ASSERT_EQ(created.rfind("HTTP/1.1 200", 0), 0u) << created;
-  const auto body = nlohmann::json::parse(created.substr(created.find('{'), created.rfind('}') - created.find('{') + 1));
+  const auto body =
+      nlohmann::json::parse(created.substr(created.find('{'), created.rfind('}') - created.find('{') + 1));
   const std::string by_http = body.at("id");
   const pb::Job http_job = wait_job(server_->client(), by_http, 120s);
   ASSERT_EQ(http_job.state(), pb::JOB_STATE_SUCCEEDED) << http_job.error().message();
@@ -186,19 +189,54 @@ TEST_F(ServedStepCaches, BadSettingsAreRefusedNamingTheField) {
     const char* message;
   };
   const std::vector<Case> cases = {
-      {"interval 0", [](auto& p) { p.set_cache("taylorseer"); p.set_taylorseer_cache_interval(0); },
+      {"interval 0",
+       [](auto& p) {
+         p.set_cache("taylorseer");
+         p.set_taylorseer_cache_interval(0);
+       },
        "taylorseer_cache_interval"},
-      {"order 9", [](auto& p) { p.set_cache("taylorseer"); p.set_taylorseer_max_order(9); }, "taylorseer_max_order"},
-      {"patterns hooking nothing", [](auto& p) { p.set_cache("taylorseer"); p.set_taylorseer_cache_modules("^blocks.*attn"); },
+      {"order 9",
+       [](auto& p) {
+         p.set_cache("taylorseer");
+         p.set_taylorseer_max_order(9);
+       },
+       "taylorseer_max_order"},
+      {"patterns hooking nothing",
+       [](auto& p) {
+         p.set_cache("taylorseer");
+         p.set_taylorseer_cache_modules("^blocks.*attn");
+       },
        "taylorseer_cache_modules: the patterns hook no module"},
-      {"a bad regex", [](auto& p) { p.set_cache("taylorseer"); p.set_taylorseer_cache_modules("blocks\\.("); },
+      {"a bad regex",
+       [](auto& p) {
+         p.set_cache("taylorseer");
+         p.set_taylorseer_cache_modules("blocks\\.(");
+       },
        "taylorseer_cache_modules"},
-      {"threshold -1", [](auto& p) { p.set_cache("magcache"); p.set_magcache_threshold(-1); }, "magcache_threshold"},
-      {"skips 0", [](auto& p) { p.set_cache("magcache"); p.set_magcache_max_skip_steps(0); },
+      {"threshold -1",
+       [](auto& p) {
+         p.set_cache("magcache");
+         p.set_magcache_threshold(-1);
+       },
+       "magcache_threshold"},
+      {"skips 0",
+       [](auto& p) {
+         p.set_cache("magcache");
+         p.set_magcache_max_skip_steps(0);
+       },
        "magcache_max_skip_steps"},
-      {"retention 2", [](auto& p) { p.set_cache("magcache"); p.set_magcache_retention_ratio(2); },
+      {"retention 2",
+       [](auto& p) {
+         p.set_cache("magcache");
+         p.set_magcache_retention_ratio(2);
+       },
        "magcache_retention_ratio"},
-      {"magcache on df", [](auto& p) { p.set_cache("magcache"); p.set_pipeline("df"); }, "cache: \"magcache\" runs on"},
+      {"magcache on df",
+       [](auto& p) {
+         p.set_cache("magcache");
+         p.set_pipeline("df");
+       },
+       "cache: \"magcache\" runs on"},
       {"first-block on t2v", [](auto& p) { p.set_cache("first-block"); }, "cache: \"first-block\" is a diffusion"},
   };
   for (const Case& c : cases) {
@@ -231,8 +269,10 @@ void expect_refused_at_start(const std::string& name, const std::function<void(s
 }
 
 TEST(ServedStepCachesStart, DamagedOversizedAndOtherModelsRatiosStopTheStartNamingTheFile) {
-  expect_refused_at_start("damaged", [](std::string& t) { t.resize(t.size() / 2); }, "not a JSON object");
-  expect_refused_at_start("oversized", [](std::string& t) { t.append(size_t{2} << 20, ' '); }, "bytes, more than");
+  expect_refused_at_start(
+      "damaged", [](std::string& t) { t.resize(t.size() / 2); }, "not a JSON object");
+  expect_refused_at_start(
+      "oversized", [](std::string& t) { t.append(size_t{2} << 20, ' '); }, "bytes, more than");
   auto json_edit = [](const std::function<void(nlohmann::json&)>& change) {
     return [change](std::string& t) {
       nlohmann::json j = nlohmann::json::parse(t);
@@ -250,9 +290,18 @@ TEST(ServedStepCachesStart, DamagedOversizedAndOtherModelsRatiosStopTheStartNami
 // --magcache-ratios) and makes the video `skyreels generate` makes, bit for bit.
 TEST(ServedStepCachesDurable, ASigkillMidVideoResumesBitIdentical) {
   const std::string store = "sqlite:" + temp_dir("step-caches-store") + "/jobs.sqlite";
-  const std::vector<std::string> args = {"--demo", "--devices", "cpu", "--dtype", "float32", "--magcache-ratios",
-                                         parts().ratios, "--enable-test-hooks", "--step-delay-ms", "300",
-                                         "--job-store", store};
+  const std::vector<std::string> args = {"--demo",
+                                         "--devices",
+                                         "cpu",
+                                         "--dtype",
+                                         "float32",
+                                         "--magcache-ratios",
+                                         parts().ratios,
+                                         "--enable-test-hooks",
+                                         "--step-delay-ms",
+                                         "300",
+                                         "--job-store",
+                                         store};
   pb::SubmitJobRequest request = t2v_request();
   request.mutable_spec()->mutable_params()->set_cache("magcache");
   request.mutable_spec()->mutable_params()->set_magcache_threshold(0.5);
@@ -260,9 +309,8 @@ TEST(ServedStepCachesDurable, ASigkillMidVideoResumesBitIdentical) {
   {
     ServerProcess server(args);
     id = submit(server.client(), request).job_id();
-    const auto events = watch_until(server.client(), id, 0, [](const pb::JobEvent& e) {
-      return e.has_step() && e.step().step() >= 2;
-    });
+    const auto events =
+        watch_until(server.client(), id, 0, [](const pb::JobEvent& e) { return e.has_step() && e.step().step() >= 2; });
     ASSERT_FALSE(events.empty());
     ASSERT_TRUE(events.back().has_step()) << "the job ended before its second step";
     server.signal(SIGKILL);
@@ -272,8 +320,7 @@ TEST(ServedStepCachesDurable, ASigkillMidVideoResumesBitIdentical) {
   const pb::Job done = wait_job(restarted.client(), id, 180s);
   ASSERT_EQ(done.state(), pb::JOB_STATE_SUCCEEDED) << done.error().message();
   const at::Tensor served = download_latents(restarted.client(), id);
-  const at::Tensor expected =
-      generate("--cache magcache --magcache-threshold 0.5 --magcache-ratios " + parts().ratios);
+  const at::Tensor expected = generate("--cache magcache --magcache-threshold 0.5 --magcache-ratios " + parts().ratios);
   EXPECT_TRUE(at::equal(served, expected)) << "max |resumed - generate| = " << max_abs_diff(served, expected);
   EXPECT_GT(done.transformer_work().saved_cache(), 0);
 }

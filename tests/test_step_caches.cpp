@@ -154,6 +154,12 @@ CacheRun run(const GenerationParams& params, const Base& b = base()) {
 
 class Fixture : public ::testing::TestWithParam<std::string> {};
 
+// ts1, mc2, i2v_ts1, ...: the case's short name.
+std::string fixture_label(const ::testing::TestParamInfo<std::string>& info) {
+  const std::string& p = info.param;
+  return p.rfind("i2v_", 0) == 0 ? "i2v_" + p.substr(4, 3) : p.substr(0, 3);
+}
+
 TEST_P(Fixture, LatentsAndDecisionsAreDiffusers) {
   const std::string dir = data_path("step_caches/" + GetParam());
   const Json c = read_json(dir + "/case.json");
@@ -188,17 +194,15 @@ INSTANTIATE_TEST_SUITE_P(StepCaches, Fixture,
                          ::testing::Values("ts1_attn_order2_fp32", "ts2_lite_after9", "ts3_block_skip_ffn",
                                            "ts4_attn_bf16_default_dtype", "mc1_threshold", "mc2_interpolated_9",
                                            "i2v_ts1_attn_fp32", "i2v_mc1_threshold"),
-                         [](const auto& info) {
-                           const std::string& p = info.param;
-                           return p.rfind("i2v_", 0) == 0 ? "i2v_" + p.substr(4, 3) : p.substr(0, 3);
-                         });
+                         fixture_label);
 
 TEST(TaylorSeer, HooksTheModulesDiffusersHooks) {
-  for (const char* name : {"ts1_attn_order2_fp32", "ts2_lite_after9", "ts3_block_skip_ffn", "ts4_attn_bf16_default_dtype"}) {
+  for (const char* name :
+       {"ts1_attn_order2_fp32", "ts2_lite_after9", "ts3_block_skip_ffn", "ts4_attn_bf16_default_dtype"}) {
     const Json c = read_json(data_path(std::string("step_caches/") + name + "/case.json"));
     std::vector<std::string> hooked;
-    for (const auto& [module, role] : taylorseer_hooked_modules(cache_of(c.at("cache")).taylorseer,
-                                                                 base().model->config())) {
+    for (const auto& [module, role] :
+         taylorseer_hooked_modules(cache_of(c.at("cache")).taylorseer, base().model->config())) {
       hooked.push_back(module);
     }
     EXPECT_EQ(hooked, strings(c, "hooked_modules")) << name;
@@ -229,9 +233,9 @@ TEST(TaylorSeer, RefusesPatternsThatHookNothingOrTheWrongModules) {
             std::string::npos);
   interval.cache_interval = 2;
   interval.disable_cache_before_step = 0;
-  EXPECT_NE(test::error_of([&] { taylorseer_hooked_modules(interval, config); })
-                .find("taylorseer_disable_cache_before_step"),
-            std::string::npos);
+  EXPECT_NE(
+      test::error_of([&] { taylorseer_hooked_modules(interval, config); }).find("taylorseer_disable_cache_before_step"),
+      std::string::npos);
   interval.disable_cache_before_step = 1;
   interval.max_order = 9;
   EXPECT_NE(test::error_of([&] { taylorseer_hooked_modules(interval, config); }).find("taylorseer_max_order"),
@@ -262,8 +266,7 @@ TEST_P(Calibration, RecordsDiffusersRatios) {
   EXPECT_LE(max_abs_diff(run(plain, b).latents, r.latents), 0.0);
 }
 
-INSTANTIATE_TEST_SUITE_P(MagCache, Calibration, ::testing::Values("mc0_calibrate", "i2v_mc0_calibrate"),
-                         [](const auto& info) { return info.param.substr(0, 3); });
+INSTANTIATE_TEST_SUITE_P(MagCache, Calibration, ::testing::Values("mc0_calibrate", "i2v_mc0_calibrate"), fixture_label);
 
 TEST(MagCache, ResamplesRatiosAsDiffusersNearestInterp) {
   const std::vector<float> twelve{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
@@ -308,10 +311,9 @@ TEST(StepCachesCli, CalibrateAndGenerateReproduceTheFixtures) {
       " --model " + golden_path(base().json.at("weights").at("transformer").at("dir").get<std::string>()) +
       " --inputs " + golden_path(std::string(kBase) + "/inputs.safetensors") + " --noise " +
       golden_path(std::string(kBase) + "/noise.safetensors") + " --scheduler-config " +
-      golden_path(std::string(kBase) + "/scheduler/scheduler_config.json") +
-      " --num-frames " + std::to_string(k.at("num_frames").get<int64_t>()) + " --height " +
-      std::to_string(k.at("height").get<int64_t>()) + " --width " + std::to_string(k.at("width").get<int64_t>()) +
-      " --guidance-scale 6 --num-inference-steps 12 ";
+      golden_path(std::string(kBase) + "/scheduler/scheduler_config.json") + " --num-frames " +
+      std::to_string(k.at("num_frames").get<int64_t>()) + " --height " + std::to_string(k.at("height").get<int64_t>()) +
+      " --width " + std::to_string(k.at("width").get<int64_t>()) + " --guidance-scale 6 --num-inference-steps 12 ";
   auto run_cli = [&](const std::string& command, const std::string& flags) {
     std::string log;
     const std::string line = test::bin_path("skyreels") + " " + command + common + flags + " 2>&1";
@@ -327,17 +329,22 @@ TEST(StepCachesCli, CalibrateAndGenerateReproduceTheFixtures) {
     for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-4 * want[i]) << key << " " << i;
   }
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {"mc1_threshold", "--cache magcache --magcache-threshold 0.25 --magcache-max-skip-steps 2 "
-                        "--magcache-retention-ratio 0.2 --magcache-ratios " + dir + "/ratios.json"},
-      {"ts1_attn_order2_fp32", "--cache taylorseer --taylorseer-cache-interval 3 "
-                               "--taylorseer-disable-cache-before-step 2 --taylorseer-max-order 2 "
-                               "--taylorseer-factors-dtype float32"}};
+      {"mc1_threshold",
+       "--cache magcache --magcache-threshold 0.25 --magcache-max-skip-steps 2 "
+       "--magcache-retention-ratio 0.2 --magcache-ratios " +
+           dir + "/ratios.json"},
+      {"ts1_attn_order2_fp32",
+       "--cache taylorseer --taylorseer-cache-interval 3 "
+       "--taylorseer-disable-cache-before-step 2 --taylorseer-max-order 2 "
+       "--taylorseer-factors-dtype float32"}};
   for (const auto& [name, flags] : cases) {
-    run_cli("generate", "--pipeline t2v " + flags + " --cache-log " + dir + "/log.json --out " + dir + "/out.safetensors");
+    run_cli("generate",
+            "--pipeline t2v " + flags + " --cache-log " + dir + "/log.json --out " + dir + "/out.safetensors");
     const at::Tensor got = load_tensors(dir + "/out.safetensors").at("latents");
     const at::Tensor want = load_tensors(data_path("step_caches/" + name + "/output.safetensors")).at("latents");
     EXPECT_LE(max_abs_diff(got, want), kTolerance) << name;
-    const Json log = read_json(dir + "/log.json"), decisions = read_json(data_path("step_caches/" + name + "/decisions.json"));
+    const Json log = read_json(dir + "/log.json"),
+               decisions = read_json(data_path("step_caches/" + name + "/decisions.json"));
     ASSERT_EQ(log.size(), decisions.size()) << name;
     for (size_t i = 0; i < log.size(); ++i) EXPECT_EQ(log[i].at("decision"), decisions[i].at("decision")) << name << i;
   }

@@ -119,9 +119,9 @@ std::unique_ptr<CheckedModel> check_model(const Options& o) {
   m->catalogue = catalogue_adapters(o, m->mapped.config);
   if (!o.magcache_ratios.empty()) {
     try {
-      m->magcache_ratios = skyreels::model::load_magcache_ratios(
-                               o.magcache_ratios, skyreels::model::magcache_model_signature(m->mapped))
-                               .cond;
+      m->magcache_ratios =
+          skyreels::model::load_magcache_ratios(o.magcache_ratios, skyreels::model::magcache_model_signature(m->mapped))
+              .cond;
     } catch (const std::invalid_argument& e) {
       throw UsageError(std::string("--magcache-ratios: ") + e.what());
     }

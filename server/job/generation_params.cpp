@@ -81,7 +81,8 @@ void cache_fits_pipeline(const ResolvedParams& params) {
             " takes \"taylorseer\" or \"magcache\"");
   }
   if ((cache == "taylorseer" || cache == "magcache") && pipeline == "df") {
-    invalid(name + ": \"" + cache + "\" runs on the t2v and i2v pipelines (on diffusion forcing use \"first-block\" or "
+    invalid(name + ": \"" + cache +
+            "\" runs on the t2v and i2v pipelines (on diffusion forcing use \"first-block\" or "
             "\"first-block-per-block\")");
   }
 }

@@ -11,8 +11,8 @@
 
 #include "model/guidance.h"
 #include "model/transformer_skyreels_v2.h"
-#include "model/video_shape.h"
 #include "model/vae_wan.h"
+#include "model/video_shape.h"
 #include "server/job/fingerprint.h"
 #include "server/job/generation_params.h"
 #include "server/job/generation_params_model.h"
@@ -84,8 +84,9 @@ void check_work(const ModelJob& job, const ServerLimits& limits) {
 void step_cache_of_model(const ModelDescription& model, model::StepCacheConfig& cache) {
   if (cache.kind == model::StepCacheKind::kMagCache) {
     if (model.magcache_ratios.empty()) {
-      invalid("cache: \"magcache\" needs the model's magnitude ratios, and this server has none (start it with "
-              "--magcache-ratios FILE, made by `skyreels calibrate-magcache`)");
+      invalid(
+          "cache: \"magcache\" needs the model's magnitude ratios, and this server has none (start it with "
+          "--magcache-ratios FILE, made by `skyreels calibrate-magcache`)");
     }
     cache.magcache.mag_ratios = model.magcache_ratios;
   }
