@@ -91,8 +91,7 @@ const std::string kUsage =
         "  --inputs-at FRAME:FILE   from pixel frame FRAME on, the embeddings of FILE (like --inputs); repeatable\n"
         "  --cache-log FILE.json    every step-cache decision (the pipeline_df_cache / step_caches fixtures' "
         "decisions.json)\n"
-        "  --magcache-ratios FILE   --cache magcache (t2v / i2v): the model's ratios from `skyreels "
-        "calibrate-magcache`\n"
+        "  --magcache-ratios FILE   --cache magcache: the model's ratios from `skyreels calibrate-magcache`\n"
         "  --kv-cache-bytes N       memory for the kept keys/values of final frames (default 4 GiB)\n"
         "  --previews DIR           a PNG per preview: DIR/chunkK_rowR.png, the chunk's new frames side by side at\n"
         "                           latent resolution (after every --preview-every rows, default 1, and the last)\n"
@@ -359,31 +358,51 @@ void encode_i2v_images(const Args& args, const model::GenerationParams& params, 
   spdlog::info("condition video encoded in {:.2f} s", seconds_since(start));
 }
 
-// The step cache of a t2v / i2v run: --magcache-ratios for --cache magcache (the file checked against the model), or
-// calibration (`calibrate-magcache`); its settings checked before the first step (exit 2 naming the field or file).
+// --magcache-ratios for --cache magcache: the file, checked against the model (exit 2 naming it).
+void magcache_ratios_from_flags(const Args& args, const model::SkyReelsV2Transformer& transformer,
+                                model::GenerationParams& params) {
+  if (!args.has("magcache-ratios")) return;
+  if (params.cache.kind != model::StepCacheKind::kMagCache) throw UsageError("--magcache-ratios needs --cache magcache");
+  try {
+    params.cache.magcache.mag_ratios =
+        model::load_magcache_ratios(args.get("magcache-ratios"), model::magcache_model_signature(transformer)).cond;
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(std::string("--magcache-ratios ") + e.what());
+  }
+}
+
+// TaylorSeer's modules and settings, MagCache's ratios and settings, checked before the first step (exit 2 naming the
+// field).
+void check_step_cache_flags(const model::SkyReelsV2Transformer& transformer, const model::GenerationParams& params) {
+  try {
+    model::check_video_step_cache(transformer, params.cache, params.num_inference_steps);
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(e.what());
+  }
+}
+
+// The step cache of a t2v / i2v run: calibration (`calibrate-magcache`) or the flags' cache.
 void video_step_cache_from_flags(const Args& args, const model::SkyReelsV2Transformer& transformer, bool calibrate,
                                  model::GenerationParams& params) {
   if (calibrate) {
     params.cache = {};
     params.cache.kind = model::StepCacheKind::kMagCache;
     params.cache.magcache.calibrate = true;
-  } else if (args.has("magcache-ratios")) {
-    if (params.cache.kind != model::StepCacheKind::kMagCache)
-      throw UsageError("--magcache-ratios needs --cache magcache");
-    try {
-      params.cache.magcache.mag_ratios =
-          model::load_magcache_ratios(args.get("magcache-ratios"), model::magcache_model_signature(transformer)).cond;
-    } catch (const std::invalid_argument& e) {
-      throw UsageError(std::string("--magcache-ratios ") + e.what());
-    }
+  } else {
+    magcache_ratios_from_flags(args, transformer, params);
   }
   if (args.has("cache-log") && params.cache.kind == model::StepCacheKind::kNone) {
     throw UsageError("--cache-log needs a step cache (--cache taylorseer or magcache)");
   }
-  try {
-    model::check_video_step_cache(transformer, params.cache, params.num_inference_steps);
-  } catch (const std::invalid_argument& e) {
-    throw UsageError(e.what());
+  check_step_cache_flags(transformer, params);
+}
+
+// The step cache of a diffusion-forcing run: TaylorSeer / MagCache as on t2v (the chunk plan checks ar_step).
+void df_step_cache_from_flags(const Args& args, const model::SkyReelsV2Transformer& transformer,
+                              model::GenerationParams& params) {
+  magcache_ratios_from_flags(args, transformer, params);
+  if (params.cache.kind == model::StepCacheKind::kTaylorSeer || params.cache.kind == model::StepCacheKind::kMagCache) {
+    check_step_cache_flags(transformer, params);
   }
 }
 
@@ -505,16 +524,9 @@ int run_generate(const std::vector<std::string>& argv) {
   }
 
   model::GenerationParams params = params_from_flags(args);
-  if (args.has("magcache-ratios"))
-    throw UsageError("--magcache-ratios belongs to --cache magcache on --pipeline t2v / i2v");
-  if (params.cache.kind == model::StepCacheKind::kTaylorSeer || params.cache.kind == model::StepCacheKind::kMagCache) {
-    throw UsageError("--cache " + args.get("cache") +
-                     ": runs on --pipeline t2v / i2v (on diffusion forcing use "
-                     "first-block or first-block-per-block)");
-  }
   if (args.has("kv-cache-bytes")) params.kv_cache_max_bytes = parse_bytes(args.get("kv-cache-bytes"));
   if (args.has("cache-log") && params.cache.kind == model::StepCacheKind::kNone) {
-    throw UsageError("--cache-log needs a step cache (--cache first-block)");
+    throw UsageError("--cache-log needs a step cache (--cache first-block, first-block-per-block, taylorseer, magcache)");
   }
   std::unique_ptr<model::TextEncoder> encoder;
   if (args.has("text-encoder")) {
@@ -542,6 +554,7 @@ int run_generate(const std::vector<std::string>& argv) {
   const auto loaded = load_for(args, model_path, model::PipelineKind::kDiffusionForcing);
   const auto& transformer = *loaded.model;
   params.adapters = skyreels::cli::adapters_from_flags(args, transformer);
+  df_step_cache_from_flags(args, transformer, params);
 
   // The same path the server takes: an explicit plan, then run_chunk per chunk.
   if (!plan) plan = model::plan_chunks(params, transformer.config().num_frame_per_block);

@@ -34,8 +34,8 @@ enum class StepCacheKind {
   kNone,
   kFirstBlock,          // diffusers' FirstBlockCache, one decision per call and guidance context
   kFirstBlockPerBlock,  // one decision per causal block (beyond diffusers; model/transformer PerBlockCache)
-  kTaylorSeer,          // diffusers' TaylorSeer (model/step_caches.h; the t2v / i2v pipelines)
-  kMagCache,            // diffusers' MagCache (model/step_caches.h; the t2v / i2v pipelines; needs ratios)
+  kTaylorSeer,          // diffusers' TaylorSeer (model/step_caches.h; t2v / i2v, and df with ar_step 0)
+  kMagCache,            // diffusers' MagCache (model/step_caches.h; t2v / i2v, and df with ar_step 0; needs ratios)
 };
 enum class StepCacheScope {
   kChunk,    // state reset at every chunk start: a chunk's output depends on that chunk alone
@@ -237,7 +237,7 @@ struct TransformerCallReport {
     bool reused = false;  // final and unchanged: its kept keys / values stood in (exact, not a skip)
   };
   std::vector<BlockDecision> blocks;
-  // kTaylorSeer / kMagCache (the t2v / i2v pipelines: chunk 0, row = step): the cache and its decision (TaylorSeer
+  // kTaylorSeer / kMagCache (t2v / i2v: chunk 0, row = step; df: one row per step): the cache and its decision (TaylorSeer
   // predicted its hooked modules; MagCache: `skipped`), MagCache's accumulated error and calibration ratio.
   StepCacheKind cache_kind = StepCacheKind::kNone;
   bool predicted = false;

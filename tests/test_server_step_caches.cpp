@@ -145,6 +145,32 @@ TEST_F(ServedStepCaches, ATaylorSeerJobEqualsSkyreelsGenerate) {
   EXPECT_GT(max_abs_diff(served, plain), 0.0) << "TaylorSeer predicted nothing";
 }
 
+// Synchronous diffusion forcing: a long video (4 chunks) with MagCache, its state reset at every chunk (each chunk may
+// run on any replica), equals `skyreels generate` with the same flags.
+TEST_F(ServedStepCaches, ASyncDiffusionForcingMagCacheJobEqualsSkyreelsGenerate) {
+  pb::SubmitJobRequest request = long_video_request(kSeed, kSteps, 5.0);
+  pb::GenerationParams* p = request.mutable_spec()->mutable_params();
+  p->set_cache("magcache");
+  p->set_magcache_threshold(0.5);
+  const pb::Job job = run_job(*server_, request);
+  EXPECT_EQ(job.chunks_total(), 4);
+  const at::Tensor served = download_latents(server_->client(), job.job_id());
+  const std::string dir = parts().dir;
+  const auto [prompt, negative] = request_embeddings(request);
+  safetensors::save(dir + "/df_inputs.safetensors", {{"prompt_embeds", prompt}, {"negative_prompt_embeds", negative}});
+  std::string log;
+  const std::string command =
+      bin_path("skyreels") + " generate --pipeline df --model " + parts().model + " --inputs " + dir +
+      "/df_inputs.safetensors --num-frames 37 --base-num-frames 17 --overlap-history 9 --height 32 --width 48 " +
+      "--num-inference-steps " + std::to_string(kSteps) + " --guidance-scale 5 --seed " + std::to_string(kSeed) +
+      " --dtype float32 --cache magcache --magcache-threshold 0.5 --magcache-ratios " + parts().ratios + " --out " +
+      dir + "/df_out.safetensors 2>&1";
+  ASSERT_EQ(run_command(command, &log), 0) << log;
+  const at::Tensor expected = load_tensors(dir + "/df_out.safetensors").at("latents");
+  EXPECT_TRUE(at::equal(served, expected)) << "max |served - generate| = " << max_abs_diff(served, expected);
+  EXPECT_GT(job.transformer_work().saved_cache(), 0);
+}
+
 // POST /v1/videos names the cache's fields like every generation parameter: the same latents as over gRPC.
 TEST_F(ServedStepCaches, AMagCacheVideoOverHttpIsTheGrpcJobsVideo) {
   const std::string created =
@@ -231,12 +257,13 @@ TEST_F(ServedStepCaches, BadSettingsAreRefusedNamingTheField) {
          p.set_magcache_retention_ratio(2);
        },
        "magcache_retention_ratio"},
-      {"magcache on df",
+      {"magcache on async df",
        [](auto& p) {
          p.set_cache("magcache");
          p.set_pipeline("df");
+         p.set_ar_step(2);
        },
-       "cache: \"magcache\" runs on"},
+       "cache: \"magcache\" needs ar_step 0"},
       {"first-block on t2v", [](auto& p) { p.set_cache("first-block"); }, "cache: \"first-block\" is a diffusion"},
   };
   for (const Case& c : cases) {

@@ -11,6 +11,7 @@
 #include "model/pipeline_t2v_i2v.h"
 #include "model/transformer_loader.h"
 #include "model/transformer_skyreels_v2.h"
+#include "tests/pipeline_case.h"
 #include "tests/test_util.h"
 
 namespace skyreels::model {
@@ -195,6 +196,55 @@ INSTANTIATE_TEST_SUITE_P(StepCaches, Fixture,
                                            "ts4_attn_bf16_default_dtype", "mc1_threshold", "mc2_interpolated_9",
                                            "i2v_ts1_attn_fp32", "i2v_mc1_threshold"),
                          fixture_label);
+
+// Synchronous diffusion forcing (ar_step 0): diffusers' hooks on SkyReelsV2DiffusionForcingPipeline with the state
+// reset at every chunk start; one chunk and three chunks of pipeline_df_cache's fixtures.
+class DiffusionForcing : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DiffusionForcing, LatentsAndDecisionsAreDiffusers) {
+  const std::string dir = data_path("step_caches/" + GetParam());
+  const Json c = read_json(dir + "/case.json");
+  const test::PipelineCase base_case =
+      test::load_pipeline_case(GetParam(), dir + "/" + c.at("base").get<std::string>());
+  const auto model = test::load_fixture_transformer(base_case.dir + "/weights/diffusers");
+  GenerationParams params = base_case.params;
+  params.cache = cache_of(c.at("cache"));
+  std::vector<TransformerCallReport> calls;
+  StepHooks hooks;
+  hooks.on_call = [&calls](const TransformerCallReport& call) { calls.push_back(call); };
+  auto noise = make_recorded_noise(base_case.noise);
+  const at::Tensor latents = generate(*model, params, base_case.conditioning, *noise, hooks);
+
+  const at::Tensor want = load_tensors(dir + "/output.safetensors").at("latents");
+  const double diff = max_abs_diff(latents, want);
+  std::cout << GetParam() << ": max |latents - diffusers| = " << diff << "\n";
+  EXPECT_LE(diff, kTolerance);
+  const Json got = Json::parse(step_cache_decisions_json(calls));
+  const Json decisions = read_json(dir + "/decisions.json");
+  ASSERT_EQ(got.size(), decisions.size());
+  int64_t saved = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    for (const char* key : {"chunk", "step", "context", "decision"}) {
+      EXPECT_EQ(got[i].at(key), decisions[i].at(key)) << "call " << i << " " << key;
+    }
+    saved += calls[i].token_blocks_saved_cache;
+  }
+  EXPECT_GT(saved, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(StepCaches, DiffusionForcing,
+                         ::testing::Values("df_ts1_sync_attn", "df_mc1_sync", "df_ts2_long_sync_3chunks",
+                                           "df_mc2_long_sync_3chunks"));
+
+TEST(DiffusionForcing, AsyncRowsAreRefused) {
+  GenerationParams params;
+  params.num_frames = 17;
+  params.base_num_frames = 17;
+  params.ar_step = 2;
+  params.causal_block_size = 1;
+  params.cache.kind = StepCacheKind::kTaylorSeer;
+  EXPECT_NE(test::error_of([&] { plan_chunks(params, 1); }).find("need ar_step 0"), std::string::npos);
+}
 
 TEST(TaylorSeer, HooksTheModulesDiffusersHooks) {
   for (const char* name :

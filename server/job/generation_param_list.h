@@ -124,7 +124,8 @@
         .fingerprint_when_set() \
         .flag("cache", "step cache: first-block = diffusers' FirstBlockCache (lossy, --cache-threshold); " \
                   "first-block-per-block = one decision per causal block (--cache-max-skips), both df; " \
-                  "taylorseer / magcache = diffusers' TaylorSeer / MagCache (t2v, i2v; --taylorseer-*, --magcache-*)")) \
+                  "taylorseer / magcache = diffusers' TaylorSeer / MagCache (t2v, i2v, df with ar_step 0; --taylorseer-*, " \
+                  "--magcache-*)")) \
   PARAM(cache_threshold, "cache_threshold", std::optional<double>, double, 0, \
         .defaults(0.0) \
         .finite_within(0.0, 10.0) \

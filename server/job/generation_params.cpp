@@ -69,8 +69,8 @@ void multiple_of_16(const std::string& name, const ParamValue& value, const Chec
   }
 }
 
-// cache: the first-block kinds read the diffusion-forcing loop's rows; taylorseer / magcache run on t2v / i2v (their
-// behaviour per causal block is not defined yet).
+// cache: the first-block kinds read the diffusion-forcing loop's rows; taylorseer / magcache run on t2v / i2v and on
+// synchronous diffusion forcing (ar_step 0: one noise level per call, one row per step).
 // (check_pipeline_params: each value is valid on its own pipeline.)
 void cache_fits_pipeline(const ResolvedParams& params) {
   const std::string name = "cache";
@@ -80,10 +80,10 @@ void cache_fits_pipeline(const ResolvedParams& params) {
     invalid(name + ": \"" + cache + "\" is a diffusion-forcing cache; pipeline " + pipeline +
             " takes \"taylorseer\" or \"magcache\"");
   }
-  if ((cache == "taylorseer" || cache == "magcache") && pipeline == "df") {
+  if ((cache == "taylorseer" || cache == "magcache") && pipeline == "df" && params.ar_step != 0) {
     invalid(name + ": \"" + cache +
-            "\" runs on the t2v and i2v pipelines (on diffusion forcing use \"first-block\" or "
-            "\"first-block-per-block\")");
+            "\" needs ar_step 0 on diffusion forcing (with ar_step > 0 the frames of one call sit at different noise "
+            "levels; use \"first-block-per-block\")");
   }
 }
 

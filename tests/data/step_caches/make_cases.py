@@ -50,6 +50,8 @@ import torch  # noqa: E402
 GOLDEN = os.path.join(HERE, "..", "golden")
 BASE = "pipeline_t2v/t1_cfg6_shift8"
 I2V_BASE = "pipeline_i2v/i1_image_cfg5_shift5"
+DF_SYNC = "pipeline_df_cache/c1_sync_cfg"
+DF_LONG = "pipeline_df_cache/c3_long_sync_3chunks_overlap9_cfg"
 STEPS = 12
 ATTN = [r"blocks\.\d+\.attn1", r"blocks\.\d+\.attn2"]
 
@@ -83,7 +85,113 @@ CASES = {
     "i2v_mc1_threshold": {"base": I2V_BASE, "kind": "magcache", "steps": 10, "ratios_from": "i2v_mc0_calibrate",
                           "config": {"threshold": 0.3, "max_skip_steps": 2, "retention_ratio": 0.2,
                                      "num_inference_steps": 10}},
+    # SkyReelsV2DiffusionForcingPipeline, synchronous (ar_step 0: every frame of a row at one noise level, one row per
+    # step), the state reset at every chunk start (transformer._reset_stateful_cache(), as the pipeline_df_cache
+    # fixtures' scope "chunk"); the golden pipeline_df_cache fixtures' weights, inputs and recorded noise.
+    "df_ts1_sync_attn": {"df": DF_SYNC, "kind": "taylorseer", "config": {
+        "cache_interval": 2, "disable_cache_before_step": 2, "max_order": 1, "taylor_factors_dtype": "float32",
+        "cache_identifiers": ATTN}},
+    "df_mc0_calibrate": {"df": DF_SYNC, "kind": "magcache", "config": {"calibrate": True}},
+    "df_mc1_sync": {"df": DF_SYNC, "kind": "magcache", "ratios_from": "df_mc0_calibrate", "config": {
+        "threshold": 0.3, "max_skip_steps": 2, "retention_ratio": 0.2}},
+    "df_ts2_long_sync_3chunks": {"df": DF_LONG, "kind": "taylorseer", "config": {
+        "cache_interval": 2, "disable_cache_before_step": 2, "max_order": 1, "taylor_factors_dtype": "float32",
+        "cache_identifiers": ATTN}},
+    "df_mc2_long_sync_3chunks": {"df": DF_LONG, "kind": "magcache", "ratios_from": "df_mc0_calibrate", "config": {
+        "threshold": 0.3, "max_skip_steps": 2, "retention_ratio": 0.2}},
 }
+
+
+def run_df_case(d, spec, ratios):
+    """The DF pipeline with recorded noise, the cache enabled as a user enables it, and its state reset per chunk."""
+    base_dir = os.path.join(GOLDEN, spec["df"])
+    case = json.load(open(os.path.join(base_dir, "case.json")))
+    kwargs = dict(case["call_defaults_in_effect"])
+    kwargs.update(case["call_kwargs"])
+    steps = kwargs["num_inference_steps"]
+    weights_dir = os.path.join(base_dir, "weights", "diffusers")
+    config = {k: v for k, v in json.load(open(os.path.join(weights_dir, "config.json"))).items()
+              if not k.startswith("_")}
+    transformer = d.transformer.SkyReelsV2Transformer3DModel(**config)
+    transformer.load_state_dict(read_safetensors(os.path.join(weights_dir, "diffusion_pytorch_model.safetensors")))
+    transformer.eval()
+    transformer.config.num_frame_per_block = case["transformer_config_before_call"]["num_frame_per_block"]
+    scheduler = d.unipc.UniPCMultistepScheduler.from_config(
+        json.load(open(os.path.join(base_dir, "scheduler", "scheduler_config.json"))))
+    vae = d.vae.AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                 temperal_downsample=[False, True, True])
+    pipe = d.pipeline.SkyReelsV2DiffusionForcingPipeline(tokenizer=None, text_encoder=None, transformer=transformer,
+                                                         vae=vae, scheduler=scheduler)
+    pipe.set_progress_bar_config(disable=True)
+    states, probe = None, None
+    if spec["kind"] == "taylorseer":
+        _, states = enable_taylorseer(d, pipe, spec)
+    else:
+        mag = importlib.import_module("diffusers.hooks.mag_cache")
+        probe = MagProbe(mag)
+        probe.install(pipe)
+        cfg = dict(spec["config"], num_inference_steps=steps)
+        if ratios is not None:
+            cfg["mag_ratios"] = ratios
+        pipe.transformer.enable_cache(mag.MagCacheConfig(**cfg))
+
+    noise = read_safetensors(os.path.join(base_dir, "noise.safetensors"))
+    draws = iter([noise[n["name"]] for n in case["noise_draws_in_order"]])
+    d.pipeline.randn_tensor = lambda shape, generator=None, device=None, dtype=None, **k: next(draws).clone()
+    real_randn_like = torch.randn_like
+    torch.randn_like = lambda t, **k: next(draws).clone()
+    chunk = {"index": -1, "calls": 0}
+    real_prepare = pipe.prepare_latents
+
+    def prepare_latents(*a, **k):
+        transformer._reset_stateful_cache()
+        chunk["index"] += 1
+        chunk["calls"] = 0
+        return real_prepare(*a, **k)
+
+    pipe.prepare_latents = prepare_latents
+    decisions = []
+    real_forward = transformer.forward
+
+    def forward(*a, **k):
+        out = real_forward(*a, **k)
+        context = "cond" if chunk["calls"] % 2 == 0 else "uncond"
+        entry = {"chunk": chunk["index"], "step": chunk["calls"] // 2, "context": context}
+        chunk["calls"] += 1
+        if states is not None:
+            entry["decision"] = taylorseer_decision(states)
+        else:
+            entry["decision"] = probe.last["decision"]
+            entry["accumulated_err"] = probe.last["accumulated_err"]
+        decisions.append(entry)
+        return out
+
+    transformer.forward = forward
+    inputs = read_safetensors(os.path.join(base_dir, "inputs.safetensors"))
+    call = {k: v for k, v in kwargs.items() if k not in ("generator", "prompt_embeds", "negative_prompt_embeds",
+                                                          "callback_on_step_end_tensor_inputs")}
+    call["prompt_embeds"] = inputs["prompt_embeds"]
+    call["negative_prompt_embeds"] = inputs["negative_prompt_embeds"]
+    assert kwargs["guidance_scale"] > 1.0 and kwargs["ar_step"] == 0
+    torch.manual_seed(case.get("global_seed", 0))
+    try:
+        with torch.no_grad():
+            latents = pipe(**call, generator=torch.Generator().manual_seed(0)).frames
+    finally:
+        torch.randn_like = real_randn_like
+    return case, latents, decisions, steps, (probe.calibration if probe else None)
+
+
+PIPELINES = {"t2v": "SkyReelsV2Pipeline", "i2v": "SkyReelsV2ImageToVideoPipeline",
+             "df": "SkyReelsV2DiffusionForcingPipeline (state reset at every chunk start)"}
+
+
+def summary_pipeline(spec):
+    return "df" if "df" in spec else "t2v" if spec.get("base", BASE) == BASE else "i2v"
+
+
+def commit_of(case):
+    return case.get("environment", {}).get("diffusers_commit") or case["diffusers_commit"]
 
 
 def load_pipe(d, steps, base=BASE):
@@ -274,7 +382,12 @@ def main():
     calibrations = {}
     for name, spec in CASES.items():
         ratios = calibrations[spec["ratios_from"]]["cond"] if "ratios_from" in spec else None
-        case, latents, decisions, hooked, calibration = run_case(d, name, spec, ratios)
+        hooked = None
+        if "df" in spec:
+            case, latents, decisions, steps, calibration = run_df_case(d, spec, ratios)
+            spec = dict(spec, steps=steps, base=spec["df"])
+        else:
+            case, latents, decisions, hooked, calibration = run_case(d, name, spec, ratios)
         if calibration:
             calibrations[name] = calibration
         out_dir = os.path.join(args.out, name)
@@ -286,11 +399,11 @@ def main():
         threshold = spec["config"].get("threshold")
         summary = {
             "base": "../../golden/" + spec.get("base", BASE),
-            "pipeline": "t2v" if spec.get("base", BASE) == BASE else "i2v",
+            "pipeline": summary_pipeline(spec),
             "num_inference_steps": spec["steps"],
             "cache": dict(spec["config"], kind=spec["kind"]),
-            "produced_by": "tests/data/step_caches/make_cases.py over diffusers' SkyReelsV2Pipeline (commit " +
-                           case["environment"]["diffusers_commit"] + ") with transformer.enable_cache(" +
+            "produced_by": "tests/data/step_caches/make_cases.py over diffusers' " + PIPELINES[summary_pipeline(spec)] +
+                           " (commit " + commit_of(case) + ") with transformer.enable_cache(" +
                            ("TaylorSeerCacheConfig" if spec["kind"] == "taylorseer" else "MagCacheConfig") + ")",
             "calls": len(decisions),
             "counts": {k: sum(c["decision"] == k for c in decisions) for k in ("computed", "predicted", "skipped")},
