@@ -35,7 +35,9 @@ golden harness: OPENBLAS_CORETYPE=Prescott ATEN_CPU_CAPABILITY=avx2, one thread.
 """
 import importlib
 import json
+import math
 import os
+import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -54,6 +56,7 @@ DF_SYNC = "pipeline_df_cache/c1_sync_cfg"
 DF_LONG = "pipeline_df_cache/c3_long_sync_3chunks_overlap9_cfg"
 STEPS = 12
 ATTN = [r"blocks\.\d+\.attn1", r"blocks\.\d+\.attn2"]
+LAYERS = 2  # every base case's tiny transformer
 
 # name: cache kind, its config fields (as MagCacheConfig / TaylorSeerCacheConfig take them), call overrides.
 # MagCache ratios "calibrated": the cond ratios of case mc0 (interpolated by diffusers where the lengths differ).
@@ -123,10 +126,10 @@ def run_df_case(d, spec, ratios):
     pipe = d.pipeline.SkyReelsV2DiffusionForcingPipeline(tokenizer=None, text_encoder=None, transformer=transformer,
                                                          vae=vae, scheduler=scheduler)
     pipe.set_progress_bar_config(disable=True)
-    states, probe = None, None
+    states, probe, hooked = None, None, None
     if spec["kind"] == "taylorseer":
-        _, states = enable_taylorseer(d, pipe, spec)
-    else:
+        hooked, states = enable_taylorseer(d, pipe, spec)
+    elif spec["kind"] == "magcache":
         mag = importlib.import_module("diffusers.hooks.mag_cache")
         probe = MagProbe(mag)
         probe.install(pipe)
@@ -160,9 +163,11 @@ def run_df_case(d, spec, ratios):
         chunk["calls"] += 1
         if states is not None:
             entry["decision"] = taylorseer_decision(states)
-        else:
+        elif probe is not None:
             entry["decision"] = probe.last["decision"]
             entry["accumulated_err"] = probe.last["accumulated_err"]
+        else:
+            entry["decision"] = "computed"
         decisions.append(entry)
         return out
 
@@ -179,7 +184,7 @@ def run_df_case(d, spec, ratios):
             latents = pipe(**call, generator=torch.Generator().manual_seed(0)).frames
     finally:
         torch.randn_like = real_randn_like
-    return case, latents, decisions, steps, (probe.calibration if probe else None)
+    return case, latents, decisions, steps, hooked, (probe.calibration if probe else None)
 
 
 PIPELINES = {"t2v": "SkyReelsV2Pipeline", "i2v": "SkyReelsV2ImageToVideoPipeline",
@@ -342,7 +347,7 @@ def run_case(d, name, spec, ratios):
     mag = importlib.import_module("diffusers.hooks.mag_cache")
     if spec["kind"] == "taylorseer":
         hooked, states = enable_taylorseer(d, pipe, spec)
-    else:
+    elif spec["kind"] == "magcache":
         cfg = dict(spec["config"])
         if ratios is not None:
             cfg["mag_ratios"] = ratios
@@ -360,10 +365,12 @@ def run_case(d, name, spec, ratios):
         counter[context] += 1
         if spec["kind"] == "taylorseer":
             entry["decision"] = taylorseer_decision(states)
-        else:
+        elif spec["kind"] == "magcache":
             entry["decision"] = probe.last["decision"]
             entry["accumulated_err"] = probe.last["accumulated_err"]
             assert probe.last["step"] == entry["step"]
+        else:
+            entry["decision"] = "computed"
         decisions.append(entry)
         return out
 
@@ -374,17 +381,68 @@ def run_case(d, name, spec, ratios):
     return case, latents, decisions, hooked, (probe.calibration if probe else None)
 
 
+VAE = "pipeline_df_i2v/i1_sync_1chunk_last_image/weights/vae"  # a tiny golden AutoencoderKLWan (z_dim 16)
+
+
+def load_vae(d):
+    config = {k: v for k, v in json.load(open(os.path.join(GOLDEN, VAE, "config.json"))).items()
+              if not k.startswith("_")}
+    vae = d.vae.AutoencoderKLWan(**config)
+    vae.load_state_dict(read_safetensors(os.path.join(GOLDEN, VAE, "diffusion_pytorch_model.safetensors")))
+    return vae.eval()
+
+
+def decoded(vae, latents):
+    """The pipelines' decode (output_type != "latent"): de-normalised, VAE-decoded, in [0, 1]."""
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    with torch.no_grad():
+        video = vae.decode(latents * std + mean, return_dict=False)[0]
+    return ((video + 1) / 2).clamp(0, 1)
+
+
+def distance(vae, latents, plain):
+    """How far a cache moved the output: max |Δ| of the latents, PSNR (dB) of the decoded frames."""
+    a, b = decoded(vae, latents), decoded(vae, plain)
+    mse = ((a - b) ** 2).mean().item()
+    return {"latents_max_abs": (latents - plain).abs().max().item(),
+            "decoded_psnr_db": None if mse == 0 else 10 * math.log10(1.0 / mse)}
+
+
+def skipped_share(spec, decisions, hooked, layers):
+    """Token-blocks whose transformer block did not run its self-attention (what the C++ side counts as saved):
+    MagCache's skipped calls (every block); TaylorSeer's predicted calls times the blocks whose attn1 (or the whole
+    block) is hooked."""
+    calls = len(decisions)
+    if spec["kind"] == "magcache":
+        return sum(c["decision"] == "skipped" for c in decisions) / calls
+    lite = spec["config"].get("use_lite_mode", False)
+    blocks = layers if lite else sum(1 for m in (hooked or []) if re.fullmatch(r"blocks\.\d+(\.attn1)?", m))
+    return sum(c["decision"] == "predicted" for c in decisions) / calls * blocks / layers
+
+
+def uncached(d, spec, memo):
+    """The same call without a cache (memoised per base case and step count)."""
+    key = (spec.get("df", spec.get("base", BASE)), spec.get("steps"))
+    if key not in memo:
+        bare = dict(spec, kind="none", config={})
+        bare.pop("ratios_from", None)
+        memo[key] = run_df_case(d, bare, None)[1] if "df" in spec else run_case(d, "uncached", bare, None)[1]
+    return memo[key]
+
+
 def main():
     args = generator_arguments(HERE)
     torch.set_num_threads(1)
     d = import_diffusers(args.diffusers_src)
     register_skyreels_block(d)
-    calibrations = {}
+    calibrations, plain = {}, {}
+    vae = load_vae(d)
     for name, spec in CASES.items():
         ratios = calibrations[spec["ratios_from"]]["cond"] if "ratios_from" in spec else None
         hooked = None
         if "df" in spec:
-            case, latents, decisions, steps, calibration = run_df_case(d, spec, ratios)
+            case, latents, decisions, steps, hooked, calibration = run_df_case(d, spec, ratios)
             spec = dict(spec, steps=steps, base=spec["df"])
         else:
             case, latents, decisions, hooked, calibration = run_case(d, name, spec, ratios)
@@ -415,6 +473,10 @@ def main():
             summary["cache"]["mag_ratios_from"] = spec["ratios_from"] + " (its cond context)"
         if calibration:
             summary["calibration"] = calibration
+        if not calibration:
+            reference = uncached(d, CASES[name], plain)
+            summary["vs_uncached"] = dict(distance(vae, latents, reference),
+                                          token_blocks_skipped=skipped_share(spec, decisions, hooked, LAYERS))
         if threshold is not None and errs:
             summary["threshold_margin"] = min(abs(threshold - e) for e in errs)
         with open(os.path.join(out_dir, "case.json"), "w") as f:
