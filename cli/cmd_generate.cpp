@@ -26,8 +26,9 @@
 #include "model/guidance.h"
 #include "model/host_syncs.h"
 #include "model/image_processor.h"
-#include "model/pipeline_t2v_i2v.h"
+#include "model/magcache_ratios.h"
 #include "model/parallel_layout.h"
+#include "model/pipeline_t2v_i2v.h"
 #include "model/pixel_conditioning.h"
 #include "model/rank_group.h"
 #include "model/safetensors.h"
@@ -104,7 +105,9 @@ const std::string kUsage =
         "a prompt per chunk (each chunk takes the prompt in force at its first new frame):\n"
         "  --prompt-at FRAME:TEXT   from pixel frame FRAME on, TEXT (needs --text-encoder); repeatable\n"
         "  --inputs-at FRAME:FILE   from pixel frame FRAME on, the embeddings of FILE (like --inputs); repeatable\n"
-        "  --cache-log FILE.json    every step-cache decision (the pipeline_df_cache fixtures' decisions.json)\n"
+        "  --cache-log FILE.json    every step-cache decision (the pipeline_df_cache / step_caches fixtures' "
+        "decisions.json)\n"
+        "  --magcache-ratios FILE   --cache magcache: the model's ratios from `skyreels calibrate-magcache`\n"
         "  --kv-cache-bytes N       memory for the kept keys/values of final frames (default 4 GiB)\n"
         "  --previews DIR           a PNG per preview: DIR/chunkK_rowR.png, the chunk's new frames side by side at\n"
         "                           latent resolution (after every --preview-every rows, default 1, and the last)\n"
@@ -327,7 +330,7 @@ model::PipelineKind pipeline_from_flags(const Args& args, const std::string& mod
 // Flags that belong to diffusion forcing only: this command's own, then the generation parameters the table marks
 // diffusion_forcing_only (a new such parameter is refused here without an edit).
 void refuse_df_flags(const Args& args, model::PipelineKind kind) {
-  std::vector<std::string> flags{"video",          "prompt-at",        "inputs-at", "pin-image-prefix", "cache-log",
+  std::vector<std::string> flags{"video",          "prompt-at",        "inputs-at", "pin-image-prefix",
                                  "kv-cache-bytes", "count-host-syncs", "previews"};
   for (const auto& param : skyreels::server::generation_params()) {
     if (param.diffusion_forcing_only) flags.push_back(param.flag);
@@ -378,8 +381,73 @@ void encode_i2v_images(const Args& args, const model::GenerationParams& params, 
   spdlog::info("condition video encoded in {:.2f} s", seconds_since(start));
 }
 
+// --magcache-ratios for --cache magcache: the file, checked against the model (exit 2 naming it).
+void magcache_ratios_from_flags(const Args& args, const model::SkyReelsV2Transformer& transformer,
+                                model::GenerationParams& params) {
+  if (!args.has("magcache-ratios")) return;
+  if (params.cache.kind != model::StepCacheKind::kMagCache) throw UsageError("--magcache-ratios needs --cache magcache");
+  try {
+    params.cache.magcache.mag_ratios =
+        model::load_magcache_ratios(args.get("magcache-ratios"), model::magcache_model_signature(transformer)).cond;
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(std::string("--magcache-ratios ") + e.what());
+  }
+}
+
+// TaylorSeer's modules and settings, MagCache's ratios and settings, checked before the first step (exit 2 naming the
+// field).
+void check_step_cache_flags(const model::SkyReelsV2Transformer& transformer, const model::GenerationParams& params) {
+  try {
+    model::check_video_step_cache(transformer, params.cache, params.num_inference_steps);
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(e.what());
+  }
+}
+
+// The step cache of a t2v / i2v run: calibration (`calibrate-magcache`) or the flags' cache.
+void video_step_cache_from_flags(const Args& args, const model::SkyReelsV2Transformer& transformer, bool calibrate,
+                                 model::GenerationParams& params) {
+  if (calibrate) {
+    params.cache = {};
+    params.cache.kind = model::StepCacheKind::kMagCache;
+    params.cache.magcache.calibrate = true;
+  } else {
+    magcache_ratios_from_flags(args, transformer, params);
+  }
+  if (args.has("cache-log") && params.cache.kind == model::StepCacheKind::kNone) {
+    throw UsageError("--cache-log needs a step cache (--cache taylorseer or magcache)");
+  }
+  check_step_cache_flags(transformer, params);
+}
+
+// The step cache of a diffusion-forcing run: TaylorSeer / MagCache as on t2v (the chunk plan checks ar_step).
+void df_step_cache_from_flags(const Args& args, const model::SkyReelsV2Transformer& transformer,
+                              model::GenerationParams& params) {
+  magcache_ratios_from_flags(args, transformer, params);
+  if (params.cache.kind == model::StepCacheKind::kTaylorSeer || params.cache.kind == model::StepCacheKind::kMagCache) {
+    check_step_cache_flags(transformer, params);
+  }
+}
+
+// The calibration of `calibrate-magcache`: the ratios of each guidance context, in call order.
+model::MagCacheRatios calibration_of(const TransformerWork& work, const model::SkyReelsV2Transformer& transformer,
+                                     const Args& args, const model::GenerationParams& params) {
+  model::MagCacheRatios r;
+  for (const auto& call : work.calls) {
+    if (call.calibration_ratio)
+      (call.unconditional ? r.uncond : r.cond).push_back(static_cast<float>(*call.calibration_ratio));
+  }
+  r.num_inference_steps = static_cast<int64_t>(r.cond.size());
+  r.model = model::magcache_model_signature(transformer);
+  r.settings =
+      fmt::format("{} frames {}x{}, {} steps, flow_shift {}, guidance_scale {}, prompt from {}", params.num_frames,
+                  params.width, params.height, params.num_inference_steps, params.flow_shift, params.guidance_scale,
+                  args.has("inputs") ? args.get("inputs") : "--prompt");
+  return r;
+}
+
 int run_video_pipeline(const Args& args, model::PipelineKind kind, const std::string& model_path,
-                       const std::string& out_path) {
+                       const std::string& out_path, bool calibrate = false) {
   refuse_df_flags(args, kind);
   const bool i2v = kind == model::PipelineKind::kImageToVideo;
   if (!i2v) {
@@ -420,18 +488,39 @@ int run_video_pipeline(const Args& args, model::PipelineKind kind, const std::st
   const auto& transformer = models.of(ranks, 0);
   params.adapters = skyreels::cli::adapters_from_flags(args, transformer);
   if (i2v) encode_i2v_images(args, params, transformer.config(), conditioning);
+  video_step_cache_from_flags(args, transformer, calibrate, params);
 
   model::VideoHooks hooks;
   hooks.on_step = [](int64_t step, int64_t steps, const at::Tensor&) { spdlog::info("step {}/{}", step + 1, steps); };
+  TransformerWork work;
   auto start = std::chrono::steady_clock::now();
+  // Every call once: from each guidance half's sequence rank 0 (the guidance halves report side by side).
+  std::mutex work_mutex;
   at::Tensor latents;
   on_every_rank(ranks, [&](int64_t rank, const model::RankGroups& groups) {
-    const at::Tensor mine = model::generate_video(models.of(ranks, rank), kind, params, conditioning,
-                                                  *noises[static_cast<size_t>(rank)], videos_per_prompt,
-                                                  rank == 0 ? hooks : model::VideoHooks{}, &groups);
-    if (rank == 0) latents = mine;
+    model::VideoHooks mine = rank == 0 ? hooks : model::VideoHooks{};
+    mine.on_call = nullptr;
+    if (groups.ulysses == nullptr || groups.ulysses->rank() == 0) {
+      mine.on_call = [&](const model::TransformerCallReport& call) {
+        const std::lock_guard<std::mutex> lock(work_mutex);
+        work.add(call);
+      };
+    }
+    const at::Tensor out = model::generate_video(models.of(ranks, rank), kind, params, conditioning,
+                                                 *noises[static_cast<size_t>(rank)], videos_per_prompt, mine, &groups);
+    if (rank == 0) latents = out;
   });
-  spdlog::info("generated in {:.2f} s", seconds_since(start));
+  std::stable_sort(work.calls.begin(), work.calls.end(), [](const auto& a, const auto& b) {  // one device's order
+    return std::make_tuple(a.row, a.unconditional) < std::make_tuple(b.row, b.unconditional);
+  });
+  spdlog::info("generated in {:.2f} s; {}", seconds_since(start), work.summary());
+  if (args.has("cache-log")) write_cache_log(args.get("cache-log"), work.calls);
+  if (calibrate) {
+    const model::MagCacheRatios ratios = calibration_of(work, transformer, args, params);
+    model::save_magcache_ratios(out_path, ratios);
+    std::cout << out_path << ": MagCache ratios of " << ratios.num_inference_steps << " steps\n";
+    return 0;
+  }
   skyreels::safetensors::save(out_path, {{"latents", latents}}, {{"pipeline", model::pipeline_kind_name(kind)}});
   std::cout << out_path << ": latents " << latents.sizes() << " float32, pipeline " << model::pipeline_kind_name(kind)
             << "\n";
@@ -464,6 +553,7 @@ int run_generate(const std::vector<std::string>& argv) {
                                              "num-videos-per-prompt",
                                              "image-encoder",
                                              "image-processor",
+                                             "magcache-ratios",
                                              "previews"}));
   if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional().front() + "'");
   const std::string model_path = args.require("model");
@@ -480,7 +570,7 @@ int run_generate(const std::vector<std::string>& argv) {
   model::GenerationParams params = params_from_flags(args);
   if (args.has("kv-cache-bytes")) params.kv_cache_max_bytes = parse_bytes(args.get("kv-cache-bytes"));
   if (args.has("cache-log") && params.cache.kind == model::StepCacheKind::kNone) {
-    throw UsageError("--cache-log needs a step cache (--cache first-block)");
+    throw UsageError("--cache-log needs a step cache (--cache first-block, first-block-per-block, taylorseer, magcache)");
   }
   std::unique_ptr<model::TextEncoder> encoder;
   if (args.has("text-encoder")) {
@@ -510,6 +600,7 @@ int run_generate(const std::vector<std::string>& argv) {
   const RankModels models = load_for_ranks(args, model_path, model::PipelineKind::kDiffusionForcing, ranks);
   const auto& transformer = models.of(ranks, 0);
   params.adapters = skyreels::cli::adapters_from_flags(args, transformer);
+  df_step_cache_from_flags(args, transformer, params);
 
   // The same path the server takes: an explicit plan, then run_chunk per chunk.
   if (!plan) plan = model::plan_chunks(params, transformer.config().num_frame_per_block);
@@ -582,7 +673,42 @@ int run_generate(const std::vector<std::string>& argv) {
   return 0;
 }
 
+const std::string kCalibrateUsage =
+    "usage: skyreels calibrate-magcache --model DIR (--inputs IN.safetensors | --text-encoder DIR --prompt TEXT)\n"
+    "                                   --out RATIOS.json [--pipeline t2v|i2v] [generation flags]\n\n"
+    "MagCache's magnitude ratios of a checkpoint, as diffusers' MagCacheConfig(calibrate=True) records them: one\n"
+    "uncached run of the t2v (default) or i2v pipeline at the given size and steps (--num-inference-steps,\n"
+    "--height, --width, --num-frames, --flow-shift, --guidance-scale, --seed or --noise, as `generate` takes them);\n"
+    "per step and guidance context mean(|r| / |r_prev|) of the block stack's residual r. The file names the model it\n"
+    "was made on; the server reads it with --magcache-ratios FILE, `generate` with --cache magcache\n"
+    "--magcache-ratios FILE (another step count resamples the ratios as diffusers does). Calibrate at the steps and\n"
+    "shift you serve.\n";
+
+int run_calibrate_magcache(const std::vector<std::string>& argv) {
+  const Args args(argv, skyreels::cli::with_generation_switches({}));
+  args.reject_unknown(with_generation_flags({"model", "inputs", "out", "noise", "dtype", "device", "text-encoder",
+                                             "tokenizer", "max-sequence-length", "vae", "lora", "lora-dir", "adapter",
+                                             "pipeline", "image-encoder", "image-processor"}));
+  if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional().front() + "'");
+  const std::string model_path = args.require("model");
+  if (args.has("inputs") == args.has("text-encoder")) {
+    throw UsageError("give either --inputs (prompt embeddings) or --text-encoder with --prompt");
+  }
+  for (const char* flag : {"cache", "magcache-threshold", "magcache-max-skip-steps", "magcache-retention-ratio"}) {
+    if (args.has(flag)) throw UsageError(std::string("--") + flag + ": calibration runs without skipping");
+  }
+  model::PipelineKind kind = pipeline_from_flags(args, model_path);
+  if (kind == model::PipelineKind::kDiffusionForcing) {
+    if (args.has("pipeline")) throw UsageError("--pipeline df: MagCache runs on the t2v and i2v pipelines");
+    kind = model::PipelineKind::kTextToVideo;
+  }
+  return run_video_pipeline(args, kind, model_path, args.require("out"), true);
+}
+
 }  // namespace
+
+SKYREELS_COMMAND("calibrate-magcache", "MagCache's magnitude ratios of a checkpoint (diffusers' calibrate=True)",
+                 kCalibrateUsage, run_calibrate_magcache);
 
 SKYREELS_COMMAND("generate", "generation of latents (diffusion forcing, text-to-video, image-to-video)", kUsage,
                  run_generate);

@@ -129,6 +129,13 @@ void validate_basic(const GenerationParams& p, int64_t block) {
   p.scheduler.validate();
   check_sampler(p);
   require(p.kv_cache_max_bytes >= 0, "kv_cache_max_bytes: must be >= 0");
+  if (p.cache.kind == StepCacheKind::kTaylorSeer || p.cache.kind == StepCacheKind::kMagCache) {
+    require(p.ar_step == 0,
+            "cache: taylorseer and magcache need ar_step 0 on diffusion forcing (with ar_step > 0 the frames of one "
+            "call sit at different noise levels and a chunk has more rows than steps; use first-block-per-block)");
+    require(p.cache.scope == StepCacheScope::kChunk,
+            "cache_scope: taylorseer and magcache keep their state per chunk only (use cache_scope chunk)");
+  }
   if (p.cache.kind != StepCacheKind::kNone) {
     require(std::isfinite(p.cache.threshold) && p.cache.threshold >= 0.0,
             "cache_threshold: must be a finite number >= 0, got " + std::to_string(p.cache.threshold));

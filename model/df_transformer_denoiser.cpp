@@ -54,10 +54,29 @@ class DenoiseCache {
 
 std::shared_ptr<DenoiseCache> make_denoise_cache() { return std::make_shared<DenoiseCache>(); }
 
+namespace {
+
+nlohmann::json step_cache_decision_json(const TransformerCallReport& c) {
+  const char* decision = c.skipped ? "skipped" : c.predicted ? "predicted" : "computed";
+  nlohmann::json entry = {
+      {"chunk", c.chunk}, {"step", c.row}, {"context", c.unconditional ? "uncond" : "cond"}, {"decision", decision}};
+  if (c.cache_kind == StepCacheKind::kMagCache) {
+    entry["accumulated_err"] = c.accumulated_err ? nlohmann::json(*c.accumulated_err) : nlohmann::json();
+    if (c.calibration_ratio) entry["calibration_ratio"] = *c.calibration_ratio;
+  }
+  return entry;
+}
+
+}  // namespace
+
 std::string step_cache_decisions_json(const std::vector<TransformerCallReport>& calls) {
   nlohmann::json out = nlohmann::json::array();
   for (const TransformerCallReport& c : calls) {
     if (!c.step_cache) continue;
+    if (c.cache_kind == StepCacheKind::kTaylorSeer || c.cache_kind == StepCacheKind::kMagCache) {
+      out.push_back(step_cache_decision_json(c));  // the step_caches fixtures' format
+      continue;
+    }
     auto pair_json = [](const std::optional<std::pair<int64_t, int64_t>>& p) {
       return p ? nlohmann::json::array({p->first, p->second}) : nlohmann::json();
     };
@@ -101,6 +120,8 @@ CallSavings plan_call_savings(const DenoiseCall& call, const GenerationParams& p
                               int64_t element_bytes, const TransformerCallState& state) {
   const int64_t frames = call.latent_model_input.size(2), block = call.num_frame_per_block;
   CallSavings s{frames, 0, 0};
+  // TaylorSeer and MagCache keep per-token state of whole calls (diffusers' hooks): every frame of every row runs.
+  if (p.cache.kind == StepCacheKind::kTaylorSeer || p.cache.kind == StepCacheKind::kMagCache) return s;
   const bool first_block = p.cache.kind == StepCacheKind::kFirstBlock;
   if (!p.exact_savings || block <= 1 || config.patch_size[0] != 1 || frames % block != 0 ||
       call.updated.size() != static_cast<size_t>(frames)) {
@@ -155,6 +176,32 @@ PerBlockCache per_block_cache_of(const DenoiseCall& call, const GenerationParams
   return c;
 }
 
+// TaylorSeer / MagCache of a DF request, as the transformer takes them: MagCache's ratios resampled to the steps (one
+// row per step: ar_step 0, checked by plan_chunks); the settings checked against the model before the first row.
+struct WholeCallCache {
+  TaylorSeerCache taylorseer;
+  MagCache magcache;
+};
+
+std::shared_ptr<const WholeCallCache> whole_call_cache(const SkyReelsV2Transformer& model, const GenerationParams& p) {
+  auto c = std::make_shared<WholeCallCache>();
+  c->taylorseer = p.cache.taylorseer;
+  c->magcache = p.cache.magcache;
+  if (p.cache.kind == StepCacheKind::kTaylorSeer) taylorseer_hooked_modules(c->taylorseer, model.config());
+  if (p.cache.kind == StepCacheKind::kMagCache) {
+    c->magcache.num_inference_steps = p.num_inference_steps;
+    if (!c->magcache.calibrate) {
+      if (c->magcache.mag_ratios.empty()) {
+        throw std::invalid_argument("cache: magcache needs the model's magnitude ratios (the server's "
+                                    "--magcache-ratios FILE, made by `skyreels calibrate-magcache`)");
+      }
+      c->magcache.mag_ratios = magcache_ratios_for_steps(c->magcache.mag_ratios, p.num_inference_steps);
+    }
+    check_magcache(c->magcache);
+  }
+  return c;
+}
+
 }  // namespace
 
 Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const GenerationParams& params,
@@ -162,8 +209,10 @@ Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const Generati
                               std::shared_ptr<DenoiseCache> cache, const RankGroups* ranks) {
   const int64_t fps_index = params.fps == 16 ? 0 : 1;  // diffusers: [0 if fps == 16 else 1] per batch item
   if (!cache) cache = make_denoise_cache();
+  std::shared_ptr<const WholeCallCache> whole_call = whole_call_cache(model, params);
   return [&model, params, fps_index, cancelled = std::move(cancelled), on_call = std::move(on_call),
-          cache = std::move(cache), sequence_ranks = ranks ? ranks->ulysses : nullptr,
+          cache = std::move(cache), whole_call = std::move(whole_call),
+          sequence_ranks = ranks ? ranks->ulysses : nullptr,
           weight_ranks = ranks ? ranks->all : nullptr](const DenoiseCall& call) {
     const at::Tensor& input = call.latent_model_input;
     TransformerForwardArgs args;
@@ -202,6 +251,9 @@ Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const Generati
       args.reuse_frames = savings.reuse;
       args.keep_frames = savings.keep;
       if (first_block) args.first_block_threshold = params.cache.threshold;
+      if (params.cache.kind == StepCacheKind::kTaylorSeer) args.taylorseer = &whole_call->taylorseer;
+      if (params.cache.kind == StepCacheKind::kMagCache) args.magcache = &whole_call->magcache;
+      if (args.taylorseer || args.magcache) args.state = &context.state;
       PerBlockCache per_block;
       if (per_block_cache) {
         per_block = per_block_cache_of(call, params, args.hidden_states.size(2));
@@ -227,7 +279,11 @@ Denoiser transformer_denoiser(const SkyReelsV2Transformer& model, const Generati
       report.token_blocks_saved_cache = stats.token_blocks_cached;
       report.token_blocks_saved_exact =
           report.token_blocks_full - report.token_blocks_computed - report.token_blocks_saved_cache;
-      report.step_cache = first_block || per_block_cache;
+      report.step_cache = params.cache.kind != StepCacheKind::kNone;
+      report.cache_kind = params.cache.kind;
+      report.predicted = stats.predicted;
+      report.accumulated_err = stats.magcache_err;
+      report.calibration_ratio = stats.magcache_ratio;
       report.rel = stats.first_block_rel;
       report.skipped = stats.skipped;
       if (stats.skipped && first_block) report.source = context.source;

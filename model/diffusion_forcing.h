@@ -18,6 +18,7 @@
 #include "model/preview.h"
 #include "model/sampler_flow_unipc.h"
 #include "model/sampler_table.h"
+#include "model/step_caches.h"
 #include "model/video_shape.h"
 
 namespace skyreels::model {
@@ -33,8 +34,10 @@ enum class ConditioningMode { kText, kImage, kVideo };
 // A step cache (fewer transformer passes at a small loss; exact savings are separate and lossless).
 enum class StepCacheKind {
   kNone,
-  kFirstBlock,  // diffusers' FirstBlockCache, one decision per call and guidance context
+  kFirstBlock,          // diffusers' FirstBlockCache, one decision per call and guidance context
   kFirstBlockPerBlock,  // one decision per causal block (beyond diffusers; model/transformer PerBlockCache)
+  kTaylorSeer,          // diffusers' TaylorSeer (model/step_caches.h; t2v / i2v, and df with ar_step 0)
+  kMagCache,            // diffusers' MagCache (model/step_caches.h; t2v / i2v, and df with ar_step 0; needs ratios)
 };
 enum class StepCacheScope {
   kChunk,    // state reset at every chunk start: a chunk's output depends on that chunk alone
@@ -45,6 +48,10 @@ struct StepCacheConfig {
   double threshold = 0.0;  // skip when rel <= threshold
   StepCacheScope scope = StepCacheScope::kChunk;
   int64_t max_skips = 3;  // kFirstBlockPerBlock: at most this many skips in a row per causal block
+  TaylorSeerCache taylorseer;  // kTaylorSeer
+  // kMagCache: its mag_ratios as calibrated (any length: resampled to the call's steps as diffusers does) and
+  // num_inference_steps (the request's own steps are used).
+  MagCache magcache;
 };
 
 // Memory the kept keys / values of final frames may take per chunk loop (both guidance contexts together) unless a
@@ -232,6 +239,11 @@ struct TransformerCallReport {
     bool reused = false;  // final and unchanged: its kept keys / values stood in (exact, not a skip)
   };
   std::vector<BlockDecision> blocks;
+  // kTaylorSeer / kMagCache (t2v / i2v: chunk 0, row = step; df: one row per step): the cache and its decision (TaylorSeer
+  // predicted its hooked modules; MagCache: `skipped`), MagCache's accumulated error and calibration ratio.
+  StepCacheKind cache_kind = StepCacheKind::kNone;
+  bool predicted = false;
+  std::optional<double> accumulated_err, calibration_ratio;
 };
 
 struct StepHooks {

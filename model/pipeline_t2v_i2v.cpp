@@ -198,7 +198,67 @@ VideoGeometry check_request(const SkyReelsV2Transformer& model, PipelineKind kin
   return g;
 }
 
+// The step cache of a T2V / I2V call: diffusers' TaylorSeer or MagCache on the transformer, one state per guidance
+// context; with none, plain forwards.
+class VideoStepCache {
+ public:
+  VideoStepCache(const SkyReelsV2Transformer& model, const StepCacheConfig& cache, int64_t steps)
+      : kind_(cache.kind), taylorseer_(cache.taylorseer), magcache_(cache.magcache) {
+    require(kind_ == StepCacheKind::kNone || kind_ == StepCacheKind::kTaylorSeer || kind_ == StepCacheKind::kMagCache,
+            "cache: first-block and first-block-per-block run on the df pipeline (t2v / i2v: taylorseer, magcache)");
+    if (kind_ == StepCacheKind::kTaylorSeer) taylorseer_hooked_modules(taylorseer_, model.config());  // checks it
+    if (kind_ == StepCacheKind::kMagCache) {
+      magcache_.num_inference_steps = steps;
+      if (!magcache_.calibrate) {
+        require(!magcache_.mag_ratios.empty(),
+                "cache: magcache needs the model's magnitude ratios (the server's --magcache-ratios FILE, made by "
+                "`skyreels calibrate-magcache`)");
+        magcache_.mag_ratios = magcache_ratios_for_steps(magcache_.mag_ratios, steps);
+      }
+      check_magcache(magcache_);
+    }
+  }
+
+  at::Tensor forward(const SkyReelsV2Transformer& model, TransformerForwardArgs& args, int64_t step, bool uncond,
+                     const VideoHooks& hooks) {
+    TransformerCallStats stats;
+    args.stats = &stats;
+    args.state = kind_ == StepCacheKind::kNone ? nullptr : uncond ? &uncond_ : &cond_;
+    args.taylorseer = kind_ == StepCacheKind::kTaylorSeer ? &taylorseer_ : nullptr;
+    args.magcache = kind_ == StepCacheKind::kMagCache ? &magcache_ : nullptr;
+    at::Tensor out = model.forward(args);
+    if (hooks.on_call) hooks.on_call(report(stats, step, uncond));
+    return out;
+  }
+
+ private:
+  TransformerCallReport report(const TransformerCallStats& stats, int64_t step, bool uncond) const {
+    TransformerCallReport r;
+    r.row = step;
+    r.unconditional = uncond;
+    r.token_blocks_full = stats.token_blocks_full;
+    r.token_blocks_computed = stats.token_blocks_computed;
+    r.token_blocks_saved_cache = stats.token_blocks_cached;
+    r.step_cache = kind_ != StepCacheKind::kNone;
+    r.cache_kind = kind_;
+    r.skipped = stats.skipped;
+    r.predicted = stats.predicted;
+    r.accumulated_err = stats.magcache_err;
+    r.calibration_ratio = stats.magcache_ratio;
+    return r;
+  }
+
+  StepCacheKind kind_;
+  TaylorSeerCache taylorseer_;
+  MagCache magcache_;
+  TransformerCallState cond_, uncond_;
+};
+
 }  // namespace
+
+void check_video_step_cache(const SkyReelsV2Transformer& model, const StepCacheConfig& cache, int64_t steps) {
+  VideoStepCache checked(model, cache, steps);
+}
 
 at::Tensor generate_video(const SkyReelsV2Transformer& model, PipelineKind kind, const GenerationParams& params,
                           const VideoConditioning& conditioning, NoiseSource& noise, int64_t num_videos_per_prompt,
@@ -246,6 +306,7 @@ at::Tensor generate_video(const SkyReelsV2Transformer& model, PipelineKind kind,
     };
   }
   const int64_t steps = static_cast<int64_t>(sampler.step_template.size());
+  VideoStepCache cache(model, params.cache, steps);
   for (int64_t i = 0; i < steps; ++i) {
     if (hooks.cancelled && hooks.cancelled()) {
       throw GenerationCancelled("generation cancelled before step " + std::to_string(i));
@@ -256,7 +317,7 @@ at::Tensor generate_video(const SkyReelsV2Transformer& model, PipelineKind kind,
     const at::Tensor noise_pred = guided_prediction(
         [&](bool unconditional) {
           args.encoder_hidden_states = unconditional ? negative : prompt;
-          return model.forward(args);
+          return cache.forward(model, args, i, unconditional, hooks);
         },
         params.guidance_scale, ranks ? ranks->cfg : nullptr);
     latents = sampler.frames->step(all_frames, noise_pred, latents);

@@ -86,14 +86,23 @@ at::Tensor prepare_image_tokens(const TransformerConfig& config, const at::Tenso
 struct VideoHooks {
   std::function<void(int64_t step, int64_t steps, const at::Tensor& latents)> on_step;  // after each sampler step
   std::function<bool()> cancelled;  // polled before each step and after each transformer block
+  // After each transformer call (chunk 0, row = step): its work and the step cache's decision.
+  std::function<void(const TransformerCallReport&)> on_call;
 };
+
+// What generate_video checks of params.cache before its first step (std::invalid_argument naming the field): a kind
+// this pipeline runs, TaylorSeer's modules and settings, MagCache's ratios and settings.
+void check_video_step_cache(const SkyReelsV2Transformer& model, const StepCacheConfig& cache, int64_t steps);
 
 // The whole T2V or I2V call: params.num_frames (rounded as diffusers rounds it), height, width, steps, guidance,
 // flow_shift and the sampler (params.scheduler / sampler / timesteps), params.fps for a model with the fps
 // embedding. The noise is `noise.latent_noise(0, [B * num_videos_per_prompt, 16, f, h, w])` (diffusers'
 // prepare_latents draw). Returns the fp32 latents [B * num_videos_per_prompt, 16, f, h, w] on the CPU; video b * n + v
 // is prompt b's v-th. Throws std::invalid_argument naming the field on a bad request, GenerationCancelled when
-// hooks.cancelled turns true. `ranks`: this rank's groups on a replica of several devices (as run_chunk's).
+// hooks.cancelled turns true. params.cache: none, or diffusers' TaylorSeer / MagCache (one state per guidance
+// context, as diffusers' cache_context("cond") / ("uncond")); MagCache needs params.cache.magcache.mag_ratios (any
+// length, resampled to the steps as diffusers does) unless it calibrates. `ranks`: this rank's groups on a replica
+// of several devices (as run_chunk's).
 at::Tensor generate_video(const SkyReelsV2Transformer& model, PipelineKind kind, const GenerationParams& params,
                           const VideoConditioning& conditioning, NoiseSource& noise, int64_t num_videos_per_prompt = 1,
                           const VideoHooks& hooks = {}, const RankGroups* ranks = nullptr);

@@ -331,7 +331,11 @@ Tensor SkyReelsV2Transformer::Impl::head(const Linear& proj_out, const Tensor& x
   // shift/scale = table [1, 2, D] (fp32) + temb (compute dtype) -> fp32 [B, Fm, 1, D].
   const Tensor e = head_table.view({1, 1, 2, g.dim}) + temb.unsqueeze(2);
   const Tensor n = modulated_norm(x, e.select(2, 1).unsqueeze(2), e.select(2, 0).unsqueeze(2), g, config.eps, dtype);
-  const Tensor out = proj_out(n);  // [B, L, pt*ph*pw*C], features ordered (pt, ph, pw, c)
+  return unpatchify(proj_out(n), g);
+}
+
+Tensor SkyReelsV2Transformer::Impl::unpatchify(const Tensor& out, const Geometry& g) const {
+  // out [B, L, pt*ph*pw*C], features ordered (pt, ph, pw, c).
   const auto& p = config.patch_size;
   return out.view({g.batch, g.ppf, g.pph, g.ppw, p[0], p[1], p[2], config.out_channels})
       .permute({0, 7, 1, 4, 2, 5, 3, 6})
@@ -424,6 +428,12 @@ Savings check_savings(const TransformerForwardArgs& a, const TransformerConfig& 
             "sequence_parallel: " + std::to_string(a.sequence_parallel->size()) + " ranks do not divide the " +
                 std::to_string(c.num_attention_heads) + " attention heads");
   }
+  if (a.taylorseer != nullptr || a.magcache != nullptr) {
+    require(s.state && !(a.taylorseer && a.magcache) && s.reuse == 0 && s.keep == 0 && !s.threshold &&
+                a.per_block_cache == nullptr,
+            "taylorseer/magcache: need a TransformerCallState and exclude each other, reuse_frames, keep_frames, "
+            "first_block_threshold and per_block_cache");
+  }
   if (s.threshold) {
     require(std::isfinite(*s.threshold) && *s.threshold >= 0, "first_block_threshold: must be a finite value >= 0");
     require(c.num_layers >= 2, "first_block_threshold: FirstBlockCache needs at least 2 transformer blocks");
@@ -497,11 +507,12 @@ at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) co
   const bool first_block = savings.threshold.has_value();
   Tensor x = m.patchify(args.hidden_states, g, first_block ? 0 : reuse);
   // Ulysses: each rank runs the blocks on its share of the tokens from frame `first` on.
-  // The cache per causal block runs every token on every rank (its block-sparse attention is not split yet): the
-  // same numbers, without the split's speed-up.
-  RankGroup* ranks = args.sequence_parallel != nullptr && args.sequence_parallel->size() > 1 && !args.per_block_cache
-                         ? args.sequence_parallel
-                         : nullptr;
+  // The cache per causal block, TaylorSeer and MagCache run every token on every rank (not split yet): the same
+  // numbers, without the split's speed-up.
+  const bool splits = !args.per_block_cache && !args.taylorseer && !args.magcache;
+  RankGroup* ranks =
+      args.sequence_parallel != nullptr && args.sequence_parallel->size() > 1 && splits ? args.sequence_parallel
+                                                                                       : nullptr;
   auto held = [&](int64_t first) {
     const Geometry sub = frames_from(g, first);
     return ranks ? split_across(sub, *ranks) : sub;
@@ -540,6 +551,13 @@ at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) co
     if (args.stats) *args.stats = stats;
     m.end_gathers();
     return m.head(call_layers.proj_out, x, temb, g);
+  }
+  if (args.taylorseer != nullptr || args.magcache != nullptr) {  // diffusers' TaylorSeer / MagCache
+    Tensor out = args.taylorseer ? m.taylorseer_forward(call_layers, std::move(x), cond, rope, g, args, *state, stats)
+                                 : m.magcache_forward(call_layers, std::move(x), cond, rope, g, args, *state, stats);
+    if (args.stats) *args.stats = stats;
+    m.end_gathers();
+    return out;
   }
   Tensor block0_out;
   for (int64_t l = 0; l < layers; ++l) {

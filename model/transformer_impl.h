@@ -194,6 +194,21 @@ struct TransformerCallState::Impl {
     int64_t window = 0;     // the call's first block then
   };
   std::map<int64_t, BlockEntry> blocks;
+  // TaylorSeer (transformer_taylorseer.cpp): the call counter of this context, the last computed call, and per
+  // hooked module (by its place in taylorseer_hooked_modules) its Taylor factors (order 0..) or, for a skipped module,
+  // its last output's shape.
+  struct TaylorSeerState {
+    int64_t current_step = -1;
+    std::optional<int64_t> last_update_step;
+    std::map<size_t, std::vector<Tensor>> factors;
+    std::map<size_t, std::vector<int64_t>> shapes;
+  } taylor;
+  // MagCache (transformer_magcache.cpp): diffusers' MagCacheState (the accumulators are fp32, as there).
+  struct MagCacheState {
+    Tensor previous_residual;
+    float accumulated_ratio = 1.0F, accumulated_err = 0.0F;
+    int64_t accumulated_steps = 0, step_index = 0;
+  } mag;
 
   void reset_kv() {
     k.clear();
@@ -322,6 +337,16 @@ struct SkyReelsV2Transformer::Impl {
                          const std::function<void()>& after_block, std::vector<std::vector<Tensor>>& fresh_k,
                          std::vector<std::vector<Tensor>>& fresh_v, TransformerCallStats& stats) const;
   Tensor head(const Linear& proj_out, const Tensor& x, const Tensor& temb, const Geometry& g) const;
+  // The blocks and the head under diffusers' TaylorSeer or MagCache (TransformerForwardArgs::taylorseer / magcache):
+  // the call's sample. transformer_taylorseer.cpp, transformer_magcache.cpp.
+  Tensor taylorseer_forward(const Layers& layers, Tensor x, const CallConditioning& cond, const RopeTables& rope,
+                            const Geometry& g, const TransformerForwardArgs& args, TransformerCallState::Impl& state,
+                            TransformerCallStats& stats) const;
+  Tensor magcache_forward(const Layers& layers, Tensor x, const CallConditioning& cond, const RopeTables& rope,
+                          const Geometry& g, const TransformerForwardArgs& args, TransformerCallState::Impl& state,
+                          TransformerCallStats& stats) const;
+  // The head's output [B, L, pt*ph*pw*C] back to the sample [B, C, F, H, W].
+  Tensor unpatchify(const Tensor& out, const Geometry& g) const;
 };
 
 }  // namespace skyreels::model

@@ -20,6 +20,7 @@
 
 #include "model/active_adapter.h"
 #include "model/checkpoint.h"
+#include "model/step_caches.h"
 #include "model/transformer_config.h"
 
 namespace skyreels::model {
@@ -62,7 +63,8 @@ class TransformerCallState {
 struct TransformerCallStats {
   int64_t token_blocks_full = 0;      // the whole call without savings: frames x tokens per frame x layers
   int64_t token_blocks_computed = 0;  // what ran
-  int64_t token_blocks_cached = 0;    // not run because FirstBlockCache skipped the tail blocks
+  int64_t token_blocks_cached = 0;    // not run because a step cache skipped or predicted them (TaylorSeer: the
+                                      // blocks whose self-attention did not run)
   std::optional<double> first_block_rel;  // FirstBlockCache: rel of this call (unset on a context's first call)
   bool skipped = false;                   // FirstBlockCache reused the tail residual
   // The cache per causal block: one decision per block of the call, in order.
@@ -74,6 +76,12 @@ struct TransformerCallStats {
     bool reused = false;        // final and unchanged: its kept keys / values stand in exactly (not a skip)
   };
   std::vector<BlockDecision> blocks;
+  // TaylorSeer: this call predicted its hooked modules (computed otherwise). MagCache: `skipped` above; the
+  // accumulated error it compared with the threshold (unset before the retention step and when calibrating) and,
+  // calibrating, the call's magnitude ratio.
+  bool predicted = false;
+  std::optional<double> magcache_err;
+  std::optional<double> magcache_ratio;
 };
 
 // The step cache per causal block (beyond diffusers): block 0 runs on every frame; each causal block compares its
@@ -93,6 +101,20 @@ struct PerBlockCache {
   std::vector<uint8_t> final_blocks;    // per causal block of the call: every frame final (DenoiseCall::final_frames)
   int64_t max_kv_bytes = 0;             // kept keys / values of this state; blocks beyond it are always computed
 };
+
+// The modules a TaylorSeer config hooks on a model of `config`, in diffusers' named_modules() order, each
+// with "cache" or "skip". Throws std::invalid_argument naming the field (taylorseer_cache_modules,
+// taylorseer_skip_modules, taylorseer_*) for bad values, a pattern that matches an unsupported module, nested hooks,
+// or no module at all (diffusers' default patterns hook nothing on this model and would equal the uncached run).
+std::vector<std::pair<std::string, std::string>> taylorseer_hooked_modules(const TaylorSeerCache& cache,
+                                                                           const TransformerConfig& config);
+
+// MagCache's settings in range (magcache_threshold, magcache_max_skip_steps, magcache_retention_ratio; ratios of
+// num_inference_steps entries unless calibrating); std::invalid_argument naming the field.
+void check_magcache(const MagCache& cache);
+
+// diffusers' nearest_interp: `ratios` resampled to `steps` entries (round half to even of i * (n-1)/(steps-1) in fp32).
+std::vector<float> magcache_ratios_for_steps(const std::vector<float>& ratios, int64_t steps);
 
 struct TransformerForwardArgs {
   at::Tensor hidden_states;          // [B, in_channels, F, H, W], any float dtype (cast to the compute dtype)
@@ -124,6 +146,10 @@ struct TransformerForwardArgs {
   std::optional<double> first_block_threshold;
   // The cache per causal block (needs `state`; excludes reuse/keep and first_block_threshold).
   const PerBlockCache* per_block_cache = nullptr;
+  // diffusers' TaylorSeer / MagCache (each needs `state`, the cache context; they exclude each other and every
+  // other saving above).
+  const TaylorSeerCache* taylorseer = nullptr;
+  const MagCache* magcache = nullptr;
   TransformerCallStats* stats = nullptr;
   // Adapters of this call only, in order (their terms add up); empty: the weights alone, the path of no adapters.
   // Checked before anything runs (std::invalid_argument naming the adapter, its key and the layer).

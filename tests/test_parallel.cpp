@@ -297,7 +297,9 @@ PipelineCase df_case(const std::string& name) {
 struct LayoutCase {
   std::string fixture;
   ParallelLayout layout;
-  std::string variant;  // "", "no-exact" (every frame of every row computed), "euler4", "lora", "per-block", "shard"
+  // "", "no-exact" (every frame of every row computed), "euler4", "lora", "per-block", "shard", "taylorseer",
+  // "taylorseer-shard", "magcache"
+  std::string variant;
 };
 
 std::string layout_case_name(const ::testing::TestParamInfo<LayoutCase>& info) {
@@ -317,6 +319,19 @@ TEST_P(DiffusionForcingOnRanks, ReproducesTheSingleDeviceVideoWithin1e5AndDiffus
     c.params.cache.kind = StepCacheKind::kFirstBlockPerBlock;
     c.params.cache.max_skips = 2;
   }
+  if (lc.variant == "taylorseer" || lc.variant == "taylorseer-shard") {  // diffusers' TaylorSeer on self-attention
+    c.params.cache.kind = StepCacheKind::kTaylorSeer;
+    c.params.cache.taylorseer.cache_modules = {"blocks\\.\\d+\\.attn1"};
+    c.params.cache.taylorseer.cache_interval = 2;
+    c.params.cache.taylorseer.disable_cache_before_step = 1;
+    c.params.cache.taylorseer.factors_dtype = TaylorFactorsDtype::kFloat32;
+  }
+  if (lc.variant == "magcache") {  // diffusers' MagCache with made-up ratios that let it skip
+    c.params.cache.kind = StepCacheKind::kMagCache;
+    c.params.cache.magcache.threshold = 0.5;
+    c.params.cache.magcache.retention_ratio = 0.2;
+    c.params.cache.magcache.mag_ratios.assign(static_cast<size_t>(c.params.num_inference_steps), 1.01F);
+  }
   if (lc.variant == "euler4") {  // the few-step Euler path
     c.params.sampler = SamplerKind::kEuler;
     c.params.num_inference_steps = 4;
@@ -324,7 +339,7 @@ TEST_P(DiffusionForcingOnRanks, ReproducesTheSingleDeviceVideoWithin1e5AndDiffus
   const auto model = test::load_fixture_transformer(c.base_dir + "/weights/diffusers");
   // "shard": every rank its own instance holding 1/ranks of the blocks' weights (--shard-weights).
   std::vector<std::unique_ptr<SkyReelsV2Transformer>> shards;
-  if (lc.variant == "shard") {
+  if (lc.variant == "shard" || lc.variant == "taylorseer-shard") {
     for (int64_t r = 0; r < lc.layout.ranks(); ++r) {
       shards.push_back(test::load_fixture_transformer(c.base_dir + "/weights/diffusers"));
       shards.back()->shard_blocks(r, lc.layout.ranks());
@@ -349,8 +364,9 @@ TEST_P(DiffusionForcingOnRanks, ReproducesTheSingleDeviceVideoWithin1e5AndDiffus
     return generate(model_of(g), c.params, c.conditioning, *noise, hooks, {}, &g);
   };
   const at::Tensor reference = single([&](const RankGroups& g) { return run(g, &reports_single); });
-  const at::Tensor split = on_ranks(
-      lc.layout, [&](const RankGroups& g) { return run(g, &reports_split); }, lc.variant != "per-block");
+  // The cache per causal block, TaylorSeer and MagCache compute every token on every rank (not split yet).
+  const bool splits = lc.variant != "per-block" && lc.variant.rfind("taylorseer", 0) != 0 && lc.variant != "magcache";
+  const at::Tensor split = on_ranks(lc.layout, [&](const RankGroups& g) { return run(g, &reports_split); }, splits);
   const double diff = max_abs_diff(split, reference);
   EXPECT_LE(diff, 1e-5);
   if (lc.variant == "shard" && lc.layout.ulysses == 1) {
@@ -377,6 +393,14 @@ TEST_P(DiffusionForcingOnRanks, ReproducesTheSingleDeviceVideoWithin1e5AndDiffus
   if (c.params.cache.kind == StepCacheKind::kFirstBlock) {
     EXPECT_GT(skipped, 0) << "FirstBlockCache never skipped: the case proves nothing";
   }
+  if (c.params.cache.kind == StepCacheKind::kTaylorSeer || c.params.cache.kind == StepCacheKind::kMagCache) {
+    int64_t saved = 0;
+    for (size_t i = 0; i < cond_single.size(); ++i) {
+      EXPECT_EQ(reports_split[i].predicted, cond_single[i].predicted) << i;
+      saved += reports_split[i].token_blocks_saved_cache;
+    }
+    EXPECT_GT(saved, 0) << "the step cache never saved a token-block: the case proves nothing";
+  }
   if (c.params.cache.kind == StepCacheKind::kFirstBlockPerBlock) {
     int64_t block_skips = 0;
     for (const auto& r : reports_split) {
@@ -396,6 +420,8 @@ INSTANTIATE_TEST_SUITE_P(
                       LayoutCase{"c2_async_ar2_cbs2_cfg", {2, 2}, ""}, LayoutCase{"c1_sync_cfg", {1, 2}, ""},
                       LayoutCase{"c4_long_async_addnoise20_cfg", {1, 2}, ""},
                       LayoutCase{"c2_async_ar2_cbs2_cfg", {2, 2}, "per-block"},
+                      LayoutCase{"c1_sync_cfg", {2, 2}, "taylorseer"}, LayoutCase{"c1_sync_cfg", {2, 1}, "magcache"},
+                      LayoutCase{"c3_long_sync_3chunks_overlap9_cfg", {2, 2}, "taylorseer-shard"},
                       LayoutCase{"p2_async_cbs2_ar2", {2, 1}, "shard"}, LayoutCase{"p2_async_cbs2_ar2", {1, 2}, "shard"},
                       LayoutCase{"c2_async_ar2_cbs2_cfg", {2, 2}, "shard"},
                       LayoutCase{"i3_long_async_cbs2_ar2_addnoise20", {2, 2}, "shard"},

@@ -7,6 +7,7 @@
 #include <chrono>
 
 #include "model/adapter_bank.h"
+#include "model/magcache_ratios.h"
 #include "model/pipeline_t2v_i2v.h"
 #include "model/runtime.h"
 #include "model/parallel_layout.h"
@@ -117,6 +118,16 @@ std::unique_ptr<CheckedModel> check_model(const Options& o) {
                  r.format, r.parameters, r.max_rank, r.ignored);
   }
   m->catalogue = catalogue_adapters(o, m->mapped.config);
+  if (!o.magcache_ratios.empty()) {
+    try {
+      m->magcache_ratios =
+          skyreels::model::load_magcache_ratios(o.magcache_ratios, skyreels::model::magcache_model_signature(m->mapped))
+              .cond;
+    } catch (const std::invalid_argument& e) {
+      throw UsageError(std::string("--magcache-ratios: ") + e.what());
+    }
+    spdlog::info("event=magcache_ratios path={} steps={}", o.magcache_ratios, m->magcache_ratios.size());
+  }
   return m;
 }
 
@@ -208,6 +219,7 @@ ServiceConfig service_config(const Options& o, const CheckedModel& model, const 
   }
   c.model.default_pipeline = skyreels::model::pipeline_kind_name(skyreels::model::default_pipeline(config));
   c.model.first_last_frame = config.pos_embed_seq_len.has_value();
+  c.model.magcache_ratios = model.magcache_ratios;
   c.adapters = model.catalogue;
   c.max_resident_adapters = static_cast<size_t>(o.max_resident_adapters);
   ModelSummary& summary = c.summary;

@@ -91,6 +91,7 @@ struct CheckedModel {
   skyreels::model::MappedTransformerCheckpoint mapped;
   std::vector<skyreels::model::LoraAdapter> adapters;  // only checked here: the replicas read their own copies
   std::shared_ptr<const skyreels::model::AdapterCatalogue> catalogue;  // --lora-dir, shared by every replica
+  std::vector<float> magcache_ratios;  // --magcache-ratios (cond context), checked against the model
 };
 
 std::unique_ptr<CheckedModel> check_model(const Options& o);

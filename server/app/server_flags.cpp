@@ -249,6 +249,9 @@ void add_model_flags(std::vector<ServerFlag>& flags) {
            "in DIR by its name without .safetensors, read from its header and hashed (SHA-256) at start, applied "
            "unmerged (the weights never change; no reload), loaded onto a replica on first use. A damaged or unfitting "
            "file is listed unavailable in GetServerInfo"),
+      text("magcache-ratios", &O::magcache_ratios, kModel, "FILE",
+           "MagCache's magnitude ratios of --model (`skyreels calibrate-magcache`), for jobs with cache \"magcache\" "
+           "(refused without it); checked against the model at start"),
       integer("max-resident-adapters", &O::max_resident_adapters, 1, 1024, kModel, "N",
               "adapters each replica keeps on its device, least recently used out first"),
       toggle("strict-adapters", &O::strict_adapters, kModel,

@@ -35,6 +35,7 @@ struct ServerOptions {
   std::string dtype = "auto";
   std::vector<model::LoraSpec> loras;  // --lora, in order
   std::string lora_dir;                // adapters chosen per request
+  std::string magcache_ratios;         // MagCache's ratios of the model (skyreels calibrate-magcache)
   int64_t max_resident_adapters = 4;   // per replica (model::kDefaultMaxResident)
   bool strict_adapters = false;
   // network

@@ -119,11 +119,13 @@
         .flag("exact-savings", "false (or --no-exact-savings): every frame of every row, as diffusers computes")) \
   PARAM(cache, "cache", std::optional<std::string>, std::string, {}, \
         .defaults(std::string("none")) \
-        .one_of({std::string("none"), std::string("first-block"), std::string("first-block-per-block")}) \
+        .one_of({std::string("none"), std::string("first-block"), std::string("first-block-per-block"), \
+                 std::string("taylorseer"), std::string("magcache")}) \
         .fingerprint_when_set() \
-        .diffusion_forcing_only() \
         .flag("cache", "step cache: first-block = diffusers' FirstBlockCache (lossy, --cache-threshold); " \
-                  "first-block-per-block = one decision per causal block (--cache-max-skips)")) \
+                  "first-block-per-block = one decision per causal block (--cache-max-skips), both df; " \
+                  "taylorseer / magcache = diffusers' TaylorSeer / MagCache (t2v, i2v, df with ar_step 0; --taylorseer-*, " \
+                  "--magcache-*)")) \
   PARAM(cache_threshold, "cache_threshold", std::optional<double>, double, 0, \
         .defaults(0.0) \
         .finite_within(0.0, 10.0) \
@@ -171,5 +173,63 @@
         .one_of({std::string("df"), std::string("t2v"), std::string("i2v")}) \
         .fingerprint_when_set() \
         .flag("pipeline", "df: diffusion forcing; t2v: SkyReelsV2Pipeline (one timestep for every frame); i2v: " \
-                  "SkyReelsV2ImageToVideoPipeline (an I2V checkpoint, an image)"))
+                  "SkyReelsV2ImageToVideoPipeline (an I2V checkpoint, an image)")) \
+  /* diffusers' TaylorSeer and MagCache (issue 45): TaylorSeerCacheConfig's and MagCacheConfig's fields. */ \
+  PARAM(taylorseer_cache_interval, "taylorseer_cache_interval", std::optional<int64_t>, int64_t, 0, \
+        .defaults(int64_t{5}) \
+        .within(1, 1000) \
+        .fingerprint_when_set() \
+        .flag("taylorseer-cache-interval", "taylorseer: a computed call every N calls after the warm-up")) \
+  PARAM(taylorseer_disable_cache_before_step, "taylorseer_disable_cache_before_step", std::optional<int64_t>, \
+        int64_t, 0, \
+        .defaults(int64_t{3}) \
+        .within(1, 100000, "calls before it compute; diffusers cannot predict call 0") \
+        .fingerprint_when_set() \
+        .flag("taylorseer-disable-cache-before-step", "taylorseer: calls before this one always compute")) \
+  PARAM(taylorseer_disable_cache_after_step, "taylorseer_disable_cache_after_step", std::optional<int64_t>, \
+        std::optional<int64_t>, {}, \
+        .defaults(DefaultRule::kUnset) \
+        .within(0, 100000) \
+        .fingerprint_when_set() \
+        .flag("taylorseer-disable-cache-after-step", "taylorseer: from this call on every call computes")) \
+  PARAM(taylorseer_max_order, "taylorseer_max_order", std::optional<int64_t>, int64_t, 0, \
+        .defaults(int64_t{1}) \
+        .within(0, 8) \
+        .fingerprint_when_set() \
+        .flag("taylorseer-max-order", "taylorseer: order of the Taylor series")) \
+  PARAM(taylorseer_factors_dtype, "taylorseer_factors_dtype", std::optional<std::string>, std::string, {}, \
+        .defaults(std::string("bfloat16")) \
+        .one_of({std::string("bfloat16"), std::string("float32"), std::string("float16")}) \
+        .fingerprint_when_set() \
+        .flag("taylorseer-factors-dtype", "taylorseer: dtype the Taylor factors are kept in (diffusers' default)")) \
+  PARAM(taylorseer_cache_modules, "taylorseer_cache_modules", std::optional<std::string>, std::string, {}, \
+        .defaults(std::string(R"(blocks\.\d+\.attn1,blocks\.\d+\.attn2)")) \
+        .rule(module_patterns) \
+        .fingerprint_when_set() \
+        .flag("taylorseer-cache-modules", "taylorseer: comma-separated regexes of the modules predicted (diffusers' " \
+                  "names, whole-name match; diffusers' own default hooks nothing on this model)")) \
+  PARAM(taylorseer_skip_modules, "taylorseer_skip_modules", std::optional<std::string>, std::string, {}, \
+        .defaults(std::string()) \
+        .rule(module_patterns) \
+        .fingerprint_when_set() \
+        .flag("taylorseer-skip-modules", "taylorseer: comma-separated regexes of the modules that give zeros")) \
+  PARAM(taylorseer_lite, "taylorseer_lite", std::optional<bool>, bool, false, \
+        .defaults(false) \
+        .fingerprint_when_set() \
+        .flag("taylorseer-lite", "taylorseer: diffusers' lite mode (blocks skipped, proj_out predicted)")) \
+  PARAM(magcache_threshold, "magcache_threshold", std::optional<double>, double, 0, \
+        .defaults(0.06) \
+        .finite_within(0.0, 100.0) \
+        .fingerprint_when_set() \
+        .flag("magcache-threshold", "magcache: skip the blocks while the accumulated error is at most this")) \
+  PARAM(magcache_max_skip_steps, "magcache_max_skip_steps", std::optional<int64_t>, int64_t, 0, \
+        .defaults(int64_t{3}) \
+        .within(1, 1000, "skips in a row") \
+        .fingerprint_when_set() \
+        .flag("magcache-max-skip-steps", "magcache: at most this many skipped steps in a row")) \
+  PARAM(magcache_retention_ratio, "magcache_retention_ratio", std::optional<double>, double, 0, \
+        .defaults(0.2) \
+        .finite_within(0.0, 1.0) \
+        .fingerprint_when_set() \
+        .flag("magcache-retention-ratio", "magcache: the first round(ratio * steps) steps always compute"))
 // clang-format on

@@ -1,12 +1,14 @@
 #include "server/job/generation_params.h"
 
 #include <cmath>
+#include <regex>
 #include <sstream>
 #include <stdexcept>
 #include <type_traits>
 #include <utility>
 
 #include "model/sampler_table.h"
+#include "model/step_caches.h"
 #include "model/video_shape.h"
 
 namespace skyreels::server {
@@ -64,6 +66,38 @@ void multiple_of_16(const std::string& name, const ParamValue& value, const Chec
   const int64_t pixels = std::get<int64_t>(value);
   if (pixels % kPixelMultiple != 0) {
     invalid(name + ": " + std::to_string(pixels) + " is not a multiple of " + std::to_string(kPixelMultiple));
+  }
+}
+
+// cache: the first-block kinds read the diffusion-forcing loop's rows; taylorseer / magcache run on t2v / i2v and on
+// synchronous diffusion forcing (ar_step 0: one noise level per call, one row per step).
+// (check_pipeline_params: each value is valid on its own pipeline.)
+void cache_fits_pipeline(const ResolvedParams& params) {
+  const std::string name = "cache";
+  const std::string& cache = params.cache;
+  const std::string& pipeline = params.pipeline;
+  if (cache.rfind("first-block", 0) == 0 && pipeline != "df") {
+    invalid(name + ": \"" + cache + "\" is a diffusion-forcing cache; pipeline " + pipeline +
+            " takes \"taylorseer\" or \"magcache\"");
+  }
+  if ((cache == "taylorseer" || cache == "magcache") && pipeline == "df" && params.ar_step != 0) {
+    invalid(name + ": \"" + cache +
+            "\" needs ar_step 0 on diffusion forcing (with ar_step > 0 the frames of one call sit at different noise "
+            "levels; use \"first-block-per-block\")");
+  }
+}
+
+// taylorseer_*_modules: comma-separated regular expressions (ECMAScript, as std::regex reads them), 512 characters
+// at most. Which modules they match is checked against the model when the job runs.
+void module_patterns(const std::string& name, const ParamValue& value, const CheckContext&) {
+  const std::string& text = std::get<std::string>(value);
+  if (text.size() > 512) invalid(name + ": " + std::to_string(text.size()) + " characters, at most 512");
+  for (const std::string& pattern : model::split_module_patterns(text)) {
+    try {
+      std::regex compiled(pattern, std::regex::ECMAScript);
+    } catch (const std::regex_error& e) {
+      invalid(name + ": \"" + pattern + "\" is not a regular expression (" + e.what() + ")");
+    }
   }
 }
 
@@ -387,6 +421,7 @@ ResolvedParams resolve_generation_params(const JobRequest& request, const Resolv
 }
 
 void check_pipeline_params(const JobRequest& request, const ResolvedParams& params) {
+  cache_fits_pipeline(params);
   if (params.pipeline == "df") return;
   for (const GenerationParam& p : generation_params()) {
     if (p.diffusion_forcing_only && p.requested(request)) {

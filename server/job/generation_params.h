@@ -106,7 +106,8 @@ ResolvedParams resolve_generation_params(const JobRequest& request, const Resolv
 // Throws ValidationError (INVALID_ARGUMENT) naming the first parameter out of its bounds.
 void validate_generation_params(const ResolvedParams& params, const ServerLimits& limits);
 
-// A t2v / i2v request that sets a diffusion-forcing-only parameter: ValidationError naming it and the pipeline.
+// A t2v / i2v request that sets a diffusion-forcing-only parameter, or a cache its pipeline does not run (first-block
+// kinds on t2v / i2v, taylorseer / magcache on df): ValidationError naming it and the pipeline.
 void check_pipeline_params(const JobRequest& request, const ResolvedParams& params);
 
 // Feeds the request's fingerprinted parameters, as requested (unset stays distinct from the default), to `bytes`.

@@ -35,6 +35,22 @@ model::GenerationParams model_params(const ResolvedParams& r) {
   p.cache.max_skips = r.cache_max_skips;
   p.cache.threshold = r.cache_threshold;
   p.cache.scope = r.cache_scope == "request" ? model::StepCacheScope::kRequest : model::StepCacheScope::kChunk;
+  if (r.cache == "taylorseer") p.cache.kind = model::StepCacheKind::kTaylorSeer;
+  if (r.cache == "magcache") p.cache.kind = model::StepCacheKind::kMagCache;
+  model::TaylorSeerCache& t = p.cache.taylorseer;
+  t.cache_interval = r.taylorseer_cache_interval;
+  t.disable_cache_before_step = r.taylorseer_disable_cache_before_step;
+  t.disable_cache_after_step = r.taylorseer_disable_cache_after_step;
+  t.max_order = r.taylorseer_max_order;
+  t.factors_dtype = r.taylorseer_factors_dtype == "float32"   ? model::TaylorFactorsDtype::kFloat32
+                    : r.taylorseer_factors_dtype == "float16" ? model::TaylorFactorsDtype::kFloat16
+                                                              : model::TaylorFactorsDtype::kBFloat16;
+  t.cache_modules = model::split_module_patterns(r.taylorseer_cache_modules);
+  t.skip_modules = model::split_module_patterns(r.taylorseer_skip_modules);
+  t.lite = r.taylorseer_lite;
+  p.cache.magcache.threshold = r.magcache_threshold;
+  p.cache.magcache.max_skip_steps = r.magcache_max_skip_steps;
+  p.cache.magcache.retention_ratio = r.magcache_retention_ratio;
   p.preview_every = r.preview_every;
   return p;
 }

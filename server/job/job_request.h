@@ -112,6 +112,7 @@ struct ModelDescription {
   std::vector<std::string> pipelines = {"df", "t2v"};
   std::string default_pipeline = "df";
   bool first_last_frame = false;  // i2v: the model takes a first and a last image (pos_embed)
+  std::vector<float> magcache_ratios;  // --magcache-ratios (cache "magcache" is refused without them)
 };
 
 // Turns text prompts into [1, T, text_dim] float32 embeddings each (data as raw F32 bytes), one call per submission

@@ -10,8 +10,9 @@
 #include <cstring>
 
 #include "model/guidance.h"
-#include "model/video_shape.h"
+#include "model/transformer_skyreels_v2.h"
 #include "model/vae_wan.h"
+#include "model/video_shape.h"
 #include "server/job/fingerprint.h"
 #include "server/job/generation_params.h"
 #include "server/job/generation_params_model.h"
@@ -78,6 +79,26 @@ void check_work(const ModelJob& job, const ServerLimits& limits) {
   }
 }
 
+// The model's part of a step cache: MagCache's ratios (the server's --magcache-ratios; refused without them), and
+// TaylorSeer's module patterns matched against the model.
+void step_cache_of_model(const ModelDescription& model, model::StepCacheConfig& cache) {
+  if (cache.kind == model::StepCacheKind::kMagCache) {
+    if (model.magcache_ratios.empty()) {
+      invalid(
+          "cache: \"magcache\" needs the model's magnitude ratios, and this server has none (start it with "
+          "--magcache-ratios FILE, made by `skyreels calibrate-magcache`)");
+    }
+    cache.magcache.mag_ratios = model.magcache_ratios;
+  }
+  if (cache.kind == model::StepCacheKind::kTaylorSeer) {
+    try {
+      model::taylorseer_hooked_modules(cache.taylorseer, model.config);
+    } catch (const std::invalid_argument& e) {
+      invalid(e.what());
+    }
+  }
+}
+
 std::shared_ptr<const JobDescription> describe(const ModelJob& job, const JobRequest& request) {
   auto description = std::make_shared<JobDescription>();
   description->params = job.params();
@@ -120,6 +141,7 @@ std::shared_ptr<ModelJob> ModelJob::create(const JobRequest& request, const Mode
             " runs one prompt for the whole video");
   }
   d.generation = model_params(d.resolved);
+  step_cache_of_model(model, d.generation.cache);
   if (limits.kv_cache_bytes >= 0) d.generation.kv_cache_max_bytes = limits.kv_cache_bytes;
   const model::GenerationParams& p = d.generation;
 

@@ -115,6 +115,7 @@ std::string ModelJob::Impl::run_whole_video(const model::SkyReelsV2Transformer& 
                [&](const model::SkyReelsV2Transformer& t, const model::StepHooks& h, const model::RankGroups* g) {
                  model::VideoHooks video_hooks;
                  video_hooks.cancelled = h.cancelled;
+                 video_hooks.on_call = h.on_call;  // the transformer work and the step cache's decisions
                  video_hooks.on_step = [&h](int64_t step, int64_t steps, const at::Tensor&) {
                    if (h.on_step) h.on_step(0, step, steps);
                  };

@@ -264,10 +264,19 @@ const model::SkyReelsV2Transformer& ModelReplica::model_of_rank(int64_t rank) co
 }
 
 at::Tensor ModelReplica::on_every_rank(const RankLoop& loop, const model::StepHooks& hooks, int64_t run_number) {
+  // Every transformer call is counted once: by the first sequence rank of each guidance half.
+  std::mutex calls_mutex;
+  auto count_call = [&](const model::TransformerCallReport& call) {
+    const std::lock_guard<std::mutex> lock(calls_mutex);
+    if (hooks.on_call) hooks.on_call(call);
+  };
   at::Tensor result;
   model::run_on_ranks(options_.layout, options_.collective_timeout, [&](int64_t rank, const model::RankGroups& g) {
+    const bool counts = g.ulysses == nullptr || g.ulysses->rank() == 0;
     if (rank == 0) {
-      result = loop(*model_, hooks, &g);
+      model::StepHooks first = hooks;
+      first.on_call = count_call;
+      result = loop(*model_, first, &g);
       return;
     }
     // The other ranks: this replica's thread settings, and only their own faults (rank 0 polls the stop).
@@ -277,6 +286,7 @@ at::Tensor ModelReplica::on_every_rank(const RankLoop& loop, const model::StepHo
     mine.on_step = [&, rank](int64_t, int64_t, int64_t) {
       if (const FaultRule* fault = fault_due(run_number, rank)) throw_fault(*fault, run_number);
     };
+    if (counts) mine.on_call = count_call;
     loop(model_of_rank(rank), mine, &g);
   });
   return result;
