@@ -365,6 +365,21 @@ std::vector<pb::JobEvent> watch_until(server::Client& client, const std::string&
   return events;
 }
 
+bool kill_after_step(ServerProcess& server, const std::string& id, int64_t step) {
+  const auto events = watch_until(server.client(), id, 0,
+                                  [step](const pb::JobEvent& e) { return e.has_step() && e.step().step() >= step; });
+  if (events.empty() || !events.back().has_step()) {
+    ADD_FAILURE() << "job " << id << " ended before its step " << step;
+    return false;
+  }
+  server.signal(SIGKILL);
+  if (server.wait_exit(std::chrono::seconds(10)) == -1) {
+    ADD_FAILURE() << "the server did not die";
+    return false;
+  }
+  return true;
+}
+
 pb::Job get_job(server::Client& client, const std::string& id, grpc::Status* status_out) {
   auto ctx = client.context(10);
   pb::GetJobRequest request;

@@ -136,6 +136,9 @@ v1::JobEvent first_event_of_type(server::Client& client, const std::string& id, 
 // `seconds`; returns the events read.
 std::vector<v1::JobEvent> watch_until(server::Client& client, const std::string& id, uint64_t after,
                                       const std::function<bool(const v1::JobEvent&)>& stop, double seconds = 120);
+// Follows the job until its step `step` has run, then kills the server with SIGKILL and waits for it to die (a crash
+// mid-chunk: nothing of that chunk is committed). False (with the failure recorded) when the job ended first.
+bool kill_after_step(ServerProcess& server, const std::string& id, int64_t step);
 // GetJob; the status into *status_out when given.
 v1::Job get_job(server::Client& client, const std::string& id, grpc::Status* status_out = nullptr);
 // Submits; fails the test on a non-OK status.

@@ -7,7 +7,6 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
-#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -336,12 +335,7 @@ TEST(ServedStepCachesDurable, ASigkillMidVideoResumesBitIdentical) {
   {
     ServerProcess server(args);
     id = submit(server.client(), request).job_id();
-    const auto events =
-        watch_until(server.client(), id, 0, [](const pb::JobEvent& e) { return e.has_step() && e.step().step() >= 2; });
-    ASSERT_FALSE(events.empty());
-    ASSERT_TRUE(events.back().has_step()) << "the job ended before its second step";
-    server.signal(SIGKILL);
-    ASSERT_NE(server.wait_exit(10s), -1) << "the server did not die";
+    ASSERT_TRUE(kill_after_step(server, id, 2));
   }
   ServerProcess restarted(args);
   const pb::Job done = wait_job(restarted.client(), id, 180s);
