@@ -16,6 +16,7 @@
 #include "model/diffusion_forcing.h"
 #include "model/lora.h"
 #include "model/sampler_table.h"
+#include "model/transformer_loader.h"
 #include "model/parallel_layout.h"
 #include "model/rank_group.h"
 #include "model/transformer_skyreels_v2.h"
@@ -298,7 +299,7 @@ struct LayoutCase {
   std::string fixture;
   ParallelLayout layout;
   // "", "no-exact" (every frame of every row computed), "euler4", "lora", "per-block", "shard", "taylorseer",
-  // "taylorseer-shard", "magcache"
+  // "taylorseer-shard", "magcache", "fp8", "previews"
   std::string variant;
 };
 
@@ -336,12 +337,19 @@ TEST_P(DiffusionForcingOnRanks, ReproducesTheSingleDeviceVideoWithin1e5AndDiffus
     c.params.sampler = SamplerKind::kEuler;
     c.params.num_inference_steps = 4;
   }
-  const auto model = test::load_fixture_transformer(c.base_dir + "/weights/diffusers");
+  // "fp8": the fixture's weights converted to a float8_e4m3fn checkpoint (our convert) and loaded through the loader.
+  std::string weights = c.base_dir + "/weights/diffusers";
+  if (lc.variant == "fp8") {
+    const std::string fp8 = test::temp_dir("parallel_fp8") + "/fp8";
+    convert_transformer_checkpoint(weights, fp8, {"float8_e4m3fn", 5'000'000'000ull});
+    weights = fp8;
+  }
+  const auto model = lc.variant == "fp8" ? load_transformer(weights).model : test::load_fixture_transformer(weights);
   // "shard": every rank its own instance holding 1/ranks of the blocks' weights (--shard-weights).
   std::vector<std::unique_ptr<SkyReelsV2Transformer>> shards;
   if (lc.variant == "shard" || lc.variant == "taylorseer-shard") {
     for (int64_t r = 0; r < lc.layout.ranks(); ++r) {
-      shards.push_back(test::load_fixture_transformer(c.base_dir + "/weights/diffusers"));
+      shards.push_back(test::load_fixture_transformer(weights));
       shards.back()->shard_blocks(r, lc.layout.ranks());
     }
   }
@@ -356,9 +364,16 @@ TEST_P(DiffusionForcingOnRanks, ReproducesTheSingleDeviceVideoWithin1e5AndDiffus
     c.params.adapters = {ActiveAdapter{std::make_shared<const LoraAdapter>(placed), 0.8}};
   }
   std::vector<TransformerCallReport> reports_single, reports_split;
+  // "previews": a preview after every row, from rank 0 (the ranks hold the same latents).
+  std::vector<at::Tensor> previews_single, previews_split;
+  if (lc.variant == "previews") c.params.preview_every = 1;
   auto run = [&](const RankGroups& g, std::vector<TransformerCallReport>* reports) {
     auto noise = make_recorded_noise(c.noise);
     StepHooks hooks;
+    if (lc.variant == "previews" && g.first()) {
+      auto* previews = reports == &reports_single ? &previews_single : &previews_split;
+      hooks.on_preview = [previews](const ChunkPreview& p) { previews->push_back(p.x0.clone()); };
+    }
     const bool first_rank = (g.ulysses == nullptr || g.ulysses->rank() == 0) && (g.cfg == nullptr || g.cfg->rank() == 0);
     if (first_rank) hooks.on_call = [reports](const TransformerCallReport& r) { reports->push_back(r); };
     return generate(model_of(g), c.params, c.conditioning, *noise, hooks, {}, &g);
@@ -393,6 +408,13 @@ TEST_P(DiffusionForcingOnRanks, ReproducesTheSingleDeviceVideoWithin1e5AndDiffus
   if (c.params.cache.kind == StepCacheKind::kFirstBlock) {
     EXPECT_GT(skipped, 0) << "FirstBlockCache never skipped: the case proves nothing";
   }
+  if (lc.variant == "previews") {
+    ASSERT_EQ(previews_split.size(), previews_single.size());
+    EXPECT_FALSE(previews_single.empty());
+    for (size_t i = 0; i < previews_single.size(); ++i) {
+      EXPECT_LE(max_abs_diff(previews_split[i], previews_single[i]), 1e-5) << "preview " << i;
+    }
+  }
   if (c.params.cache.kind == StepCacheKind::kTaylorSeer || c.params.cache.kind == StepCacheKind::kMagCache) {
     int64_t saved = 0;
     for (size_t i = 0; i < cond_single.size(); ++i) {
@@ -420,6 +442,7 @@ INSTANTIATE_TEST_SUITE_P(
                       LayoutCase{"c2_async_ar2_cbs2_cfg", {2, 2}, ""}, LayoutCase{"c1_sync_cfg", {1, 2}, ""},
                       LayoutCase{"c4_long_async_addnoise20_cfg", {1, 2}, ""},
                       LayoutCase{"c2_async_ar2_cbs2_cfg", {2, 2}, "per-block"},
+                      LayoutCase{"p2_async_cbs2_ar2", {2, 2}, "fp8"}, LayoutCase{"p4_long_addnoise20", {2, 2}, "previews"},
                       LayoutCase{"c1_sync_cfg", {2, 2}, "taylorseer"}, LayoutCase{"c1_sync_cfg", {2, 1}, "magcache"},
                       LayoutCase{"c3_long_sync_3chunks_overlap9_cfg", {2, 2}, "taylorseer-shard"},
                       LayoutCase{"p2_async_cbs2_ar2", {2, 1}, "shard"}, LayoutCase{"p2_async_cbs2_ar2", {1, 2}, "shard"},
