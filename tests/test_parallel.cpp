@@ -299,7 +299,7 @@ struct LayoutCase {
   std::string fixture;
   ParallelLayout layout;
   // "", "no-exact" (every frame of every row computed), "euler4", "lora", "per-block", "shard", "taylorseer",
-  // "taylorseer-shard", "magcache", "fp8", "previews"
+  // "magcache", "fp8", "previews"; "X-shard": X with sharded weights
   std::string variant;
 };
 
@@ -315,39 +315,44 @@ class DiffusionForcingOnRanks : public ::testing::TestWithParam<LayoutCase> {};
 TEST_P(DiffusionForcingOnRanks, ReproducesTheSingleDeviceVideoWithin1e5AndDiffusersWithin1e4) {
   const LayoutCase& lc = GetParam();
   PipelineCase c = df_case(lc.fixture);
-  if (lc.variant == "no-exact") c.params.exact_savings = false;
-  if (lc.variant == "per-block") {  // the cache per causal block: every token on every rank, the same video
+  // "X-shard": variant X with sharded weights too; "shard" alone: sharded weights on the fixture as it is.
+  const bool shard = lc.variant == "shard" || (lc.variant.size() > 6 &&
+                                               lc.variant.compare(lc.variant.size() - 6, 6, "-shard") == 0);
+  const std::string variant = lc.variant == "shard" ? "" : shard ? lc.variant.substr(0, lc.variant.size() - 6)
+                                                                 : lc.variant;
+  if (variant == "no-exact") c.params.exact_savings = false;
+  if (variant == "per-block") {  // the cache per causal block: every token on every rank, the same video
     c.params.cache.kind = StepCacheKind::kFirstBlockPerBlock;
     c.params.cache.max_skips = 2;
   }
-  if (lc.variant == "taylorseer" || lc.variant == "taylorseer-shard") {  // diffusers' TaylorSeer on self-attention
+  if (variant == "taylorseer") {  // diffusers' TaylorSeer on self-attention
     c.params.cache.kind = StepCacheKind::kTaylorSeer;
     c.params.cache.taylorseer.cache_modules = {"blocks\\.\\d+\\.attn1"};
     c.params.cache.taylorseer.cache_interval = 2;
     c.params.cache.taylorseer.disable_cache_before_step = 1;
     c.params.cache.taylorseer.factors_dtype = TaylorFactorsDtype::kFloat32;
   }
-  if (lc.variant == "magcache") {  // diffusers' MagCache with made-up ratios that let it skip
+  if (variant == "magcache") {  // diffusers' MagCache with made-up ratios that let it skip
     c.params.cache.kind = StepCacheKind::kMagCache;
     c.params.cache.magcache.threshold = 0.5;
     c.params.cache.magcache.retention_ratio = 0.2;
     c.params.cache.magcache.mag_ratios.assign(static_cast<size_t>(c.params.num_inference_steps), 1.01F);
   }
-  if (lc.variant == "euler4") {  // the few-step Euler path
+  if (variant == "euler4") {  // the few-step Euler path
     c.params.sampler = SamplerKind::kEuler;
     c.params.num_inference_steps = 4;
   }
   // "fp8": the fixture's weights converted to a float8_e4m3fn checkpoint (our convert) and loaded through the loader.
   std::string weights = c.base_dir + "/weights/diffusers";
-  if (lc.variant == "fp8") {
+  if (variant == "fp8") {
     const std::string fp8 = test::temp_dir("parallel_fp8") + "/fp8";
     convert_transformer_checkpoint(weights, fp8, {"float8_e4m3fn", 5'000'000'000ull});
     weights = fp8;
   }
-  const auto model = lc.variant == "fp8" ? load_transformer(weights).model : test::load_fixture_transformer(weights);
+  const auto model = variant == "fp8" ? load_transformer(weights).model : test::load_fixture_transformer(weights);
   // "shard": every rank its own instance holding 1/ranks of the blocks' weights (--shard-weights).
   std::vector<std::unique_ptr<SkyReelsV2Transformer>> shards;
-  if (lc.variant == "shard" || lc.variant == "taylorseer-shard") {
+  if (shard) {
     for (int64_t r = 0; r < lc.layout.ranks(); ++r) {
       shards.push_back(test::load_fixture_transformer(weights));
       shards.back()->shard_blocks(r, lc.layout.ranks());
@@ -356,7 +361,7 @@ TEST_P(DiffusionForcingOnRanks, ReproducesTheSingleDeviceVideoWithin1e5AndDiffus
   auto model_of = [&](const RankGroups& g) -> const SkyReelsV2Transformer& {
     return shards.empty() || g.all == nullptr ? *model : *shards.at(static_cast<size_t>(g.all->rank()));
   };
-  if (lc.variant == "lora") {  // an adapter of this request, unmerged in every call
+  if (variant == "lora") {  // an adapter of this request, unmerged in every call
     LoraSpec spec;
     spec.path = test::data_path("lora/diffusers_format.safetensors");
     const LoraAdapter placed = place_lora(read_lora(spec), transformer_parameter_specs(model->config()),
@@ -366,11 +371,11 @@ TEST_P(DiffusionForcingOnRanks, ReproducesTheSingleDeviceVideoWithin1e5AndDiffus
   std::vector<TransformerCallReport> reports_single, reports_split;
   // "previews": a preview after every row, from rank 0 (the ranks hold the same latents).
   std::vector<at::Tensor> previews_single, previews_split;
-  if (lc.variant == "previews") c.params.preview_every = 1;
+  if (variant == "previews") c.params.preview_every = 1;
   auto run = [&](const RankGroups& g, std::vector<TransformerCallReport>* reports) {
     auto noise = make_recorded_noise(c.noise);
     StepHooks hooks;
-    if (lc.variant == "previews" && g.first()) {
+    if (variant == "previews" && g.first()) {
       auto* previews = reports == &reports_single ? &previews_single : &previews_split;
       hooks.on_preview = [previews](const ChunkPreview& p) { previews->push_back(p.x0.clone()); };
     }
@@ -380,14 +385,14 @@ TEST_P(DiffusionForcingOnRanks, ReproducesTheSingleDeviceVideoWithin1e5AndDiffus
   };
   const at::Tensor reference = single([&](const RankGroups& g) { return run(g, &reports_single); });
   // The cache per causal block, TaylorSeer and MagCache compute every token on every rank (not split yet).
-  const bool splits = lc.variant != "per-block" && lc.variant.rfind("taylorseer", 0) != 0 && lc.variant != "magcache";
+  const bool splits = variant != "per-block" && variant != "taylorseer" && variant != "magcache";
   const at::Tensor split = on_ranks(lc.layout, [&](const RankGroups& g) { return run(g, &reports_split); }, splits);
   const double diff = max_abs_diff(split, reference);
   EXPECT_LE(diff, 1e-5);
-  if (lc.variant == "shard" && lc.layout.ulysses == 1) {
+  if (shard && variant.empty() && lc.layout.ulysses == 1) {
     EXPECT_TRUE(at::equal(split, reference)) << "gathered weights are the same bits: sharding moves no number";
   }
-  if (lc.variant.empty() || lc.variant == "shard") {
+  if (variant.empty()) {
     EXPECT_LE(max_abs_diff(split, c.output.at("latents")), 1e-4);
   }
   std::printf("[ %s %s %s ] max |diff| to one device = %.3g\n", lc.fixture.c_str(), lc.layout.text().c_str(),
@@ -408,7 +413,7 @@ TEST_P(DiffusionForcingOnRanks, ReproducesTheSingleDeviceVideoWithin1e5AndDiffus
   if (c.params.cache.kind == StepCacheKind::kFirstBlock) {
     EXPECT_GT(skipped, 0) << "FirstBlockCache never skipped: the case proves nothing";
   }
-  if (lc.variant == "previews") {
+  if (variant == "previews") {
     ASSERT_EQ(previews_split.size(), previews_single.size());
     EXPECT_FALSE(previews_single.empty());
     for (size_t i = 0; i < previews_single.size(); ++i) {
@@ -442,6 +447,9 @@ INSTANTIATE_TEST_SUITE_P(
                       LayoutCase{"c2_async_ar2_cbs2_cfg", {2, 2}, ""}, LayoutCase{"c1_sync_cfg", {1, 2}, ""},
                       LayoutCase{"c4_long_async_addnoise20_cfg", {1, 2}, ""},
                       LayoutCase{"c2_async_ar2_cbs2_cfg", {2, 2}, "per-block"},
+                      LayoutCase{"p1_sync_short", {1, 2}, "shard"}, LayoutCase{"p2_async_cbs2_ar2", {2, 2}, "lora-shard"},
+                      LayoutCase{"p2_async_cbs2_ar2", {2, 2}, "euler4-shard"},
+                      LayoutCase{"p4_long_addnoise20", {1, 2}, "shard"},
                       LayoutCase{"p2_async_cbs2_ar2", {2, 2}, "fp8"}, LayoutCase{"p4_long_addnoise20", {2, 2}, "previews"},
                       LayoutCase{"c1_sync_cfg", {2, 2}, "taylorseer"}, LayoutCase{"c1_sync_cfg", {2, 1}, "magcache"},
                       LayoutCase{"c3_long_sync_3chunks_overlap9_cfg", {2, 2}, "taylorseer-shard"},

@@ -185,6 +185,21 @@ TEST_P(Golden, OnGuidanceParallelAndUlyssesRanksEqualsOneDeviceWithin1e5) {
     std::cout << "[ " << c.name << " " << layout.text() << " ] max |diff| to one device = " << max_abs_diff(out[0], one)
               << "\n";
   }
+  // --shard-weights on cfg=2,ulysses=2: every rank its own instance holding a quarter of the blocks.
+  std::vector<std::unique_ptr<SkyReelsV2Transformer>> shards;
+  for (int64_t r = 0; r < 4; ++r) {
+    shards.push_back(c.transformer());
+    shards.back()->shard_blocks(r, 4);
+  }
+  at::Tensor sharded;
+  run_on_ranks(ParallelLayout{2, 2}, std::chrono::milliseconds(60000), [&](int64_t rank, const RankGroups& groups) {
+    at::set_num_threads(1);
+    auto noise = make_recorded_noise({c.noise.at("noise_000")});
+    const at::Tensor mine = generate_video(*shards[static_cast<size_t>(rank)], c.kind, c.params,
+                                           c.recorded_conditioning(), *noise, c.videos_per_prompt, {}, &groups);
+    if (rank == 0) sharded = mine;
+  });
+  EXPECT_LE(max_abs_diff(sharded, one), 1e-5) << "sharded weights";
 }
 
 INSTANTIATE_TEST_SUITE_P(T2vI2v, Golden, ::testing::ValuesIn(kAllCases), label);
