@@ -48,36 +48,6 @@ Tensor my_tokens_of_all_heads(const Tensor& o, const Geometry& g) {
   return got.permute({1, 2, 0, 3}).reshape({b, local, u * per_rank});
 }
 
-// Full tokens [B, tokens, D] -> this rank's share (zero rows past the end).
-Tensor take_share(const Tensor& x, const Geometry& share) {
-  const int64_t n = std::clamp<int64_t>(share.tokens - share.local_begin, 0, share.local_tokens);
-  if (n == share.local_tokens) return x.narrow(1, share.local_begin, n).contiguous();
-  Tensor out = at::zeros({x.size(0), share.local_tokens, x.size(2)}, x.options());
-  if (n > 0) out.narrow(1, 0, n).copy_(x.narrow(1, share.local_begin, n));
-  return out;
-}
-
-// Every rank's share [B, local, D] -> the full tokens [B, tokens, D], the same on every rank.
-Tensor gather_shares(const Tensor& x, const Geometry& share) {
-  const Tensor all = share.ranks->all_gather(x);  // [ranks, B, local, D]
-  return all.permute({1, 0, 2, 3})
-      .reshape({x.size(0), all.size(0) * share.local_tokens, x.size(2)})
-      .narrow(1, 0, share.tokens)
-      .contiguous();
-}
-
-// The RoPE rows of a share (zero rows for the padding).
-RopeTables share_rope(const RopeTables& rope, const Geometry& share) {
-  if (share.ranks == nullptr) return rope;
-  auto rows = [&](const Tensor& t) {
-    const int64_t n = std::clamp<int64_t>(share.tokens - share.local_begin, 0, share.local_tokens);
-    Tensor out = at::zeros({t.size(0), share.local_tokens, t.size(2), t.size(3)}, t.options());
-    if (n > 0) out.narrow(1, 0, n).copy_(t.narrow(1, share.local_begin, n));
-    return out;
-  };
-  return RopeTables{rows(rope.cos), rows(rope.signed_sin)};
-}
-
 }  // namespace
 
 // ---- forward --------------------------------------------------------------------------------------------------
@@ -507,8 +477,8 @@ at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) co
   const bool first_block = savings.threshold.has_value();
   Tensor x = m.patchify(args.hidden_states, g, first_block ? 0 : reuse);
   // Ulysses: each rank runs the blocks on its share of the tokens from frame `first` on.
-  // The cache per causal block, TaylorSeer and MagCache run every token on every rank (not split yet): the same
-  // numbers, without the split's speed-up.
+  // The cache per causal block and TaylorSeer run every token on every rank (not split yet): the same numbers,
+  // without the split's speed-up. MagCache splits its own block stack (transformer_magcache.cpp).
   const bool splits = !args.per_block_cache && !args.taylorseer && !args.magcache;
   RankGroup* ranks =
       args.sequence_parallel != nullptr && args.sequence_parallel->size() > 1 && splits ? args.sequence_parallel

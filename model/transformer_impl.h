@@ -261,6 +261,36 @@ inline Geometry split_across(const Geometry& g, RankGroup& ranks) {
   return s;
 }
 
+// Full tokens [B, tokens, D] -> this rank's share (zero rows past the end).
+inline Tensor take_share(const Tensor& x, const Geometry& share) {
+  const int64_t n = std::clamp<int64_t>(share.tokens - share.local_begin, 0, share.local_tokens);
+  if (n == share.local_tokens) return x.narrow(1, share.local_begin, n).contiguous();
+  Tensor out = at::zeros({x.size(0), share.local_tokens, x.size(2)}, x.options());
+  if (n > 0) out.narrow(1, 0, n).copy_(x.narrow(1, share.local_begin, n));
+  return out;
+}
+
+// Every rank's share [B, local, D] -> the full tokens [B, tokens, D], the same on every rank.
+inline Tensor gather_shares(const Tensor& x, const Geometry& share) {
+  const Tensor all = share.ranks->all_gather(x);  // [ranks, B, local, D]
+  return all.permute({1, 0, 2, 3})
+      .reshape({x.size(0), all.size(0) * share.local_tokens, x.size(2)})
+      .narrow(1, 0, share.tokens)
+      .contiguous();
+}
+
+// The RoPE rows of a share (zero rows for the padding).
+inline RopeTables share_rope(const RopeTables& rope, const Geometry& share) {
+  if (share.ranks == nullptr) return rope;
+  auto rows = [&](const Tensor& t) {
+    const int64_t n = std::clamp<int64_t>(share.tokens - share.local_begin, 0, share.local_tokens);
+    Tensor out = at::zeros({t.size(0), share.local_tokens, t.size(2), t.size(3)}, t.options());
+    if (n > 0) out.narrow(1, 0, n).copy_(t.narrow(1, share.local_begin, n));
+    return out;
+  };
+  return RopeTables{rows(rope.cos), rows(rope.signed_sin)};
+}
+
 }  // namespace transformer_impl
 
 struct SkyReelsV2Transformer::Impl {

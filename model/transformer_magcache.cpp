@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "model/rank_group.h"
 #include "model/transformer_impl.h"
 
 namespace skyreels::model {
@@ -100,6 +101,12 @@ Tensor SkyReelsV2Transformer::Impl::magcache_forward(const Layers& layers, Tenso
   check_magcache(c);
   MagState& s = state.mag;
   const int64_t all_blocks = g.batch * g.tokens * static_cast<int64_t>(layers.blocks.size());
+  // Ulysses: each rank runs the block stack on its share of the tokens and keeps its share of the residual; the
+  // decision comes from the ratios alone, so every rank makes the same one.
+  RankGroup* ranks = args.sequence_parallel != nullptr && args.sequence_parallel->size() > 1 ? args.sequence_parallel
+                                                                                            : nullptr;
+  const Geometry held = ranks ? split_across(g, *ranks) : g;
+  if (ranks) x = take_share(x, held);
   if (decide_skip(c, s, stats.magcache_err)) {
     require(s.previous_residual.sizes() == x.sizes(),
             "magcache: this call has " + std::to_string(x.size(1)) + " tokens, the context's last computed call had " +
@@ -109,16 +116,23 @@ Tensor SkyReelsV2Transformer::Impl::magcache_forward(const Layers& layers, Tenso
     x = x + s.previous_residual;
   } else {
     const Tensor block_in = x;  // block_forward never writes its input in place
+    const RopeTables held_rope = share_rope(rope, held);
     for (size_t l = 0; l < layers.blocks.size(); ++l) {
-      x = block_forward(ready(layers.blocks, l), std::move(x), cond.context, cond.modulation, rope, g, 0);
+      x = block_forward(ready(layers.blocks, l), std::move(x), cond.context, cond.modulation, held_rope, held, 0);
       if (args.after_block) args.after_block();
     }
     stats.token_blocks_computed = all_blocks;
     Tensor residual = x - block_in;
-    if (c.calibrate) stats.magcache_ratio = calibration_ratio(residual, s.previous_residual);
+    if (c.calibrate) {  // over every token: the shares gathered
+      stats.magcache_ratio =
+          ranks ? calibration_ratio(gather_shares(residual, held),
+                                    s.previous_residual.defined() ? gather_shares(s.previous_residual, held) : Tensor())
+                : calibration_ratio(residual, s.previous_residual);
+    }
     s.previous_residual = std::move(residual);
   }
   advance(c, s);
+  if (ranks) x = gather_shares(x, held);  // the head runs on every token, on every rank
   return head(layers.proj_out, x, cond.temb, g);
 }
 

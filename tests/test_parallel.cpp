@@ -384,8 +384,8 @@ TEST_P(DiffusionForcingOnRanks, ReproducesTheSingleDeviceVideoWithin1e5AndDiffus
     return generate(model_of(g), c.params, c.conditioning, *noise, hooks, {}, &g);
   };
   const at::Tensor reference = single([&](const RankGroups& g) { return run(g, &reports_single); });
-  // The cache per causal block, TaylorSeer and MagCache compute every token on every rank (not split yet).
-  const bool splits = variant != "per-block" && variant != "taylorseer" && variant != "magcache";
+  // The cache per causal block and TaylorSeer compute every token on every rank (not split yet).
+  const bool splits = variant != "per-block" && variant != "taylorseer";
   const at::Tensor split = on_ranks(lc.layout, [&](const RankGroups& g) { return run(g, &reports_split); }, splits);
   const double diff = max_abs_diff(split, reference);
   EXPECT_LE(diff, 1e-5);
@@ -451,7 +451,8 @@ INSTANTIATE_TEST_SUITE_P(
                       LayoutCase{"p2_async_cbs2_ar2", {2, 2}, "euler4-shard"},
                       LayoutCase{"p4_long_addnoise20", {1, 2}, "shard"},
                       LayoutCase{"p2_async_cbs2_ar2", {2, 2}, "fp8"}, LayoutCase{"p4_long_addnoise20", {2, 2}, "previews"},
-                      LayoutCase{"c1_sync_cfg", {2, 2}, "taylorseer"}, LayoutCase{"c1_sync_cfg", {2, 1}, "magcache"},
+                      LayoutCase{"c1_sync_cfg", {2, 2}, "taylorseer"}, LayoutCase{"c1_sync_cfg", {2, 2}, "magcache"},
+                      LayoutCase{"c3_long_sync_3chunks_overlap9_cfg", {1, 2}, "magcache-shard"},
                       LayoutCase{"c3_long_sync_3chunks_overlap9_cfg", {2, 2}, "taylorseer-shard"},
                       LayoutCase{"p2_async_cbs2_ar2", {2, 1}, "shard"}, LayoutCase{"p2_async_cbs2_ar2", {1, 2}, "shard"},
                       LayoutCase{"c2_async_ar2_cbs2_cfg", {2, 2}, "shard"},
