@@ -477,8 +477,8 @@ at::Tensor SkyReelsV2Transformer::forward(const TransformerForwardArgs& args) co
   const bool first_block = savings.threshold.has_value();
   Tensor x = m.patchify(args.hidden_states, g, first_block ? 0 : reuse);
   // Ulysses: each rank runs the blocks on its share of the tokens from frame `first` on.
-  // The cache per causal block and TaylorSeer run every token on every rank (not split yet): the same numbers,
-  // without the split's speed-up. MagCache splits its own block stack (transformer_magcache.cpp).
+  // The cache per causal block runs every token on every rank (not split yet): the same numbers, without the split's
+  // speed-up. TaylorSeer and MagCache split their own paths (transformer_taylorseer.cpp, transformer_magcache.cpp).
   const bool splits = !args.per_block_cache && !args.taylorseer && !args.magcache;
   RankGroup* ranks =
       args.sequence_parallel != nullptr && args.sequence_parallel->size() > 1 && splits ? args.sequence_parallel

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "model/rank_group.h"
 #include "model/transformer_impl.h"
 
 namespace skyreels::model {
@@ -252,6 +253,13 @@ Tensor SkyReelsV2Transformer::Impl::taylorseer_forward(const Layers& layers, Ten
   TaylorCall call(*args.taylorseer, config, state, at::TensorOptions().dtype(dtype).device(device));
   stats.predicted = !call.computes();
   const Tensor& modulation = cond.modulation;
+  // Ulysses: each rank runs (or predicts) the hooked modules on its share of the tokens, and keeps its shares' Taylor
+  // factors; whether a call computes depends on its index alone, so every rank decides the same.
+  RankGroup* ranks = args.sequence_parallel != nullptr && args.sequence_parallel->size() > 1 ? args.sequence_parallel
+                                                                                            : nullptr;
+  const Geometry held = ranks ? split_across(g, *ranks) : g;
+  const RopeTables held_rope = share_rope(rope, held);
+  if (ranks) x = take_share(x, held);
   for (size_t l = 0; l < layers.blocks.size(); ++l) {
     const BlockWeights& b = ready(layers.blocks, l);  // gathered first when the weights are sharded
     const std::string name = "blocks." + std::to_string(l);
@@ -262,27 +270,28 @@ Tensor SkyReelsV2Transformer::Impl::taylorseer_forward(const Layers& layers, Ten
       const Tensor e = b.scale_shift_table.view({1, 1, 6, g.dim}) + modulation;
       auto row = [&](int64_t i) { return e.select(2, i).unsqueeze(2); };
       Tensor attn = call.module(name + ".attn1", [&] {
-        return self_attention(b.attn1, modulated_norm(x, row(1), row(0), g, config.eps, dtype), rope, g, 0, nullptr,
-                              nullptr);
+        return self_attention(b.attn1, modulated_norm(x, row(1), row(0), held, config.eps, dtype), held_rope, held, 0,
+                              nullptr, nullptr);
       });
-      Tensor h = gated_residual(x, std::move(attn), row(2), g);
+      Tensor h = gated_residual(x, std::move(attn), row(2), held);
       h.add_(call.module(name + ".attn2", [&] {
         const Tensor n =
             config.cross_attn_norm ? layer_norm_fp32(h, config.eps, b.norm2_weight, b.norm2_bias).to(dtype) : h;
         return cross_attention(b, n, cond.context);
       }));
-      Tensor ff = call.module(name + ".ffn",
-                              [&] { return feed_forward(b, modulated_norm(h, row(4), row(3), g, config.eps, dtype)); });
-      return gated_residual(h, std::move(ff), row(5), g);
+      Tensor ff = call.module(
+          name + ".ffn", [&] { return feed_forward(b, modulated_norm(h, row(4), row(3), held, config.eps, dtype)); });
+      return gated_residual(h, std::move(ff), row(5), held);
     });
     if (args.after_block) args.after_block();
   }
-  const Tensor out = call.module("proj_out", [&] {
+  Tensor out = call.module("proj_out", [&] {
     const Tensor e = head_table.view({1, 1, 2, g.dim}) + cond.temb.unsqueeze(2);
     return layers.proj_out(
-        modulated_norm(x, e.select(2, 1).unsqueeze(2), e.select(2, 0).unsqueeze(2), g, config.eps, dtype));
+        modulated_norm(x, e.select(2, 1).unsqueeze(2), e.select(2, 0).unsqueeze(2), held, config.eps, dtype));
   });
   call.finish();
+  if (ranks) out = gather_shares(out, held);  // every token's output, on every rank
   return unpatchify(out, g);
 }
 

@@ -332,6 +332,13 @@ TEST_P(DiffusionForcingOnRanks, ReproducesTheSingleDeviceVideoWithin1e5AndDiffus
     c.params.cache.taylorseer.disable_cache_before_step = 1;
     c.params.cache.taylorseer.factors_dtype = TaylorFactorsDtype::kFloat32;
   }
+  if (variant == "taylorseer-lite") {  // diffusers' lite mode: blocks skipped, proj_out predicted
+    c.params.cache.kind = StepCacheKind::kTaylorSeer;
+    c.params.cache.taylorseer.lite = true;
+    c.params.cache.taylorseer.cache_interval = 2;
+    c.params.cache.taylorseer.disable_cache_before_step = 1;
+    c.params.cache.taylorseer.factors_dtype = TaylorFactorsDtype::kFloat32;
+  }
   if (variant == "magcache") {  // diffusers' MagCache with made-up ratios that let it skip
     c.params.cache.kind = StepCacheKind::kMagCache;
     c.params.cache.magcache.threshold = 0.5;
@@ -384,8 +391,8 @@ TEST_P(DiffusionForcingOnRanks, ReproducesTheSingleDeviceVideoWithin1e5AndDiffus
     return generate(model_of(g), c.params, c.conditioning, *noise, hooks, {}, &g);
   };
   const at::Tensor reference = single([&](const RankGroups& g) { return run(g, &reports_single); });
-  // The cache per causal block and TaylorSeer compute every token on every rank (not split yet).
-  const bool splits = variant != "per-block" && variant != "taylorseer";
+  // The cache per causal block computes every token on every rank (not split yet).
+  const bool splits = variant != "per-block";
   const at::Tensor split = on_ranks(lc.layout, [&](const RankGroups& g) { return run(g, &reports_split); }, splits);
   const double diff = max_abs_diff(split, reference);
   EXPECT_LE(diff, 1e-5);
@@ -452,6 +459,7 @@ INSTANTIATE_TEST_SUITE_P(
                       LayoutCase{"p4_long_addnoise20", {1, 2}, "shard"},
                       LayoutCase{"p2_async_cbs2_ar2", {2, 2}, "fp8"}, LayoutCase{"p4_long_addnoise20", {2, 2}, "previews"},
                       LayoutCase{"c1_sync_cfg", {2, 2}, "taylorseer"}, LayoutCase{"c1_sync_cfg", {2, 2}, "magcache"},
+                      LayoutCase{"c1_sync_cfg", {1, 2}, "taylorseer-lite"},
                       LayoutCase{"c3_long_sync_3chunks_overlap9_cfg", {1, 2}, "magcache-shard"},
                       LayoutCase{"c3_long_sync_3chunks_overlap9_cfg", {2, 2}, "taylorseer-shard"},
                       LayoutCase{"p2_async_cbs2_ar2", {2, 1}, "shard"}, LayoutCase{"p2_async_cbs2_ar2", {1, 2}, "shard"},
