@@ -173,16 +173,26 @@ model::Conditioning conditioning_from_text(model::TextEncoder& encoder, const Ar
   return c;
 }
 
-// What the transformer calls of a run did, for the log and --cache-log.
+// What the transformer calls of a run did, for the log and --cache-log. The ranks of a replica report side by side
+// (each call once, from the first sequence rank of its guidance half): add() takes a lock, and in_call_order() puts
+// the step-cache log back in one device's order (a guided row's conditional call first).
 struct TransformerWork {
-  int64_t full = 0, computed = 0, saved_exact = 0, saved_cache = 0;
+  int64_t full = 0, computed = 0, saved_exact = 0, saved_cache = 0, transformer_calls = 0;
   std::vector<model::TransformerCallReport> calls;
+  std::mutex mutex;
   void add(const model::TransformerCallReport& call) {
+    const std::lock_guard<std::mutex> lock(mutex);
     full += call.token_blocks_full;
     computed += call.token_blocks_computed;
     saved_exact += call.token_blocks_saved_exact;
     saved_cache += call.token_blocks_saved_cache;
+    ++transformer_calls;
     if (call.step_cache) calls.push_back(call);
+  }
+  void in_call_order() {
+    std::stable_sort(calls.begin(), calls.end(), [](const auto& a, const auto& b) {
+      return std::make_tuple(a.chunk, a.row, a.unconditional) < std::make_tuple(b.chunk, b.row, b.unconditional);
+    });
   }
   std::string summary() const {
     auto percent = [&](int64_t part) { return full > 0 ? 100.0 * static_cast<double>(part) / full : 0.0; };
@@ -298,6 +308,14 @@ model::LoadedTransformer load_for(const Args& args, const std::string& model_pat
   spdlog::info("loaded {} on {} as {} in {:.2f} s; pipeline {}", model_path, loaded.model->device().str(),
                c10::toString(loaded.model->compute_dtype()), seconds_since(start), model::pipeline_kind_name(kind));
   return loaded;
+}
+
+// One noise source per rank (the first call fixes a random seed when none is given): every rank draws the same values.
+std::vector<std::unique_ptr<model::NoiseSource>> rank_noises(const Args& args, model::GenerationParams& params,
+                                                             const Ranks& ranks) {
+  std::vector<std::unique_ptr<model::NoiseSource>> noises;
+  for (int64_t r = 0; r < ranks.layout.ranks(); ++r) noises.push_back(noise_from_flags(args, params));
+  return noises;
 }
 
 // The transformer once per distinct device of the ranks, as --dtype and --lora ask, checked to run `kind`.
@@ -481,8 +499,7 @@ int run_video_pipeline(const Args& args, model::PipelineKind kind, const std::st
     conditioning.negative_prompt_embeds = text.negative_prompt_embeds;
   }
   const Ranks ranks = ranks_from_flags(args);
-  std::vector<std::unique_ptr<model::NoiseSource>> noises;  // one per rank: every rank draws the same values
-  for (int64_t r = 0; r < ranks.layout.ranks(); ++r) noises.push_back(noise_from_flags(args, params));
+  const auto noises = rank_noises(args, params, ranks);
 
   const RankModels models = load_for_ranks(args, model_path, kind, ranks);
   const auto& transformer = models.of(ranks, 0);
@@ -494,25 +511,15 @@ int run_video_pipeline(const Args& args, model::PipelineKind kind, const std::st
   hooks.on_step = [](int64_t step, int64_t steps, const at::Tensor&) { spdlog::info("step {}/{}", step + 1, steps); };
   TransformerWork work;
   auto start = std::chrono::steady_clock::now();
-  // Every call once: from each guidance half's sequence rank 0 (the guidance halves report side by side).
-  std::mutex work_mutex;
   at::Tensor latents;
   on_every_rank(ranks, [&](int64_t rank, const model::RankGroups& groups) {
     model::VideoHooks mine = rank == 0 ? hooks : model::VideoHooks{};
-    mine.on_call = nullptr;
-    if (groups.ulysses == nullptr || groups.ulysses->rank() == 0) {
-      mine.on_call = [&](const model::TransformerCallReport& call) {
-        const std::lock_guard<std::mutex> lock(work_mutex);
-        work.add(call);
-      };
-    }
+    if (groups.reports_calls()) mine.on_call = [&work](const model::TransformerCallReport& call) { work.add(call); };
     const at::Tensor out = model::generate_video(models.of(ranks, rank), kind, params, conditioning,
                                                  *noises[static_cast<size_t>(rank)], videos_per_prompt, mine, &groups);
     if (rank == 0) latents = out;
   });
-  std::stable_sort(work.calls.begin(), work.calls.end(), [](const auto& a, const auto& b) {  // one device's order
-    return std::make_tuple(a.row, a.unconditional) < std::make_tuple(b.row, b.unconditional);
-  });
+  work.in_call_order();
   spdlog::info("generated in {:.2f} s; {}", seconds_since(start), work.summary());
   if (args.has("cache-log")) write_cache_log(args.get("cache-log"), work.calls);
   if (calibrate) {
@@ -588,8 +595,7 @@ int run_generate(const std::vector<std::string>& argv) {
   const model::PixelConditioning pixels = pixels_from_flags(args);
   model::describe_conditioning(pixels, conditioning.prompt_embeds.size(0), params);
   const Ranks ranks = ranks_from_flags(args);
-  std::vector<std::unique_ptr<model::NoiseSource>> noises;  // one per rank: every rank draws the same values
-  for (int64_t r = 0; r < ranks.layout.ranks(); ++r) noises.push_back(noise_from_flags(args, params));
+  const auto noises = rank_noises(args, params, ranks);
 
   // With an explicit block size the request can be checked before a (possibly large) model is loaded.
   std::optional<model::ChunkPlan> plan;
@@ -615,8 +621,6 @@ int run_generate(const std::vector<std::string>& argv) {
     hooks.on_preview = preview_writer(args.get("previews"));
   }
   TransformerWork work;
-  std::vector<model::TransformerCallReport> reports;  // every call once: from each guidance half's sequence rank 0
-  std::mutex reports_mutex;
   std::vector<std::pair<std::string, at::Tensor>> outputs;
   at::Tensor video;
   auto start = std::chrono::steady_clock::now();
@@ -624,12 +628,7 @@ int run_generate(const std::vector<std::string>& argv) {
   bool syncs_counted = false;
   on_every_rank(ranks, [&](int64_t rank, const model::RankGroups& groups) {
     model::StepHooks mine = rank == 0 ? hooks : model::StepHooks{};
-    if (groups.ulysses == nullptr || groups.ulysses->rank() == 0) {
-      mine.on_call = [&](const model::TransformerCallReport& call) {
-        const std::lock_guard<std::mutex> lock(reports_mutex);
-        reports.push_back(call);
-      };
-    }
+    if (groups.reports_calls()) mine.on_call = [&work](const model::TransformerCallReport& call) { work.add(call); };
     // Stock diffusers' request-scoped step cache lives across chunks: one cache for the whole loop then.
     const auto request_cache =
         params.cache.scope == model::StepCacheScope::kRequest ? model::make_denoise_cache() : nullptr;
@@ -652,12 +651,8 @@ int run_generate(const std::vector<std::string>& argv) {
     }
     if (rank == 0) video = rank_video;
   });
-  // The guidance halves report side by side; one device makes a row's conditional call first.
-  std::stable_sort(reports.begin(), reports.end(), [](const auto& a, const auto& b) {
-    return std::make_tuple(a.chunk, a.row, a.unconditional) < std::make_tuple(b.chunk, b.row, b.unconditional);
-  });
-  for (const auto& call : reports) work.add(call);
-  const int64_t transformer_calls = static_cast<int64_t>(reports.size());
+  work.in_call_order();
+  const int64_t transformer_calls = work.transformer_calls;
   spdlog::info("generated in {:.2f} s; {}", seconds_since(start), work.summary());
   if (args.has("count-host-syncs")) {
     if (syncs_counted) {

@@ -47,6 +47,9 @@ struct RankGroups {
   RankGroup* all = nullptr;  // every rank of the replica, rank r = r (sharded weights are gathered from it)
   // Rank 0 of the replica (also the only rank of a one-device replica): the one whose results are kept.
   bool first() const { return (ulysses == nullptr || ulysses->rank() == 0) && (cfg == nullptr || cfg->rank() == 0); }
+  // The first sequence rank of its guidance half: the one that reports its half's transformer calls, so that every
+  // call of the replica is counted once.
+  bool reports_calls() const { return ulysses == nullptr || ulysses->rank() == 0; }
 };
 
 // Runs body(rank, groups) for every rank of `layout` at once, one thread per rank, the ranks joined by c10d Gloo

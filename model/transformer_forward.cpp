@@ -42,8 +42,11 @@ Tensor all_tokens_of_my_heads(const Tensor& x, const Geometry& g, int64_t heads)
 Tensor my_tokens_of_all_heads(const Tensor& o, const Geometry& g) {
   RankGroup& ranks = *g.ranks;
   const int64_t u = ranks.size(), b = o.size(0), local = g.local_tokens, per_rank = o.size(2) * o.size(3);
-  Tensor padded = at::zeros({b, u * local, per_rank}, o.options());
-  padded.narrow(1, 0, g.tokens).copy_(o.reshape({b, g.tokens, per_rank}));
+  Tensor padded = o.reshape({b, g.tokens, per_rank});  // a view of attention's contiguous output
+  if (g.tokens != u * local) {  // the padding rows go back to the ranks that hold them
+    padded = at::zeros({b, u * local, per_rank}, o.options());
+    padded.narrow(1, 0, g.tokens).copy_(o.reshape({b, g.tokens, per_rank}));
+  }
   const Tensor got = ranks.all_to_all(padded.view({b, u, local, per_rank}).permute({1, 0, 2, 3}));
   return got.permute({1, 2, 0, 3}).reshape({b, local, u * per_rank});
 }

@@ -279,11 +279,12 @@ inline Tensor gather_shares(const Tensor& x, const Geometry& share) {
       .contiguous();
 }
 
-// The RoPE rows of a share (zero rows for the padding).
+// The RoPE rows of a share: a view of the call's tables, or a copy with zero rows for the padding.
 inline RopeTables share_rope(const RopeTables& rope, const Geometry& share) {
   if (share.ranks == nullptr) return rope;
   auto rows = [&](const Tensor& t) {
     const int64_t n = std::clamp<int64_t>(share.tokens - share.local_begin, 0, share.local_tokens);
+    if (n == share.local_tokens) return t.narrow(1, share.local_begin, n);
     Tensor out = at::zeros({t.size(0), share.local_tokens, t.size(2), t.size(3)}, t.options());
     if (n > 0) out.narrow(1, 0, n).copy_(t.narrow(1, share.local_begin, n));
     return out;

@@ -272,7 +272,6 @@ at::Tensor ModelReplica::on_every_rank(const RankLoop& loop, const model::StepHo
   };
   at::Tensor result;
   model::run_on_ranks(options_.layout, options_.collective_timeout, [&](int64_t rank, const model::RankGroups& g) {
-    const bool counts = g.ulysses == nullptr || g.ulysses->rank() == 0;
     if (rank == 0) {
       model::StepHooks first = hooks;
       first.on_call = count_call;
@@ -286,7 +285,7 @@ at::Tensor ModelReplica::on_every_rank(const RankLoop& loop, const model::StepHo
     mine.on_step = [&, rank](int64_t, int64_t, int64_t) {
       if (const FaultRule* fault = fault_due(run_number, rank)) throw_fault(*fault, run_number);
     };
-    if (counts) mine.on_call = count_call;
+    if (g.reports_calls()) mine.on_call = count_call;
     loop(model_of_rank(rank), mine, &g);
   });
   return result;
